@@ -1,0 +1,98 @@
+"""Starts a TE (master + executors) in its own processes and talks to it over ZMQ.
+
+Used by the offline `LLM` and by the async API client. Addresses are `ipc://`
+sockets in a private temporary directory; the client binds, the master connects.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+
+import zmq
+
+from meshserve.config import EngineConfig
+from meshserve.engine import messages as msg
+from meshserve.engine.errors import EngineDeadError
+from meshserve.engine.master import run_master
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    pass
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO) -> None:
+        self.config = config
+        self.ipc_dir = tempfile.mkdtemp(prefix="meshserve-")
+        self.ctx = zmq.Context()
+        self.to_master = self.ctx.socket(zmq.PUSH)
+        self.to_master.setsockopt(zmq.LINGER, 0)
+        input_addr = f"ipc://{self.ipc_dir}/input"
+        self.to_master.bind(input_addr)
+        self.from_master = self.ctx.socket(zmq.PULL)
+        output_addr = f"ipc://{self.ipc_dir}/output"
+        self.from_master.bind(output_addr)
+        self.proc = mp.get_context("spawn").Process(
+            target=run_master, name="meshserve-master",
+            args=(config.to_dict(), input_addr, output_addr, self.ipc_dir, log_level))
+        self.proc.start()
+        self.closed = False
+        try:
+            self.ready = self._wait_ready(config.startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> msg.EngineReady:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.from_master.poll(200):
+                item = msg.decode(self.from_master.recv())
+                if isinstance(item, msg.EngineReady):
+                    return item
+                if isinstance(item, msg.EngineError):
+                    raise EngineStartupError(item.message)
+            elif not self.proc.is_alive():
+                raise EngineStartupError(f"engine process exited during start-up (exit code {self.proc.exitcode})")
+        raise EngineStartupError(f"engine not ready after {timeout_s:.0f}s")
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.proc.is_alive()
+
+    def send(self, item) -> None:
+        if not self.alive:
+            raise EngineDeadError("engine process is not running")
+        self.to_master.send(msg.encode(item))
+
+    def recv(self, timeout_ms: int) -> object | None:
+        """The next message from the master, or None after `timeout_ms`."""
+        if self.from_master.poll(timeout_ms):
+            return msg.decode(self.from_master.recv())
+        return None
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.proc.is_alive():
+            try:
+                self.to_master.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.to_master.close(0)
+        self.from_master.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

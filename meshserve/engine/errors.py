@@ -1,0 +1,14 @@
+"""Errors the engine raises to its callers (the API maps each to an HTTP status)."""
+from __future__ import annotations
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit (HTTP 503)."""
+
+
+class RequestTooLongError(ValueError):
+    """Prompt plus max_tokens cannot fit the context or the KV pool (HTTP 400)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (master or an executor) has died; no request can be served (HTTP 503)."""

@@ -1,0 +1,194 @@
+"""Messages across the engine's process boundaries, encoded with msgpack.
+
+One dataclass per message; `encode` / `decode` turn them into msgpack bytes
+tagged with the class name (no pickle crosses a process boundary).
+
+Boundaries:
+  client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery
+  master  -> client   : EngineReady, EngineOutputs (a batch of RequestDelta), EngineStats, EngineError
+  master  -> executor : SchedulerOutput, Shutdown
+  executor-> master   : ModelRunnerOutput, ExecutorReady, ExecutorFailure
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+# ---------------------------------------------------------------- master -> executor
+@dataclass
+class NewRequestData:
+    """A request the executor has not seen, or one resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]  # prompt (+ outputs so far when resumed after preemption)
+    sampling_params: dict[str, Any]  # SamplingParams.to_dict()
+    block_ids: list[int]
+    num_computed_tokens: int  # already in the cache (prefix-cache hit)
+    num_prompt_tokens: int  # the original prompt length (penalties use output tokens only)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the executor already holds; it continues from its own token state."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to the request's block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # requests the executor must forget (finished, aborted or preempted) before this step
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+# ---------------------------------------------------------------- executor -> master
+@dataclass
+class ModelRunnerOutput:
+    step_id: int
+    # one entry per request that produced a token this step (its prefill completed or it decoded)
+    sampled: dict[str, int] = field(default_factory=dict)
+    # req_id -> [chosen_logprob, [[token, logprob], ...top alternatives]] when requested
+    logprobs: dict[str, list] = field(default_factory=dict)
+    execute_seconds: float = 0.0
+
+
+@dataclass
+class ExecutorReady:
+    rank: int
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+
+
+@dataclass
+class ExecutorFailure:
+    rank: int
+    message: str
+
+
+# ---------------------------------------------------------------- client <-> master
+@dataclass
+class AddRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    arrival_time: float
+    priority: int = 0  # lower runs first; FCFS within a priority
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class AbortRequests:
+    req_ids: list[str]
+
+
+@dataclass
+class RequestDelta:
+    """New tokens of one request since the last message."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    new_logprobs: list | None = None  # per new token: [chosen_logprob, [[token, logprob], ...]]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+    error_type: str | None = None  # exception class name for errors the caller maps (e.g. QueueFullError)
+
+
+@dataclass
+class EngineOutputs:
+    deltas: list[RequestDelta] = field(default_factory=list)
+    timestamp: float = 0.0
+
+
+@dataclass
+class StatsQuery:
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+    healthy: bool = True
+    error: str | None = None
+
+
+@dataclass
+class EngineReady:
+    num_kv_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+
+@dataclass
+class EngineError:
+    message: str
+    fatal: bool = True
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+_MESSAGE_TYPES = {
+    cls.__name__: cls
+    for cls in (
+        NewRequestData, CachedRequestData, SchedulerOutput, ModelRunnerOutput, ExecutorReady, ExecutorFailure,
+        AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
+        Shutdown,
+    )
+}
+_NESTED = {
+    ("SchedulerOutput", "new_reqs"): NewRequestData,
+    ("SchedulerOutput", "cached_reqs"): CachedRequestData,
+    ("EngineOutputs", "deltas"): RequestDelta,
+}
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb([type(msg).__name__, _to_plain(msg)], use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    cls = _MESSAGE_TYPES[name]
+    for (owner, attr), sub in _NESTED.items():
+        if owner == name and attr in fields:
+            fields[attr] = [sub(**x) for x in fields[attr]]
+    return cls(**fields)

@@ -1,0 +1,162 @@
+"""The model runner: the one place where scheduling decisions meet tensors.
+
+It keeps, per request, the token ids it has seen or sampled, the block table and
+the sampling state, so the master only sends what changed each step. Decode
+inputs come from the runner's own last sampled token; this is what lets the
+master schedule step n+1 before step n has returned.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshserve.config import EngineConfig
+from meshserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from meshserve.engine.sampler import Sampler, SamplingRow
+from meshserve.models.base import AttentionMetadata
+from meshserve.models.generation_config import eos_token_ids
+from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
+from meshserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def kv_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: float) -> int:
+    return max(1, int(budget_bytes // (bytes_per_token * block_size)))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        t0 = time.perf_counter()
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device)
+        logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+        self.layout = self.model.kv_cache_layout(self.dtype)
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            self.num_blocks = kv_blocks_for_budget(
+                self.layout.bytes_per_token, config.block_size, config.kv_cache_memory_gb * 2**30)
+        self.block_size = config.block_size
+        self.kv_caches = self.layout.allocate(self.num_blocks, self.block_size, self.device)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token)", self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
+                    self.layout.bytes_per_token)
+        self.eos_token_ids = eos_token_ids(config.model)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+
+    # ------------------------------------------------------------------ state updates
+    def _add(self, new: NewRequestData) -> None:
+        params = SamplingParams.from_dict(new.sampling_params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.requests[new.req_id] = RequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            params=params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+            prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
+        )
+        if generator is not None and len(new.token_ids) > new.num_prompt_tokens:
+            # resumed after preemption: advance the generator past the tokens already sampled
+            # so a seeded request stays reproducible
+            for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                torch.empty(1).exponential_(generator=generator)
+
+    def _apply(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_reqs:
+            self._add(new)
+        for cached in sched.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self._apply(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(step_id=sched.step_id)
+        # decodes (one token) first: the attention kernels expect that layout
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # index into the flattened tokens of each sampled sequence's last token
+        sample_states: list[RequestState] = []
+        for req_id, n in order:
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            if start + n > len(state.token_ids):
+                raise RuntimeError(
+                    f"request {req_id}: scheduled tokens [{start}, {start + n}) but only {len(state.token_ids)} known")
+            input_ids.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start)
+            tables.append(state.block_ids)
+            state.num_computed_tokens = start + n
+            if start + n == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_states.append(state)
+        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, attn, self.kv_caches)
+        out = ModelRunnerOutput(step_id=sched.step_id)
+        if sample_rows:
+            index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            rows = [
+                SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
+                            output_token_ids=s.output_token_ids, generator=s.generator,
+                            eos_token_ids=self.eos_token_ids)
+                for s in sample_states
+            ]
+            sampled = self.sampler(logits, rows)
+            for state, token, lp in zip(sample_states, sampled.token_ids, sampled.logprobs):
+                state.token_ids.append(int(token))
+                out.sampled[state.req_id] = int(token)
+                if lp is not None:
+                    out.logprobs[state.req_id] = lp
+        out.execute_seconds = time.perf_counter() - t0
+        return out
+
+
+def configure_threads(num_threads: int | None) -> int:
+    n = num_threads or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n

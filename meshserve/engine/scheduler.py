@@ -1,0 +1,419 @@
+"""Iteration-level continuous batching over the Relational Tensor Cache.
+
+Each `schedule()` builds one step under a token budget: running requests first
+(a decode costs one token, an unfinished chunked prefill takes what the budget
+leaves), then waiting requests in priority order, FCFS within a priority, with
+their prefix-cache hits skipped. When blocks run out the lowest-priority,
+latest-arrived running request is preempted by recompute.
+
+Overlapped scheduling (deepserve §4.2, asynchronous execution): a step's
+progress is booked when it is scheduled, and a step that reaches the end of a
+request's known tokens owes it one sampled token, counted as a placeholder. The
+next `schedule()` may already feed that placeholder to the executor as the next
+decode input (the executor knows the sampled id); `update_from_output` swaps the
+placeholder for the real token.
+
+Works on token ids and block ids only; the executor owns every tensor.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from meshserve.engine.errors import QueueFullError, RequestTooLongError
+from meshserve.engine.messages import (
+    CachedRequestData,
+    EngineStats,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestDelta,
+    SchedulerOutput,
+)
+from meshserve.engine.request import Request, RequestStatus
+from meshserve.engine.rtc import RelationalTensorCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+@dataclass
+class _Scheduled:
+    req: Request
+    num_tokens: int
+    num_computed_before: int
+
+
+@dataclass
+class _StepPlan:
+    """The step being built; entries can be withdrawn when their request is preempted."""
+
+    budget: int
+    entries: dict[str, _Scheduled] = field(default_factory=dict)
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.entries[req.req_id] = _Scheduled(req, num_tokens, req.num_computed_tokens)
+        self.budget -= num_tokens
+
+    def withdraw(self, req: Request) -> None:
+        entry = self.entries.pop(req.req_id, None)
+        if entry is not None:
+            self.budget += entry.num_tokens
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _queue_key(req: Request) -> tuple:
+    return req.queue_key
+
+
+def _victim_key(req: Request) -> tuple:
+    """Larger = preempted first: lowest priority (largest value), then latest arrival."""
+    return (req.priority, req.arrival_time, req.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, rtc: RelationalTensorCache) -> None:
+        if config.block_size != rtc.block_size:
+            raise ValueError(f"scheduler block_size {config.block_size} != cache block_size {rtc.block_size}")
+        self.config = config
+        self.rtc = rtc
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._running: list[Request] = []
+        self._waiting: list[Request] = []  # sorted by queue_key
+        self._add_seq = 0
+        self._front_seq = 0  # preempted requests go to the front of their priority class
+        self._step_id = 0
+        # per in-flight step: req_id -> (incarnation, tokens whose KV the step completes)
+        self._step_progress: dict[int, dict[str, tuple[int, int]]] = {}
+        self._executor_must_drop: list[str] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queue
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self._requests.get(req_id)
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self._requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.ever_scheduled:
+            raise ValueError(f"request {req.req_id!r} has already been scheduled; add a fresh Request")
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self._check_fits(req)
+        req.arrival_seq = self._add_seq
+        req.queue_key = (req.priority, 1, req.arrival_time, self._add_seq)
+        self._add_seq += 1
+        self._requests[req.req_id] = req
+        bisect.insort(self._waiting, req, key=_queue_key)
+
+    def _check_fits(self, req: Request) -> None:
+        cfg = self.config
+        prompt = req.num_prompt_tokens
+        max_tokens = req.sampling_params.max_tokens
+        min_new = max_tokens if max_tokens is not None else 1
+        if prompt + min_new > cfg.max_model_len:
+            wanted = f"max_tokens {max_tokens}" if max_tokens is not None else "at least 1 new token"
+            raise RequestTooLongError(
+                f"prompt of {prompt} tokens plus {wanted} exceeds the maximum context length "
+                f"of {cfg.max_model_len} tokens"
+            )
+        # the last sampled token never needs KV
+        blocks_needed = _cdiv(prompt + min_new - 1, cfg.block_size)
+        if blocks_needed > self.rtc.num_blocks:
+            raise RequestTooLongError(
+                f"prompt of {prompt} tokens plus {min_new} new tokens needs {blocks_needed} KV blocks of "
+                f"{cfg.block_size} tokens, but the KV cache has only {self.rtc.num_blocks} blocks"
+            )
+        if not cfg.enable_chunked_prefill and prompt > cfg.max_num_batched_tokens:
+            raise RequestTooLongError(
+                f"prompt of {prompt} tokens exceeds max_num_batched_tokens ({cfg.max_num_batched_tokens}) "
+                f"and chunked prefill is disabled"
+            )
+
+    def _max_total_tokens(self, req: Request) -> int:
+        """Length at which the request finishes with "length"."""
+        # the pool bounds requests without max_tokens: every token but the last needs a KV slot
+        cap = min(self.config.max_model_len, self.rtc.num_blocks * self.config.block_size + 1)
+        if req.sampling_params.max_tokens is not None:
+            cap = min(cap, req.num_prompt_tokens + req.sampling_params.max_tokens)
+        return cap
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        preempted_now: set[str] = set()
+        self._schedule_running(plan, preempted_now)
+        self._schedule_waiting(plan, preempted_now)
+        return self._finalize(plan)
+
+    def _schedule_running(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+        # in victim order, so a victim is always the current request or one not yet scheduled
+        self._running.sort(key=_victim_key)
+        for req in list(self._running):
+            if plan.budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier request of this loop
+            if req.num_tokens_with_placeholders >= self._max_total_tokens(req):
+                continue  # every token it may produce is already scheduled
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
+            if num_new <= 0:
+                continue
+            if not self._allocate(req, req.num_computed_tokens + num_new, plan, preempted_now):
+                self._preempt(req, plan, preempted_now)
+                continue
+            plan.add(req, num_new)
+
+    def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+        while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            if req.req_id in preempted_now:
+                break  # it just lost its blocks; resuming it in the same step would thrash
+            tokens = req.all_token_ids
+            hit_blocks: list[int] = []
+            if self.rtc.enable_prefix_caching:
+                # at least the last token is computed: its logits give the next token
+                hit_blocks = self.rtc.match_by_prefix(tokens, max_tokens=len(tokens) - 1, record=False)
+            num_hit = len(hit_blocks) * self.config.block_size
+            remaining = len(tokens) - num_hit
+            # a resumed request longer than the whole budget is chunked regardless, or it would starve
+            may_chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
+            if remaining > plan.budget and not may_chunk:
+                break
+            num_new = min(remaining, plan.budget)
+            self.rtc.acquire(hit_blocks)
+            req.block_ids = list(hit_blocks)
+            if not self._allocate(req, num_hit + num_new, plan, preempted_now):
+                self.rtc.free(req.block_ids)
+                req.block_ids = []
+                break
+            if self.rtc.enable_prefix_caching:
+                self.rtc.record_prefix_lookup(len(tokens), num_hit)
+            self._waiting.remove(req)  # victims of this request may now stand before it
+            req.num_computed_tokens = num_hit
+            req.num_kv_ready_tokens = num_hit
+            req.num_inserted_blocks = len(hit_blocks)
+            if not req.ever_scheduled:
+                req.num_cached_tokens = num_hit
+                req.ever_scheduled = True
+            req.status = RequestStatus.RUNNING
+            self._running.append(req)
+            plan.add(req, num_new)
+
+    def _allocate(self, req: Request, num_tokens: int, plan: _StepPlan, preempted_now: set[str]) -> bool:
+        """Grow req's block table to hold num_tokens, preempting lower-ranked running requests
+        while blocks are short. False when req itself ranks lowest (nothing is allocated)."""
+        need = _cdiv(num_tokens, self.config.block_size) - len(req.block_ids)
+        while need > 0:
+            blocks = self.rtc.alloc_blocks(need)
+            if blocks is not None:
+                req.block_ids.extend(blocks)
+                return True
+            candidates = [r for r in self._running if r is not req]
+            victim = max(candidates, key=_victim_key, default=None)
+            if victim is None or _victim_key(victim) < _victim_key(req):
+                return False
+            self._preempt(victim, plan, preempted_now)
+        return True
+
+    def _preempt(self, req: Request, plan: _StepPlan, preempted_now: set[str]) -> None:
+        plan.withdraw(req)
+        self._release(req, cache=True)
+        self._running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        preempted_now.add(req.req_id)
+        self._front_seq -= 1
+        req.queue_key = (req.priority, 0, self._front_seq, req.arrival_seq)
+        bisect.insort(self._waiting, req, key=_queue_key)
+        logger.debug("preempted %s (%d tokens) to free KV blocks", req.req_id, req.num_tokens)
+
+    def _release(self, req: Request, cache: bool) -> None:
+        """Give back req's blocks (computed full blocks to the prefix cache first) and forget
+        its progress; the executor is told to drop it."""
+        if cache:
+            self._cache_full_blocks(req, req.num_kv_ready_tokens)
+        if req.block_ids:
+            self.rtc.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_kv_ready_tokens = 0
+        req.num_inserted_blocks = 0
+        req.num_output_placeholders = 0
+        req.pending_sample_steps.clear()
+        req.num_blocks_sent = 0
+        if req.in_executor:
+            self._executor_must_drop.append(req.req_id)
+            req.in_executor = False
+
+    def _finalize(self, plan: _StepPlan) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id)
+        if not plan.entries:
+            return out  # the drop list waits for a step that reaches the executor
+        progress: dict[str, tuple[int, int]] = {}
+        for req_id, entry in plan.entries.items():
+            req = entry.req
+            if req.in_executor:
+                out.cached_reqs.append(CachedRequestData(
+                    req_id=req_id,
+                    new_block_ids=req.block_ids[req.num_blocks_sent:],
+                    num_computed_tokens=entry.num_computed_before,
+                ))
+            else:
+                out.new_reqs.append(NewRequestData(
+                    req_id=req_id,
+                    token_ids=list(req.all_token_ids),
+                    sampling_params=req.sampling_params.to_dict(),
+                    block_ids=list(req.block_ids),
+                    num_computed_tokens=entry.num_computed_before,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                ))
+                req.in_executor = True
+            req.num_blocks_sent = len(req.block_ids)
+            req.num_computed_tokens = entry.num_computed_before + entry.num_tokens
+            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+                req.num_output_placeholders += 1
+                req.pending_sample_steps.append(self._step_id)
+            out.num_scheduled_tokens[req_id] = entry.num_tokens
+            progress[req_id] = (req.num_preemptions, req.num_computed_tokens)
+        out.finished_req_ids = self._executor_must_drop
+        self._executor_must_drop = []
+        self._step_progress[self._step_id] = progress
+        return out
+
+    # ------------------------------------------------------------ outputs
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
+        progress = self._step_progress.pop(sched.step_id, {})
+        deltas: list[RequestDelta] = []
+        for req_id, (incarnation, kv_ready) in progress.items():
+            req = self._requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != incarnation:
+                continue  # finished, aborted or preempted while the step was in flight
+            req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready)
+            if req.pending_sample_steps and req.pending_sample_steps[0] == sched.step_id:
+                req.pending_sample_steps.popleft()
+                req.num_output_placeholders -= 1
+                token = out.sampled.get(req_id)
+                if token is None:
+                    message = f"the executor returned no token for request {req_id} in step {sched.step_id}"
+                    deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=message))
+                    continue
+                deltas.append(self._accept_token(req, token, out.logprobs.get(req_id)))
+            if not req.is_finished:
+                self._cache_full_blocks(req, req.num_kv_ready_tokens)
+        return deltas
+
+    def _accept_token(self, req: Request, token: int, logprobs: list | None) -> RequestDelta:
+        req.append_output_token(token)
+        params = req.sampling_params
+        status = None
+        may_stop = len(req.output_token_ids) >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and token in params.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_tokens >= self._max_total_tokens(req):
+            status = RequestStatus.FINISHED_LENGTH
+        delta = RequestDelta(
+            req_id=req.req_id,
+            new_token_ids=[token],
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if status is not None:
+            if status is RequestStatus.FINISHED_STOPPED:
+                req.stop_reason = token
+            finish = self._finish(req, status)
+            delta.finish_reason = finish.finish_reason
+            delta.stop_reason = finish.stop_reason
+        return delta
+
+    def _cache_full_blocks(self, req: Request, num_kv_ready: int) -> None:
+        """Offer the full blocks whose KV is computed (and whose token ids are known) to the prefix cache."""
+        if not self.rtc.enable_prefix_caching:
+            return
+        num_full = min(num_kv_ready, req.num_tokens) // self.config.block_size
+        if num_full > req.num_inserted_blocks:
+            self.rtc.insert_prefix(req.all_token_ids, req.block_ids, num_full)
+            req.num_inserted_blocks = num_full
+
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        self._release(req, cache=status is not RequestStatus.FINISHED_ERROR)
+        req.status = status
+        req.error = error
+        del self._requests[req.req_id]
+        return RequestDelta(
+            req_id=req.req_id,
+            new_token_ids=[],
+            finish_reason=status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[RequestDelta]:
+        """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
+        deltas = []
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is not None:
+                deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED))
+        return deltas
+
+    def fail_all(self, message: str) -> list[RequestDelta]:
+        """Finish every request with "error" (the executor failed)."""
+        deltas = [
+            self._finish(req, RequestStatus.FINISHED_ERROR, error=message)
+            for req in list(self._running) + list(self._waiting)
+        ]
+        self._step_progress.clear()
+        return deltas
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_usage=self.rtc.usage,
+            num_kv_blocks=self.rtc.num_blocks,
+            prefix_cache_queries=self.rtc.prefix_queries,
+            prefix_cache_hits=self.rtc.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )

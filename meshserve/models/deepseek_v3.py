@@ -1,0 +1,397 @@
+"""DeepSeek-V3 / Kimi-K2: MLA attention, sigmoid group-limited MoE with shared experts, MTP layers.
+
+Matches HF `transformers.DeepseekV3ForCausalLM` on the same weights. MTP layers
+(`num_nextn_predict_layers`, stored after the last decoder layer) are loaded into
+`self.mtp` but not run by `forward`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from meshserve.models.base import AttentionMetadata, CausalLM, KVCacheLayout
+from meshserve.models.layers.mla import MLABatchPlan, MultiHeadLatentAttention, copy_checked, mla_softmax_scale
+from meshserve.models.layers.moe import FusedMoEWeights
+from meshserve.models.layers.norm import RMSNorm
+from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
+
+_REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+)
+
+
+@dataclass(frozen=True)
+class DeepseekV3Params:
+    """The config.json fields the model uses; missing optional keys take HF DeepseekV3Config defaults."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+    moe_intermediate_size: int
+    n_routed_experts: int | None
+    n_shared_experts: int | None
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    rope_interleave: bool
+    attention_bias: bool
+    tie_word_embeddings: bool
+    num_nextn_predict_layers: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "DeepseekV3Params":
+        missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"DeepSeek-V3 config lacks {', '.join(missing)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (DeepSeek-V3 uses silu)")
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"unsupported scoring_func {cfg['scoring_func']!r} (supported: sigmoid)")
+        if cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
+            raise ValueError(f"unsupported topk_method {cfg['topk_method']!r} (supported: noaux_tc)")
+        if cfg.get("quantization_config"):
+            raise ValueError("quantized DeepSeek-V3 checkpoints are not supported; convert the weights first")
+
+        def opt(key: str, default, *aliases: str):
+            for k in (key, *aliases):
+                if cfg.get(k) is not None:
+                    return cfg[k]
+            return default
+
+        params = cls(
+            **{k: int(cfg[k]) for k in _REQUIRED_KEYS},
+            q_lora_rank=cfg.get("q_lora_rank", 1536),
+            moe_intermediate_size=int(opt("moe_intermediate_size", 2048)),
+            n_routed_experts=opt("n_routed_experts", None),
+            n_shared_experts=opt("n_shared_experts", None),
+            num_experts_per_tok=int(opt("num_experts_per_tok", 8)),
+            n_group=int(opt("n_group", 1)),
+            topk_group=int(opt("topk_group", 1)),
+            norm_topk_prob=bool(opt("norm_topk_prob", True)),
+            routed_scaling_factor=float(opt("routed_scaling_factor", 2.5)),
+            first_k_dense_replace=int(opt("first_k_dense_replace", 3)),
+            moe_layer_freq=int(opt("moe_layer_freq", 1)),
+            max_position_embeddings=int(opt("max_position_embeddings", 4096)),
+            rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
+            rope_parameters=standardize_rope_parameters(cfg),
+            rope_interleave=bool(opt("rope_interleave", True)),
+            attention_bias=bool(opt("attention_bias", False)),
+            tie_word_embeddings=bool(opt("tie_word_embeddings", False)),
+            num_nextn_predict_layers=int(opt("num_nextn_predict_layers", 0, "num_mtp_layers")),
+        )
+        if params.n_routed_experts:
+            if params.n_routed_experts % params.n_group:
+                raise ValueError(f"n_routed_experts {params.n_routed_experts} is not divisible by n_group {params.n_group}")
+            if not 1 <= params.topk_group <= params.n_group:
+                raise ValueError(f"topk_group {params.topk_group} must be in [1, n_group={params.n_group}]")
+            if params.n_group > 1 and params.n_routed_experts // params.n_group < 2:
+                raise ValueError("group-limited routing needs at least 2 experts per group")
+        return params
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (bool(self.n_routed_experts) and layer_idx >= self.first_k_dense_replace
+                and layer_idx % self.moe_layer_freq == 0)
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,  # float32 [T, E]
+    correction_bias: torch.Tensor,  # float32 [E]
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores; experts chosen by biased score within the best groups.
+
+    A group's score is the sum of its two best biased scores; only the `topk_group`
+    best groups may contribute experts. The weights are the unbiased scores of the
+    chosen experts. Returns (weights float32 [T, K], expert ids int64 [T, K]).
+    """
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + correction_bias
+    if 1 < n_group and topk_group < n_group:
+        num_tokens, num_experts = scores_for_choice.shape
+        grouped = scores_for_choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        scores_for_choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+    topk_ids = scores_for_choice.topk(top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> torch.nn.Linear:
+    return torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False, dtype=dtype)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """silu(gate(x)) * up(x) -> down, with gate and up as one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = _linear(hidden_size, 2 * intermediate_size, dtype)
+        self.down_proj = _linear(intermediate_size, hidden_size, dtype)
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
+        i = self.intermediate_size
+        if name == "gate_proj.weight":
+            copy_checked(self.gate_up_proj.weight.data[:i], tensor, name)
+            return "gate_up_proj.weight"
+        if name == "up_proj.weight":
+            copy_checked(self.gate_up_proj.weight.data[i:], tensor, name)
+            return "gate_up_proj.weight"
+        if name == "down_proj.weight":
+            copy_checked(self.down_proj.weight.data, tensor, name)
+            return name
+        raise KeyError(f"unexpected MLP weight {name!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        i = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+
+
+class DeepseekV3MoE(torch.nn.Module):
+    """Router (fp32, as HF keeps it) + routed experts grouped by expert + shared experts."""
+
+    _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts = p.n_routed_experts
+        self.top_k = p.num_experts_per_tok
+        self.n_group = p.n_group
+        self.topk_group = p.topk_group
+        self.norm_topk_prob = p.norm_topk_prob
+        self.routed_scaling_factor = p.routed_scaling_factor
+        self.gate_weight = torch.nn.Parameter(torch.empty(p.n_routed_experts, p.hidden_size), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(p.n_routed_experts))
+        self.experts = FusedMoEWeights(p.n_routed_experts, p.hidden_size, p.moe_intermediate_size, dtype)
+        self.shared_experts = (SwiGLUMLP(p.hidden_size, p.moe_intermediate_size * p.n_shared_experts, dtype)
+                               if p.n_shared_experts else None)
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
+        if name == "gate.weight":
+            copy_checked(self.gate_weight.data, tensor, name)
+            return "gate_weight"
+        if name == "gate.e_score_correction_bias":
+            copy_checked(self.e_score_correction_bias, tensor, name)
+            return "e_score_correction_bias"
+        match = self._EXPERT.fullmatch(name)
+        if match:
+            expert, proj = int(match.group(1)), match.group(2)
+            if not 0 <= expert < self.num_experts:
+                raise KeyError(f"expert id {expert} out of range in {name!r} ({self.num_experts} experts)")
+            w = self.experts.w2 if proj == "down_proj" else self.experts.w13
+            rows = w.shape[1] if proj == "down_proj" else w.shape[1] // 2
+            if tuple(tensor.shape) != (rows, w.shape[2]):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {(rows, w.shape[2])}")
+            self.experts.load_expert(expert, proj, tensor)
+            return "experts.w2" if proj == "down_proj" else "experts.w13"
+        if name.startswith("shared_experts.") and self.shared_experts is not None:
+            return "shared_experts." + self.shared_experts.load_hf_weight(name[len("shared_experts."):], tensor)
+        raise KeyError(f"unexpected MoE weight {name!r}")
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states.float(), self.gate_weight)
+        return grouped_topk(router_logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                            self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(hidden_states)
+        out = self.experts(hidden_states, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+
+class DeepseekV3DecoderLayer(torch.nn.Module):
+    def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadLatentAttention(
+            hidden_size=p.hidden_size,
+            num_heads=p.num_attention_heads,
+            q_lora_rank=p.q_lora_rank,
+            kv_lora_rank=p.kv_lora_rank,
+            qk_nope_head_dim=p.qk_nope_head_dim,
+            qk_rope_head_dim=p.qk_rope_head_dim,
+            v_head_dim=p.v_head_dim,
+            softmax_scale=mla_softmax_scale(p.qk_nope_head_dim + p.qk_rope_head_dim, p.rope_parameters,
+                                            p.max_position_embeddings),
+            rope_interleave=p.rope_interleave,
+            attention_bias=p.attention_bias,
+            dtype=dtype,
+        )
+        self.mlp = DeepseekV3MoE(p, dtype) if p.is_moe_layer(layer_idx) else SwiGLUMLP(
+            p.hidden_size, p.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
+        """name relative to `model.layers.N.`; returns the parameter name relative to this layer."""
+        if name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            copy_checked(self.get_parameter(name).data, tensor, name)
+            return name
+        for prefix, module in (("self_attn.", self.self_attn), ("mlp.", self.mlp)):
+            if name.startswith(prefix):
+                return prefix + module.load_hf_weight(name[len(prefix):], tensor)
+        raise KeyError(f"unexpected decoder-layer weight {name!r}")
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: MLABatchPlan,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, plan, kv_cache)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class SharedHead(torch.nn.Module):
+    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
+        self.head = _linear(p.hidden_size, p.vocab_size, dtype)
+
+
+class DeepseekV3MTPLayer(torch.nn.Module):
+    """One multi-token-prediction module: combines the previous hidden state with the next token's
+    embedding (enorm/hnorm, eh_proj), runs one decoder block, and predicts through its shared head.
+
+    `embed_tokens` exists only when the checkpoint carries a copy; otherwise the main embedding is meant.
+    """
+
+    _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight")
+
+    def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.enorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
+        self.eh_proj = _linear(2 * p.hidden_size, p.hidden_size, dtype)
+        self.block = DeepseekV3DecoderLayer(p, layer_idx, dtype)
+        self.shared_head = SharedHead(p, dtype)
+        self.embed_tokens: torch.nn.Embedding | None = None
+
+    def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
+        if name in self._OWN:
+            copy_checked(self.get_parameter(name).data, tensor, name)
+            return name
+        if name == "embed_tokens.weight":
+            if self.embed_tokens is None:
+                self.embed_tokens = torch.nn.Embedding(*tensor.shape, dtype=self.dtype, device=self.eh_proj.weight.device)
+                self.embed_tokens.requires_grad_(False)
+            copy_checked(self.embed_tokens.weight.data, tensor, name)
+            return name
+        return "block." + self.block.load_hf_weight(name, tensor)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    model_type = "deepseek_v3"
+
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        p = DeepseekV3Params.from_hf_config(hf_config)
+        self.params = p
+        self.dtype = dtype
+        self.num_heads = p.num_attention_heads
+        self.embed_tokens = torch.nn.utils.skip_init(torch.nn.Embedding, p.vocab_size, p.hidden_size, dtype=dtype)
+        self.layers = torch.nn.ModuleList(DeepseekV3DecoderLayer(p, i, dtype) for i in range(p.num_hidden_layers))
+        self.norm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
+        self.lm_head = _linear(p.hidden_size, p.vocab_size, dtype)
+        if p.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary_emb = RotaryEmbedding(p.qk_rope_head_dim, p.rope_parameters, p.max_position_embeddings,
+                                          interleaved=p.rope_interleave)
+        self.mtp = torch.nn.ModuleList(
+            DeepseekV3MTPLayer(p, p.num_hidden_layers + i, dtype) for i in range(p.num_nextn_predict_layers))
+        self.requires_grad_(False)
+
+    def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
+        return KVCacheLayout(
+            num_layers=self.params.num_hidden_layers,
+            entry_shape=(self.params.kv_lora_rank + self.params.qk_rope_head_dim,),
+            dtype=dtype or self.dtype,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        hidden_states = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        plan = MLABatchPlan.build(attn, hidden_states.dtype, hidden_states.device)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states = layer(hidden_states, cos, sin, plan, kv_cache)
+        return self.norm(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names (as in `named_parameters`) of the parameters written.
+
+        Unknown names raise ValueError. W_UK/W_UV are re-derived from kv_b_proj afterwards.
+        When the checkpoint carries no MTP layer at all (HF's `save_pretrained` writes none even
+        though its config counts one), `self.mtp` is emptied so no unloaded parameters remain.
+        """
+        loaded: set[str] = set()
+        num_layers = self.params.num_hidden_layers
+        with torch.no_grad():
+            for name, tensor in weights:
+                try:
+                    loaded.add(self._load_one(name, tensor, num_layers))
+                except KeyError as err:
+                    raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}: {err.args[0]}") from None
+            if not any(name.startswith("mtp.") for name in loaded):
+                self.mtp = torch.nn.ModuleList()
+            for layer in self.layers:
+                layer.self_attn.split_absorbed_weights()
+            for mtp_layer in self.mtp:
+                mtp_layer.block.self_attn.split_absorbed_weights()
+        loaded.discard("")
+        return loaded
+
+    def _load_one(self, name: str, tensor: torch.Tensor, num_layers: int) -> str:
+        if name.endswith("rotary_emb.inv_freq"):
+            return ""
+        if name == "model.embed_tokens.weight":
+            copy_checked(self.embed_tokens.weight.data, tensor, name)
+            return "embed_tokens.weight"
+        if name == "model.norm.weight":
+            copy_checked(self.norm.weight.data, tensor, name)
+            return "norm.weight"
+        if name == "lm_head.weight":
+            copy_checked(self.lm_head.weight.data, tensor, name)
+            return "lm_head.weight"
+        match = self._LAYER.fullmatch(name)
+        if match is None:
+            raise KeyError("not a DeepSeek-V3 weight name")
+        idx, rest = int(match.group(1)), match.group(2)
+        if idx < num_layers:
+            return f"layers.{idx}." + self.layers[idx].load_hf_weight(rest, tensor)
+        if idx < num_layers + len(self.mtp):
+            return f"mtp.{idx - num_layers}." + self.mtp[idx - num_layers].load_hf_weight(rest, tensor)
+        raise KeyError(f"layer {idx} is beyond {num_layers} layers + {len(self.mtp)} MTP layers")

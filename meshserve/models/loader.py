@@ -1,0 +1,107 @@
+"""Build a model from a HF-style directory: config.json plus safetensors (one file or an index of shards).
+
+Weights stream shard by shard into the model's `load_weights`, one tensor at a time, so peak memory is
+the model plus one tensor. `name_filter` is asked about each tensor name before the tensor is read,
+which lets a tensor/expert-parallel rank read only the tensors it keeps.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from meshserve.models.base import CausalLM
+from meshserve.models.registry import model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict | None = None) -> torch.dtype:
+    """A torch dtype from a name ("float32", "bf16", ...) or "auto" (the checkpoint's own dtype, else float32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        declared = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype")
+        return resolve_dtype(declared) if declared else torch.float32
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def load_hf_config(model_dir: str | Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(model_dir)!r} has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    if "model_type" not in config:
+        raise ValueError(f"{path} has no 'model_type'")
+    return config
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files in load order; every listed shard must exist."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path} is not a safetensors index (needs a 'weight_map'): {e}") from None
+        shards = list(dict.fromkeys(weight_map.values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{index_path} lists shard(s) missing from {str(model_dir)!r}: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{str(model_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def iter_safetensors(model_dir: str | Path,
+                     name_filter: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every stored tensor whose name passes `name_filter` (checked before reading)."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name_filter is None or name_filter(name):
+                    yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               name_filter: Callable[[str], bool] | None = None) -> CausalLM:
+    """Build the registered model for config.json's `model_type` and fill every parameter from the checkpoint."""
+    config = load_hf_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    cls = model_class(config["model_type"])
+    with torch.device(device):  # allocate parameters where they will live
+        model = cls(config, dtype=torch_dtype)
+    loaded = model.load_weights(iter_safetensors(model_dir, name_filter))
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {str(model_dir)!r} did not provide {len(missing)} parameter(s): {shown}")
+    post_process = getattr(model, "process_weights_after_loading", None)
+    if callable(post_process):
+        post_process()
+    return model.eval()

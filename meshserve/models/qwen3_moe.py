@@ -1,0 +1,129 @@
+"""Qwen3-MoE (HF `model_type` "qwen3_moe"): Qwen3 attention with routed-expert MLPs.
+
+Routing follows HF `Qwen3MoeTopKRouter`: softmax over all experts in float32, top-k, and (with
+`norm_topk_prob`) renormalise the k weights to sum to one. A layer is sparse unless it is listed in
+`mlp_only_layers` or `(layer_idx + 1) % decoder_sparse_step != 0`; the others keep a dense SwiGLU MLP
+of `intermediate_size`, exactly like HF `Qwen3MoeDecoderLayer`.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from meshserve.models.layers.moe import FusedMoEWeights
+from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, copy_checked, require
+
+# per-expert tensors as transformers writes them, and the packed form some checkpoints keep
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<block>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PACKED_EXPERTS = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class Qwen3MoeSparseBlock(torch.nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
+                 norm_topk_prob: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
+        self.num_experts = num_experts  # across all ranks; `experts` may hold a slice
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = FusedLinear(hidden_size, [num_experts], False, dtype)
+        self.experts = FusedMoEWeights(num_experts, hidden_size, moe_intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, ids, weights.to(x.dtype))
+
+
+def is_sparse_layer(hf_config: dict, layer_idx: int) -> bool:
+    """HF Qwen3MoeDecoderLayer's rule for which layers get the MoE block."""
+    num_experts = num_routed_experts(hf_config)
+    step = hf_config.get("decoder_sparse_step", 1) or 1
+    return (layer_idx not in (hf_config.get("mlp_only_layers") or [])
+            and num_experts > 0 and (layer_idx + 1) % step == 0)
+
+
+def num_routed_experts(hf_config: dict) -> int:
+    # transformers writes `num_local_experts` (its attribute_map alias); Qwen's own configs say `num_experts`
+    if "num_experts" in hf_config:
+        return hf_config["num_experts"]
+    return hf_config.get("num_local_experts", 0)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    model_type = "qwen3_moe"
+
+    def make_mlp(self, hf_config: dict, layer_idx: int) -> torch.nn.Module:
+        if not is_sparse_layer(hf_config, layer_idx):
+            return Qwen3MLP(self.dims.hidden_size, self.dims.intermediate_size, self.dtype)
+        return Qwen3MoeSparseBlock(
+            hidden_size=self.dims.hidden_size,
+            num_experts=num_routed_experts(hf_config),
+            top_k=require(hf_config, "num_experts_per_tok"),
+            moe_intermediate_size=require(hf_config, "moe_intermediate_size"),
+            norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+            dtype=self.dtype,
+        )
+
+    def expected_pieces(self) -> dict[str, int]:
+        counts = super().expected_pieces()
+        for module_name, module in self.named_modules():
+            if isinstance(module, FusedMoEWeights):
+                counts[f"{module_name}.w13"] = 2 * module.num_experts
+                counts[f"{module_name}.w2"] = module.num_experts
+        return counts
+
+    def load_special_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        match = _EXPERT_WEIGHT.match(name) or _PACKED_EXPERTS.match(name)
+        if match is None:
+            return False
+        block = self._sparse_block(match["block"], name)
+        if "expert" in match.groupdict():
+            self._load_one_expert(match["block"], block, int(match["expert"]), match["proj"], tensor, name)
+        else:
+            self._load_packed_experts(match["block"], block.experts, match["proj"], tensor, name)
+        return True
+
+    def _sparse_block(self, module_name: str, weight_name: str) -> Qwen3MoeSparseBlock:
+        try:
+            block = self.get_submodule(module_name)
+        except AttributeError:
+            block = None
+        if not isinstance(block, Qwen3MoeSparseBlock):
+            raise ValueError(f"unknown weight {weight_name!r}: {module_name} is not an MoE layer of this model "
+                             "(check mlp_only_layers / decoder_sparse_step)")
+        return block
+
+    def _load_one_expert(self, block_name: str, block: Qwen3MoeSparseBlock, expert_id: int, proj: str,
+                         tensor: torch.Tensor, name: str) -> None:
+        if expert_id >= block.num_experts:
+            raise ValueError(f"unknown weight {name!r}: expert {expert_id} >= num_experts {block.num_experts}")
+        experts = block.experts
+        if not 0 <= expert_id - experts.first_expert < experts.num_experts:
+            return  # another rank's expert
+        i = experts.intermediate_size
+        expected = (experts.w2.shape[1], i) if proj == "down_proj" else (i, experts.w13.shape[2])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        experts.load_expert(expert_id, proj, tensor)
+        self.mark_loaded(f"{block_name}.experts.{'w2' if proj == 'down_proj' else 'w13'}", (expert_id, proj))
+
+    def _load_packed_experts(self, block_name: str, experts: FusedMoEWeights, proj: str, tensor: torch.Tensor,
+                             name: str) -> None:
+        # packed tensors hold every expert ([E, 2I, H] gate rows then up rows, or [E, H, I]); keep our slice
+        param_name = "w13" if proj == "gate_up_proj" else "w2"
+        dest = getattr(experts, param_name).data
+        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != tuple(dest.shape[1:]):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected [E, {dest.shape[1]}, "
+                             f"{dest.shape[2]}]")
+        first = experts.first_expert
+        copy_checked(dest, tensor[first:first + experts.num_experts], name)
+        for expert_id in range(first, first + experts.num_experts):
+            pieces = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+            for piece in pieces:
+                self.mark_loaded(f"{block_name}.experts.{param_name}", (expert_id, piece))

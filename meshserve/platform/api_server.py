@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP API in front of one engine (FastAPI app + uvicorn runner).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /v1/models/{id}, GET /health, GET /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from meshserve.engine.errors import EngineDeadError
+from meshserve.engine.messages import EngineStats
+from meshserve.outputs import RequestOutput
+from meshserve.platform.errors import APIError, bad_request, from_exception, install_error_handlers, model_not_found
+from meshserve.platform.generation import ClientDisconnected, EnginePrompt, GenerationRun, unless_disconnected
+from meshserve.platform.metrics import ServerMetrics
+from meshserve.platform.protocol import ChatCompletionRequest, CompletionRequest, usage
+from meshserve.platform.renderers import ChatRenderer, CompletionRenderer, Renderer
+from meshserve.sampling_params import SamplingParams
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+_MAX_REQUEST_ID_HEADER_LEN = 128
+# what a client that closed its connection gets logged with (nginx's convention; nobody receives it)
+_CLIENT_CLOSED_STATUS = 499
+
+
+class EngineClientProtocol(Protocol):
+    """What the API needs from an engine (meshserve.engine.async_client.AsyncEngineClient)."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any  # a transformers fast tokenizer
+
+    def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> str | None: ...
+
+    async def get_stats(self) -> EngineStats: ...
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """A stream that releases its engine requests however it ends (done, client gone, server stopping)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """The request handlers, bound to one engine and one served model name."""
+
+    def __init__(self, engine: EngineClientProtocol, model_name: str, metrics: ServerMetrics,
+                 max_queue_hint: int | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_queue_hint = max_queue_hint
+        self.created = int(time.time())
+        self._active_ids: set[str] = set()
+
+    # ---------------------------------------------------------------- endpoints
+    async def completions(self, raw: Request) -> Response:
+        arrival = time.monotonic()
+        req = self._parse(CompletionRequest, await raw.body())
+        self._check_model_and_engine(req.model)
+        prompts = []
+        for prompt in req.prompt:
+            if isinstance(prompt, str):
+                text, token_ids = prompt, self._encode(prompt, add_special_tokens=True)
+            else:
+                text, token_ids = None, self._checked_token_ids(prompt)
+            max_tokens = self._max_tokens(len(token_ids), req.max_tokens, "prompt")
+            prompts.append(EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs)))
+        echo_texts = None
+        if req.echo:
+            echo_texts = [p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids) for p in prompts]
+        request_id = self._request_id(raw, "cmpl")
+        renderer = CompletionRenderer(request_id, self.model_name, req.n, req.logprobs, req.include_usage_in_stream,
+                                      echo_texts)
+        return await self._generate(raw, request_id, prompts, req.priority, bool(req.stream), renderer, arrival)
+
+    async def chat_completions(self, raw: Request) -> Response:
+        arrival = time.monotonic()
+        req = self._parse(ChatCompletionRequest, await raw.body())
+        self._check_model_and_engine(req.model)
+        text = self._render_chat([m.for_template() for m in req.messages])
+        # the template already wrote the special tokens (BOS, role markers)
+        token_ids = self._encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise bad_request("The messages render to an empty prompt.", param="messages")
+        max_tokens = self._max_tokens(len(token_ids), req.requested_max_tokens, "messages")
+        prompt = EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.num_logprobs))
+        request_id = self._request_id(raw, "chatcmpl")
+        renderer = ChatRenderer(request_id, self.model_name, req.n, req.num_logprobs, req.include_usage_in_stream)
+        return await self._generate(raw, request_id, [prompt], req.priority, bool(req.stream), renderer, arrival)
+
+    def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    def retrieve_model(self, model: str) -> dict[str, Any]:
+        if model != self.model_name:
+            raise model_not_found(model)
+        return self._model_card()
+
+    def health(self) -> Response:
+        if self.engine.healthy:
+            return JSONResponse({"status": "ok"})
+        return APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
+                        code="engine_dead").to_response()
+
+    async def metrics_page(self) -> Response:
+        await self.metrics.refresh(self.engine.get_stats)
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def answer(self, work: Awaitable[Response]) -> Response:
+        """`work`'s response, or the OpenAI error JSON for whatever it raised."""
+        try:
+            return await work
+        except Exception as exc:
+            return from_exception(exc, max_queue_hint=self.max_queue_hint).to_response()
+
+    # ---------------------------------------------------------------- generation
+    async def _generate(self, raw: Request, request_id: str, prompts: list[EnginePrompt], priority: int,
+                        stream: bool, renderer: Renderer, arrival: float) -> Response:
+        if request_id in self._active_ids:
+            raise bad_request(f"Request id {request_id!r} is already in use by a running request.")
+        run = GenerationRun(self.engine, prompts, request_id, priority,
+                            [self.metrics.track(arrival) for _ in prompts])
+        self._active_ids.add(request_id)
+
+        async def release() -> None:
+            await run.close()
+            self._active_ids.discard(request_id)
+
+        headers = {"X-Request-Id": request_id}
+        handed_to_stream = False
+        try:
+            await unless_disconnected(raw, run.start())
+            if stream:
+                handed_to_stream = True
+                return _EngineStreamResponse(self._stream_events(run, renderer), release, headers)
+            await unless_disconnected(raw, self._collect(run))
+            return JSONResponse(renderer.response(run.choices, usage(*run.usage_counts())), headers=headers)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED_STATUS)
+        finally:
+            if not handed_to_stream:
+                await release()
+
+    @staticmethod
+    async def _collect(run: GenerationRun) -> None:
+        async for _, output in run.outputs():
+            if output.error is not None:
+                raise APIError(500, f"The request failed during generation: {output.error}")
+
+    async def _stream_events(self, run: GenerationRun, renderer: Renderer) -> AsyncIterator[str]:
+        for chunk in renderer.opening_chunks():
+            yield _sse(chunk)
+        try:
+            async for prompt_index, output in run.outputs():
+                if output.error is not None:
+                    yield _sse(APIError(500, f"The request failed during generation: {output.error}").to_dict())
+                    break
+                for choice in output.outputs:
+                    chunk = renderer.delta_chunk(prompt_index, choice)
+                    if chunk is not None:
+                        yield _sse(chunk)
+            else:
+                if renderer.include_usage:
+                    yield _sse(renderer.usage_chunk(usage(*run.usage_counts())))
+        except Exception as exc:  # the status line is already sent: report in-band
+            yield _sse(from_exception(exc, max_queue_hint=self.max_queue_hint).to_dict())
+        yield _SSE_DONE
+
+    # ---------------------------------------------------------------- request checks
+    @staticmethod
+    def _parse(model: type[RequestModel], body: bytes) -> RequestModel:
+        if not body.strip():
+            raise bad_request("The request body is empty; expected a JSON object.")
+        return model.model_validate_json(body)
+
+    def _check_model_and_engine(self, model: str) -> None:
+        if model != self.model_name:
+            raise model_not_found(model)
+        if not self.engine.healthy:
+            raise EngineDeadError(self.engine.dead_error or "the engine is not running")
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
+        vocab_size = len(self.engine.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"Token id {bad} in the prompt is outside the vocabulary [0, {vocab_size}).",
+                              param="prompt")
+        return list(token_ids)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+        try:
+            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # no template, or the template rejects the conversation
+            raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
+                              param="messages") from exc
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, prompt_name: str) -> int:
+        """The completion budget; absent, it is whatever context the prompt leaves."""
+        limit = self.engine.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, your {prompt_name} "
+                    f"is {prompt_len} tokens, which leaves no room for the completion. "
+                    f"Please reduce the length of the {prompt_name}.",
+                    param=prompt_name, code="context_length_exceeded")
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_name}, {requested} for the "
+                f"completion). Please reduce the length of the {prompt_name} or the completion.",
+                param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def _request_id(raw: Request, prefix: str) -> str:
+        given = raw.headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not given or len(given) > _MAX_REQUEST_ID_HEADER_LEN or not given.isprintable():
+            raise bad_request(f"X-Request-Id must be 1 to {_MAX_REQUEST_ID_HEADER_LEN} printable characters.")
+        return f"{prefix}-{given}"
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshserve",
+                "root": self.model_name, "max_model_len": self.engine.max_model_len}
+
+
+def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = None,
+              max_queue_hint: int | None = None) -> FastAPI:
+    """The API app for `engine`. `served_model_name` (default: engine.model_name) is the only `model` accepted;
+    `max_queue_hint`, when known, is quoted in the 503 a full waiting queue produces."""
+    serving = OpenAIServing(engine, served_model_name or engine.model_name, ServerMetrics(), max_queue_hint)
+    app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
+    app.state.serving = serving
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        return await serving.answer(serving.completions(raw))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        return await serving.answer(serving.chat_completions(raw))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return serving.list_models()
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        return serving.retrieve_model(model)  # an unknown model raises APIError -> 404 via the handlers
+
+    @app.get("/health")
+    async def health() -> Response:
+        return serving.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await serving.metrics_page()
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without re-raising SIGINT/SIGTERM after its graceful shutdown.
+
+    uvicorn re-delivers the signal once it has stopped, which would kill the process
+    before the caller shuts the engine down; here `serve()` simply returns.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_level: str = "info", *,
+                     served_model_name: str | None = None, max_queue_hint: int | None = None,
+                     graceful_shutdown_s: int = 5) -> None:
+    """Serve until SIGINT/SIGTERM (or `should_exit`); in-flight streams get `graceful_shutdown_s` to end."""
+    app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_shutdown_s)
+    await _Server(config).serve()
+
+
+def run_server(engine: EngineClientProtocol, host: str, port: int, log_level: str = "info", **kwargs: Any) -> None:
+    """Blocking form of `serve_http`; returns normally after SIGINT/SIGTERM so the caller can stop the engine."""
+    asyncio.run(serve_http(engine, host, port, log_level, **kwargs))

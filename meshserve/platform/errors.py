@@ -1,0 +1,123 @@
+"""OpenAI-style error JSON, and which HTTP status each failure maps to.
+
+Every error the API returns has the body OpenAI clients parse:
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshserve.engine.errors import EngineDeadError, QueueFullError, RequestTooLongError
+from meshserve.sampling_params import SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_TYPES = {
+    400: "invalid_request_error",
+    404: "NotFoundError",
+    405: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """A failure the client sees as an HTTP status with an OpenAI error body."""
+
+    def __init__(self, status_code: int, message: str, *, error_type: str | None = None,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.error_type = error_type or _DEFAULT_TYPES.get(status_code, "invalid_request_error")
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def to_response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=headers)
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """A 400 naming the first offending field, in words a client can act on."""
+    details = err.errors(include_url=False)
+    messages = [_describe(d) for d in details]
+    first_loc = details[0]["loc"] if details else ()
+    return bad_request("; ".join(messages), param=_dotted(first_loc) or None)
+
+
+def _describe(detail: dict[str, Any]) -> str:
+    loc = _dotted(detail["loc"])
+    kind = detail["type"]
+    if kind == "json_invalid":
+        return f"The request body is not valid JSON: {detail.get('ctx', {}).get('error', detail['msg'])}"
+    if kind == "model_type" and not loc:
+        return "The request body must be a JSON object."
+    if kind == "missing":
+        return f"Missing required parameter: '{loc}'."
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: '{loc}'."
+    msg = detail["msg"].removeprefix("Value error, ")
+    return f"Invalid value for '{loc}': {msg}." if loc else f"{msg}."
+
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def from_exception(exc: BaseException, *, max_queue_hint: int | None = None) -> APIError:
+    """Map anything a request handler can raise to the status the client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, (SamplingParamsError, RequestTooLongError)):
+        code = "context_length_exceeded" if isinstance(exc, RequestTooLongError) else None
+        return bad_request(str(exc), code=code)
+    if isinstance(exc, QueueFullError):
+        limit = f" (at most {max_queue_hint} requests may wait)" if max_queue_hint else ""
+        reason = str(exc) or "the waiting queue is full"
+        return APIError(503, f"The server is overloaded: {reason}{limit}. Retry later.", code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make framework-level failures (unknown route, wrong method, bad body) speak OpenAI error JSON too."""
+
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).to_response(headers=getattr(exc, "headers", None))
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI would answer 422; OpenAI answers 400
+        messages = [_describe({**d, "loc": tuple(d["loc"][1:])}) for d in exc.errors()]
+        return bad_request("; ".join(messages)).to_response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)

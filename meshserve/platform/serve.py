@@ -1,0 +1,34 @@
+"""`meshserve serve`: one TE behind the OpenAI-compatible API, in the foreground."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from meshserve.cli import engine_config_from_args
+    from meshserve.engine.async_client import AsyncEngineClient
+    from meshserve.platform.api_server import build_app
+
+    model = args.model
+    if model is None:
+        from meshserve.models.factory import ensure_default_model
+
+        model = str(ensure_default_model())
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
+    config = engine_config_from_args(args, model)
+    log_level = getattr(logging, args.log_level.upper())
+    engine = AsyncEngineClient(config, log_level=log_level)
+    try:
+        app = build_app(engine, served_model_name=engine.model_name)
+        logger.info("serving %s as %r on http://%s:%d", model, engine.model_name, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0

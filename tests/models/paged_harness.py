@@ -1,0 +1,51 @@
+"""Drive a model through the paged KV cache the way the runner does, for math tests."""
+from __future__ import annotations
+
+import torch
+
+from meshserve.models.base import AttentionMetadata
+
+
+class PagedHarness:
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 256) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = model.kv_cache_layout().allocate(num_blocks, block_size)
+        # hand out blocks in a scrambled order so a wrong block-table lookup cannot pass by accident
+        g = torch.Generator().manual_seed(0)
+        self.free_blocks = torch.randperm(num_blocks, generator=g).tolist()
+        self.block_tables: list[list[int]] = []
+        self.lens: list[int] = []
+
+    def _ensure_blocks(self, seq: int, new_len: int) -> None:
+        while len(self.block_tables[seq]) * self.block_size < new_len:
+            self.block_tables[seq].append(self.free_blocks.pop())
+
+    @torch.inference_mode()
+    def step(self, seq_ids: list[int], new_tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Run one batch: seq i gets new_tokens[i] appended. Returns per-seq logits [len(new), V]."""
+        for s in seq_ids:
+            while s >= len(self.block_tables):
+                self.block_tables.append([])
+                self.lens.append(0)
+        # decodes (one token) first, as the runner lays them out
+        order = sorted(range(len(seq_ids)), key=lambda i: len(new_tokens[i]) != 1)
+        ids, pos, q_lens, ctx_lens, tables = [], [], [], [], []
+        for i in order:
+            s, toks = seq_ids[i], new_tokens[i]
+            self._ensure_blocks(s, self.lens[s] + len(toks))
+            ids += toks
+            pos += list(range(self.lens[s], self.lens[s] + len(toks)))
+            q_lens.append(len(toks))
+            ctx_lens.append(self.lens[s])
+            tables.append(self.block_tables[s])
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size)
+        hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden)
+        out: list[torch.Tensor | None] = [None] * len(seq_ids)
+        start = 0
+        for i, q in zip(order, q_lens):
+            out[i] = logits[start:start + q]
+            start += q
+            self.lens[seq_ids[i]] += q
+        return out  # type: ignore[return-value]
