@@ -16,7 +16,7 @@ ENGINE_FLAGS = {
     "max_num_batched_tokens": (int, "token budget per engine step"),
     "block_size": (int, "KV cache block size (tokens)"),
     "kv_cache_memory_gb": (float, "KV cache budget"),
-    "dtype": (str, "float32 | bfloat16 | float16 | auto (default: float32, as the HF baseline)"),
+    "dtype": (str, "float32 | bfloat16 | float16 | auto (default: float32); the HF baseline runs in the same dtype"),
     "device": (str, "cpu | cuda"),
     "num_threads": (int, "torch threads per executor"),
 }
@@ -113,12 +113,13 @@ def offline_command(args: argparse.Namespace) -> int:
         engine_args.setdefault("max_num_seqs", 64)
         engine_args.setdefault("dtype", "float32")
         options = OfflineOptions(
-            model_dir=_resolve_model_dir(args), num_requests=args.requests, input_len=input_len,
+            model_dir="", num_requests=args.requests, input_len=input_len,
             output_len=output_len, json_path=args.json, baseline=args.baseline, hf_batch_size=args.hf_batch_size,
             seed=args.seed, engine_args=engine_args, roofline=args.roofline, roofline_batch=args.roofline_batch,
             roofline_context=args.roofline_context, roofline_decode_tokens=args.roofline_decode_tokens,
             roofline_repeats=args.roofline_repeats, bandwidth_bytes=args.bandwidth_mib * 2**20,
             matmul_size=args.matmul_size, progress=args.progress)
+        options.model_dir = _resolve_model_dir(args)  # after validation: a preset may be written on first use
         result = run_offline_benchmark(options)
     except (ValueError, OSError) as exc:  # bad arguments, missing model, unknown preset or engine setting
         return _fail("offline", exc)
@@ -131,7 +132,11 @@ def offline_command(args: argparse.Namespace) -> int:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    import logging
+
     import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
 
     from meshserve.bench.serve import ServeOptions, plot_serve, run_serve_benchmark, summary_lines
     from meshserve.bench.workload import make_offline_workload, special_token_ids

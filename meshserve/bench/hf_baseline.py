@@ -48,21 +48,22 @@ class BaselineResult:
         }
 
 
-def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     # HF's load report lists checkpoint tensors it has no module for (DeepSeek's MTP layers), which
     # is expected here; keep it and the per-tensor progress bar out of the benchmark's output.
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars_on = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-    model.eval()
+        if bars_on:
+            hf_logging.enable_progress_bar()
+    model.to(device).eval()
     # No request stops at EOS in this benchmark; clearing it here (not only in the
     # call) keeps generate from filling it back in from the checkpoint's defaults.
     model.generation_config.eos_token_id = None
@@ -94,6 +95,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int)
     """Greedy continuation of each prompt, `max_new_tokens` each, EOS not stopping anything."""
     pad_id = _pad_id(model)
     ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
@@ -114,13 +116,14 @@ def run_hf_baseline(
     dtype: torch.dtype = torch.float32,
     on_batch_done: Callable[[int], None] | None = None,
     model=None,
+    device: str = "cpu",
 ) -> BaselineResult:
     """Run `workload` through HF generate; `on_batch_done(n)` is called with each batch's request count."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     load_start = time.perf_counter()
     if model is None:
-        model = load_hf_model(model_dir, dtype)
+        model = load_hf_model(model_dir, dtype, device)
     load_s = time.perf_counter() - load_start
     generate_batch(model, [workload[0].prompt_token_ids], 2)  # warm-up, as for the engine
 

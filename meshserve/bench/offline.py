@@ -16,6 +16,10 @@ from typing import Any, Sequence
 from meshserve.bench import report
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
 
+# Warm-up and roofline prompts come from their own seeds, so they never repeat the timed workload's.
+WARMUP_SEED_OFFSET = 1_000_000
+ROOFLINE_SEED_OFFSET = 2_000_000
+
 
 @dataclass
 class OfflineOptions:
@@ -48,6 +52,10 @@ class OfflineOptions:
                 raise ValueError(f"{name.replace('_', ' ')} must be at least 1, got {value}")
         if self.roofline_decode_tokens < 1 or self.roofline_repeats < 1:
             raise ValueError("roofline decode tokens and repeats must be at least 1")
+        max_num_seqs = int(self.engine_args.get("max_num_seqs", 64))
+        if self.roofline_batch is not None and self.roofline_batch > max_num_seqs:
+            raise ValueError(f"roofline batch {self.roofline_batch} exceeds max_num_seqs {max_num_seqs}: "
+                             "the batch would not decode together")
         if self.bandwidth_bytes < 2**20 or self.matmul_size < 16:
             raise ValueError("bandwidth buffer must be at least 1 MiB and matmul size at least 16")
 
@@ -110,21 +118,23 @@ def _roofline_shape(options: OfflineOptions) -> tuple[int, int]:
     return batch, context
 
 
-def measure_machine(options: OfflineOptions) -> dict[str, float]:
+def measure_machine(options: OfflineOptions) -> dict[str, Any]:
     from meshserve.bench.roofline import measure_matmul_rate, measure_memory_bandwidth
 
+    device = options.engine_args.get("device", "cpu")  # the roofline of the device the engine runs on
     if options.progress:
-        log("measuring memory bandwidth and fp32 matmul rate")
+        log(f"measuring {device} memory bandwidth and fp32 matmul rate")
     return {
-        "memory_bandwidth_gbps": measure_memory_bandwidth(num_bytes=options.bandwidth_bytes),
-        "matmul_gflops": measure_matmul_rate(size=options.matmul_size),
+        "device": device,
+        "memory_bandwidth_gbps": measure_memory_bandwidth(num_bytes=options.bandwidth_bytes, device=device),
+        "matmul_gflops": measure_matmul_rate(size=options.matmul_size, device=device),
         "bandwidth_buffer_bytes": options.bandwidth_bytes,
         "matmul_size": options.matmul_size,
     }
 
 
 def roofline_record(hf_config: dict[str, Any], dtype_name: str, batch: int, context: int,
-                    machine: dict[str, float], achieved_tokens_per_s: float, measurement: dict[str, Any]) -> dict[str, Any]:
+                    machine: dict[str, Any], achieved_tokens_per_s: float, measurement: dict[str, Any]) -> dict[str, Any]:
     """The bound for (batch, context) on this machine, what was achieved, and every input that went in."""
     from meshserve.bench.roofline import decode_step_cost, footprint_from_config, roofline_bound
     from meshserve.models.loader import resolve_dtype
@@ -151,7 +161,6 @@ def roofline_record(hf_config: dict[str, Any], dtype_name: str, batch: int, cont
 
 
 def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
-    from meshserve.llm import LLM
     from meshserve.models.loader import load_hf_config
 
     hf_config = load_hf_config(options.model_dir)
@@ -159,44 +168,9 @@ def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
     excluded = special_token_ids(options.model_dir)
     workload = make_offline_workload(options.num_requests, options.input_len, options.output_len,
                                      vocab_size, seed=options.seed, exclude_token_ids=excluded)
-    progress = options.progress
     machine = measure_machine(options) if options.roofline else None
-
-    if progress:
-        log(f"starting meshserve on {options.model_dir} ({options.engine_args})")
-    load_start = time.perf_counter()
-    llm = LLM(model=options.model_dir, **options.engine_args)
-    try:
-        load_s = time.perf_counter() - load_start
-        from meshserve.sampling_params import SamplingParams
-
-        llm.generate([workload[0].prompt_token_ids], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2))
-        if progress:
-            log(f"meshserve: {len(workload)} requests")
-        ours, our_tokens = run_meshserve(llm, workload, progress)
-        ours["load_s"] = load_s
-        if progress:
-            log(f"meshserve: {ours['output_tokens_per_s']:.1f} output tokens/s in {ours['elapsed_s']:.2f}s")
-        roofline = None
-        if machine is not None:
-            from meshserve.bench.roofline import measure_decode_throughput
-
-            batch, context = _roofline_shape(options)
-            if progress:
-                log(f"decode roofline: batch {batch}, context {context}, {options.roofline_decode_tokens} decode "
-                    f"tokens, {options.roofline_repeats} repeats")
-            measured = measure_decode_throughput(llm, batch, context, options.roofline_decode_tokens, vocab_size,
-                                                 repeats=options.roofline_repeats, seed=options.seed + 1000,
-                                                 exclude_token_ids=excluded)
-            roofline = roofline_record(hf_config, options.engine_args.get("dtype", "float32"), batch, context,
-                                       machine, measured.tokens_per_s, measured.to_dict())
-    finally:
-        llm.shutdown()
-
-    baseline = None
-    greedy = None
-    if options.baseline == "hf":
-        baseline, greedy = _run_baseline(options, workload, our_tokens, progress)
+    ours, our_tokens, roofline = _run_engine_phase(options, hf_config, workload, excluded, machine)
+    baseline, greedy = (_run_baseline(options, hf_config, workload, our_tokens) if options.baseline == "hf" else (None, None))
 
     speedup = (ours["output_tokens_per_s"] / baseline["output_tokens_per_s"]
                if baseline and baseline["output_tokens_per_s"] > 0 else None)
@@ -224,21 +198,74 @@ def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
     }
 
 
-def _run_baseline(options: OfflineOptions, workload, our_tokens, progress: bool):
-    from meshserve.bench.hf_baseline import run_hf_baseline
+def _run_engine_phase(options: OfflineOptions, hf_config: dict[str, Any], workload: Sequence[WorkloadRequest],
+                      excluded: set[int], machine: dict[str, Any] | None):
+    """Start the engine, run the workload, measure decode at batch B, and always shut the engine down."""
+    from meshserve.llm import LLM
+    from meshserve.sampling_params import SamplingParams
 
+    vocab_size = int(hf_config["vocab_size"])
+    if options.progress:
+        log(f"starting meshserve on {options.model_dir} ({options.engine_args})")
+    load_start = time.perf_counter()
+    llm = LLM(model=options.model_dir, **options.engine_args)
+    try:
+        load_s = time.perf_counter() - load_start
+        # Warm up on a prompt of its own, so the prefix cache holds nothing of the timed workload.
+        warmup = make_offline_workload(1, options.input_len, (2, 2), vocab_size,
+                                       seed=options.seed + WARMUP_SEED_OFFSET, exclude_token_ids=excluded)
+        llm.generate([warmup[0].prompt_token_ids], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2))
+        if options.progress:
+            log(f"meshserve: {len(workload)} requests")
+        ours, our_tokens = run_meshserve(llm, workload, options.progress)
+        ours["load_s"] = load_s
+        if options.progress:
+            log(f"meshserve: {ours['output_tokens_per_s']:.1f} output tokens/s in {ours['elapsed_s']:.2f}s")
+        roofline = None
+        if machine is not None:
+            roofline = _measure_roofline(options, llm, hf_config, excluded, machine)
+    finally:
+        llm.shutdown()
+    return ours, our_tokens, roofline
+
+
+def _measure_roofline(options: OfflineOptions, llm, hf_config: dict[str, Any], excluded: set[int],
+                      machine: dict[str, Any]) -> dict[str, Any]:
+    from meshserve.bench.roofline import measure_decode_throughput
+
+    batch, context = _roofline_shape(options)
+    if options.progress:
+        log(f"decode roofline: batch {batch}, context {context}, {options.roofline_decode_tokens} decode "
+            f"tokens, {options.roofline_repeats} repeats")
+    measured = measure_decode_throughput(llm, batch, context, options.roofline_decode_tokens,
+                                         int(hf_config["vocab_size"]), repeats=options.roofline_repeats,
+                                         seed=options.seed + ROOFLINE_SEED_OFFSET, exclude_token_ids=excluded)
+    return roofline_record(hf_config, options.engine_args.get("dtype", "float32"), batch, context,
+                           machine, measured.tokens_per_s, measured.to_dict())
+
+
+def _run_baseline(options: OfflineOptions, hf_config: dict[str, Any], workload: Sequence[WorkloadRequest],
+                  our_tokens: list[list[int]]):
+    from meshserve.bench.hf_baseline import run_hf_baseline
+    from meshserve.models.loader import resolve_dtype
+
+    progress = options.progress
+    # Same precision and device as the engine (float32 on CPU by default), so the comparison is like for like.
+    dtype = resolve_dtype(options.engine_args.get("dtype", "float32"), hf_config)
+    device = options.engine_args.get("device", "cpu")
     if progress:
         log(f"HF transformers baseline: batches of {options.hf_batch_size}")
     bar = _progress_bar(len(workload), "hf requests") if progress else None
     try:
         result = run_hf_baseline(options.model_dir, workload, batch_size=options.hf_batch_size,
-                                 on_batch_done=bar.update if bar else None)
+                                 dtype=dtype, on_batch_done=bar.update if bar else None, device=device)
     finally:
         if bar is not None:
             bar.close()
     if progress:
         log(f"HF: {result.output_tokens_per_s:.1f} output tokens/s in {result.elapsed_s:.2f}s")
-    return result.summary(), compare_greedy(our_tokens, result.outputs)
+    summary = {**result.summary(), "dtype": str(dtype).removeprefix("torch."), "device": device}
+    return summary, compare_greedy(our_tokens, result.outputs)
 
 
 def _progress_bar(total: int, desc: str):

@@ -114,7 +114,7 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
-def plot_cdf(ax, values: Sequence[float], label: str, xlabel: str) -> None:
+def plot_cdf(ax, values: Sequence[float], label: str, xlabel: str, ylabel: str = "fraction of requests") -> None:
     """Empirical CDF of a sample on `ax`; an empty sample leaves a note instead of a line."""
     if not values:
         ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
@@ -124,6 +124,6 @@ def plot_cdf(ax, values: Sequence[float], label: str, xlabel: str) -> None:
         ax.step(ordered, [(i + 1) / n for i in range(n)], where="post", label=label)
         ax.legend(loc="lower right")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction of requests")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)

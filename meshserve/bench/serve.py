@@ -317,13 +317,13 @@ def plot_serve(result: dict[str, Any], path: str | Path) -> Path:
     fig, axes = report.new_figure(ncols=2, nrows=2, width_per_panel=5.0, height=3.6)
     ok = [r for r in result["requests"] if r["ok"]]
     panels = [
-        ("TTFT", [r["ttft_s"] * 1000 for r in ok if r["ttft_s"] is not None]),
-        ("TPOT", [r["tpot_s"] * 1000 for r in ok if r["tpot_s"] is not None]),
-        ("ITL", [itl * 1000 for r in ok for itl in r["itls_s"]]),
-        ("E2E", [r["e2e_s"] * 1000 for r in ok if r["e2e_s"] is not None]),
+        ("TTFT", [r["ttft_s"] * 1000 for r in ok if r["ttft_s"] is not None], "fraction of requests"),
+        ("TPOT", [r["tpot_s"] * 1000 for r in ok if r["tpot_s"] is not None], "fraction of requests"),
+        ("ITL", [itl * 1000 for r in ok for itl in r["itls_s"]], "fraction of token gaps"),
+        ("E2E", [r["e2e_s"] * 1000 for r in ok if r["e2e_s"] is not None], "fraction of requests"),
     ]
-    for ax, (name, values) in zip([a for row in axes for a in row], panels):
-        report.plot_cdf(ax, values, label=name, xlabel=f"{name} (ms)")
+    for ax, (name, values, ylabel) in zip([a for row in axes for a in row], panels):
+        report.plot_cdf(ax, values, label=name, xlabel=f"{name} (ms)", ylabel=ylabel)
         ax.set_title(name)
     load = result["load"]
     shape = f"rate {load['rate']}/s" if load["rate"] is not None else f"concurrency {load['concurrency']}"

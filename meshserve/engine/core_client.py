@@ -6,8 +6,9 @@ sockets in a private temporary directory; the client binds, the master connects.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -16,7 +17,7 @@ import zmq
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
 from meshserve.engine.errors import EngineDeadError
-from meshserve.engine.master import run_master
+from meshserve.engine.processes import launch_module, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,9 @@ class EngineCoreClient:
         self.from_master = self.ctx.socket(zmq.PULL)
         output_addr = f"ipc://{self.ipc_dir}/output"
         self.from_master.bind(output_addr)
-        self.proc = mp.get_context("spawn").Process(
-            target=run_master, name="meshserve-master",
-            args=(config.to_dict(), input_addr, output_addr, self.ipc_dir, log_level))
-        self.proc.start()
+        # a fresh interpreter (not multiprocessing): callers' scripts need no __main__ guard
+        self.proc = launch_module("meshserve.engine.master", config=config.to_dict(), input_addr=input_addr,
+                                  output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level)
         self.closed = False
         try:
             self.ready = self._wait_ready(config.startup_timeout_s)
@@ -57,13 +57,13 @@ class EngineCoreClient:
                     return item
                 if isinstance(item, msg.EngineError):
                     raise EngineStartupError(item.message)
-            elif not self.proc.is_alive():
-                raise EngineStartupError(f"engine process exited during start-up (exit code {self.proc.exitcode})")
+            elif self.proc.poll() is not None:
+                raise EngineStartupError(f"engine process exited during start-up (exit code {self.proc.returncode})")
         raise EngineStartupError(f"engine not ready after {timeout_s:.0f}s")
 
     @property
     def alive(self) -> bool:
-        return not self.closed and self.proc.is_alive()
+        return not self.closed and self.proc.poll() is None
 
     def send(self, item) -> None:
         if not self.alive:
@@ -80,18 +80,12 @@ class EngineCoreClient:
         if self.closed:
             return
         self.closed = True
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             try:
                 self.to_master.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.proc.join(15)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        stop_process(self.proc, grace_s=15)
         self.to_master.close(0)
         self.from_master.close(0)
         self.ctx.term()

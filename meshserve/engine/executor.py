@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 
 import zmq
@@ -19,8 +20,10 @@ logger = logging.getLogger(__name__)
 _PARENT_CHECK_MS = 1000
 
 
-def run_executor(rank: int, config_dict: dict, work_addr: str, result_addr: str, log_level: int = logging.INFO) -> None:
+def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, log_level: int = logging.INFO) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s executor[{rank}] %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; the parent stops us in order instead
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     ctx = zmq.Context()
     work = ctx.socket(zmq.PULL)
@@ -31,9 +34,9 @@ def run_executor(rank: int, config_dict: dict, work_addr: str, result_addr: str,
     try:
         from meshserve.engine.runner import ModelRunner, configure_threads
 
-        config = EngineConfig.from_dict(config_dict)
-        threads = configure_threads(config.num_threads)
-        runner = ModelRunner(config)
+        engine_config = EngineConfig.from_dict(config)
+        threads = configure_threads(engine_config.num_threads)
+        runner = ModelRunner(engine_config)
         logger.info("ready (%d torch threads)", threads)
         results.send(msg.encode(msg.ExecutorReady(rank=rank, num_kv_blocks=runner.num_blocks,
                                                   kv_bytes_per_token=runner.layout.bytes_per_token)))
@@ -47,6 +50,7 @@ def run_executor(rank: int, config_dict: dict, work_addr: str, result_addr: str,
                 continue
             item = msg.decode(work.recv())
             if isinstance(item, msg.Shutdown):
+                logger.info("shutting down")
                 return
             results.send(msg.encode(runner.execute(item)))
     except Exception as exc:  # report, then die: the master fails in-flight requests
@@ -60,3 +64,11 @@ def run_executor(rank: int, config_dict: dict, work_addr: str, result_addr: str,
         work.close(0)
         results.close()
         ctx.term()
+
+
+if __name__ == "__main__":
+    import sys
+
+    from meshserve.engine.processes import module_arguments
+
+    run_executor(**module_arguments(sys.argv))

@@ -9,8 +9,8 @@ scheduler (deepserve §4.2, asynchronous execution).
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections import deque
@@ -20,7 +20,7 @@ import zmq
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
 from meshserve.engine.errors import QueueFullError, RequestTooLongError
-from meshserve.engine.executor import run_executor
+from meshserve.engine.processes import launch_module, module_arguments, stop_process
 from meshserve.engine.request import Request
 from meshserve.engine.rtc import RelationalTensorCache
 from meshserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -43,13 +43,10 @@ class ExecutorGroup:
         self.results = ctx.socket(zmq.PULL)
         result_addr = f"ipc://{ipc_dir}/results"
         self.results.bind(result_addr)
-        spawn = mp.get_context("spawn")
         self.procs = [
-            spawn.Process(target=run_executor, name="meshserve-executor-0",
-                          args=(0, config.to_dict(), work_addr, result_addr, log_level))
+            launch_module("meshserve.engine.executor", rank=0, config=config.to_dict(), work_addr=work_addr,
+                          result_addr=result_addr, log_level=log_level)
         ]
-        for p in self.procs:
-            p.start()
 
     def wait_ready(self, timeout_s: float) -> msg.ExecutorReady:
         deadline = time.monotonic() + timeout_s
@@ -62,12 +59,12 @@ class ExecutorGroup:
                     raise RuntimeError(f"executor {item.rank} failed to start: {item.message}")
             dead = self.dead_rank()
             if dead is not None:
-                raise RuntimeError(f"executor {dead} exited during start-up (exit code {self.procs[dead].exitcode})")
+                raise RuntimeError(f"executor {dead} exited during start-up (exit code {self.procs[dead].returncode})")
         raise RuntimeError(f"executors not ready after {timeout_s:.0f}s")
 
     def dead_rank(self) -> int | None:
         for rank, p in enumerate(self.procs):
-            if not p.is_alive():
+            if p.poll() is not None:
                 return rank
         return None
 
@@ -78,10 +75,9 @@ class ExecutorGroup:
             except zmq.ZMQError:
                 pass
         for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+            stop_process(p, grace_s=10)
+        self.work.close(0)
+        self.results.close(0)
 
 
 class EngineCore:
@@ -200,6 +196,7 @@ class EngineCore:
                         self._on_client(msg.decode(self.inbox.recv()))
                 self._check_peers()
         finally:
+            logger.info("shutting down")
             self.executors.shutdown()
             self.inbox.close(0)
             self.outbox.close()
@@ -212,14 +209,16 @@ class EngineCore:
             return
         dead = self.executors.dead_rank()
         if dead is not None and self.dead_error is None:
-            code = self.executors.procs[dead].exitcode
+            code = self.executors.procs[dead].returncode
             self._fail(f"executor {dead} died (exit code {code})")
 
 
-def run_master(config_dict: dict, input_addr: str, output_addr: str, ipc_dir: str,
+def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
                log_level: int = logging.INFO) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s master %(levelname)s %(message)s")
-    config = EngineConfig.from_dict(config_dict)
+    # Ctrl-C reaches the whole process group; the parent stops us in order instead
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = EngineConfig.from_dict(config)
     try:
         core = EngineCore(config, input_addr, output_addr, ipc_dir, log_level)
     except Exception as exc:
@@ -232,3 +231,9 @@ def run_master(config_dict: dict, input_addr: str, output_addr: str, ipc_dir: st
         out.close()
         raise SystemExit(1)
     core.run()
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_master(**module_arguments(sys.argv))

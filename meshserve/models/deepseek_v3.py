@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.models.base import AttentionMetadata, CausalLM, KVCacheLayout
-from meshserve.models.layers.mla import MLABatchPlan, MultiHeadLatentAttention, copy_checked, mla_softmax_scale
+from meshserve.models.layers.mla import (
+    MLABatchPlan,
+    MultiHeadLatentAttention,
+    copy_checked,
+    mla_softmax_scale,
+    uninitialized_linear,
+)
 from meshserve.models.layers.moe import FusedMoEWeights
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
@@ -27,7 +33,11 @@ _REQUIRED_KEYS = (
 
 @dataclass(frozen=True)
 class DeepseekV3Params:
-    """The config.json fields the model uses; missing optional keys take HF DeepseekV3Config defaults."""
+    """The config.json fields the model uses.
+
+    Missing optional keys take HF DeepseekV3Config defaults, except that MTP layers are
+    only built when `num_nextn_predict_layers` (or `num_mtp_layers`) counts them.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -40,8 +50,8 @@ class DeepseekV3Params:
     v_head_dim: int
     q_lora_rank: int | None
     moe_intermediate_size: int
-    n_routed_experts: int | None
-    n_shared_experts: int | None
+    n_routed_experts: int
+    n_shared_experts: int
     num_experts_per_tok: int
     n_group: int
     topk_group: int
@@ -81,11 +91,11 @@ class DeepseekV3Params:
             **{k: int(cfg[k]) for k in _REQUIRED_KEYS},
             q_lora_rank=cfg.get("q_lora_rank", 1536),
             moe_intermediate_size=int(opt("moe_intermediate_size", 2048)),
-            n_routed_experts=opt("n_routed_experts", None),
-            n_shared_experts=opt("n_shared_experts", None),
+            n_routed_experts=int(opt("n_routed_experts", 256)),
+            n_shared_experts=int(opt("n_shared_experts", 1)),
             num_experts_per_tok=int(opt("num_experts_per_tok", 8)),
-            n_group=int(opt("n_group", 1)),
-            topk_group=int(opt("topk_group", 1)),
+            n_group=int(opt("n_group", 8)),
+            topk_group=int(opt("topk_group", 4)),
             norm_topk_prob=bool(opt("norm_topk_prob", True)),
             routed_scaling_factor=float(opt("routed_scaling_factor", 2.5)),
             first_k_dense_replace=int(opt("first_k_dense_replace", 3)),
@@ -100,11 +110,18 @@ class DeepseekV3Params:
         )
         if params.n_routed_experts:
             if params.n_routed_experts % params.n_group:
-                raise ValueError(f"n_routed_experts {params.n_routed_experts} is not divisible by n_group {params.n_group}")
+                raise ValueError(
+                    f"n_routed_experts {params.n_routed_experts} is not divisible by n_group {params.n_group}")
             if not 1 <= params.topk_group <= params.n_group:
                 raise ValueError(f"topk_group {params.topk_group} must be in [1, n_group={params.n_group}]")
             if params.n_group > 1 and params.n_routed_experts // params.n_group < 2:
                 raise ValueError("group-limited routing needs at least 2 experts per group")
+            reachable = params.topk_group * (params.n_routed_experts // params.n_group)
+            if not 1 <= params.num_experts_per_tok <= reachable:
+                raise ValueError(f"num_experts_per_tok {params.num_experts_per_tok} must be in [1, {reachable}] "
+                                 f"(the experts of topk_group={params.topk_group} groups)")
+        if params.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1, got {params.moe_layer_freq}")
         return params
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -143,18 +160,14 @@ def grouped_topk(
     return topk_weights * routed_scaling_factor, topk_ids
 
 
-def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> torch.nn.Linear:
-    return torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False, dtype=dtype)
-
-
 class SwiGLUMLP(torch.nn.Module):
     """silu(gate(x)) * up(x) -> down, with gate and up as one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = _linear(hidden_size, 2 * intermediate_size, dtype)
-        self.down_proj = _linear(intermediate_size, hidden_size, dtype)
+        self.gate_up_proj = uninitialized_linear(hidden_size, 2 * intermediate_size, False, dtype)
+        self.down_proj = uninitialized_linear(intermediate_size, hidden_size, False, dtype)
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
         i = self.intermediate_size
@@ -271,12 +284,14 @@ class SharedHead(torch.nn.Module):
     def __init__(self, p: DeepseekV3Params, dtype: torch.dtype) -> None:
         super().__init__()
         self.norm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
-        self.head = _linear(p.hidden_size, p.vocab_size, dtype)
+        self.head = uninitialized_linear(p.hidden_size, p.vocab_size, False, dtype)
 
 
 class DeepseekV3MTPLayer(torch.nn.Module):
-    """One multi-token-prediction module: combines the previous hidden state with the next token's
-    embedding (enorm/hnorm, eh_proj), runs one decoder block, and predicts through its shared head.
+    """One multi-token-prediction module (DeepSeek-V3 MTP).
+
+    For position i it computes eh_proj(cat(enorm(embed(token[i + 1])), hnorm(h[i]))), runs that through
+    one decoder block and predicts token i + 2 with shared_head (norm, then head).
 
     `embed_tokens` exists only when the checkpoint carries a copy; otherwise the main embedding is meant.
     """
@@ -285,10 +300,11 @@ class DeepseekV3MTPLayer(torch.nn.Module):
 
     def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.embedding_shape = (p.vocab_size, p.hidden_size)
         self.dtype = dtype
         self.enorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
-        self.eh_proj = _linear(2 * p.hidden_size, p.hidden_size, dtype)
+        self.eh_proj = uninitialized_linear(2 * p.hidden_size, p.hidden_size, False, dtype)
         self.block = DeepseekV3DecoderLayer(p, layer_idx, dtype)
         self.shared_head = SharedHead(p, dtype)
         self.embed_tokens: torch.nn.Embedding | None = None
@@ -299,7 +315,8 @@ class DeepseekV3MTPLayer(torch.nn.Module):
             return name
         if name == "embed_tokens.weight":
             if self.embed_tokens is None:
-                self.embed_tokens = torch.nn.Embedding(*tensor.shape, dtype=self.dtype, device=self.eh_proj.weight.device)
+                self.embed_tokens = torch.nn.Embedding(*self.embedding_shape, dtype=self.dtype,
+                                                       device=self.eh_proj.weight.device)
                 self.embed_tokens.requires_grad_(False)
             copy_checked(self.embed_tokens.weight.data, tensor, name)
             return name
@@ -320,7 +337,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.embed_tokens = torch.nn.utils.skip_init(torch.nn.Embedding, p.vocab_size, p.hidden_size, dtype=dtype)
         self.layers = torch.nn.ModuleList(DeepseekV3DecoderLayer(p, i, dtype) for i in range(p.num_hidden_layers))
         self.norm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
-        self.lm_head = _linear(p.hidden_size, p.vocab_size, dtype)
+        self.lm_head = uninitialized_linear(p.hidden_size, p.vocab_size, False, dtype)
         if p.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(p.qk_rope_head_dim, p.rope_parameters, p.max_position_embeddings,
@@ -362,21 +379,22 @@ class DeepseekV3ForCausalLM(CausalLM):
         with torch.no_grad():
             for name, tensor in weights:
                 try:
-                    loaded.add(self._load_one(name, tensor, num_layers))
+                    param_name = self._load_one(name, tensor, num_layers)
                 except KeyError as err:
                     raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}: {err.args[0]}") from None
+                if param_name is not None:
+                    loaded.add(param_name)
             if not any(name.startswith("mtp.") for name in loaded):
                 self.mtp = torch.nn.ModuleList()
             for layer in self.layers:
                 layer.self_attn.split_absorbed_weights()
             for mtp_layer in self.mtp:
                 mtp_layer.block.self_attn.split_absorbed_weights()
-        loaded.discard("")
         return loaded
 
-    def _load_one(self, name: str, tensor: torch.Tensor, num_layers: int) -> str:
-        if name.endswith("rotary_emb.inv_freq"):
-            return ""
+    def _load_one(self, name: str, tensor: torch.Tensor, num_layers: int) -> str | None:
+        if name.endswith("rotary_emb.inv_freq"):  # recomputed from the config
+            return None
         if name == "model.embed_tokens.weight":
             copy_checked(self.embed_tokens.weight.data, tensor, name)
             return "embed_tokens.weight"

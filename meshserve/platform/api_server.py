@@ -79,6 +79,10 @@ def _sse(payload: dict[str, Any]) -> str:
 _SSE_DONE = "data: [DONE]\n\n"
 
 
+def _generation_failed(error: str) -> APIError:
+    return APIError(500, f"The request failed during generation: {error}")
+
+
 class OpenAIServing:
     """The request handlers, bound to one engine and one served model name."""
 
@@ -185,7 +189,7 @@ class OpenAIServing:
     async def _collect(run: GenerationRun) -> None:
         async for _, output in run.outputs():
             if output.error is not None:
-                raise APIError(500, f"The request failed during generation: {output.error}")
+                raise _generation_failed(output.error)
 
     async def _stream_events(self, run: GenerationRun, renderer: Renderer) -> AsyncIterator[str]:
         for chunk in renderer.opening_chunks():
@@ -193,7 +197,7 @@ class OpenAIServing:
         try:
             async for prompt_index, output in run.outputs():
                 if output.error is not None:
-                    yield _sse(APIError(500, f"The request failed during generation: {output.error}").to_dict())
+                    yield _sse(_generation_failed(output.error).to_dict())
                     break
                 for choice in output.outputs:
                     chunk = renderer.delta_chunk(prompt_index, choice)

@@ -9,11 +9,9 @@ logger = logging.getLogger(__name__)
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from meshserve.cli import engine_config_from_args
     from meshserve.engine.async_client import AsyncEngineClient
-    from meshserve.platform.api_server import build_app
+    from meshserve.platform.api_server import run_server
 
     model = args.model
     if model is None:
@@ -26,9 +24,9 @@ def serve(args: argparse.Namespace) -> int:
     log_level = getattr(logging, args.log_level.upper())
     engine = AsyncEngineClient(config, log_level=log_level)
     try:
-        app = build_app(engine, served_model_name=engine.model_name)
         logger.info("serving %s as %r on http://%s:%d", model, engine.model_name, args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        run_server(engine, args.host, args.port, log_level=args.log_level, served_model_name=engine.model_name,
+                   max_queue_hint=config.max_waiting)
     finally:
         engine.shutdown()
     return 0

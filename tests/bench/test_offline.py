@@ -58,14 +58,13 @@ def test_hf_baseline_batches_match_unpadded_requests_and_count_useful_tokens(hf_
 
 def test_hf_baseline_does_not_stop_at_eos(hf_tiny_dir):
     model = load_hf_model(hf_tiny_dir)
-    prompt = [5, 6, 7]
-    first = _unpadded_greedy(model, prompt, 1)[0]
-    model.config.eos_token_id = first  # the very first generated token is now EOS
-    result = run_hf_baseline(hf_tiny_dir, make_offline_workload(1, (3, 3), (6, 6), 128, seed=0), model=model)
     workload = make_offline_workload(1, (3, 3), (6, 6), 128, seed=0)
-    model.generation_config.eos_token_id = _unpadded_greedy(model, workload[0].prompt_token_ids, 1)[0]
+    first = _unpadded_greedy(model, workload[0].prompt_token_ids, 1)[0]
+    # the very first generated token is now EOS, in both places generate looks
+    model.config.eos_token_id = first
+    model.generation_config.eos_token_id = first
     result = run_hf_baseline(hf_tiny_dir, workload, model=model)
-    assert len(result.outputs[0]) == 6
+    assert len(result.outputs[0]) == 6 and result.outputs[0][0] == first
 
 
 def _fake_result(with_baseline=True, with_roofline=True):
@@ -105,6 +104,8 @@ def test_roofline_record_uses_engine_dtype_width():
     (["--preset", "tiny", "--requests", "2", "--input-len", "x:2", "--output-len", "2"], "--input-len"),
     (["--preset", "tiny", "--requests", "2", "--input-len", "2", "--output-len", "3:1"], "--output-len"),
     (["--preset", "tiny", "--requests", "-1", "--input-len", "2", "--output-len", "2"], "--requests"),
+    (["--preset", "tiny", "--requests", "2", "--input-len", "2", "--output-len", "2", "--max-num-seqs", "4",
+      "--roofline-batch", "8"], "max_num_seqs"),
 ])
 def test_bench_offline_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
     path = tmp_path / "r.json"

@@ -111,8 +111,8 @@ class MLABatchPlan:
         return workspace.view(self.num_decodes, self.decode_padded_len, *kv_cache.shape[2:])
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> torch.nn.Linear:
-    # weights come from a checkpoint, so skip the random initialisation
+def uninitialized_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> torch.nn.Linear:
+    """A Linear without the random initialisation (its weights come from a checkpoint); biases start at 0."""
     layer = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
     if bias:
         layer.bias.data.zero_()
@@ -148,18 +148,18 @@ class MultiHeadLatentAttention(torch.nn.Module):
         self.rope_interleave = rope_interleave
         # rows: [q_a_proj | kv_a_proj_with_mqa] with q-LoRA, [q_proj | kv_a_proj_with_mqa] without
         self.q_in_dim = q_lora_rank if q_lora_rank is not None else num_heads * self.qk_head_dim
-        self.fused_qkv_a_proj = _linear(hidden_size, self.q_in_dim + kv_lora_rank + qk_rope_head_dim,
-                                        attention_bias, dtype)
+        self.fused_qkv_a_proj = uninitialized_linear(
+            hidden_size, self.q_in_dim + kv_lora_rank + qk_rope_head_dim, attention_bias, dtype)
         if q_lora_rank is not None:
             # HF builds both latent norms with the default eps, not rms_norm_eps
             self.q_a_layernorm = RMSNorm(q_lora_rank, dtype=dtype)
-            self.q_b_proj = _linear(q_lora_rank, num_heads * self.qk_head_dim, False, dtype)
+            self.q_b_proj = uninitialized_linear(q_lora_rank, num_heads * self.qk_head_dim, False, dtype)
         else:
             self.q_a_layernorm = None
             self.q_b_proj = None
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, dtype=dtype)
-        self.kv_b_proj = _linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, dtype)
-        self.o_proj = _linear(num_heads * v_head_dim, hidden_size, attention_bias, dtype)
+        self.kv_b_proj = uninitialized_linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, dtype)
+        self.o_proj = uninitialized_linear(num_heads * v_head_dim, hidden_size, attention_bias, dtype)
         # derived from kv_b_proj by split_absorbed_weights(): W_UK [H, nope, c], W_UV^T [H, c, v]
         self.register_buffer("w_uk", torch.zeros(num_heads, qk_nope_head_dim, kv_lora_rank, dtype=dtype),
                              persistent=False)
@@ -222,7 +222,12 @@ class MultiHeadLatentAttention(torch.nn.Module):
             outputs.append(self._decode_absorbed(q[: plan.num_decodes], plan, kv_cache))
         for span in plan.prefills:
             outputs.append(self._prefill_unabsorbed(q[span.token_start:span.token_end], span, kv_cache))
-        attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        if len(outputs) == 1:
+            attn_out = outputs[0]
+        elif outputs:
+            attn_out = torch.cat(outputs, dim=0)
+        else:  # an empty batch
+            attn_out = hidden_states.new_zeros(0, self.num_heads * self.v_head_dim)
         return self.o_proj(attn_out)
 
     def _decode_absorbed(self, q: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
