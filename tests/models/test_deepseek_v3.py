@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, grouped_topk
+from meshserve.models.layers import mla
 from meshserve.models.layers.mla import MLABatchPlan
 from meshserve.models.loader import load_model
 from tests.models.paged_harness import PagedHarness
@@ -118,7 +119,7 @@ def test_chunked_prefill_attends_to_earlier_chunk(case, tmp_path):
     assert (decoded[-1] - hf_logits(hf, other + [3])[-1]).abs().max().item() <= TOL
 
 
-def test_absorbed_decode_equals_unabsorbed_attention(case):
+def test_absorbed_decode_equals_unabsorbed_attention(case, monkeypatch):
     _, path, _ = case
     model = load_model(path)
     harness = PagedHarness(model)
@@ -129,23 +130,30 @@ def test_absorbed_decode_equals_unabsorbed_attention(case):
     positions = torch.tensor(lens)
     cos, sin = model.rotary_emb.cos_sin(positions, torch.float32)
     hidden = torch.randn(3, BASE["hidden_size"], generator=torch.Generator().manual_seed(4))
-    outputs = {}
-    for mode, num_decodes in (("absorbed", 3), ("unabsorbed", 0)):
+
+    def attention_outputs(num_decodes: int) -> list[torch.Tensor]:
         # the same three one-token steps, laid out as decodes or as (single-token) prefills
         meta = AttentionMetadata.build([1, 1, 1], lens, harness.block_tables, harness.block_size,
                                        num_decodes=num_decodes)
         plan = MLABatchPlan.build(meta, torch.float32, torch.device("cpu"))
         assert plan.num_decodes == num_decodes and len(plan.prefills) == 3 - num_decodes
         with torch.inference_mode():
-            outputs[mode] = [layer.self_attn(hidden, cos, sin, plan, cache.clone())
-                             for layer, cache in zip(model.layers, harness.kv_caches)]
-    for absorbed, unabsorbed in zip(outputs["absorbed"], outputs["unabsorbed"]):
-        assert absorbed.abs().max() > 0.1
-        assert (absorbed - unabsorbed).abs().max().item() <= 1e-5
+            return [layer.self_attn(hidden, cos, sin, plan, cache.clone())
+                    for layer, cache in zip(model.layers, harness.kv_caches)]
+
+    absorbed = attention_outputs(3)
+    unabsorbed = attention_outputs(0)
+    # decode attention in chunks of two sequences (the last chunk shorter) reuses one gather buffer
+    monkeypatch.setattr(mla, "decode_chunk_size", lambda padded_len, kv_cache: 2)
+    chunked = attention_outputs(3)
+    for a, u, c in zip(absorbed, unabsorbed, chunked):
+        assert a.abs().max() > 0.1
+        assert (a - u).abs().max().item() <= 1e-5
+        assert (c - a).abs().max().item() <= 1e-6
 
 
 def test_yarn_case_changes_softmax_scale(tmp_path):
-    make_checkpoint(tmp_path, **CASES["yarn"])
+    hf = make_checkpoint(tmp_path, **CASES["yarn"])
     config = json.loads((tmp_path / "config.json").read_text())
     # the legacy spelling (rope_theta + rope_scaling with "type") must build the same model
     rope = config.pop("rope_parameters")
@@ -153,8 +161,8 @@ def test_yarn_case_changes_softmax_scale(tmp_path):
     config["rope_scaling"] = {**{k: v for k, v in rope.items() if k != "rope_type"}, "type": rope["rope_type"]}
     model = DeepseekV3ForCausalLM(config)
     attn = model.layers[0].self_attn
-    plain = attn.qk_head_dim ** -0.5
-    assert attn.softmax_scale == pytest.approx(plain * (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
+    assert attn.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert attn.softmax_scale > 1.25 * attn.qk_head_dim ** -0.5  # mscale(4, 1)^2 = 1.297
     assert model.params.rope_parameters["rope_type"] == "yarn"
 
 
@@ -164,7 +172,7 @@ def test_group_limited_routing_restricts_choices(tmp_path):
     moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, DeepseekV3MoE))
     seen = []
     handle = moe.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
-    tokens, _ = generate(PagedHarness(model), prompts(BASE["vocab_size"]), 2)
+    generate(PagedHarness(model), prompts(BASE["vocab_size"]), 2)
     handle.remove()
     x = torch.cat(seen)
     logits = torch.nn.functional.linear(x.float(), moe.gate_weight)
