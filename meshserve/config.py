@@ -28,6 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 503)
     async_scheduling: bool = True  # prepare step n+1 while step n runs
+    kv_events_endpoint: str | None = None  # ZMQ PUB address for prefix-cache events (e.g. tcp://127.0.0.1:5557)
     # executors
     num_threads: int | None = None  # torch threads per executor; default: all cores
     seed: int = 0

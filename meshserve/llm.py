@@ -93,6 +93,11 @@ class LLM:
                     continue
                 for delta in item.deltas:
                     if delta.error_type in _ERROR_TYPES:
+                        # refused at admission: drop the whole batch so nothing keeps running unseen
+                        for request_id in pending:
+                            to_abort = self.processor.abort(request_id)
+                            if to_abort:
+                                self.engine.send(msg.AbortRequests(req_ids=to_abort))
                         raise _ERROR_TYPES[delta.error_type](delta.error)
                     out, to_abort = self.processor.process(delta, time.time())
                     if to_abort:

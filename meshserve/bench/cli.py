@@ -56,7 +56,7 @@ def _add_offline_parser(parser: argparse.ArgumentParser) -> None:
     roof.add_argument("--skip-roofline", dest="roofline", action="store_false")
     roof.add_argument("--roofline-batch", type=int, help="decode batch B (default: min(max-num-seqs, requests))")
     roof.add_argument("--roofline-context", type=int, help="context length L (default: middle of --input-len)")
-    roof.add_argument("--roofline-decode-tokens", type=int, default=16, help="decode steps D timed (default: 16)")
+    roof.add_argument("--roofline-decode-tokens", type=int, default=32, help="decode steps D timed (default: 32)")
     roof.add_argument("--roofline-repeats", type=int, default=3, help="repeats, median taken (default: 3)")
     roof.add_argument("--bandwidth-mib", type=int, default=256,
                       help="buffer copied to measure memory bandwidth; keep well beyond the caches (default: 256)")

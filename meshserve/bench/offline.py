@@ -35,7 +35,7 @@ class OfflineOptions:
     roofline: bool = True
     roofline_batch: int | None = None  # default: min(max_num_seqs, requests)
     roofline_context: int | None = None  # default: middle of the input-length range
-    roofline_decode_tokens: int = 16
+    roofline_decode_tokens: int = 32
     roofline_repeats: int = 3
     bandwidth_bytes: int = 256 * 2**20  # copy buffer for the bandwidth measurement; keep well beyond cache
     matmul_size: int = 2048
@@ -221,25 +221,31 @@ def _run_engine_phase(options: OfflineOptions, hf_config: dict[str, Any], worklo
         ours["load_s"] = load_s
         if options.progress:
             log(f"meshserve: {ours['output_tokens_per_s']:.1f} output tokens/s in {ours['elapsed_s']:.2f}s")
-        roofline = None
-        if machine is not None:
-            roofline = _measure_roofline(options, llm, hf_config, excluded, machine)
     finally:
         llm.shutdown()
+    roofline = None
+    if machine is not None:
+        roofline = _measure_roofline(options, hf_config, excluded, machine)
     return ours, our_tokens, roofline
 
 
-def _measure_roofline(options: OfflineOptions, llm, hf_config: dict[str, Any], excluded: set[int],
+def _measure_roofline(options: OfflineOptions, hf_config: dict[str, Any], excluded: set[int],
                       machine: dict[str, Any]) -> dict[str, Any]:
     from meshserve.bench.roofline import measure_decode_throughput
+    from meshserve.llm import LLM
 
     batch, context = _roofline_shape(options)
     if options.progress:
         log(f"decode roofline: batch {batch}, context {context}, {options.roofline_decode_tokens} decode "
             f"tokens, {options.roofline_repeats} repeats")
-    measured = measure_decode_throughput(llm, batch, context, options.roofline_decode_tokens,
-                                         int(hf_config["vocab_size"]), repeats=options.roofline_repeats,
-                                         seed=options.seed + ROOFLINE_SEED_OFFSET, exclude_token_ids=excluded)
+    # an engine of its own that prefills the whole batch in one step, so the batch then decodes in lockstep
+    engine_args = dict(options.engine_args)
+    engine_args["max_num_seqs"] = max(batch, engine_args.get("max_num_seqs", batch))
+    engine_args["max_num_batched_tokens"] = max(batch * context, engine_args.get("max_num_batched_tokens") or 0)
+    with LLM(model=options.model_dir, **engine_args) as llm:
+        measured = measure_decode_throughput(llm, batch, context, options.roofline_decode_tokens,
+                                             int(hf_config["vocab_size"]), repeats=options.roofline_repeats,
+                                             seed=options.seed + ROOFLINE_SEED_OFFSET, exclude_token_ids=excluded)
     return roofline_record(hf_config, options.engine_args.get("dtype", "float32"), batch, context,
                            machine, measured.tokens_per_s, measured.to_dict())
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -352,8 +352,8 @@ class DecodeMeasurement:
     decode_tokens: int
     tokens_per_s: float  # median over repeats
     samples: list[float]
-    prefill_only_s: list[float]
-    prefill_and_decode_s: list[float]
+    decode_window_s: list[float]  # last token - first token of the batch, per repeat
+    first_token_spread_s: list[float]  # how far apart the batch's first tokens came (one prefill step: ~0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -368,51 +368,37 @@ def measure_decode_throughput(
     repeats: int = 3,
     seed: int = 0,
     exclude_token_ids: Iterable[int] = (),
-    clock: Callable[[], float] = time.perf_counter,
 ) -> DecodeMeasurement:
-    """Decode tokens/s at batch `batch` through the public `llm.generate`.
+    """Decode tokens/s at batch `batch`, from the engine's own token timestamps.
 
-    Each repeat times B prompts of length L with max_tokens=1 (prefill plus one
-    token) and B fresh prompts of the same length with max_tokens=1+D; the
-    difference is D decode steps of the whole batch. Fresh prompts keep a prefix
-    cache from making the second prefill cheaper. The engine must allow
-    `max_num_seqs >= batch` for the batch to decode together.
+    The engine must hold `batch` sequences and prefill them in one step
+    (`max_num_batched_tokens >= batch * context_len`): then every request gets its
+    first token from the same step and the batch decodes D more steps together,
+    so the rate is B*D over the time from the first token to the last. Each
+    repeat uses fresh prompts, so a prefix cache cannot help.
     """
     from meshserve.bench.workload import make_offline_workload
     from meshserve.sampling_params import SamplingParams
 
     if batch < 1 or context_len < 1 or decode_tokens < 1 or repeats < 1:
         raise ValueError("batch, context_len, decode_tokens and repeats must all be at least 1")
-
-    def timed_run(run_seed: int, max_tokens: int) -> float:
+    max_tokens = 1 + decode_tokens
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    samples, windows, spreads = [], [], []
+    for r in range(repeats):
         workload = make_offline_workload(batch, (context_len, context_len), (max_tokens, max_tokens),
-                                         vocab_size, seed=run_seed, exclude_token_ids=exclude_token_ids)
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-        start = clock()
-        outputs = llm.generate([r.prompt_token_ids for r in workload], params)
-        elapsed = clock() - start
+                                         vocab_size, seed=seed + r, exclude_token_ids=exclude_token_ids)
+        outputs = llm.generate([w.prompt_token_ids for w in workload], params)
         short = [len(o.token_ids) for o in outputs if len(o.token_ids) != max_tokens]
         if short:
             raise RuntimeError(f"decode measurement expected {max_tokens} tokens per request, got {short[:4]}")
-        return elapsed
-
-    samples, t_prefill, t_full = [], [], []
-    for r in range(repeats):
-        t1 = timed_run(seed + 2 * r, 1)
-        t2 = timed_run(seed + 2 * r + 1, 1 + decode_tokens)
-        t_prefill.append(t1)
-        t_full.append(t2)
-        # Noise can make t2 <= t1 for tiny D; such a repeat says nothing about decode speed.
-        if t2 > t1:
-            samples.append(batch * decode_tokens / (t2 - t1))
-    if not samples:
-        raise RuntimeError("decode took no measurable time: increase decode_tokens")
-    return DecodeMeasurement(
-        batch=batch,
-        context_len=context_len,
-        decode_tokens=decode_tokens,
-        tokens_per_s=statistics.median(samples),
-        samples=samples,
-        prefill_only_s=t_prefill,
-        prefill_and_decode_s=t_full,
-    )
+        firsts = [o.metrics.first_token_time for o in outputs]
+        window = max(o.metrics.last_token_time for o in outputs) - max(firsts)
+        if window <= 0:
+            raise RuntimeError("decode took no measurable time: increase decode_tokens")
+        samples.append(batch * decode_tokens / window)
+        windows.append(window)
+        spreads.append(max(firsts) - min(firsts))
+    return DecodeMeasurement(batch=batch, context_len=context_len, decode_tokens=decode_tokens,
+                             tokens_per_s=statistics.median(samples), samples=samples,
+                             decode_window_s=windows, first_token_spread_s=spreads)

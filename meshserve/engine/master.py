@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import dataclasses
 import time
 import traceback
 from collections import deque
@@ -94,6 +95,12 @@ class EngineCore:
         self.executors = ExecutorGroup(self.ctx, config, ipc_dir, log_level)
         ready = self.executors.wait_ready(config.startup_timeout_s)
         self.max_model_len = config.max_model_len or max_position_embeddings(config.model)
+        self.kv_events = None
+        self._kv_event_seq = 0
+        if config.kv_events_endpoint:
+            self.kv_events = self.ctx.socket(zmq.PUB)
+            self.kv_events.setsockopt(zmq.LINGER, 0)
+            self.kv_events.bind(config.kv_events_endpoint)
         self.rtc = RelationalTensorCache(ready.num_kv_blocks, config.block_size,
                                          enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -159,6 +166,16 @@ class EngineCore:
             self._fail(f"executor returned step {item.step_id}, expected {sched.step_id}")
             return
         self._send_deltas(self.scheduler.update_from_output(sched, item))
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        events = self.rtc.drain_events()
+        if not events or self.kv_events is None:
+            return
+        self._kv_event_seq += 1
+        batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), events=[
+            {"type": type(e).__name__, **dataclasses.asdict(e)} for e in events])
+        self.kv_events.send(msg.encode(batch))
 
     def _fail(self, error: str) -> None:
         if self.dead_error is not None:
@@ -166,8 +183,9 @@ class EngineCore:
         logger.error("engine failed: %s", error)
         self.dead_error = error
         self.in_flight.clear()
-        self._send_deltas(self.scheduler.fail_all(error))
+        # the error first: clients fail everything at once; the per-request deltas then only confirm it
         self._send(msg.EngineError(message=error, fatal=True))
+        self._send_deltas(self.scheduler.fail_all(error))
 
     def _schedule(self) -> None:
         while (self.dead_error is None and len(self.in_flight) < self.pipeline_depth
@@ -200,6 +218,8 @@ class EngineCore:
             self.executors.shutdown()
             self.inbox.close(0)
             self.outbox.close()
+            if self.kv_events is not None:
+                self.kv_events.close(0)
             self.ctx.term()
 
     def _check_peers(self) -> None:

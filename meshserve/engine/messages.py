@@ -8,6 +8,7 @@ Boundaries:
   master  -> client   : EngineReady, EngineOutputs (a batch of RequestDelta), EngineStats, EngineError
   master  -> executor : SchedulerOutput, Shutdown
   executor-> master   : ModelRunnerOutput, ExecutorReady, ExecutorFailure
+  master  -> routers  : KVCacheEvents (PUB socket at EngineConfig.kv_events_endpoint)
 """
 from __future__ import annotations
 
@@ -152,6 +153,19 @@ class EngineError:
 
 
 @dataclass
+class KVCacheEvents:
+    """Prefix-cache changes of one TE, published for routers that keep a global prompt tree.
+
+    Each event is a dict: {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+    "block_size"} | {"type": "BlockRemoved", "block_hashes"} | {"type": "AllBlocksCleared"}.
+    """
+
+    seq: int  # increases by one per batch, so a subscriber can detect a gap and resync
+    timestamp: float
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -161,7 +175,7 @@ _MESSAGE_TYPES = {
     for cls in (
         NewRequestData, CachedRequestData, SchedulerOutput, ModelRunnerOutput, ExecutorReady, ExecutorFailure,
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
-        Shutdown,
+        KVCacheEvents, Shutdown,
     )
 }
 _NESTED = {

@@ -135,50 +135,44 @@ def test_roofline_bound_picks_the_slower_side():
     assert compute_bound.tokens_per_s == pytest.approx(4 / 4.0)
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 class FakeLLM:
-    """generate() advances a virtual clock: prefill cost per prompt token plus a fixed cost per decode step."""
+    """generate() stamps tokens on a virtual timeline: one prefill step, then a fixed cost per decode step."""
 
-    def __init__(self, clock, prefill_s_per_token, decode_step_s):
-        self.clock, self.prefill, self.step = clock, prefill_s_per_token, decode_step_s
+    def __init__(self, prefill_s, decode_step_s):
+        self.prefill, self.step = prefill_s, decode_step_s
+        self.now = 100.0
         self.calls = []
 
     def generate(self, prompts, params):
         self.calls.append((prompts, params))
-        self.clock.now += self.prefill * sum(len(p) for p in prompts) + self.step * (params.max_tokens - 1)
-        return [SimpleNamespace(token_ids=[7] * params.max_tokens) for _ in prompts]
+        first = self.now + self.prefill
+        last = first + self.step * (params.max_tokens - 1)
+        self.now = last + 1.0
+        metrics = SimpleNamespace(first_token_time=first, last_token_time=last)
+        return [SimpleNamespace(token_ids=[7] * params.max_tokens, metrics=metrics) for _ in prompts]
 
 
 def test_measure_decode_throughput_isolates_decode_steps():
-    clock = FakeClock()
-    llm = FakeLLM(clock, prefill_s_per_token=0.01, decode_step_s=0.05)
-    result = measure_decode_throughput(llm, batch=4, context_len=6, decode_tokens=10, vocab_size=100,
-                                       repeats=3, clock=clock)
+    llm = FakeLLM(prefill_s=3.0, decode_step_s=0.05)
+    result = measure_decode_throughput(llm, batch=4, context_len=6, decode_tokens=10, vocab_size=100, repeats=3)
     # 4 sequences advance one token per 0.05 s step, whatever the prefill costs
     assert result.tokens_per_s == pytest.approx(4 / 0.05)
     assert len(result.samples) == 3
-    assert [p.max_tokens for _, p in llm.calls] == [1, 11] * 3
+    assert result.decode_window_s == pytest.approx([0.5] * 3)
+    assert [p.max_tokens for _, p in llm.calls] == [11] * 3
     for prompts, params in llm.calls:
         assert len(prompts) == 4 and all(len(p) == 6 for p in prompts)
         assert params.ignore_eos and params.greedy
-    # every run uses fresh prompts, so a prefix cache cannot shorten the second prefill
+    # every run uses fresh prompts, so a prefix cache cannot shorten the prefill
     all_prompts = [tuple(p) for prompts, _ in llm.calls for p in prompts]
     assert len(set(all_prompts)) == len(all_prompts)
 
 
 def test_measure_decode_throughput_rejects_short_outputs():
-    clock = FakeClock()
-    llm = FakeLLM(clock, 0.0, 0.01)
+    llm = FakeLLM(0.0, 0.01)
     llm.generate = lambda prompts, params: [SimpleNamespace(token_ids=[1])] * len(prompts)
     with pytest.raises(RuntimeError, match="expected 9 tokens"):
-        measure_decode_throughput(llm, batch=2, context_len=3, decode_tokens=8, vocab_size=50, repeats=1, clock=clock)
+        measure_decode_throughput(llm, batch=2, context_len=3, decode_tokens=8, vocab_size=50, repeats=1)
 
 
 def test_machine_measurements_are_positive_and_finite():

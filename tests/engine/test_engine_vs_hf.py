@@ -42,9 +42,11 @@ def model_case(request, tmp_path_factory):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
 
 
-def test_concurrent_chunked_prefill_matches_hf(model_case):
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["overlapped", "serial"])
+def test_concurrent_chunked_prefill_matches_hf(model_case, async_scheduling):
     _, model_dir, prompts, expected = model_case
-    with LLM(model=str(model_dir), max_num_batched_tokens=48, block_size=8, max_num_seqs=16) as llm:
+    with LLM(model=str(model_dir), max_num_batched_tokens=48, block_size=8, max_num_seqs=16,
+             async_scheduling=async_scheduling) as llm:
         outs = llm.generate(prompts, GREEDY)
     for out, ref in zip(outs, expected):
         assert out.token_ids == ref

@@ -1,0 +1,129 @@
+"""A TE whose executor dies reports unhealthy and fails its requests instead of hanging;
+prefix-cache events are published for routers."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import zmq
+
+from meshserve import LLM, SamplingParams
+from meshserve.config import EngineConfig
+from meshserve.engine import messages as msg
+from meshserve.engine.async_client import AsyncEngineClient
+from meshserve.engine.errors import EngineDeadError
+from meshserve.models.factory import make_model
+from meshserve.platform.api_server import build_app
+
+LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("m") / "model",
+                          overrides={"num_hidden_layers": 2}))
+
+
+def _executor_pid(master_pid: int) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for child in psutil.Process(master_pid).children():
+            if "meshserve.engine.executor" in " ".join(child.cmdline()):
+                return child.pid
+        time.sleep(0.1)
+    raise AssertionError("no executor process found")
+
+
+def _kill_later(pid: int, delay_s: float) -> threading.Timer:
+    timer = threading.Timer(delay_s, os.kill, args=(pid, signal.SIGKILL))
+    timer.start()
+    return timer
+
+
+def test_offline_generate_fails_when_the_executor_dies(model_dir):
+    llm = LLM(model=model_dir, kv_cache_memory_gb=0.05)
+    try:
+        _kill_later(_executor_pid(llm.engine.proc.pid), 1.5)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="executor 0"):
+            llm.generate([[5, 6, 7]] * 4, LONG)
+        assert time.monotonic() - start < 30
+        assert llm.get_stats().healthy is False
+    finally:
+        llm.shutdown()
+    assert llm.engine.proc.poll() is not None  # the master is gone after shutdown
+
+
+def test_api_reports_unhealthy_and_fails_in_flight_requests(model_dir):
+    engine = AsyncEngineClient(EngineConfig(model=model_dir, kv_cache_memory_gb=0.05))
+    app = build_app(engine, served_model_name="tiny")
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            assert (await client.get("/health")).status_code == 200
+            outputs = []
+
+            async def consume():
+                async for out in engine.generate(None, [5, 6, 7], LONG, "doomed"):
+                    outputs.append(out)
+
+            task = asyncio.create_task(consume())
+            while not outputs:  # the request is running
+                await asyncio.sleep(0.05)
+            os.kill(_executor_pid(engine.engine.proc.pid), signal.SIGKILL)
+            await asyncio.wait_for(task, timeout=30)
+            final = outputs[-1]
+            assert final.finished and final.finish_reason == "error"
+            assert "executor" in (final.error or "")
+            health = await client.get("/health")
+            assert health.status_code == 503
+            late = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+            assert late.status_code == 503
+            assert "error" in late.json()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prefix_cache_events_are_published(model_dir):
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    prompt = list(range(100, 140))  # 40 tokens: 5 full blocks of 8
+    try:
+        with LLM(model=model_dir, block_size=8, kv_events_endpoint=endpoint, kv_cache_memory_gb=0.05) as llm:
+            time.sleep(0.5)  # let the subscription reach the publisher
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+            stored: list[dict] = []
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and sum(len(e["block_hashes"]) for e in stored) < 5:
+                if sub.poll(200):
+                    batch = msg.decode(sub.recv())
+                    assert isinstance(batch, msg.KVCacheEvents)
+                    stored += [e for e in batch.events if e["type"] == "BlockStored"]
+        hashes = [h for e in stored for h in e["block_hashes"]]
+        tokens = [t for e in stored for t in e["token_ids"]]
+        assert len(hashes) == len(set(hashes)) >= 5
+        assert tokens[:40] == prompt  # the stored chain spells the prompt, block by block
+        assert stored[0]["parent_block_hash"] is None
+    finally:
+        sub.close(0)
+        ctx.term()
