@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from meshserve.models.base import CausalLM
+from meshserve.models.layers.linear import pack_linears
 from meshserve.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -104,4 +105,5 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     post_process = getattr(model, "process_weights_after_loading", None)
     if callable(post_process):
         post_process()
+    pack_linears(model)  # weights are final now: prepack them for the CPU matmul library
     return model.eval()

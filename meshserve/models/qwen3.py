@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from meshserve.models.base import AttentionMetadata, CausalLM, KVCacheLayout
 from meshserve.models.layers.attention import PagedGQAAttention
+from meshserve.models.layers.linear import attach_packed, linear
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
 
@@ -88,8 +89,11 @@ class FusedLinear(torch.nn.Module):
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         return param.data.narrow(0, self.offsets[index], self.out_sizes[index])
 
+    def pack_weights(self) -> int:
+        return int(attach_packed(self.weight))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class Qwen3Attention(torch.nn.Module):
@@ -210,7 +214,7 @@ class Qwen3ForCausalLM(CausalLM):
         return self.model(input_ids, positions, attn, kv_caches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.lm_head_weight).float()
+        return linear(hidden_states, self.lm_head_weight).float()
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
         return KVCacheLayout(num_layers=self.dims.num_layers,

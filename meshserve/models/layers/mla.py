@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.models.base import AttentionMetadata
+from meshserve.models.layers.linear import Linear
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.paged import gather_sequence, length_mask, write_to_cache
 from meshserve.models.layers.rope import apply_rotary, yarn_factor, yarn_get_mscale
@@ -130,9 +131,9 @@ def decode_chunk_size(padded_len: int, kv_cache: torch.Tensor) -> int:
     return max(1, _CPU_DECODE_CHUNK_BYTES // max(1, bytes_per_seq))
 
 
-def uninitialized_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> torch.nn.Linear:
+def uninitialized_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
     """A Linear without the random initialisation (its weights come from a checkpoint); biases start at 0."""
-    layer = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+    layer = torch.nn.utils.skip_init(Linear, in_features, out_features, bias=bias, dtype=dtype)
     if bias:
         layer.bias.data.zero_()
     return layer

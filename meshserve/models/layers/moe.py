@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshserve.models.layers.linear import linear, pack_weight
+
 
 def fused_experts(
     hidden_states: torch.Tensor,  # [T, H]
@@ -17,6 +19,7 @@ def fused_experts(
     w13: torch.Tensor,  # [E_local, 2 * I, H]: gate rows then up rows
     w2: torch.Tensor,  # [E_local, H, I]
     first_expert: int = 0,  # global id of local expert 0 (expert parallelism keeps a slice)
+    packed: tuple[list, list] | None = None,  # per-expert oneDNN weights of w13 and w2 (see linear.py)
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -42,9 +45,14 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        gate_up = torch.mm(xs[start:end], w13[expert].t())
-        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        torch.mm(act, w2[expert].t(), out=ys[start:end])
+        if packed is None:
+            gate_up = torch.mm(xs[start:end], w13[expert].t())
+            act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            torch.mm(act, w2[expert].t(), out=ys[start:end])
+        else:
+            gate_up = linear(xs[start:end], w13[expert], packed=packed[0][expert])
+            act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            ys[start:end] = linear(act, w2[expert], packed=packed[1][expert])
         start = end
     weights = topk_weights.reshape(-1).index_select(0, order).to(ys.dtype)
     ys.mul_(weights.unsqueeze(1))
@@ -85,5 +93,15 @@ class FusedMoEWeights(torch.nn.Module):
             raise KeyError(f"unknown expert projection {proj!r}")
         return True
 
+    def pack_weights(self) -> int:
+        """Prepack each expert's matrices for oneDNN (see linear.py); 0 where that does not apply."""
+        w13 = [pack_weight(self.w13[e]) for e in range(self.num_experts)]
+        if any(p is None for p in w13):
+            self._packed = None
+            return 0
+        self._packed = (w13, [pack_weight(self.w2[e]) for e in range(self.num_experts)])
+        return 2 * self.num_experts
+
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_expert)
+        return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_expert,
+                             getattr(self, "_packed", None))

@@ -1,0 +1,84 @@
+"""Linear layers with weights prepacked for oneDNN on CPU.
+
+PyTorch's default CPU matmul for fp32 (MKL sgemm) reaches about half of this
+machine's matmul rate, and far less at the small row counts of decode; oneDNN
+with the weight reordered once into its blocked layout runs 2-3x faster. On
+other devices, or where oneDNN is missing, `linear` is plain `F.linear`.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_PACKED_ATTR = "_onednn_packed"
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:  # the op exists in every CPU build we know, but prove it runs before relying on it
+        w = torch.randn(8, 4)
+        out = op(torch.randn(3, 4), torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], "")
+        return out.shape == (3, 8)
+    except RuntimeError:
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a [out, in] weight, or None where it does not apply."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not onednn_linear_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the prepacked weight when there is one (passed, or attached by `pack_linears`)."""
+    if packed is None:
+        packed = getattr(weight, _PACKED_ATTR, None)
+    if packed is None or x.device.type != "cpu" or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias, packed).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+class Linear(torch.nn.Linear):
+    """nn.Linear that uses a prepacked weight once `pack_linears` has run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def attach_packed(weight: torch.Tensor) -> bool:
+    packed = pack_weight(weight)
+    if packed is None:
+        return False
+    setattr(weight, _PACKED_ATTR, packed)
+    return True
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Prepack every weight that `linear` is called with: modules that declare `packable_weights()`.
+
+    Call after the weights are final (packing copies them). Returns the number of weights packed.
+    """
+    count = 0
+    for module in model.modules():
+        hook = getattr(module, "pack_weights", None)
+        if hook is not None:
+            count += hook()
+        elif isinstance(module, Linear) and attach_packed(module.weight):
+            count += 1
+    if count:
+        logger.info("prepacked %d weights for oneDNN", count)
+    return count
