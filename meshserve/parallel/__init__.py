@@ -1,0 +1,1 @@
+"""Parallelism for multi-rank serving: strategy grammar and the offline strategy analyzer."""

@@ -1,0 +1,415 @@
+"""Offline strategy analyzer: the MixServe §III-B cost model and an exhaustive search.
+
+Each paper equation is one small function named after it. Times are seconds, sizes
+are bytes, compute is FLOP/s. Collectives use an alpha-beta model (latency +
+bytes/bandwidth) on the intra-node link when the group fits in one node and on the
+inter-node link otherwise. Ranks are laid out TP-innermost, so a TP group of degree
+d spans d consecutive devices and a DP/EP group spans the whole world.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from meshserve.parallel.strategy import ParallelStrategy, enumerate_strategies
+
+ACTIVATION_BYTES = 2  # hidden states and KV cache travel and live in bf16
+
+
+class AnalyzerError(ValueError):
+    """Inputs the analyzer cannot model (unknown architecture, bad cluster or workload)."""
+
+
+# ---------------------------------------------------------------- inputs
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the cost model needs from a model: parameter counts split as in Eq. 8."""
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    psi_attn: int  # every parameter that is not a routed expert (attention, shared/dense MLP, embeddings)
+    psi_moe: int  # routed-expert parameters
+    weight_bytes: float  # bytes per stored weight (1 for fp8 checkpoints)
+
+    @property
+    def total_params(self) -> int:
+        return self.psi_attn + self.psi_moe
+
+    @property
+    def active_params(self) -> float:
+        return self.psi_attn + self.psi_moe * self.top_k / self.num_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int
+    devices_per_node: int
+    device_memory_bytes: float
+    flops: float  # dense bf16 FLOP/s per device
+    intra_bandwidth: float  # bytes/s per device
+    inter_bandwidth: float  # bytes/s per device
+    intra_latency: float = 5e-6
+    inter_latency: float = 15e-6
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node", "device_memory_bytes", "flops",
+                     "intra_bandwidth", "inter_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise AnalyzerError(f"cluster {name} must be positive, got {getattr(self, name)!r}")
+        for name in ("intra_latency", "inter_latency"):
+            if getattr(self, name) < 0:
+                raise AnalyzerError(f"cluster {name} must be non-negative, got {getattr(self, name)!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link_for_span(self, span: int) -> Link:
+        """The link a group crossing `span` consecutive devices is bound by."""
+        if span <= self.devices_per_node:
+            return Link(self.intra_bandwidth, self.intra_latency)
+        return Link(self.inter_bandwidth, self.inter_latency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    batch: int
+    input_len: int
+    output_len: int
+    arrival_rate: float  # requests/s
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "input_len", "output_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise AnalyzerError(f"workload {name} must be a positive integer, got {value!r}")
+        if not self.arrival_rate >= 0:
+            raise AnalyzerError(f"arrival rate must be >= 0 requests/s, got {self.arrival_rate!r}")
+        for name in ("slo_ttft_s", "slo_itl_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise AnalyzerError(f"{name} must be positive, got {value!r}")
+
+
+# ---------------------------------------------------------------- model config
+
+def _weight_bytes(config: Mapping[str, Any]) -> float:
+    quant = config.get("quantization_config") or {}
+    if str(quant.get("quant_method", "")).lower() == "fp8":
+        return 1.0
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    sizes = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
+    if dtype not in sizes:
+        raise AnalyzerError(f"unsupported weight dtype {dtype!r}")
+    return sizes[dtype]
+
+
+def _require(config: Mapping[str, Any], *keys: str) -> list[int]:
+    missing = [k for k in keys if k not in config]
+    if missing:
+        raise AnalyzerError(f"model config lacks {', '.join(missing)}")
+    return [int(config[k]) for k in keys]
+
+
+def _deepseek_v3_params(c: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    h, layers, vocab, heads = _require(c, "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+    kv_lora, nope, rope, v_dim = _require(c, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    experts, top_k, moe_inter, inter = _require(
+        c, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size")
+    shared = int(c.get("n_shared_experts") or 0)
+    first_dense = int(c.get("first_k_dense_replace", 0))
+    q_lora = c.get("q_lora_rank")
+    if q_lora:  # MLA low-rank query: down-projection, its norm, up-projection
+        q_params = h * q_lora + q_lora + q_lora * heads * (nope + rope)
+    else:
+        q_params = h * heads * (nope + rope)
+    kv_params = h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim)
+    attn_layer = q_params + kv_params + heads * v_dim * h + 2 * h  # + o_proj + two RMSNorms
+    moe_layers = layers - first_dense
+    routed = moe_layers * experts * 3 * h * moe_inter
+    dense_ffn = first_dense * 3 * h * inter + moe_layers * (shared * 3 * h * moe_inter + experts * h)
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings") else 2) + h
+    return layers * attn_layer + dense_ffn + embeddings, routed, experts, top_k
+
+
+def _qwen3_moe_params(c: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    h, layers, vocab, heads, kv_heads = _require(
+        c, "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads")
+    experts, top_k, moe_inter = _require(c, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    head_dim = int(c.get("head_dim") or h // heads)
+    attn_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 2 * head_dim + 2 * h
+    step = int(c.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    moe_layer_ids = [i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0]
+    dense_layers = layers - len(moe_layer_ids)
+    routed = len(moe_layer_ids) * experts * 3 * h * moe_inter
+    dense_ffn = dense_layers * 3 * h * int(c.get("intermediate_size", 0)) + len(moe_layer_ids) * experts * h
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings") else 2) + h
+    return layers * attn_layer + dense_ffn + embeddings, routed, experts, top_k
+
+
+_PARAM_COUNTERS = {"deepseek_v3": _deepseek_v3_params, "kimi_k2": _deepseek_v3_params,
+                   "qwen3_moe": _qwen3_moe_params}
+
+
+def model_spec_from_config(config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
+    """Derive Ψ_attn, Ψ_moe, h, l, experts and top-k from an HF config.json dict."""
+    if not isinstance(config, Mapping):
+        raise AnalyzerError("model config must be a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in _PARAM_COUNTERS:
+        raise AnalyzerError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_PARAM_COUNTERS))}")
+    psi_attn, psi_moe, experts, top_k = _PARAM_COUNTERS[model_type](config)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise AnalyzerError(f"bad expert routing: {experts} experts, top-{top_k}")
+    return ModelSpec(name=name or str(model_type), hidden_size=int(config["hidden_size"]),
+                     num_layers=int(config["num_hidden_layers"]), num_experts=experts, top_k=top_k,
+                     psi_attn=psi_attn, psi_moe=psi_moe, weight_bytes=_weight_bytes(config))
+
+
+# ---------------------------------------------------------------- Eq. 1-3: collectives
+
+def reduce_scatter_time_eq1(size: float, degree: int, link: Link) -> float:
+    """Eq. 1: RS(size, d) ∝ size/d, one full-duplex round."""
+    return 0.0 if degree <= 1 else link.latency + size / degree / link.bandwidth
+
+
+def all_gather_time_eq1(size: float, degree: int, link: Link) -> float:
+    """Eq. 1: AG(size, d) = RS(size, d)."""
+    return reduce_scatter_time_eq1(size, degree, link)
+
+
+def allreduce_time(size: float, degree: int, link: Link) -> float:
+    """Eq. 2: AR = RS + AG, each moving size/d per rank.
+
+    The paper nests size/degree inside Eq. 1 a second time, which would make an AR
+    (size/d²) cheaper than the RS it contains; we keep the RS + AG decomposition
+    with each half priced by Eq. 1 on the full tensor.
+    """
+    return reduce_scatter_time_eq1(size, degree, link) + all_gather_time_eq1(size, degree, link)
+
+
+def all_to_all_time(size: float, degree: int, link: Link) -> float:
+    """Eq. 3: A2A(size, d) ∝ size/d * (d-1): pairwise exchange in d-1 rounds, each paying latency."""
+    if degree <= 1:
+        return 0.0
+    return (degree - 1) * (link.latency + size / degree / link.bandwidth)
+
+
+# ---------------------------------------------------------------- Eq. 4-6: per-token service latency
+
+def compute_latency_eq4(params: float, tokens: float, shard_degree: int, flops: float) -> float:
+    """Eq. 4: τ ∝ Ψ/(d_TP·d_EP) · (b/d_DP)·s — 2 FLOPs per weight per token on one rank's shard."""
+    return 2.0 * params * tokens / (shard_degree * flops)
+
+
+def communication_latency_eq5(strategy: ParallelStrategy, tokens: int, hidden: int, top_k: int,
+                              cluster: Cluster) -> float:
+    """Eq. 5 for one decoder layer; `tokens` = b·s for the whole batch.
+
+    2×AR: one after attention (attention TP group) and one after the MoE (MoE TP group).
+    2×A2A (dispatch + combine) among d_EP ranks when d_DP >= d_EP, otherwise among
+    d_DP ranks carrying b/d_EP tokens (the redundant hidden states are dropped), plus
+    an AR over the d_EP/d_DP replicas of each token to sum their experts' outputs.
+    """
+    dp, ep = strategy.attn_dp, strategy.moe_ep
+    hidden_bytes = math.ceil(tokens / dp) * hidden * ACTIVATION_BYTES
+    # A MoE TP group serves the tokens of its whole EP shard: b·s/d_EP, not b·s/d_DP.
+    moe_group_bytes = math.ceil(tokens / ep) * hidden * ACTIVATION_BYTES
+    ar = (allreduce_time(hidden_bytes, strategy.attn_tp, cluster.link_for_span(strategy.attn_tp))
+          + allreduce_time(moe_group_bytes, strategy.moe_tp, cluster.link_for_span(strategy.moe_tp)))
+    if dp >= ep:
+        a2a = all_to_all_time(hidden_bytes * top_k, ep, cluster.link_for_span(strategy.world_size))
+    else:
+        routed_bytes = math.ceil(tokens / ep) * hidden * ACTIVATION_BYTES * top_k
+        a2a = all_to_all_time(routed_bytes, dp, cluster.link_for_span(strategy.world_size))
+        # Not in Eq. 5: the ep/dp ranks that hold the same tokens each computed only their own
+        # experts, so their partial MoE outputs must still be summed (with d_DP = 1 Eq. 5 alone
+        # would price a 16-way EP layer at zero communication).
+        ar += allreduce_time(hidden_bytes, ep // dp, cluster.link_for_span(strategy.world_size))
+    return ar + 2 * a2a
+
+
+def service_latency_eq6(layers: int, tau: float, lam: float, pp: int = 1, p2p: float = 0.0) -> float:
+    """Eq. 6: Δt_svc = l(τ + λ) + (d_PP - 1)·P2P."""
+    return layers * (tau + lam) + (pp - 1) * p2p
+
+
+# ---------------------------------------------------------------- Eq. 7: queueing
+
+def mm1_queueing_delay_eq7(arrival_rate: float, service_rate: float) -> float:
+    """Eq. 7: W_q = λ_a / (μ(μ - λ_a)); infinite when the queue is unstable (ρ >= 1)."""
+    if service_rate <= 0 or arrival_rate >= service_rate:
+        return math.inf
+    return arrival_rate / (service_rate * (service_rate - arrival_rate))
+
+
+# ---------------------------------------------------------------- Eq. 8: memory
+
+def kv_cache_bytes_eq8(batch: int, seq_len: int, hidden: int, layers: int, pp: int = 1) -> float:
+    """The 2·b·s·h·l/d_PP term of Eq. 8 (K and V at hidden width, bf16)."""
+    return 2 * batch * seq_len * hidden * layers / pp * ACTIVATION_BYTES
+
+
+def memory_per_rank_eq8(psi_attn_bytes: float, psi_moe_bytes: float, kv_bytes: float,
+                        strategy: ParallelStrategy) -> float:
+    """Left side of Eq. 8: Ψ_attn/d_TP + Ψ_moe/(d_EP·d_TP) + KV."""
+    return psi_attn_bytes / strategy.attn_tp + psi_moe_bytes / (strategy.moe_ep * strategy.moe_tp) + kv_bytes
+
+
+def fits_memory_eq8(psi_attn_bytes: float, psi_moe_bytes: float, kv_bytes: float,
+                    strategy: ParallelStrategy, device_memory: float) -> bool:
+    """Eq. 8: the per-rank footprint must stay strictly below M."""
+    return memory_per_rank_eq8(psi_attn_bytes, psi_moe_bytes, kv_bytes, strategy) < device_memory
+
+
+# ---------------------------------------------------------------- Eq. 9-11: indicators
+
+def ttft_eq9(queueing_delay: float, prefill_latency: float) -> float:
+    """Eq. 9: TTFT = W_q + Δt_svc|s=L_in."""
+    return queueing_delay + prefill_latency
+
+
+def itl_eq10(decode_latency: float) -> float:
+    """Eq. 10: ITL = Δt_svc|s=1."""
+    return decode_latency
+
+
+def throughput_eq11(input_len: int, output_len: int, queueing_delay: float, prefill_latency: float,
+                    decode_latency: float) -> float:
+    """Eq. 11: Θ = (L_in + L_out) / (W_q + Δt_prf + L_out·Δt_dec), tokens/s of one request."""
+    total = queueing_delay + prefill_latency + output_len * decode_latency
+    return 0.0 if math.isinf(total) else (input_len + output_len) / total
+
+
+# ---------------------------------------------------------------- Eq. 12-13: hybrid TP-EP
+
+def ep_comm_eq12(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster: Cluster) -> float:
+    """Eq. 12: λ_EP = AR(bsh, n_proc) + 2·A2A(bshk, n_node) (TP in node, EP across nodes)."""
+    return (allreduce_time(bsh_bytes, n_proc, cluster.link_for_span(n_proc))
+            + 2 * all_to_all_time(bsh_bytes * top_k, n_node, cluster.link_for_span(n_proc * n_node)))
+
+
+def hybrid_comm_eq13(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster: Cluster) -> float:
+    """Eq. 13: λ_mix = AR(bsh, n_proc) + AG(bshk/n_proc, n_proc) + 2·A2A(bshk/n_proc, n_node)."""
+    shard = bsh_bytes * top_k / n_proc
+    intra = cluster.link_for_span(n_proc)
+    return (allreduce_time(bsh_bytes, n_proc, intra) + all_gather_time_eq1(shard, n_proc, intra)
+            + 2 * all_to_all_time(shard, n_node, cluster.link_for_span(n_proc * n_node)))
+
+
+# ---------------------------------------------------------------- search
+
+@dataclasses.dataclass(frozen=True)
+class StrategyEstimate:
+    strategy: ParallelStrategy
+    fits_memory: bool
+    memory_per_rank_bytes: float
+    comm_model: str  # which equation priced the layer's communication: eq5, eq12 or eq13
+    ttft_s: float = math.nan
+    itl_s: float = math.nan
+    throughput_tok_s: float = 0.0  # whole batch: b concurrent requests, each at Eq. 11's rate
+    meets_slo: bool = False
+
+
+def comm_model_for(strategy: ParallelStrategy, cluster: Cluster) -> str:
+    """Eq. 13 prices the MixServe layout (same TP in both blocks, DP = EP across the rest),
+    Eq. 12 the DP+EP baseline (TP attention, pure EP MoE); everything else uses Eq. 5."""
+    s = strategy
+    if s.attn_tp == s.moe_tp > 1 and s.attn_dp == s.moe_ep > 1:
+        return "eq13"
+    if s.moe_tp == 1 and s.attn_tp > 1 and s.attn_dp > 1 and s.attn_tp <= cluster.devices_per_node:
+        return "eq12"
+    return "eq5"
+
+
+def layer_latency(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, tokens: int,
+                  comm_model: str) -> tuple[float, float]:
+    """(τ, λ) of one decoder layer processing `tokens` = b·s tokens of the whole batch."""
+    s = strategy
+    attn_params = model.psi_attn / model.num_layers
+    active_expert_params = model.psi_moe / model.num_layers * model.top_k / model.num_experts
+    tokens_per_dp = math.ceil(tokens / s.attn_dp)
+    tau = (compute_latency_eq4(attn_params, tokens_per_dp, s.attn_tp, cluster.flops)
+           + compute_latency_eq4(active_expert_params, tokens, s.moe_tp * s.moe_ep, cluster.flops))
+    bsh = tokens_per_dp * model.hidden_size * ACTIVATION_BYTES
+    if comm_model == "eq13":
+        lam = hybrid_comm_eq13(bsh, model.top_k, s.moe_tp, s.moe_ep, cluster)
+    elif comm_model == "eq12":
+        lam = ep_comm_eq12(bsh, model.top_k, s.attn_tp, s.attn_dp, cluster)
+    else:
+        lam = communication_latency_eq5(s, tokens, model.hidden_size, model.top_k, cluster)
+    return tau, lam
+
+
+def estimate(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, workload: Workload) -> StrategyEstimate:
+    w = workload
+    kv = kv_cache_bytes_eq8(math.ceil(w.batch / strategy.attn_dp), w.input_len + w.output_len,
+                            model.hidden_size, model.num_layers)
+    attn_bytes = model.psi_attn * model.weight_bytes
+    moe_bytes = model.psi_moe * model.weight_bytes
+    memory = memory_per_rank_eq8(attn_bytes, moe_bytes, kv, strategy)
+    comm = comm_model_for(strategy, cluster)
+    if not fits_memory_eq8(attn_bytes, moe_bytes, kv, strategy, cluster.device_memory_bytes):
+        return StrategyEstimate(strategy, False, memory, comm)
+    prefill = service_latency_eq6(model.num_layers, *layer_latency(model, strategy, cluster,
+                                                                   w.batch * w.input_len, comm))
+    decode = service_latency_eq6(model.num_layers, *layer_latency(model, strategy, cluster, w.batch, comm))
+    # One service = the batch's b requests from prefill through their last token.
+    service_rate = w.batch / (prefill + w.output_len * decode)
+    wq = mm1_queueing_delay_eq7(w.arrival_rate, service_rate)
+    ttft, itl = ttft_eq9(wq, prefill), itl_eq10(decode)
+    throughput = w.batch * throughput_eq11(w.input_len, w.output_len, wq, prefill, decode)
+    meets = (math.isfinite(wq) and (w.slo_ttft_s is None or ttft <= w.slo_ttft_s)
+             and (w.slo_itl_s is None or itl <= w.slo_itl_s))
+    return StrategyEstimate(strategy, True, memory, comm, ttft, itl, throughput, meets)
+
+
+def rank_key(est: StrategyEstimate) -> tuple:
+    """Fitting before not fitting, SLO-meeting first, then higher throughput, then lower TTFT."""
+    ttft = est.ttft_s if math.isfinite(est.ttft_s) else math.inf
+    return (not est.fits_memory, not est.meets_slo, -est.throughput_tok_s, ttft, str(est.strategy))
+
+
+def analyze(config: Mapping[str, Any] | ModelSpec, cluster: Cluster, workload: Workload,
+            include_unfit: bool = False) -> list[StrategyEstimate]:
+    """Estimate every strategy of the cluster's world size, best first; unfit ones dropped unless asked."""
+    model = config if isinstance(config, ModelSpec) else model_spec_from_config(config)
+    estimates = [estimate(model, s, cluster, workload) for s in enumerate_strategies(cluster.world_size)]
+    if not include_unfit:
+        estimates = [e for e in estimates if e.fits_memory]
+    return sorted(estimates, key=rank_key)
+
+
+def to_deployment(strategy: ParallelStrategy, model_dir: str, est: StrategyEstimate | None = None) -> dict:
+    """The deployment-file dict (plain types only, YAML-serialisable)."""
+    deployment: dict[str, Any] = {
+        "model": str(model_dir),
+        "parallel": str(strategy),
+        "world_size": strategy.world_size,
+        "attention": {"tp": strategy.attn_tp, "dp": strategy.attn_dp},
+        "moe": {"tp": strategy.moe_tp, "ep": strategy.moe_ep},
+    }
+    if est is not None:
+        deployment["estimate"] = {
+            "ttft_ms": round(est.ttft_s * 1e3, 3) if math.isfinite(est.ttft_s) else None,
+            "itl_ms": round(est.itl_s * 1e3, 3) if math.isfinite(est.itl_s) else None,
+            "throughput_tok_s": round(est.throughput_tok_s, 1),
+            "memory_per_rank_gb": round(est.memory_per_rank_bytes / 1e9, 2),
+            "meets_slo": est.meets_slo,
+            "comm_model": est.comm_model,
+        }
+    return deployment

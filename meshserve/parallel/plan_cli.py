@@ -1,0 +1,200 @@
+"""`meshserve plan`: rank every parallel strategy for a model on a cluster and write a deployment file."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+import yaml
+
+from meshserve.parallel.analyzer import (AnalyzerError, Cluster, StrategyEstimate, Workload, analyze,
+                                         model_spec_from_config, to_deployment)
+from meshserve.parallel.strategy import StrategyError
+
+GB = 1e9
+GBIT = 1e9 / 8
+
+# The two clusters of MixServe §IV-A. Memory and link bandwidths are the paper's;
+# dense bf16 FLOP/s are the vendors' datasheet figures and link latencies are
+# typical values, neither of which the paper states.
+CLUSTER_PRESETS: dict[str, Cluster] = {
+    "h20-2x8": Cluster(name="h20-2x8", nodes=2, devices_per_node=8, device_memory_bytes=96 * GB,
+                       flops=148e12, intra_bandwidth=900 * GB, inter_bandwidth=400 * GBIT,
+                       intra_latency=5e-6, inter_latency=15e-6),
+    "ascend910b-4x8": Cluster(name="ascend910b-4x8", nodes=4, devices_per_node=8, device_memory_bytes=64 * GB,
+                              flops=313e12, intra_bandwidth=480 * GBIT, inter_bandwidth=200 * GBIT,
+                              intra_latency=10e-6, inter_latency=25e-6),
+}
+
+# The architecture fields of the published HF config.json files.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-r1": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "norm_topk_prob": True, "vocab_size": 129280, "max_position_embeddings": 163840,
+        "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]},
+    },
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True, "vocab_size": 151936, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+}
+
+# Cluster file keys -> (Cluster field, multiplier to SI units).
+_CLUSTER_FILE_KEYS = {
+    "name": ("name", None), "nodes": ("nodes", None), "devices_per_node": ("devices_per_node", None),
+    "device_memory_gb": ("device_memory_bytes", GB), "tflops": ("flops", 1e12),
+    "intra_bandwidth_gb_s": ("intra_bandwidth", GB), "inter_bandwidth_gb_s": ("inter_bandwidth", GB),
+    "intra_latency_us": ("intra_latency", 1e-6), "inter_latency_us": ("inter_latency", 1e-6),
+}
+
+
+class PlanError(ValueError):
+    """A bad `meshserve plan` input, reported as one line."""
+
+
+def load_cluster_file(path: str) -> Cluster:
+    """Cluster YAML: nodes, devices_per_node, device_memory_gb, tflops, intra/inter_bandwidth_gb_s,
+    optional intra/inter_latency_us and name."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise PlanError(f"cannot read cluster file {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise PlanError(f"cluster file {path} must be a mapping")
+    unknown = sorted(set(data) - set(_CLUSTER_FILE_KEYS))
+    if unknown:
+        raise PlanError(f"cluster file {path}: unknown keys {', '.join(unknown)}")
+    required = set(_CLUSTER_FILE_KEYS) - {"name", "intra_latency_us", "inter_latency_us"}
+    missing = sorted(required - set(data))
+    if missing:
+        raise PlanError(f"cluster file {path}: missing keys {', '.join(missing)}")
+    kwargs: dict[str, Any] = {"name": str(data.get("name", path))}
+    for key, value in data.items():
+        field, scale = _CLUSTER_FILE_KEYS[key]
+        if scale is None:
+            kwargs[field] = value if key == "name" else _as_int(key, value)
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PlanError(f"cluster file {path}: {key} must be a number, got {value!r}")
+            kwargs[field] = float(value) * scale
+    return Cluster(**kwargs)
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"cluster {key} must be an integer, got {value!r}")
+    return value
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--config", help="HF config.json of the model (deepseek_v3 / kimi_k2 / qwen3_moe)")
+    model.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), help="built-in model config")
+    cluster = parser.add_mutually_exclusive_group(required=True)
+    cluster.add_argument("--cluster", help="cluster YAML file")
+    cluster.add_argument("--preset-cluster", choices=sorted(CLUSTER_PRESETS), help="built-in cluster")
+    parser.add_argument("--batch", type=int, default=16, help="concurrent requests b (default 16)")
+    parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens L_in")
+    parser.add_argument("--output-len", type=int, default=256, help="generated tokens L_out")
+    parser.add_argument("--rate", type=float, default=4.0, help="request arrival rate, requests/s")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-itl-ms", type=float, default=None)
+    parser.add_argument("--model-dir", default=None, help="model path recorded in the deployment file")
+    parser.add_argument("--out", default=None, help="write the best strategy's deployment YAML here")
+    parser.add_argument("--top", type=int, default=0, help="print only the best N rows (default: all)")
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else ("inf" if math.isinf(seconds) else f"{seconds * 1e3:.2f}")
+
+
+def format_table(estimates: list[StrategyEstimate]) -> str:
+    header = ("rank", "strategy", "fits", "mem GB", "TTFT ms", "ITL ms", "tokens/s", "meets SLO", "comm")
+    rows = [header]
+    for i, e in enumerate(estimates, 1):
+        rows.append((str(i), str(e.strategy), "yes" if e.fits_memory else "no",
+                     f"{e.memory_per_rank_bytes / GB:.1f}", _ms(e.ttft_s), _ms(e.itl_s),
+                     f"{e.throughput_tok_s:.0f}" if e.fits_memory else "-",
+                     ("yes" if e.meets_slo else "no") if e.fits_memory else "-", e.comm_model))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _load_model_config(args: argparse.Namespace) -> tuple[dict, str]:
+    if args.model_preset:
+        return MODEL_PRESETS[args.model_preset], args.model_preset
+    try:
+        with open(args.config, encoding="utf-8") as f:
+            return json.load(f), args.config
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"cannot read model config {args.config}: {e}") from e
+
+
+def run_plan(args: argparse.Namespace, out=sys.stdout) -> dict:
+    """Analyze, print the ranked table, write the deployment file; returns the deployment dict."""
+    config, model_name = _load_model_config(args)
+    model = model_spec_from_config(config, name=model_name)
+    cluster = CLUSTER_PRESETS[args.preset_cluster] if args.preset_cluster else load_cluster_file(args.cluster)
+    workload = Workload(batch=args.batch, input_len=args.input_len, output_len=args.output_len,
+                        arrival_rate=args.rate,
+                        slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+                        slo_itl_s=None if args.slo_itl_ms is None else args.slo_itl_ms / 1e3)
+    estimates = analyze(model, cluster, workload, include_unfit=True)
+    best = estimates[0]
+    if not best.fits_memory:
+        raise PlanError(f"no strategy fits {model.name} on {cluster.name}: the smallest per-rank footprint is "
+                        f"{min(e.memory_per_rank_bytes for e in estimates) / GB:.1f} GB of "
+                        f"{cluster.device_memory_bytes / GB:.1f} GB")
+    print(f"model {model.name}: {model.total_params / 1e9:.1f}B params ({model.active_params / 1e9:.1f}B active), "
+          f"cluster {cluster.name}: {cluster.nodes}x{cluster.devices_per_node} devices, "
+          f"batch {workload.batch}, in {workload.input_len}, out {workload.output_len}, "
+          f"rate {workload.arrival_rate:g} req/s", file=out)
+    shown = estimates[:args.top] if args.top > 0 else estimates
+    print(format_table(shown), file=out)
+    deployment = to_deployment(best.strategy, args.model_dir or model_name, best)
+    if args.out:
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                yaml.safe_dump(deployment, f, sort_keys=False)
+        except OSError as e:
+            raise PlanError(f"cannot write {args.out}: {e}") from e
+        print(f"chosen: {best.strategy} -> {args.out}", file=out)
+    else:
+        print(f"chosen: {best.strategy}", file=out)
+    return deployment
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    try:
+        run_plan(args)
+    except (PlanError, AnalyzerError, StrategyError) as e:
+        print(f"meshserve plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshserve plan", description=__doc__)
+    add_plan_arguments(parser)
+    return plan_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

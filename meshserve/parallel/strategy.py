@@ -1,0 +1,104 @@
+"""Parallel-strategy grammar of MixServe §III-B1: `attn=TP2+DP2 moe=TP2+EP2`.
+
+The attention block is split by TP and DP, the MoE block by TP and EP (DP is not
+used for MoE: EP already replicates nothing and partitions the experts). Every
+degree is a power of two, and both blocks must cover the same ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_BLOCK_KINDS = {"attn": ("TP", "DP"), "moe": ("TP", "EP")}
+_TERM_RE = re.compile(r"^(TP|DP|EP)(\d+)$")
+
+
+class StrategyError(ValueError):
+    """A strategy string or degree set that the grammar does not allow."""
+
+
+def is_power_of_two(value: int) -> bool:
+    return isinstance(value, int) and value >= 1 and value & (value - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelStrategy:
+    attn_tp: int = 1
+    attn_dp: int = 1
+    moe_tp: int = 1
+    moe_ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("attn_tp", "attn_dp", "moe_tp", "moe_ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not is_power_of_two(value):
+                raise StrategyError(f"{name} must be a positive power of two, got {value!r}")
+        attn_ranks = self.attn_tp * self.attn_dp
+        moe_ranks = self.moe_tp * self.moe_ep
+        if attn_ranks != moe_ranks:
+            raise StrategyError(
+                f"attention covers {attn_ranks} ranks (TP{self.attn_tp}*DP{self.attn_dp}) but MoE covers "
+                f"{moe_ranks} (TP{self.moe_tp}*EP{self.moe_ep}); both blocks must span the same world size")
+
+    @property
+    def world_size(self) -> int:
+        return self.attn_tp * self.attn_dp
+
+    def __str__(self) -> str:
+        return f"attn=TP{self.attn_tp}+DP{self.attn_dp} moe=TP{self.moe_tp}+EP{self.moe_ep}"
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelStrategy":
+        return parse_strategy(text)
+
+    @classmethod
+    def from_degrees(cls, tp: int = 1, dp: int = 1, ep: int = 1) -> "ParallelStrategy":
+        """Shorthand of `--tp/--dp/--ep`: attention TP x DP; MoE EP with TP filling the rest."""
+        for name, value in (("tp", tp), ("dp", dp), ("ep", ep)):
+            if isinstance(value, bool) or not is_power_of_two(value):
+                raise StrategyError(f"--{name} must be a positive power of two, got {value!r}")
+        world = tp * dp
+        if ep > world:
+            raise StrategyError(f"--ep {ep} exceeds the world size tp*dp = {world}")
+        return cls(attn_tp=tp, attn_dp=dp, moe_tp=world // ep, moe_ep=ep)
+
+
+def parse_strategy(text: str) -> ParallelStrategy:
+    """Parse `attn=TPa+DPb moe=TPc+EPd`; omitted terms default to 1, order of terms is free."""
+    if not isinstance(text, str) or not text.strip():
+        raise StrategyError("empty strategy; expected e.g. 'attn=TP2+DP2 moe=TP2+EP2'")
+    degrees: dict[str, int] = {}
+    seen_blocks: set[str] = set()
+    for block in text.split():
+        name, sep, body = block.partition("=")
+        if not sep or name not in _BLOCK_KINDS:
+            raise StrategyError(f"bad block {block!r}; expected 'attn=...' or 'moe=...'")
+        if name in seen_blocks:
+            raise StrategyError(f"block {name!r} given twice")
+        seen_blocks.add(name)
+        allowed = _BLOCK_KINDS[name]
+        seen_kinds: set[str] = set()
+        for term in body.split("+"):
+            match = _TERM_RE.match(term)
+            if not match:
+                raise StrategyError(f"bad term {term!r} in {block!r}; expected e.g. TP4")
+            kind, degree = match.group(1), int(match.group(2))
+            if kind not in allowed:
+                raise StrategyError(f"{kind} is not allowed in the {name} block (allowed: {'/'.join(allowed)})")
+            if kind in seen_kinds:
+                raise StrategyError(f"{kind} given twice in {block!r}")
+            seen_kinds.add(kind)
+            degrees[f"{name}_{kind.lower()}"] = degree
+    if seen_blocks != set(_BLOCK_KINDS):
+        missing = sorted(set(_BLOCK_KINDS) - seen_blocks)
+        raise StrategyError(f"strategy {text!r} lacks the {', '.join(missing)} block")
+    return ParallelStrategy(**degrees)
+
+
+def enumerate_strategies(world_size: int) -> list[ParallelStrategy]:
+    """Every grammar-valid strategy spanning `world_size` ranks."""
+    if isinstance(world_size, bool) or not is_power_of_two(world_size):
+        raise StrategyError(f"world size must be a positive power of two, got {world_size!r}")
+    divisors = [1 << i for i in range(world_size.bit_length()) if (1 << i) <= world_size]
+    return [ParallelStrategy(attn_tp=a, attn_dp=world_size // a, moe_tp=m, moe_ep=world_size // m)
+            for a in divisors for m in divisors]
