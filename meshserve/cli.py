@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_make_model_arguments(make)
     make.set_defaults(func=_make_model)
 
+    plan = sub.add_parser("plan", help="rank parallel strategies for a model on a cluster (MixServe cost model)")
+    from meshserve.parallel.plan_cli import add_plan_arguments, plan_main
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=plan_main)
+
     bench = sub.add_parser("bench", help="benchmarks (offline throughput, online serving)")
     from meshserve.bench.cli import register_bench_commands
 

@@ -147,8 +147,9 @@ def _load_model_config(args: argparse.Namespace) -> tuple[dict, str]:
         raise PlanError(f"cannot read model config {args.config}: {e}") from e
 
 
-def run_plan(args: argparse.Namespace, out=sys.stdout) -> dict:
+def run_plan(args: argparse.Namespace, out=None) -> dict:
     """Analyze, print the ranked table, write the deployment file; returns the deployment dict."""
+    out = out or sys.stdout
     config, model_name = _load_model_config(args)
     model = model_spec_from_config(config, name=model_name)
     cluster = CLUSTER_PRESETS[args.preset_cluster] if args.preset_cluster else load_cluster_file(args.cluster)

@@ -1,0 +1,126 @@
+"""Nodes x ranks layout of a world, its intra-/inter-node process groups, and a local launcher.
+
+Rank r lives on node r // ranks_per_node with local rank r % ranks_per_node. The
+intra-node group of a node holds its ranks; the inter-node group of a local rank
+holds the ranks with that local rank on every node (MixServe's TP and EP groups).
+On one machine the "nodes" are just a grouping of local processes: the groups are
+real torch.distributed groups all the same.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class Topology:
+    num_nodes: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"topology needs >= 1 node and >= 1 rank per node, got "
+                             f"{self.num_nodes} x {self.ranks_per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+
+    def node_of(self, rank: int) -> int:
+        self._check(rank)
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        self._check(rank)
+        return rank % self.ranks_per_node
+
+    def global_rank(self, node: int, local_rank: int) -> int:
+        if not (0 <= node < self.num_nodes and 0 <= local_rank < self.ranks_per_node):
+            raise ValueError(f"(node {node}, local rank {local_rank}) outside {self.num_nodes} x {self.ranks_per_node}")
+        return node * self.ranks_per_node + local_rank
+
+    def intra_node_ranks(self, node: int) -> list[int]:
+        return [self.global_rank(node, local) for local in range(self.ranks_per_node)]
+
+    def inter_node_ranks(self, local_rank: int) -> list[int]:
+        return [self.global_rank(node, local_rank) for node in range(self.num_nodes)]
+
+
+@dataclass
+class TopologyGroups:
+    """This rank's two groups, plus every group (new_group must be called for all of them on every rank)."""
+
+    topology: Topology
+    rank: int
+    intra_node: dist.ProcessGroup
+    inter_node: dist.ProcessGroup
+    all_intra_node: list[dist.ProcessGroup]
+    all_inter_node: list[dist.ProcessGroup]
+
+
+def build_groups(topology: Topology) -> TopologyGroups:
+    """Create the intra- and inter-node groups on an initialised world; collective over the world."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_groups needs torch.distributed to be initialised")
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(f"world size {dist.get_world_size()} != topology {topology.num_nodes} x "
+                         f"{topology.ranks_per_node}")
+    rank = dist.get_rank()
+    # Every rank creates every group, in the same order, as new_group requires.
+    intra = [dist.new_group(topology.intra_node_ranks(node)) for node in range(topology.num_nodes)]
+    inter = [dist.new_group(topology.inter_node_ranks(local)) for local in range(topology.ranks_per_node)]
+    return TopologyGroups(topology, rank, intra[topology.node_of(rank)], inter[topology.local_rank(rank)],
+                          intra, inter)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        # Peers of a failed rank fail too (closed connections); print the first cause per rank.
+        print(f"[rank {rank}] {traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_local_world(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 60.0,
+                      backend: str = "gloo") -> None:
+    """Run fn(rank, world_size, *args) in world_size spawned processes on 127.0.0.1.
+
+    Raises when a worker fails or the world does not finish within timeout_s; every
+    process is ended either way.
+    """
+    context = mp.spawn(_local_worker, args=(fn, world_size, free_port(), backend, args), nprocs=world_size,
+                       join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"local world of {world_size} did not finish within {timeout_s:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
