@@ -10,7 +10,7 @@ import typing
 from meshserve.config import ConfigError, EngineConfig
 from meshserve.engine.core_client import EngineStartupError
 
-_ENGINE_ARG_SKIP = {"model", "extra", "startup_timeout_s"}
+_ENGINE_ARG_SKIP = {"model", "startup_timeout_s"}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -33,7 +33,6 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads per executor; default: all cores
     seed: int = 0
     startup_timeout_s: float = 300.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

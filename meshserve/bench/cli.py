@@ -23,11 +23,17 @@ ENGINE_FLAGS = {
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline` and `serve` to the `bench` subcommand's subparsers."""
+    """Add `offline`, `serve` and `moe-comm` to the `bench` subcommand's subparsers."""
+    from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
+
     _add_offline_parser(subparsers.add_parser(
         "offline", help="offline throughput vs HF transformers, and the decode roofline"))
     _add_serve_parser(subparsers.add_parser(
         "serve", help="load an OpenAI-compatible server and report latency percentiles"))
+    moe_comm = subparsers.add_parser(
+        "moe-comm", help="MoE dispatch/combine: pure EP vs hybrid TP-EP sync/fused (4 local ranks, 2 nodes x 2)")
+    add_moe_comm_arguments(moe_comm)
+    moe_comm.set_defaults(func=moe_comm_main)
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

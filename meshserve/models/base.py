@@ -64,10 +64,6 @@ class AttentionMetadata:
         """Tokens of sequence i that were cached before this step."""
         return self.seq_lens[i] - self.query_len(i)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
     @classmethod
     def build(
         cls,

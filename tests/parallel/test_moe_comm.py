@@ -181,3 +181,19 @@ def _hybrid_worker(rank: int, world: int) -> None:
 
 def test_hybrid_sync_and_fused_match_reference():
     spawn_local_world(_hybrid_worker, 4, timeout_s=WORLD_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------- bench entry point (argument checks only)
+
+def test_bench_rejects_bad_arguments(tmp_path, capsys):
+    import argparse
+
+    from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
+
+    parser = argparse.ArgumentParser()
+    add_moe_comm_arguments(parser)
+    out = tmp_path / "r.json"
+    assert moe_comm_main(parser.parse_args(["--experts", "30", "--json", str(out)])) == 2
+    assert "multiple of 4" in capsys.readouterr().out
+    assert moe_comm_main(parser.parse_args(["--top-k", "64", "--json", str(out)])) == 2
+    assert not out.exists()
