@@ -1,0 +1,464 @@
+"""TransferEngine: moves KV blocks between regions of this engine and linked peers.
+
+A region is a KV cache: one tensor per layer shaped [num_blocks, block_size, *entry]. Transfers
+are pulls: the engine holding the destination initiates and reads the source blocks, either by
+memcpy from a peer's shared-memory region (same host) or over TCP from the peer's block server.
+Transfers run on worker threads; results arrive on a completion queue (`poll`) and per handle
+(`status`, `wait`).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from meshserve.transfer import shm as shm_mod
+from meshserve.transfer import tcp as tcp_mod
+from meshserve.transfer.shm import ShmKVRegion, dtype_from_str, dtype_to_str
+
+
+def host_id() -> str:
+    """Identifies this host's shared-memory namespace: hostname plus boot id where known."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class TransferStatus(str, Enum):
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class RegionDescriptor:
+    """What another process needs to reach a region; `to_dict()` is msgpack/JSON-safe."""
+
+    engine: str
+    region: str
+    layers: list[dict[str, Any]]  # per layer {"shape": [...], "dtype": "bfloat16"}
+    host_id: str
+    tcp_address: tuple[str, int] | None = None
+    shm: list[dict[str, Any]] | None = None  # per layer {"shm_name", "shape", "dtype"} when in shared memory
+
+    @property
+    def backends(self) -> list[str]:
+        return [b for b, ok in (("shm", self.shm is not None), ("tcp", self.tcp_address is not None)) if ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "region": self.region,
+            "layers": [dict(layer) for layer in self.layers],
+            "host_id": self.host_id,
+            "tcp_address": list(self.tcp_address) if self.tcp_address else None,
+            "shm": [dict(s) for s in self.shm] if self.shm is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RegionDescriptor":
+        try:
+            addr = d.get("tcp_address")
+            return cls(
+                engine=str(d["engine"]),
+                region=str(d["region"]),
+                layers=[{"shape": [int(x) for x in layer["shape"]], "dtype": str(layer["dtype"])} for layer in d["layers"]],
+                host_id=str(d["host_id"]),
+                tcp_address=(str(addr[0]), int(addr[1])) if addr else None,
+                shm=[dict(s) for s in d["shm"]] if d.get("shm") is not None else None,
+            )
+        except (KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"malformed region descriptor: {e!r}") from e
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """Blocks of a region: `engine` None means this engine, else a linked peer's name."""
+
+    region: str
+    block_ids: tuple[int, ...]
+    engine: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    id: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    handle_id: int
+    status: TransferStatus
+    nbytes: int
+    error: str | None = None
+
+
+@dataclass
+class _Peer:
+    name: str
+    backend: str  # "shm" or "tcp"
+    regions: dict[str, RegionDescriptor] = field(default_factory=dict)
+    attached: dict[str, ShmKVRegion] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    done: threading.Event = field(default_factory=threading.Event)
+    completion: Completion | None = None
+
+
+def _parse_address(address: str | tuple[str, int] | list) -> tuple[str, int]:
+    if isinstance(address, str):
+        rest = address.removeprefix("tcp://")
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"address must look like tcp://host:port, got {address!r}")
+        return host, int(port)
+    host, port = address
+    return str(host), int(port)
+
+
+class TransferEngine:
+    """One engine's transfer endpoint: its regions, its TCP block server, its linked peers."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        serve_tcp: bool = True,
+        force_tcp: bool = False,
+        chunk_size: int = tcp_mod.DEFAULT_CHUNK_BYTES,
+        io_timeout: float = 10.0,
+        max_workers: int = 2,
+    ):
+        if not name:
+            raise ValueError("TransferEngine needs a non-empty name")
+        if not 0 < chunk_size <= tcp_mod.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_size must be in (0, {tcp_mod.MAX_CHUNK_BYTES}], got {chunk_size}")
+        self.name = name
+        self.host_id = host_id()
+        self.force_tcp = force_tcp
+        self.chunk_size = chunk_size
+        self.io_timeout = io_timeout
+        self._lock = threading.Lock()
+        self._regions: dict[str, list[torch.Tensor]] = {}
+        self._descriptors: dict[str, RegionDescriptor] = {}
+        self._owned_shm: dict[str, ShmKVRegion] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._completions: queue.Queue[Completion] = queue.Queue()
+        self._ids = itertools.count(1)
+        self._workers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"transfer-{name}")
+        self._closed = False
+        self.server = tcp_mod.TcpBlockServer(self._region_tensors, self._describe_all, host=host, io_timeout=io_timeout) if serve_tcp else None
+
+    # ------------------------------------------------------------------ regions
+    @property
+    def tcp_address(self) -> tuple[str, int] | None:
+        return self.server.address if self.server else None
+
+    def allocate_region(
+        self,
+        region_name: str,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        entry_shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> list[torch.Tensor]:
+        """A zeroed KV cache in shared memory, registered here and unlinked by `close()`."""
+        region = shm_mod.allocate_shm_kv_cache(num_layers, num_blocks, block_size, entry_shape, dtype)
+        try:
+            self.register(region_name, region.tensors)
+        except BaseException:
+            region.close()
+            raise
+        self._owned_shm[region_name] = region
+        return region.tensors
+
+    def register(self, region_name: str, tensors: list[torch.Tensor]) -> RegionDescriptor:
+        """Expose `tensors` (one per layer, [num_blocks, block_size, *entry]) as `region_name`.
+
+        Layers that live in shared memory this process allocated are reachable by peers on
+        this host through shm; every region is reachable through the TCP server.
+        """
+        self._check_open()
+        if not region_name:
+            raise ValueError("region name must be non-empty")
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError(f"region {region_name!r} needs at least one layer tensor")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.dim() < 3:
+                raise ValueError(f"layer {i} of region {region_name!r} must be a tensor [num_blocks, block_size, *entry]")
+            if t.shape[0] != tensors[0].shape[0]:
+                raise ValueError(f"layer {i} of region {region_name!r} has {t.shape[0]} blocks, layer 0 has {tensors[0].shape[0]}")
+        specs = [shm_mod.shm_spec_of(t) for t in tensors]
+        with self._lock:
+            if region_name in self._regions:
+                raise ValueError(f"region {region_name!r} is already registered on engine {self.name!r}")
+            desc = RegionDescriptor(
+                engine=self.name,
+                region=region_name,
+                layers=[{"shape": list(t.shape), "dtype": dtype_to_str(t.dtype)} for t in tensors],
+                host_id=self.host_id,
+                tcp_address=self.tcp_address,
+                shm=[s.to_dict() for s in specs] if all(s is not None for s in specs) else None,
+            )
+            self._regions[region_name] = tensors
+            self._descriptors[region_name] = desc
+        return desc
+
+    def descriptor(self, region_name: str) -> RegionDescriptor:
+        with self._lock:
+            if region_name not in self._descriptors:
+                raise KeyError(f"no region {region_name!r} on engine {self.name!r}")
+            return self._descriptors[region_name]
+
+    def _region_tensors(self, region_name: str) -> list[torch.Tensor]:
+        with self._lock:
+            if region_name not in self._regions:
+                raise KeyError(f"no region {region_name!r} on engine {self.name!r}")
+            return self._regions[region_name]
+
+    def _describe_all(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [d.to_dict() for d in self._descriptors.values()]
+
+    # ------------------------------------------------------------------ peers
+    def link(
+        self,
+        peer_name: str,
+        descriptor_or_address: RegionDescriptor | dict[str, Any] | str | tuple[str, int],
+        backend: str | None = None,
+    ) -> str:
+        """Make a peer's regions reachable; returns the backend chosen ("shm" or "tcp").
+
+        Pass a region descriptor (object or dict), or the peer's TCP address to fetch all of its
+        descriptors. Shared memory is used when the peer is on this host and its region is in
+        shm, unless `backend="tcp"` or the engine was built with `force_tcp`.
+        """
+        self._check_open()
+        if peer_name == self.name:
+            raise ValueError(f"engine {self.name!r} cannot link to itself; use engine=None in BlockRef")
+        if backend not in (None, "shm", "tcp"):
+            raise ValueError(f"backend must be 'shm', 'tcp' or None, got {backend!r}")
+        if isinstance(descriptor_or_address, RegionDescriptor):
+            descriptors = [descriptor_or_address]
+        elif isinstance(descriptor_or_address, dict):
+            descriptors = [RegionDescriptor.from_dict(descriptor_or_address)]
+        else:
+            address = _parse_address(descriptor_or_address)
+            descriptors = [RegionDescriptor.from_dict(d) for d in tcp_mod.describe_remote(address, self.io_timeout)]
+        for d in descriptors:
+            if d.engine != peer_name:
+                raise ValueError(f"descriptor of region {d.region!r} belongs to engine {d.engine!r}, not {peer_name!r}")
+        chosen = backend or ("tcp" if self.force_tcp else None)
+        if chosen is None:
+            same_host = all(d.host_id == self.host_id and d.shm is not None for d in descriptors)
+            chosen = "shm" if same_host and descriptors else "tcp"
+        for d in descriptors:
+            if chosen == "shm" and (d.shm is None or d.host_id != self.host_id):
+                raise ValueError(f"region {d.region!r} of {peer_name!r} is not in shared memory on this host")
+            if chosen == "tcp" and d.tcp_address is None:
+                raise ValueError(f"region {d.region!r} of {peer_name!r} has no TCP address")
+        with self._lock:
+            peer = self._peers.get(peer_name)
+            if peer is not None and peer.backend != chosen:
+                raise ValueError(f"peer {peer_name!r} is already linked over {peer.backend}, not {chosen}")
+            if peer is None:
+                peer = self._peers[peer_name] = _Peer(peer_name, chosen)
+        for d in descriptors:
+            if chosen == "shm" and d.region not in peer.attached:
+                peer.attached[d.region] = shm_mod.attach_shm_kv_cache(d.shm)
+            peer.regions[d.region] = d
+        return chosen
+
+    def unlink(self, peer_name: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(peer_name, None)
+        if peer is not None:
+            for region in peer.attached.values():
+                region.close()
+
+    # ------------------------------------------------------------------ transfers
+    def transfer(self, src: BlockRef, dst: BlockRef, layers: list[int] | None = None) -> TransferHandle:
+        """Copy src blocks into dst blocks (pairwise, in order) for `layers` (default: all).
+
+        The destination must be a region of this engine; the source may be local or on a linked peer.
+        Bad arguments raise ValueError here; failures while moving data end as a FAILED completion.
+        """
+        self._check_open()
+        if dst.engine not in (None, self.name):
+            raise ValueError(f"transfers are pulls: destination must be on engine {self.name!r}, got {dst.engine!r}")
+        dst_tensors = self._region_tensors(dst.region)
+        src_layers, fetch = self._source(src)
+        if len(src_layers) != len(dst_tensors):
+            raise ValueError(f"source has {len(src_layers)} layers, destination {dst.region!r} has {len(dst_tensors)}")
+        if len(src.block_ids) != len(dst.block_ids) or not dst.block_ids:
+            raise ValueError(f"need equal, non-empty block id lists; got {len(src.block_ids)} source and {len(dst.block_ids)} destination")
+        if len(set(dst.block_ids)) != len(dst.block_ids):
+            raise ValueError(f"destination block ids repeat: {list(dst.block_ids)}")
+        layer_ids = list(range(len(dst_tensors))) if layers is None else [int(x) for x in layers]
+        if not layer_ids or len(set(layer_ids)) != len(layer_ids) or any(not 0 <= x < len(dst_tensors) for x in layer_ids):
+            raise ValueError(f"layers must be distinct indices in [0, {len(dst_tensors)}), got {layers}")
+        for i in layer_ids:
+            s_shape, s_dtype = src_layers[i]
+            d = dst_tensors[i]
+            if tuple(s_shape[1:]) != tuple(d.shape[1:]) or s_dtype != d.dtype:
+                raise ValueError(
+                    f"layer {i}: source blocks {tuple(s_shape[1:])} {s_dtype} do not match destination {tuple(d.shape[1:])} {d.dtype}"
+                )
+            for ref, n in ((src, s_shape[0]), (dst, d.shape[0])):
+                bad = [b for b in ref.block_ids if not 0 <= b < n]
+                if bad:
+                    raise ValueError(f"block ids {bad} out of range for region {ref.region!r} with {n} blocks")
+        handle = TransferHandle(next(self._ids))
+        with self._lock:
+            self._pending[handle.id] = _Pending()
+        self._workers.submit(self._run, handle, fetch, src, dst_tensors, dst.block_ids, layer_ids)
+        return handle
+
+    def _source(self, src: BlockRef):
+        """Per-layer (shape, dtype) of the source and a function that reads its blocks."""
+        if src.engine in (None, self.name):
+            tensors = self._region_tensors(src.region)
+            return [(tuple(t.shape), t.dtype) for t in tensors], self._read_local(tensors)
+        with self._lock:
+            peer = self._peers.get(src.engine)
+        if peer is None:
+            raise ValueError(f"engine {src.engine!r} is not linked to {self.name!r}")
+        desc = peer.regions.get(src.region)
+        if desc is None:
+            raise ValueError(f"peer {src.engine!r} has no linked region {src.region!r}")
+        shapes = [(tuple(layer["shape"]), dtype_from_str(layer["dtype"])) for layer in desc.layers]
+        if peer.backend == "shm":
+            return shapes, self._read_local(peer.attached[src.region].tensors)
+        return shapes, self._read_tcp(desc, shapes)
+
+    # A source reader is prepare(block_ids, layer_ids) -> read(layer, device) -> blocks tensor.
+    @staticmethod
+    def _read_local(tensors: list[torch.Tensor]):
+        def prepare(block_ids: tuple[int, ...], layer_ids: list[int]):
+            def read(layer: int, device: torch.device) -> torch.Tensor:
+                t = tensors[layer]
+                return t.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=t.device)).to(device)
+
+            return read
+
+        return prepare
+
+    def _read_tcp(self, desc: RegionDescriptor, shapes):
+        # One round trip fetches every requested layer; `read` then views slices of the buffer.
+        def prepare(block_ids: tuple[int, ...], layer_ids: list[int]):
+            sizes = [len(block_ids) * shm_mod.layer_nbytes(shapes[i][0][1:], shapes[i][1]) for i in layer_ids]
+            buf = tcp_mod.read_blocks(
+                desc.tcp_address, desc.region, layer_ids, list(block_ids), sum(sizes), self.chunk_size, self.io_timeout
+            )
+            spans = {layer: (off, size) for layer, off, size in zip(layer_ids, itertools.accumulate([0] + sizes), sizes)}
+
+            def read(layer: int, device: torch.device) -> torch.Tensor:
+                shape, dtype = shapes[layer]
+                offset, size = spans[layer]
+                raw = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=size)
+                return raw.view(dtype).view(len(block_ids), *shape[1:]).to(device)
+
+            return read
+
+        return prepare
+
+    def _run(self, handle, fetch, src: BlockRef, dst_tensors, dst_ids, layer_ids) -> None:
+        nbytes = 0
+        try:
+            read = fetch(src.block_ids, layer_ids)
+            for layer in layer_ids:
+                d = dst_tensors[layer]
+                blocks = read(layer, d.device)
+                d.index_copy_(0, torch.tensor(dst_ids, dtype=torch.long, device=d.device), blocks)
+                nbytes += blocks.numel() * blocks.element_size()
+            completion = Completion(handle.id, TransferStatus.DONE, nbytes)
+        except Exception as e:  # any failure ends this transfer only
+            completion = Completion(handle.id, TransferStatus.FAILED, 0, f"{type(e).__name__}: {e}")
+        self._finish(completion)
+
+    def _finish(self, completion: Completion) -> None:
+        with self._lock:
+            pending = self._pending.get(completion.handle_id)
+        if pending is None or pending.completion is not None:
+            return
+        pending.completion = completion
+        self._completions.put(completion)
+        pending.done.set()
+
+    def poll(self) -> list[Completion]:
+        """Completions since the last poll, in finishing order."""
+        out = []
+        while True:
+            try:
+                out.append(self._completions.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _pending_of(self, handle: TransferHandle) -> _Pending:
+        with self._lock:
+            pending = self._pending.get(handle.id)
+        if pending is None:
+            raise KeyError(f"unknown transfer handle {handle.id} on engine {self.name!r}")
+        return pending
+
+    def status(self, handle: TransferHandle) -> TransferStatus:
+        completion = self._pending_of(handle).completion
+        return completion.status if completion else TransferStatus.PENDING
+
+    def wait(self, handle: TransferHandle, timeout: float) -> Completion:
+        """The handle's completion; TimeoutError if it is still running after `timeout` seconds."""
+        pending = self._pending_of(handle)
+        if not pending.done.wait(timeout):
+            raise TimeoutError(f"transfer {handle.id} on engine {self.name!r} not finished after {timeout}s")
+        return pending.completion
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"transfer engine {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Stop serving, finish or fail in-flight transfers, drop peer mappings, unlink owned shm."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.server is not None:
+            self.server.stop()
+        self._workers.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            unfinished = [hid for hid, p in self._pending.items() if p.completion is None]
+        for hid in unfinished:
+            self._finish(Completion(hid, TransferStatus.FAILED, 0, "transfer engine closed before the transfer ran"))
+        for peer in list(self._peers):
+            self.unlink(peer)
+        with self._lock:
+            self._regions.clear()
+            self._descriptors.clear()
+        for region in self._owned_shm.values():
+            region.close()
+        self._owned_shm.clear()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

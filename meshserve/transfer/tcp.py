@@ -1,0 +1,241 @@
+"""Block reads over TCP: a server thread per engine and a pulling client.
+
+Wire format (all integers big-endian):
+  request : u32 length + JSON {"op": "read", "region", "layers", "block_ids", "chunk_size"}
+            or {"op": "describe"} (the server's region descriptors)
+  reply   : u32 length + JSON header {"ok": bool, "error"?, "nbytes"?, "regions"?}
+  payload : for a read, chunks of u32 length + u32 zlib.crc32 + bytes, until "nbytes" have come;
+            each layer's selected blocks are sent in order, a chunk never spans two layers.
+Every socket has a timeout, so a dead or stalled peer fails the read instead of hanging it.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import zlib
+from typing import Any, Callable
+
+import torch
+
+_LEN = struct.Struct("!I")
+_CHUNK = struct.Struct("!II")
+MAX_HEADER_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+# (chunk_index, payload) -> payload actually sent; a test hook to corrupt or stall the stream.
+ChunkFaultHook = Callable[[int, bytes], bytes]
+
+
+class TransferError(RuntimeError):
+    """A block read failed: peer refused, connection broke, timed out, or a checksum mismatched."""
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, what: str) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise TransferError(f"connection closed by peer while reading {what} ({got} of {len(view)} bytes)")
+        got += n
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray(n)
+    _recv_exact_into(sock, memoryview(buf), what)
+    return bytes(buf)
+
+
+def _send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_json(sock: socket.socket, what: str) -> dict[str, Any]:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, what))
+    if n > MAX_HEADER_BYTES:
+        raise TransferError(f"{what} of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    return json.loads(_recv_exact(sock, n, what))
+
+
+def _as_bytes_view(t: torch.Tensor) -> memoryview:
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+class TcpBlockServer:
+    """Serves block reads of an engine's registered regions on one listening socket.
+
+    `regions(name)` returns the layer tensors of a region (KeyError if unknown);
+    `describe()` returns the region descriptors a peer may link to.
+    """
+
+    def __init__(
+        self,
+        regions: Callable[[str], list[torch.Tensor]],
+        describe: Callable[[], list[dict[str, Any]]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        io_timeout: float = 10.0,
+    ):
+        self._regions = regions
+        self._describe = describe
+        self.io_timeout = io_timeout
+        self.fault_hook: ChunkFaultHook | None = None
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(0.1)  # lets the accept loop notice stop()
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-block-server:{self.address[1]}", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            conn.settimeout(self.io_timeout)
+            with self._conns_lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            request = _recv_json(conn, "request")
+            op = request.get("op")
+            if op == "describe":
+                _send_json(conn, {"ok": True, "regions": self._describe()})
+            elif op == "read":
+                self._serve_read(conn, request)
+            else:
+                _send_json(conn, {"ok": False, "error": f"unknown op {op!r}"})
+        except (OSError, TransferError, ValueError):
+            pass  # the client sees the broken connection and fails its transfer
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_read(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        try:
+            layers_data = self._select(request)
+            chunk_size = int(request.get("chunk_size", DEFAULT_CHUNK_BYTES))
+            if not 0 < chunk_size <= MAX_CHUNK_BYTES:
+                raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_BYTES}], got {chunk_size}")
+        except (KeyError, ValueError, IndexError, TypeError) as e:
+            _send_json(conn, {"ok": False, "error": str(e.args[0]) if e.args else repr(e)})
+            return
+        _send_json(conn, {"ok": True, "nbytes": sum(len(v) for v in layers_data)})
+        chunk_index = 0
+        for view in layers_data:
+            for off in range(0, len(view), chunk_size):
+                payload = view[off : off + chunk_size]
+                header = _CHUNK.pack(len(payload), zlib.crc32(payload))
+                hook = self.fault_hook
+                if hook is not None:
+                    payload = hook(chunk_index, bytes(payload))
+                conn.sendall(header)
+                conn.sendall(payload)
+                chunk_index += 1
+
+    def _select(self, request: dict[str, Any]) -> list[memoryview]:
+        tensors = self._regions(str(request["region"]))
+        block_ids = [int(b) for b in request["block_ids"]]
+        layers = [int(layer) for layer in request["layers"]]
+        out = []
+        for layer in layers:
+            if not 0 <= layer < len(tensors):
+                raise IndexError(f"layer {layer} out of range for region {request['region']!r} with {len(tensors)} layers")
+            t = tensors[layer]
+            bad = [b for b in block_ids if not 0 <= b < t.shape[0]]
+            if bad:
+                raise IndexError(f"block ids {bad} out of range for region {request['region']!r} with {t.shape[0]} blocks")
+            index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            out.append(_as_bytes_view(t.index_select(0, index)))
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(timeout=5.0)
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
+    try:
+        sock = socket.create_connection(tuple(address), timeout=timeout)
+    except OSError as e:
+        raise TransferError(f"cannot connect to {address[0]}:{address[1]}: {e}") from e
+    sock.settimeout(timeout)
+    return sock
+
+
+def describe_remote(address: tuple[str, int], timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The region descriptors a remote engine's server publishes."""
+    with _connect(address, timeout) as sock:
+        try:
+            _send_json(sock, {"op": "describe"})
+            reply = _recv_json(sock, "describe reply")
+        except socket.timeout as e:
+            raise TransferError(f"timed out after {timeout}s waiting for {address[0]}:{address[1]}") from e
+        except OSError as e:
+            raise TransferError(f"connection to {address[0]}:{address[1]} failed: {e}") from e
+    if not reply.get("ok"):
+        raise TransferError(f"peer refused describe: {reply.get('error')}")
+    return reply["regions"]
+
+
+def read_blocks(
+    address: tuple[str, int],
+    region: str,
+    layers: list[int],
+    block_ids: list[int],
+    expected_nbytes: int,
+    chunk_size: int = DEFAULT_CHUNK_BYTES,
+    timeout: float = 10.0,
+) -> bytearray:
+    """Pull the selected blocks of `layers` (concatenated in layer order) and verify every chunk."""
+    where = f"{address[0]}:{address[1]}"
+    with _connect(address, timeout) as sock:
+        try:
+            _send_json(
+                sock,
+                {"op": "read", "region": region, "layers": layers, "block_ids": block_ids, "chunk_size": chunk_size},
+            )
+            reply = _recv_json(sock, "read reply")
+            if not reply.get("ok"):
+                raise TransferError(f"peer {where} refused read of region {region!r}: {reply.get('error')}")
+            if int(reply["nbytes"]) != expected_nbytes:
+                raise TransferError(f"peer {where} offers {reply['nbytes']} bytes, expected {expected_nbytes}")
+            buf = bytearray(expected_nbytes)
+            view = memoryview(buf)
+            got = 0
+            chunk_index = 0
+            while got < expected_nbytes:
+                length, crc = _CHUNK.unpack(_recv_exact(sock, _CHUNK.size, f"chunk {chunk_index} header"))
+                if length == 0 or length > expected_nbytes - got:
+                    raise TransferError(f"chunk {chunk_index} from {where} has bad length {length} ({got} of {expected_nbytes} bytes received)")
+                part = view[got : got + length]
+                _recv_exact_into(sock, part, f"chunk {chunk_index}")
+                if zlib.crc32(part) != crc:
+                    raise TransferError(f"checksum mismatch in chunk {chunk_index} from {where} (bytes {got}..{got + length})")
+                got += length
+                chunk_index += 1
+        except socket.timeout as e:
+            raise TransferError(f"timed out after {timeout}s reading from {where}") from e
+        except OSError as e:
+            raise TransferError(f"connection to {where} failed: {e}") from e
+    return buf
