@@ -124,6 +124,15 @@ class _EPBuffers:
         return [self.send_counts, self.recv_counts, self.send_msg, self.recv_msg, self.combine_recv]
 
 
+def check_combine_shapes(name: str, out: torch.Tensor, num_recv: int, hidden: int, topk_weights: torch.Tensor,
+                         num_tokens: int, top_k: int) -> None:
+    """Reject a combine whose expert outputs or routing weights do not match the dispatch."""
+    if out.shape != (num_recv, hidden):
+        raise ValueError(f"{name} must be [{num_recv}, {hidden}], got {tuple(out.shape)}")
+    if topk_weights.shape != (num_tokens, top_k):
+        raise ValueError(f"topk_weights must be [{num_tokens}, {top_k}], got {tuple(topk_weights.shape)}")
+
+
 class EPDispatcher:
     """Dispatch (token, expert) rows to the expert owners and combine the results back.
 
@@ -236,12 +245,8 @@ class EPDispatcher:
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
         """Send expert results back (full precision) and reduce each token's top-k with its weights."""
-        num_recv = sum(handle.recv_splits)
-        if expert_out.shape != (num_recv, self.hidden):
-            raise ValueError(f"expert_out must be [{num_recv}, {self.hidden}], got {tuple(expert_out.shape)}")
-        if topk_weights.shape != (handle.num_tokens, self.top_k):
-            raise ValueError(f"topk_weights must be [{handle.num_tokens}, {self.top_k}], "
-                             f"got {tuple(topk_weights.shape)}")
+        check_combine_shapes("expert_out", expert_out, sum(handle.recv_splits), self.hidden, topk_weights,
+                             handle.num_tokens, self.top_k)
         buffers = self._buffers[handle.buffer_index]
         returned = buffers.combine_recv[:handle.order.numel()]
         dist.all_to_all_single(returned, expert_out.to(self.dtype).contiguous(), handle.send_splits,
@@ -434,12 +439,8 @@ class HybridMoEComm:
         return handle, recv_ids
 
     def _check_combine(self, partial_out, handle, topk_weights) -> None:
-        num_recv = sum(handle.recv_splits)
-        if partial_out.shape != (num_recv, self.hidden):
-            raise ValueError(f"partial_out must be [{num_recv}, {self.hidden}], got {tuple(partial_out.shape)}")
-        if topk_weights.shape != (handle.num_tokens, self.top_k):
-            raise ValueError(f"topk_weights must be [{handle.num_tokens}, {self.top_k}], "
-                             f"got {tuple(topk_weights.shape)}")
+        check_combine_shapes("partial_out", partial_out, sum(handle.recv_splits), self.hidden, topk_weights,
+                             handle.num_tokens, self.top_k)
 
     def _row_weights(self, topk_weights, handle, dtype) -> torch.Tensor:
         return topk_weights.reshape(-1).to(device=handle.order.device, dtype=dtype).index_select(0, handle.order)
