@@ -10,15 +10,13 @@ from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
 from meshserve.engine.core_client import EngineCoreClient
 from meshserve.engine.detokenizer import load_tokenizer
-from meshserve.engine.errors import EngineDeadError, QueueFullError, RequestTooLongError
+from meshserve.engine.errors import ADMISSION_ERRORS, EngineDeadError
 from meshserve.engine.output_processor import OutputProcessor
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.outputs import RequestOutput
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {"QueueFullError": QueueFullError, "RequestTooLongError": RequestTooLongError}
 
 Prompt = str | list[int]
 
@@ -64,10 +62,8 @@ class LLM:
             else:
                 text, token_ids = None, [int(t) for t in prompt]
             order.append(request_id)
-            for child_id, child_params in self.processor.add_request(request_id, text, token_ids, params, now):
-                self.engine.send(msg.AddRequest(req_id=child_id, prompt_token_ids=token_ids,
-                                                sampling_params=child_params.to_dict(), arrival_time=now,
-                                                priority=prio, eos_token_ids=self.eos_token_ids))
+            self.engine.submit(self.processor.add_request(request_id, text, token_ids, params, now),
+                               token_ids, now, prio, self.eos_token_ids)
         results = self._collect(set(order), use_tqdm)
         return [results[r] for r in order]
 
@@ -92,13 +88,13 @@ class LLM:
                 if not isinstance(item, msg.EngineOutputs):
                     continue
                 for delta in item.deltas:
-                    if delta.error_type in _ERROR_TYPES:
+                    if delta.error_type in ADMISSION_ERRORS:
                         # refused at admission: drop the whole batch so nothing keeps running unseen
                         for request_id in pending:
                             to_abort = self.processor.abort(request_id)
                             if to_abort:
                                 self.engine.send(msg.AbortRequests(req_ids=to_abort))
-                        raise _ERROR_TYPES[delta.error_type](delta.error)
+                        raise ADMISSION_ERRORS[delta.error_type](delta.error)
                     out, to_abort = self.processor.process(delta, time.time())
                     if to_abort:
                         self.engine.send(msg.AbortRequests(req_ids=to_abort))

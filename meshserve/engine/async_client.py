@@ -16,15 +16,13 @@ from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
 from meshserve.engine.core_client import EngineCoreClient
 from meshserve.engine.detokenizer import load_tokenizer
-from meshserve.engine.errors import EngineDeadError, QueueFullError, RequestTooLongError
+from meshserve.engine.errors import ADMISSION_ERRORS, EngineDeadError
 from meshserve.engine.output_processor import OutputProcessor
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.outputs import RequestOutput
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {"QueueFullError": QueueFullError, "RequestTooLongError": RequestTooLongError}
 
 
 class AsyncEngineClient:
@@ -73,11 +71,11 @@ class AsyncEngineClient:
         if isinstance(item, msg.EngineOutputs):
             now = time.time()
             for delta in item.deltas:
-                if delta.error_type in _ERROR_TYPES:
+                if delta.error_type in ADMISSION_ERRORS:
                     parent = self._parent_of(delta.req_id)
                     if parent is not None:
                         self._send_aborts(self.processor.abort(parent))
-                        self._queues[parent].put_nowait(_ERROR_TYPES[delta.error_type](delta.error))
+                        self._queues[parent].put_nowait(ADMISSION_ERRORS[delta.error_type](delta.error))
                     continue
                 out, to_abort = self.processor.process(delta, now)
                 self._send_aborts(to_abort)
@@ -141,10 +139,8 @@ class AsyncEngineClient:
         finished = False
         try:
             now = time.time()
-            for child_id, child_params in self.processor.add_request(request_id, prompt, prompt_token_ids, params, now):
-                self.engine.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
-                                                sampling_params=child_params.to_dict(), arrival_time=now,
-                                                priority=priority, eos_token_ids=self.eos_token_ids))
+            self.engine.submit(self.processor.add_request(request_id, prompt, prompt_token_ids, params, now),
+                               prompt_token_ids, now, priority, self.eos_token_ids)
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

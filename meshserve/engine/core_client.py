@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -69,6 +67,14 @@ class EngineCoreClient:
         if not self.alive:
             raise EngineDeadError("engine process is not running")
         self.to_master.send(msg.encode(item))
+
+    def submit(self, children, prompt_token_ids: list[int], arrival_time: float, priority: int,
+               eos_token_ids: list[int]) -> None:
+        """Send the engine-level requests (child id, SamplingParams) of one caller request."""
+        for child_id, params in children:
+            self.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
+                                     sampling_params=params.to_dict(), arrival_time=arrival_time,
+                                     priority=priority, eos_token_ids=eos_token_ids))
 
     def recv(self, timeout_ms: int) -> object | None:
         """The next message from the master, or None after `timeout_ms`."""

@@ -12,3 +12,8 @@ class RequestTooLongError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine (master or an executor) has died; no request can be served (HTTP 503)."""
+
+
+# errors the master reports by class name when it refuses a request at admission
+ADMISSION_ERRORS: dict[str, type[Exception]] = {
+    "QueueFullError": QueueFullError, "RequestTooLongError": RequestTooLongError}
