@@ -61,10 +61,19 @@ class AsyncEngineClient:
             item = self.engine.recv(500)
             if item is None:
                 if not self.engine.alive and not self._stop.is_set():
-                    self._loop.call_soon_threadsafe(self._on_dead, "engine process died")
+                    self._post(self._on_dead, "engine process died")
                     return
                 continue
-            self._loop.call_soon_threadsafe(self._dispatch, item)
+            if not self._post(self._dispatch, item):
+                return
+
+    def _post(self, handler, item) -> bool:
+        """Hand `item` to the event loop; False once that loop has closed (nobody is left to serve)."""
+        try:
+            self._loop.call_soon_threadsafe(handler, item)
+        except RuntimeError:  # the loop closed before shutdown() stopped this thread
+            return False
+        return True
 
     # ------------------------------------------------------------------ on the loop thread
     def _dispatch(self, item) -> None:
