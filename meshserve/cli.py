@@ -29,10 +29,58 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, type=base, default=f.default, help=f"default: {f.default}")
 
 
+def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallel layout")
+    group.add_argument("--deployment", default=None,
+                       help="deployment YAML (model, parallel strategy, engine settings; `meshserve plan --out` "
+                            "writes one); flags given explicitly override it")
+    for name, what in (("tp", "attention tensor-parallel degree"), ("dp", "attention data-parallel degree"),
+                       ("ep", "expert-parallel degree (MoE TP fills the rest of the world)")):
+        group.add_argument(f"--{name}", type=int, default=None,
+                           help=f"{what}; shorthand for --parallel 'attn=TP<tp>+DP<dp> moe=TP<tp*dp/ep>+EP<ep>'")
+
+
+def _explicit_engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields whose flag differs from the field's default (given on the command line)."""
+    kwargs = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _ENGINE_ARG_SKIP or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value != f.default:
+            kwargs[f.name] = value
+    return kwargs
+
+
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if f.name not in _ENGINE_ARG_SKIP and hasattr(args, f.name)}
+    """Defaults, then the deployment file (if any), then the flags given explicitly."""
+    from meshserve.parallel.strategy import ParallelStrategy, StrategyError
+
+    kwargs = dict(getattr(args, "deployment_engine", None) or {})
+    kwargs.update(_explicit_engine_kwargs(args))
+    degrees = {name: getattr(args, name, None) for name in ("tp", "dp", "ep")}
+    if any(value is not None for value in degrees.values()):
+        if "parallel" in _explicit_engine_kwargs(args):
+            raise ConfigError("give either --parallel or --tp/--dp/--ep, not both")
+        try:
+            strategy = ParallelStrategy.from_degrees(**{k: v if v is not None else 1 for k, v in degrees.items()})
+        except StrategyError as exc:
+            raise ConfigError(str(exc)) from None
+        kwargs["parallel"] = str(strategy)
     return EngineConfig.from_kwargs(model, **kwargs)
+
+
+def resolve_deployment(args: argparse.Namespace) -> None:
+    """Read --deployment (if given) into args: its model unless --model is given, and its engine settings."""
+    path = getattr(args, "deployment", None)
+    if not path:
+        return
+    from meshserve.config import Deployment
+
+    deployment = Deployment.load(path)
+    args.deployment_engine = deployment.engine
+    if getattr(args, "model", None) is None and deployment.model is not None:
+        args.model = deployment.model
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -57,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HF-format model directory (default: the tiny deepseek_v3 model, created on first use)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    add_deployment_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 

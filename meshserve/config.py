@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from meshserve.parallel.strategy import ParallelStrategy, StrategyError, parse_strategy
+
 
 class ConfigError(ValueError):
     """An engine setting is invalid; the CLI prints it as one line."""
@@ -29,8 +31,12 @@ class EngineConfig:
     max_waiting: int = 1024  # queued requests beyond this are refused (HTTP 503)
     async_scheduling: bool = True  # prepare step n+1 while step n runs
     kv_events_endpoint: str | None = None  # ZMQ PUB address for prefix-cache events (e.g. tcp://127.0.0.1:5557)
-    # executors
-    num_threads: int | None = None  # torch threads per executor; default: all cores
+    # executors: one per rank of the parallel strategy (MixServe grammar, see meshserve/parallel/strategy.py)
+    parallel: str = "attn=TP1+DP1 moe=TP1+EP1"
+    moe_comm: str = "fused"  # hybrid TP-EP collectives: fused (MixServe Alg. 1-2, overlapped) | sync
+    int8_dispatch: bool = False  # INT8 EP dispatch (per-token scale); combine stays full precision
+    dist_backend: str | None = None  # torch.distributed backend; default gloo on CPU, nccl on CUDA
+    num_threads: int | None = None  # torch threads per executor; default: the cores divided among the ranks
     seed: int = 0
     startup_timeout_s: float = 300.0
 
@@ -47,6 +53,22 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ConfigError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.moe_comm not in ("fused", "sync"):
+            raise ConfigError(f"moe_comm must be 'fused' or 'sync', got {self.moe_comm!r}")
+        if self.dist_backend not in (None, "gloo", "nccl"):
+            raise ConfigError(f"dist_backend must be gloo or nccl, got {self.dist_backend!r}")
+        self.strategy  # parses `parallel`, raising ConfigError on a bad strategy
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        try:
+            return parse_strategy(self.parallel)
+        except StrategyError as exc:
+            raise ConfigError(f"bad parallel strategy {self.parallel!r}: {exc}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
@@ -62,3 +84,69 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
         return cls(**data)
+
+
+# ---------------------------------------------------------------- deployment files
+
+# keys `meshserve plan --out` writes for information only
+_DEPLOYMENT_INFO_KEYS = {"world_size", "attention", "moe", "estimate", "topology"}
+_DEPLOYMENT_ENGINE_KEYS = {"parallel", "moe_comm", "int8_dispatch"}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A deployment file: the model, its parallel strategy and engine settings for one TE.
+
+    ```yaml
+    model: models/ds-small            # optional: default is the built-in default model
+    parallel: "attn=TP1+DP2 moe=TP1+EP2"
+    moe_comm: fused                   # fused | sync
+    int8_dispatch: false
+    engine: {max_num_seqs: 32}        # any EngineConfig field
+    ```
+    """
+
+    model: str | None
+    engine: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str) -> "Deployment":
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read deployment file {path!r}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"deployment file {path!r} is not valid YAML: {exc}") from None
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "deployment") -> "Deployment":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping at the top level")
+        unknown = sorted(set(data) - _DEPLOYMENT_INFO_KEYS - _DEPLOYMENT_ENGINE_KEYS - {"model", "engine"})
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}")
+        engine = data.get("engine") or {}
+        if not isinstance(engine, dict):
+            raise ConfigError(f"{source}: 'engine' must be a mapping of engine settings")
+        names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        bad = sorted(set(engine) - names)
+        if bad:
+            raise ConfigError(f"{source}: unknown engine setting(s) {', '.join(bad)}")
+        merged = dict(engine)
+        for key in _DEPLOYMENT_ENGINE_KEYS:
+            if key in data:
+                if key in engine and engine[key] != data[key]:
+                    raise ConfigError(f"{source}: {key} is given twice with different values")
+                merged[key] = data[key]
+        model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ConfigError(f"{source}: 'model' must be a path")
+        try:  # validate now: a bad strategy is reported against the file
+            EngineConfig(model=model or "", **merged)
+        except (TypeError, ConfigError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return cls(model=model, engine=merged)

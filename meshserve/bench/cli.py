@@ -19,12 +19,15 @@ ENGINE_FLAGS = {
     "dtype": (str, "float32 | bfloat16 | float16 | auto (default: float32); the HF baseline runs in the same dtype"),
     "device": (str, "cpu | cuda"),
     "num_threads": (int, "torch threads per executor"),
+    "parallel": (str, "parallel strategy, e.g. 'attn=TP1+DP2 moe=TP1+EP2' (default: one rank)"),
+    "moe_comm": (str, "hybrid TP-EP collectives: fused | sync"),
 }
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve` and `moe-comm` to the `bench` subcommand's subparsers."""
+    """Add `offline`, `serve`, `moe-comm` and `parallel` to the `bench` subcommand's subparsers."""
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
+    from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 
     _add_offline_parser(subparsers.add_parser(
         "offline", help="offline throughput vs HF transformers, and the decode roofline"))
@@ -34,6 +37,10 @@ def register_bench_commands(subparsers) -> None:
         "moe-comm", help="MoE dispatch/combine: pure EP vs hybrid TP-EP sync/fused (4 local ranks, 2 nodes x 2)")
     add_moe_comm_arguments(moe_comm)
     moe_comm.set_defaults(func=moe_comm_main)
+    parallel = subparsers.add_parser(
+        "parallel", help="every parallel strategy of a world size against one rank, measured vs the analyzer's ranking")
+    add_parallel_arguments(parallel)
+    parallel.set_defaults(func=parallel_main)
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

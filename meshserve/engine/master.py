@@ -8,10 +8,11 @@ scheduler (deepserve §4.2, asynchronous execution).
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import os
 import signal
-import dataclasses
 import time
 import traceback
 from collections import deque
@@ -20,8 +21,9 @@ import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
+from meshserve.engine.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
 from meshserve.engine.errors import QueueFullError, RequestTooLongError
-from meshserve.engine.processes import launch_module, module_arguments, stop_process
+from meshserve.engine.processes import free_tcp_port, launch_module, module_arguments, stop_process
 from meshserve.engine.request import Request
 from meshserve.engine.rtc import RelationalTensorCache
 from meshserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -34,34 +36,49 @@ _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
 
 
 class ExecutorGroup:
-    """The executor processes of one TE and the sockets to reach them."""
+    """The executor processes of one TE (one per rank) and the sockets to reach them."""
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int) -> None:
-        self.work = ctx.socket(zmq.PUSH)
-        self.work.setsockopt(zmq.LINGER, 0)
-        work_addr = f"ipc://{ipc_dir}/work"
-        self.work.bind(work_addr)
-        self.results = ctx.socket(zmq.PULL)
+        self.world_size = config.world_size
+        self.works: list[zmq.Socket] = []
         result_addr = f"ipc://{ipc_dir}/results"
+        self.results = ctx.socket(zmq.PULL)
         self.results.bind(result_addr)
-        self.procs = [
-            launch_module("meshserve.engine.executor", rank=0, config=config.to_dict(), work_addr=work_addr,
-                          result_addr=result_addr, log_level=log_level)
-        ]
+        # the ranks meet in torch.distributed; rank 0's store listens here
+        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if self.world_size > 1 else None
+        self.procs = []
+        for rank in range(self.world_size):
+            work = ctx.socket(zmq.PUSH)
+            work.setsockopt(zmq.LINGER, 0)
+            work_addr = f"ipc://{ipc_dir}/work-{rank}"
+            work.bind(work_addr)
+            self.works.append(work)
+            self.procs.append(launch_module("meshserve.engine.executor", rank=rank, config=config.to_dict(),
+                                            work_addr=work_addr, result_addr=result_addr,
+                                            dist_init_method=dist_init, log_level=log_level))
 
-    def wait_ready(self, timeout_s: float) -> msg.ExecutorReady:
+    def send(self, item) -> None:
+        data = msg.encode(item)
+        for work in self.works:
+            work.send(data)
+
+    def wait_ready(self, timeout_s: float) -> list[msg.ExecutorReady]:
         deadline = time.monotonic() + timeout_s
+        ready: dict[int, msg.ExecutorReady] = {}
         while time.monotonic() < deadline:
             if self.results.poll(200):
                 item = msg.decode(self.results.recv())
                 if isinstance(item, msg.ExecutorReady):
-                    return item
-                if isinstance(item, msg.ExecutorFailure):
+                    ready[item.rank] = item
+                    if len(ready) == self.world_size:
+                        return [ready[rank] for rank in range(self.world_size)]
+                elif isinstance(item, msg.ExecutorFailure):
                     raise RuntimeError(f"executor {item.rank} failed to start: {item.message}")
             dead = self.dead_rank()
             if dead is not None:
                 raise RuntimeError(f"executor {dead} exited during start-up (exit code {self.procs[dead].returncode})")
-        raise RuntimeError(f"executors not ready after {timeout_s:.0f}s")
+        missing = sorted(set(range(self.world_size)) - set(ready))
+        raise RuntimeError(f"executor(s) {missing} not ready after {timeout_s:.0f}s")
 
     def dead_rank(self) -> int | None:
         for rank, p in enumerate(self.procs):
@@ -70,18 +87,26 @@ class ExecutorGroup:
         return None
 
     def shutdown(self) -> None:
-        for _ in self.procs:
+        for work in self.works:
             try:
-                self.work.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
+                work.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for p in self.procs:
             stop_process(p, grace_s=10)
-        self.work.close(0)
+        for work in self.works:
+            work.close(0)
         self.results.close(0)
 
 
 class EngineCore:
+    """Scheduler(s) of one TE: one scheduler and KV pool per DP group, in lockstep steps.
+
+    With several DP groups, requests wait in one shared queue until the DP balancer
+    places them (`dp_balancer`); each step every group's scheduler contributes its part
+    (possibly empty) to one `StepBatch`, since all ranks meet at every MoE layer.
+    """
+
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, ipc_dir: str,
                  log_level: int = logging.INFO) -> None:
         self.config = config
@@ -92,6 +117,8 @@ class EngineCore:
         self.outbox.setsockopt(zmq.LINGER, 2000)
         self.outbox.connect(output_addr)
         self.parent = os.getppid()
+        strategy = config.strategy
+        self.dp_size = strategy.attn_dp
         self.executors = ExecutorGroup(self.ctx, config, ipc_dir, log_level)
         ready = self.executors.wait_ready(config.startup_timeout_s)
         self.max_model_len = config.max_model_len or max_position_embeddings(config.model)
@@ -101,21 +128,33 @@ class EngineCore:
             self.kv_events = self.ctx.socket(zmq.PUB)
             self.kv_events.setsockopt(zmq.LINGER, 0)
             self.kv_events.bind(config.kv_events_endpoint)
-        self.rtc = RelationalTensorCache(ready.num_kv_blocks, config.block_size,
-                                         enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, block_size=config.block_size,
-                            enable_chunked_prefill=config.enable_chunked_prefill, max_waiting=config.max_waiting),
-            self.rtc)
+        self.rtcs: list[RelationalTensorCache] = []
+        self.schedulers: list[Scheduler] = []
+        for group in range(self.dp_size):
+            ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
+            rtc = RelationalTensorCache(min(r.num_kv_blocks for r in ranks), config.block_size,
+                                        enable_prefix_caching=config.enable_prefix_caching)
+            self.rtcs.append(rtc)
+            self.schedulers.append(Scheduler(
+                SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                max_model_len=self.max_model_len, block_size=config.block_size,
+                                enable_chunked_prefill=config.enable_chunked_prefill,
+                                max_waiting=config.max_waiting),
+                rtc))
+        # requests no DP group has taken yet (DP > 1 only), in queue order; and where each placed one went
+        self.pending: list[Request] = []
+        self._pending_seq = 0
+        self._pending_keys: dict[str, tuple] = {}  # queue order: priority, then arrival
+        self.owner: dict[str, int] = {}
         self.pipeline_depth = 2 if config.async_scheduling else 1
-        self.in_flight: deque[msg.SchedulerOutput] = deque()
+        self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
         self.dead_error: str | None = None
         self.running = True
-        self._send(msg.EngineReady(num_kv_blocks=ready.num_kv_blocks, block_size=config.block_size,
-                                   kv_bytes_per_token=ready.kv_bytes_per_token, max_model_len=self.max_model_len))
-        logger.info("engine ready: %d KV blocks, max_model_len %d, pipeline depth %d",
-                    ready.num_kv_blocks, self.max_model_len, self.pipeline_depth)
+        num_blocks = sum(rtc.num_blocks for rtc in self.rtcs)
+        self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
+                                   kv_bytes_per_token=ready[0].kv_bytes_per_token, max_model_len=self.max_model_len))
+        logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
+                    strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
 
     def _send(self, item) -> None:
         self.outbox.send(msg.encode(item))
@@ -129,12 +168,9 @@ class EngineCore:
         if isinstance(item, msg.AddRequest):
             self._add_request(item)
         elif isinstance(item, msg.AbortRequests):
-            self.scheduler.abort_requests(item.req_ids)
+            self._abort(item.req_ids)
         elif isinstance(item, msg.StatsQuery):
-            stats = self.scheduler.stats()
-            stats.healthy = self.dead_error is None
-            stats.error = self.dead_error
-            self._send(stats)
+            self._send(self._stats())
         elif isinstance(item, msg.Shutdown):
             self.running = False
 
@@ -152,28 +188,84 @@ class EngineCore:
                               sampling_params=SamplingParams.from_dict(item.sampling_params),
                               arrival_time=item.arrival_time, priority=item.priority,
                               eos_token_ids=item.eos_token_ids)
-            self.scheduler.add_request(request)
+            if self.dp_size == 1:
+                self.schedulers[0].add_request(request)
+            else:
+                self._enqueue(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
             reject(exc)
+
+    def _enqueue(self, request: Request) -> None:
+        if request.req_id in self.owner or request.req_id in self._pending_keys:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        if len(self.pending) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self.schedulers[0].check_fits(request)  # every group has the same limits
+        self._pending_seq += 1
+        self._pending_keys[request.req_id] = (request.priority, request.arrival_time, self._pending_seq)
+        bisect.insort(self.pending, request, key=lambda r: self._pending_keys[r.req_id])
+
+    def _abort(self, req_ids: list[str]) -> None:
+        aborted = set(req_ids)
+        self.pending = [r for r in self.pending if r.req_id not in aborted]
+        for req_id in req_ids:
+            self._pending_keys.pop(req_id, None)
+            group = self.owner.pop(req_id, None) if self.dp_size > 1 else 0
+            if group is not None:
+                self.schedulers[group].abort_requests([req_id])
+
+    def _place_pending(self) -> None:
+        """Hand waiting requests to DP groups (xdeepserve §4.3: one collaborative placement per step)."""
+        if not self.pending:
+            return
+        loads = [s.dp_load(DEFAULT_EXPECTED_OUTPUT_TOKENS) for s in self.schedulers]
+        items = [PendingRequest(key=r, num_prompt_tokens=r.num_prompt_tokens,
+                                expected_output_tokens=r.sampling_params.max_tokens or DEFAULT_EXPECTED_OUTPUT_TOKENS)
+                 for r in self.pending]
+
+        def prefix_hits(item: PendingRequest) -> list[int]:
+            tokens = item.key.all_token_ids
+            return [len(rtc.match_by_prefix(tokens, max_tokens=len(tokens) - 1, record=False)) * rtc.block_size
+                    if rtc.enable_prefix_caching else 0 for rtc in self.rtcs]
+
+        placed = place_batch(items, self.config.block_size, loads, prefix_hits)
+        if not placed:
+            return
+        taken = set()
+        for item, group in placed:
+            request = item.key
+            self.schedulers[group].add_request(request)
+            self.owner[request.req_id] = group
+            self._pending_keys.pop(request.req_id, None)
+            taken.add(request.req_id)
+        self.pending = [r for r in self.pending if r.req_id not in taken]
 
     # ------------------------------------------------------------------ executors
     def _on_result(self, item) -> None:
         if isinstance(item, msg.ExecutorFailure):
             self._fail(f"executor {item.rank} failed: {item.message}")
             return
-        sched = self.in_flight.popleft()
-        if item.step_id != sched.step_id:
-            self._fail(f"executor returned step {item.step_id}, expected {sched.step_id}")
+        if self.dead_error is not None:
             return
-        self._send_deltas(self.scheduler.update_from_output(sched, item))
-        self._publish_kv_events()
+        group = item.dp_rank
+        sched = self.in_flight[group].popleft()
+        if item.step_id != sched.step_id:
+            self._fail(f"DP group {group} returned step {item.step_id}, expected {sched.step_id}")
+            return
+        deltas = self.schedulers[group].update_from_output(sched, item)
+        if self.dp_size > 1:
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    self.owner.pop(delta.req_id, None)
+        self._send_deltas(deltas)
+        self._publish_kv_events(group)
 
-    def _publish_kv_events(self) -> None:
-        events = self.rtc.drain_events()
+    def _publish_kv_events(self, group: int) -> None:
+        events = self.rtcs[group].drain_events()
         if not events or self.kv_events is None:
             return
         self._kv_event_seq += 1
-        batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), events=[
+        batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group, events=[
             {"type": type(e).__name__, **dataclasses.asdict(e)} for e in events])
         self.kv_events.send(msg.encode(batch))
 
@@ -182,19 +274,50 @@ class EngineCore:
             return
         logger.error("engine failed: %s", error)
         self.dead_error = error
-        self.in_flight.clear()
+        for queue in self.in_flight:
+            queue.clear()
         # the error first: clients fail everything at once; the per-request deltas then only confirm it
         self._send(msg.EngineError(message=error, fatal=True))
-        self._send_deltas(self.scheduler.fail_all(error))
+        deltas = [msg.RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason="error", error=error,
+                                   num_prompt_tokens=r.num_prompt_tokens) for r in self.pending]
+        self.pending = []
+        self._pending_keys.clear()
+        self.owner.clear()
+        for scheduler in self.schedulers:
+            deltas.extend(scheduler.fail_all(error))
+        self._send_deltas(deltas)
+
+    def _steps_in_flight(self) -> int:
+        return max(len(queue) for queue in self.in_flight)
+
+    def _has_work(self) -> bool:
+        return any(s.has_unfinished_requests() for s in self.schedulers)
 
     def _schedule(self) -> None:
-        while (self.dead_error is None and len(self.in_flight) < self.pipeline_depth
-               and self.scheduler.has_unfinished_requests()):
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
+        if self.dp_size > 1 and self.dead_error is None:
+            self._place_pending()
+        while self.dead_error is None and self._steps_in_flight() < self.pipeline_depth and self._has_work():
+            scheds = [s.schedule() for s in self.schedulers]
+            if all(sched.is_empty for sched in scheds):
                 break
-            self.executors.work.send(msg.encode(sched))
-            self.in_flight.append(sched)
+            self.executors.send(msg.StepBatch(per_dp=scheds))
+            for queue, sched in zip(self.in_flight, scheds):
+                queue.append(sched)
+
+    def _stats(self) -> msg.EngineStats:
+        parts = [s.stats() for s in self.schedulers]
+        num_blocks = sum(p.num_kv_blocks for p in parts)
+        return msg.EngineStats(
+            num_running=sum(p.num_running for p in parts),
+            num_waiting=sum(p.num_waiting for p in parts) + len(self.pending),
+            kv_usage=sum(p.kv_usage * p.num_kv_blocks for p in parts) / max(1, num_blocks),
+            num_kv_blocks=num_blocks,
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+            num_preemptions=sum(p.num_preemptions for p in parts),
+            healthy=self.dead_error is None,
+            error=self.dead_error,
+        )
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -204,7 +327,7 @@ class EngineCore:
         try:
             while self.running:
                 self._schedule()
-                stalled = not self.in_flight and self.scheduler.has_unfinished_requests()
+                stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending))
                 events = dict(poller.poll(50 if stalled else _IDLE_POLL_MS))
                 if self.executors.results in events:
                     while self.executors.results.poll(0):

@@ -6,7 +6,7 @@ tagged with the class name (no pickle crosses a process boundary).
 Boundaries:
   client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery
   master  -> client   : EngineReady, EngineOutputs (a batch of RequestDelta), EngineStats, EngineError
-  master  -> executor : SchedulerOutput, Shutdown
+  master  -> executor : StepBatch (one SchedulerOutput per DP group), Shutdown
   executor-> master   : ModelRunnerOutput, ExecutorReady, ExecutorFailure
   master  -> routers  : KVCacheEvents (PUB socket at EngineConfig.kv_events_endpoint)
 """
@@ -59,10 +59,19 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
+@dataclass
+class StepBatch:
+    """One lockstep step of every rank: DP group g runs `per_dp[g]` (empty when it has no work;
+    its ranks still join the step's MoE collectives)."""
+
+    per_dp: list[SchedulerOutput] = field(default_factory=list)
+
+
 # ---------------------------------------------------------------- executor -> master
 @dataclass
 class ModelRunnerOutput:
     step_id: int
+    dp_rank: int = 0  # the DP group whose driver rank reports this step
     # one entry per request that produced a token this step (its prefill completed or it decoded)
     sampled: dict[str, int] = field(default_factory=dict)
     # req_id -> [chosen_logprob, [[token, logprob], ...top alternatives]] when requested
@@ -163,6 +172,7 @@ class KVCacheEvents:
     seq: int  # increases by one per batch, so a subscriber can detect a gap and resync
     timestamp: float
     events: list[dict[str, Any]] = field(default_factory=list)
+    dp_rank: int = 0  # the DP group whose cache changed (each DP group has its own KV pool)
 
 
 @dataclass
@@ -173,7 +183,7 @@ class Shutdown:
 _MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (
-        NewRequestData, CachedRequestData, SchedulerOutput, ModelRunnerOutput, ExecutorReady, ExecutorFailure,
+        NewRequestData, CachedRequestData, SchedulerOutput, StepBatch, ModelRunnerOutput, ExecutorReady, ExecutorFailure,
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
         KVCacheEvents, Shutdown,
     )
@@ -181,6 +191,7 @@ _MESSAGE_TYPES = {
 _NESTED = {
     ("SchedulerOutput", "new_reqs"): NewRequestData,
     ("SchedulerOutput", "cached_reqs"): CachedRequestData,
+    ("StepBatch", "per_dp"): SchedulerOutput,
     ("EngineOutputs", "deltas"): RequestDelta,
 }
 
@@ -199,10 +210,13 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb([type(msg).__name__, _to_plain(msg)], use_bin_type=True)
 
 
+def _build(cls: type, fields: dict[str, Any]) -> Any:
+    for (owner, attr), sub in _NESTED.items():
+        if owner == cls.__name__ and attr in fields:
+            fields[attr] = [_build(sub, x) for x in fields[attr]]
+    return cls(**fields)
+
+
 def decode(data: bytes) -> Any:
     name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    cls = _MESSAGE_TYPES[name]
-    for (owner, attr), sub in _NESTED.items():
-        if owner == name and attr in fields:
-            fields[attr] = [sub(**x) for x in fields[attr]]
-    return cls(**fields)
+    return _build(_MESSAGE_TYPES[name], fields)

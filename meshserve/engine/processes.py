@@ -7,6 +7,7 @@ re-import) and the same command line starts a process on another host.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -34,3 +35,10 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` now (for the executors' torch.distributed rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

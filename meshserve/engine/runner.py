@@ -20,6 +20,7 @@ from meshserve.engine.sampler import Sampler, SamplingRow
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
+from meshserve.parallel.context import ParallelContext
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,19 @@ def kv_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: fl
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's runner. With several ranks, every rank of a DP group runs the same step; the
+    group's driver samples and shares the tokens, so all of them keep the same token state."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
+        self.parallel = parallel or ParallelContext.single()
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None and self.parallel.world_size > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config)
         t0 = time.perf_counter()
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device, parallel=self.parallel)
         logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
         self.layout = self.model.kv_cache_layout(self.dtype)
         if config.num_kv_blocks is not None:
@@ -107,6 +114,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._apply(sched)
         if sched.is_empty:
+            if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
+                self._idle_forward()
             return ModelRunnerOutput(step_id=sched.step_id)
         # decodes (one token) first: the attention kernels expect that layout
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
@@ -146,17 +155,36 @@ class ModelRunner:
                             eos_token_ids=self.eos_token_ids)
                 for s in sample_states
             ]
-            sampled = self.sampler(logits, rows)
-            for state, token, lp in zip(sample_states, sampled.token_ids, sampled.logprobs):
-                state.token_ids.append(int(token))
-                out.sampled[state.req_id] = int(token)
+            token_ids, logprobs = self._sample(logits, rows)
+            for state, token, lp in zip(sample_states, token_ids, logprobs):
+                state.token_ids.append(token)
+                out.sampled[state.req_id] = token
                 if lp is not None:
                     out.logprobs[state.req_id] = lp
         out.execute_seconds = time.perf_counter() - t0
         return out
 
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list]:
+        """Sample on the driver; the other ranks of its attention TP group receive the tokens."""
+        if self.parallel.attn_tp_size == 1:
+            sampled = self.sampler(logits, rows)
+            return [int(t) for t in sampled.token_ids], list(sampled.logprobs)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        logprobs: list = [None] * len(rows)
+        if self.parallel.is_driver:
+            sampled = self.sampler(logits, rows)
+            tokens.copy_(torch.as_tensor([int(t) for t in sampled.token_ids], dtype=torch.int64))
+            logprobs = list(sampled.logprobs)
+        self.parallel.attn_broadcast_from_driver(tokens)
+        return tokens.tolist(), logprobs
 
-def configure_threads(num_threads: int | None) -> int:
-    n = num_threads or os.cpu_count() or 1
+    def _idle_forward(self) -> None:
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.model(empty, empty, AttentionMetadata.empty(self.device), self.kv_caches)
+
+
+def configure_threads(num_threads: int | None, world_size: int = 1) -> int:
+    """Torch threads of one rank: as asked, else this machine's cores shared among the ranks."""
+    n = num_threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(n)
     return n

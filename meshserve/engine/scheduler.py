@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from meshserve.engine.dp_balancer import DPGroupLoad
 from meshserve.engine.errors import QueueFullError, RequestTooLongError
 from meshserve.engine.messages import (
     CachedRequestData,
@@ -406,6 +407,24 @@ class Scheduler:
         ]
         self._step_progress.clear()
         return deltas
+
+    def dp_load(self, default_output_tokens: int) -> DPGroupLoad:
+        """This scheduler's load as the DP balancer sees it (requests without max_tokens are
+        expected to produce `default_output_tokens`)."""
+        bs = self.config.block_size
+        reserved = pending = 0
+        for req in self._requests.values():
+            expected = req.num_prompt_tokens + (req.sampling_params.max_tokens or default_output_tokens)
+            reserved += max(0, _cdiv(min(expected, self.config.max_model_len), bs) - len(req.block_ids))
+            pending += max(0, req.num_prompt_tokens - req.num_computed_tokens)
+        return DPGroupLoad(num_requests=len(self._requests), max_num_seqs=self.config.max_num_seqs,
+                           num_blocks=self.rtc.num_blocks,
+                           num_used_blocks=self.rtc.num_blocks - self.rtc.num_available_blocks,
+                           reserved_blocks=reserved, pending_prefill_tokens=pending)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise RequestTooLongError when `req` could never run here (used before a request is queued)."""
+        self._check_fits(req)
 
     def stats(self) -> EngineStats:
         return EngineStats(

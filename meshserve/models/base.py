@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.models.layers.tensor_parallel import Shard
+
 
 @dataclass(frozen=True)
 class KVCacheLayout:
@@ -104,6 +106,11 @@ class AttentionMetadata:
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         )
 
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu", block_size: int = 1) -> "AttentionMetadata":
+        """A step with no sequences: an idle DP group runs it to join the other groups' MoE collectives."""
+        return cls.build([], [], [], block_size, num_decodes=0, device=device)
+
 
 class CausalLM(torch.nn.Module):
     """Base class of every served model.
@@ -113,10 +120,23 @@ class CausalLM(torch.nn.Module):
       compute_logits(hidden[N, H]) -> float32 logits [N, vocab_size]
       kv_cache_layout(dtype) -> KVCacheLayout
       load_weights(iterable of (hf_name, tensor)) -> set of loaded parameter names
-    and are constructed as Model(hf_config: dict, dtype: torch.dtype).
+    and are constructed as Model(hf_config: dict, dtype: torch.dtype, parallel: ParallelContext | None).
+
+    Under a parallel strategy a model keeps only this rank's part of the weights. The loader asks
+    `wants_weight(name)` before reading a tensor (False: another rank's routed expert) and reads
+    only the piece `weight_shard(name)` names, and `load_weights` receives exactly that piece
+    (`meshserve.models.loader.shard_weights` cuts full tensors the same way for other callers).
     """
 
     model_type: str = ""
+
+    def wants_weight(self, name: str) -> bool:
+        """Whether this rank keeps (part of) the checkpoint tensor `name`."""
+        return True
+
+    def weight_shard(self, name: str) -> Shard | None:
+        """The piece of checkpoint tensor `name` this rank keeps; None for the whole tensor."""
+        return None
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -3,6 +3,12 @@
 Matches HF `transformers.DeepseekV3ForCausalLM` on the same weights. MTP layers
 (`num_nextn_predict_layers`, stored after the last decoder layer) are loaded into
 `self.mtp` but not run by `forward`.
+
+Under a parallel strategy (`parallel`), attention heads, dense and shared-expert MLP
+columns, the embedding and the LM head are split over the attention TP group, the
+routers are replicated, and the routed experts run through `MoERuntime`, which holds
+this rank's experts (EP) and intermediate columns (MoE TP). MTP layers are split the
+same way.
 """
 from __future__ import annotations
 
@@ -21,9 +27,18 @@ from meshserve.models.layers.mla import (
     mla_softmax_scale,
     uninitialized_linear,
 )
-from meshserve.models.layers.moe import FusedMoEWeights
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
+from meshserve.models.layers.tensor_parallel import (
+    Shard,
+    VocabParallelEmbedding,
+    attention_tp_part,
+    attention_tp_shard,
+    row_parallel_linear,
+    vocab_parallel_logits,
+)
+from meshserve.parallel.context import ParallelContext
+from meshserve.parallel.moe_runtime import MoERuntime
 
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -152,7 +167,7 @@ def grouped_topk(
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        scores_for_choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+        scores_for_choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
     topk_ids = scores_for_choice.topk(top_k, dim=-1, sorted=False)[1]
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
@@ -161,10 +176,17 @@ def grouped_topk(
 
 
 class SwiGLUMLP(torch.nn.Module):
-    """silu(gate(x)) * up(x) -> down, with gate and up as one matmul."""
+    """silu(gate(x)) * up(x) -> down, with gate and up as one matmul.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    Under attention TP a rank holds its block of the intermediate columns (gate/up rows, down
+    input columns); `partial` is its share of the output and the group sums the shares.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        intermediate_size = attention_tp_part(self.parallel, intermediate_size, "MLP intermediate size")
         self.intermediate_size = intermediate_size
         self.gate_up_proj = uninitialized_linear(hidden_size, 2 * intermediate_size, False, dtype)
         self.down_proj = uninitialized_linear(intermediate_size, hidden_size, False, dtype)
@@ -182,19 +204,33 @@ class SwiGLUMLP(torch.nn.Module):
             return name
         raise KeyError(f"unexpected MLP weight {name!r}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         i = self.intermediate_size
-        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+        return F.silu(gate_up[:, :i]) * gate_up[:, i:]
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output with one attention TP rank)."""
+        return self.down_proj(self._activation(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_parallel_linear(self.parallel, self._activation(x), self.down_proj.weight)
 
 
 class DeepseekV3MoE(torch.nn.Module):
-    """Router (fp32, as HF keeps it) + routed experts grouped by expert + shared experts."""
+    """Router (fp32, as HF keeps it) + routed experts (through the MoE runtime) + shared experts.
+
+    Every rank routes its own tokens with the full router; the shared experts are split over
+    the attention TP group like a dense MLP.
+    """
 
     _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
-    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype) -> None:
+    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        self.hidden_size = p.hidden_size
+        self.moe_intermediate_size = p.moe_intermediate_size
         self.num_experts = p.n_routed_experts
         self.top_k = p.num_experts_per_tok
         self.n_group = p.n_group
@@ -203,9 +239,10 @@ class DeepseekV3MoE(torch.nn.Module):
         self.routed_scaling_factor = p.routed_scaling_factor
         self.gate_weight = torch.nn.Parameter(torch.empty(p.n_routed_experts, p.hidden_size), requires_grad=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(p.n_routed_experts))
-        self.experts = FusedMoEWeights(p.n_routed_experts, p.hidden_size, p.moe_intermediate_size, dtype)
-        self.shared_experts = (SwiGLUMLP(p.hidden_size, p.moe_intermediate_size * p.n_shared_experts, dtype)
-                               if p.n_shared_experts else None)
+        self.runtime = MoERuntime(self.parallel, p.n_routed_experts, p.num_experts_per_tok, p.hidden_size, dtype)
+        self.experts = self.runtime.make_weights(p.moe_intermediate_size)
+        self.shared_experts = (SwiGLUMLP(p.hidden_size, p.moe_intermediate_size * p.n_shared_experts, dtype,
+                                         self.parallel) if p.n_shared_experts else None)
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
         if name == "gate.weight":
@@ -219,10 +256,11 @@ class DeepseekV3MoE(torch.nn.Module):
             expert, proj = int(match.group(1)), match.group(2)
             if not 0 <= expert < self.num_experts:
                 raise KeyError(f"expert id {expert} out of range in {name!r} ({self.num_experts} experts)")
-            w = self.experts.w2 if proj == "down_proj" else self.experts.w13
-            rows = w.shape[1] if proj == "down_proj" else w.shape[1] // 2
-            if tuple(tensor.shape) != (rows, w.shape[2]):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {(rows, w.shape[2])}")
+            h, i = self.hidden_size, self.moe_intermediate_size
+            expected = (h, i) if proj == "down_proj" else (i, h)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            # another rank's expert is skipped; it still counts as handled
             self.experts.load_expert(expert, proj, tensor)
             return "experts.w2" if proj == "down_proj" else "experts.w13"
         if name.startswith("shared_experts.") and self.shared_experts is not None:
@@ -235,15 +273,26 @@ class DeepseekV3MoE(torch.nn.Module):
                             self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Also with 0 tokens: the runtime's collectives must run on every rank."""
         topk_weights, topk_ids = self.route(hidden_states)
-        out = self.experts(hidden_states, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
-        return out
+        routed = self.runtime(hidden_states, topk_ids, topk_weights, self.experts)
+        if self.shared_experts is None:
+            return routed
+        if self.parallel.attn_tp_size == 1:
+            return routed + self.shared_experts(hidden_states)
+        if hidden_states.shape[0] == 0:  # the whole attention TP group is idle
+            return routed
+        # one all-reduce for both: the shared-expert shares, plus the routed output (the same on
+        # every rank of the group) added by one rank only
+        out = self.shared_experts.partial(hidden_states)
+        if self.parallel.attn_tp_rank == 0:
+            out += routed
+        return self.parallel.attn_all_reduce(out)
 
 
 class DeepseekV3DecoderLayer(torch.nn.Module):
-    def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.self_attn = MultiHeadLatentAttention(
             hidden_size=p.hidden_size,
@@ -258,9 +307,10 @@ class DeepseekV3DecoderLayer(torch.nn.Module):
             rope_interleave=p.rope_interleave,
             attention_bias=p.attention_bias,
             dtype=dtype,
+            parallel=parallel,
         )
-        self.mlp = DeepseekV3MoE(p, dtype) if p.is_moe_layer(layer_idx) else SwiGLUMLP(
-            p.hidden_size, p.intermediate_size, dtype)
+        self.mlp = DeepseekV3MoE(p, dtype, parallel) if p.is_moe_layer(layer_idx) else SwiGLUMLP(
+            p.hidden_size, p.intermediate_size, dtype, parallel)
         self.input_layernorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
 
@@ -276,15 +326,19 @@ class DeepseekV3DecoderLayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: MLABatchPlan,
                 kv_cache: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[0] == 0:  # an idle DP group: no attention, but the MoE runtime must still run
+            return hidden_states + self.mlp(hidden_states)
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, plan, kv_cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 class SharedHead(torch.nn.Module):
-    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype) -> None:
+    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype, parallel: ParallelContext) -> None:
         super().__init__()
         self.norm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
-        self.head = uninitialized_linear(p.hidden_size, p.vocab_size, False, dtype)
+        # vocab-parallel like the main LM head
+        self.head = uninitialized_linear(p.hidden_size, attention_tp_part(parallel, p.vocab_size, "vocab_size"),
+                                         False, dtype)
 
 
 class DeepseekV3MTPLayer(torch.nn.Module):
@@ -298,16 +352,18 @@ class DeepseekV3MTPLayer(torch.nn.Module):
 
     _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight")
 
-    def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
         self.embedding_shape = (p.vocab_size, p.hidden_size)
         self.dtype = dtype
         self.enorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
         self.eh_proj = uninitialized_linear(2 * p.hidden_size, p.hidden_size, False, dtype)
-        self.block = DeepseekV3DecoderLayer(p, layer_idx, dtype)
-        self.shared_head = SharedHead(p, dtype)
-        self.embed_tokens: torch.nn.Embedding | None = None
+        self.block = DeepseekV3DecoderLayer(p, layer_idx, dtype, self.parallel)
+        self.shared_head = SharedHead(p, dtype, self.parallel)
+        self.embed_tokens: VocabParallelEmbedding | None = None
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
         if name in self._OWN:
@@ -315,9 +371,8 @@ class DeepseekV3MTPLayer(torch.nn.Module):
             return name
         if name == "embed_tokens.weight":
             if self.embed_tokens is None:
-                self.embed_tokens = torch.nn.Embedding(*self.embedding_shape, dtype=self.dtype,
-                                                       device=self.eh_proj.weight.device)
-                self.embed_tokens.requires_grad_(False)
+                with torch.device(self.eh_proj.weight.device):
+                    self.embed_tokens = VocabParallelEmbedding(*self.embedding_shape, self.dtype, self.parallel)
             copy_checked(self.embed_tokens.weight.data, tensor, name)
             return name
         return "block." + self.block.load_hf_weight(name, tensor)
@@ -327,24 +382,35 @@ class DeepseekV3ForCausalLM(CausalLM):
     model_type = "deepseek_v3"
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    # checkpoint tensors split over the attention TP group: output rows / input columns
+    _TP_ROWS = re.compile(r"(?:^|\.)(?:self_attn\.(?:q_b_proj|q_proj|kv_b_proj)"
+                          r"|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj)"
+                          r"|embed_tokens|lm_head|shared_head\.head)\.weight$")
+    _TP_COLUMNS = re.compile(r"(?:^|\.)(?:self_attn\.o_proj|mlp\.(?:shared_experts\.)?down_proj)\.weight$")
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         p = DeepseekV3Params.from_hf_config(hf_config)
         self.params = p
         self.dtype = dtype
+        self.parallel = parallel or ParallelContext.single()
         self.num_heads = p.num_attention_heads
-        self.embed_tokens = torch.nn.utils.skip_init(torch.nn.Embedding, p.vocab_size, p.hidden_size, dtype=dtype)
-        self.layers = torch.nn.ModuleList(DeepseekV3DecoderLayer(p, i, dtype) for i in range(p.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(p.vocab_size, p.hidden_size, dtype, self.parallel)
+        self.layers = torch.nn.ModuleList(
+            DeepseekV3DecoderLayer(p, i, dtype, self.parallel) for i in range(p.num_hidden_layers))
         self.norm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
-        self.lm_head = uninitialized_linear(p.hidden_size, p.vocab_size, False, dtype)
+        self.lm_head = uninitialized_linear(p.hidden_size, self.embed_tokens.num_local, False, dtype)
         if p.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(p.qk_rope_head_dim, p.rope_parameters, p.max_position_embeddings,
                                           interleaved=p.rope_interleave)
         self.mtp = torch.nn.ModuleList(
-            DeepseekV3MTPLayer(p, p.num_hidden_layers + i, dtype) for i in range(p.num_nextn_predict_layers))
+            DeepseekV3MTPLayer(p, p.num_hidden_layers + i, dtype, self.parallel)
+            for i in range(p.num_nextn_predict_layers))
         self.requires_grad_(False)
+        self._expert_range = self.parallel.expert_range(p.n_routed_experts) if p.n_routed_experts else (0, 0)
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
         return KVCacheLayout(
@@ -365,7 +431,24 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.norm(hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+        return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head.weight)
+
+    def wants_weight(self, name: str) -> bool:
+        """Everything but the routed experts of other EP ranks (most of a checkpoint's bytes)."""
+        match = self._ROUTED_EXPERT.search(name)
+        if match is None:
+            return True
+        first, count = self._expert_range
+        return first <= int(match.group(1)) < first + count
+
+    def weight_shard(self, name: str) -> Shard | None:
+        if self.parallel.attn_tp_size == 1:
+            return None
+        if self._TP_ROWS.search(name):
+            return attention_tp_shard(self.parallel, 0)
+        if self._TP_COLUMNS.search(name):
+            return attention_tp_shard(self.parallel, 1)
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names (as in `named_parameters`) of the parameters written.

@@ -2,12 +2,13 @@
 
 Weights stream shard by shard into the model's `load_weights`, one tensor at a time, so peak memory is
 the model plus one tensor. `name_filter` is asked about each tensor name before the tensor is read,
-which lets a tensor/expert-parallel rank read only the tensors it keeps.
+which lets a tensor/expert-parallel rank read only the tensors it keeps; of a tensor split over ranks
+only this rank's piece is read (safetensors slices).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -15,7 +16,9 @@ from safetensors import safe_open
 
 from meshserve.models.base import CausalLM
 from meshserve.models.layers.linear import pack_linears
+from meshserve.models.layers.tensor_parallel import Shard
 from meshserve.models.registry import model_class
+from meshserve.parallel.context import ParallelContext
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -79,25 +82,45 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"{str(model_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def iter_safetensors(model_dir: str | Path,
-                     name_filter: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every stored tensor whose name passes `name_filter` (checked before reading)."""
+def iter_safetensors(model_dir: str | Path, name_filter: Callable[[str], bool] | None = None,
+                     shard_of: Callable[[str], Shard | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every stored tensor whose name passes `name_filter` (checked before reading).
+
+    Where `shard_of(name)` names a piece, only that piece is read and yielded.
+    """
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name_filter is None or name_filter(name):
-                    yield name, f.get_tensor(name)
+                if name_filter is not None and not name_filter(name):
+                    continue
+                shard = shard_of(name) if shard_of is not None else None
+                yield name, (f.get_tensor(name) if shard is None else shard.read(f.get_slice(name), name))
+
+
+def shard_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full checkpoint tensors cut down to what `model`'s rank keeps, as `load_model` reads them."""
+    for name, tensor in weights:
+        if model.wants_weight(name):
+            shard = model.weight_shard(name)
+            yield name, (tensor if shard is None else shard.take(tensor, name))
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               name_filter: Callable[[str], bool] | None = None) -> CausalLM:
-    """Build the registered model for config.json's `model_type` and fill every parameter from the checkpoint."""
+               name_filter: Callable[[str], bool] | None = None, parallel: ParallelContext | None = None) -> CausalLM:
+    """Build the registered model for config.json's `model_type` and fill every parameter from the checkpoint.
+
+    With `parallel`, the model is this rank's part of the strategy and only that part is read.
+    """
     config = load_hf_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     cls = model_class(config["model_type"])
     with torch.device(device):  # allocate parameters where they will live
-        model = cls(config, dtype=torch_dtype)
-    loaded = model.load_weights(iter_safetensors(model_dir, name_filter))
+        model = cls(config, dtype=torch_dtype, parallel=parallel)
+
+    def wanted(name: str) -> bool:
+        return model.wants_weight(name) and (name_filter is None or name_filter(name))
+
+    loaded = model.load_weights(iter_safetensors(model_dir, wanted, model.weight_shard))
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -4,9 +4,13 @@ Matches HF `Qwen3ForCausalLM`: per-head RMSNorm on q and k before rotate-half Ro
 attention, SwiGLU MLP, pre-norm residual blocks. q/k/v and gate/up are stored fused so a layer runs
 one matmul for each; `load_weights` accepts the HF per-projection names and fills the slices.
 `Qwen3MoeForCausalLM` (qwen3_moe.py) reuses everything here and only swaps some MLPs for MoE blocks.
+
+Under a parallel strategy (`parallel`) the query and KV heads, the MLP columns, the embedding
+and the LM head are split over the attention TP group (see layers/tensor_parallel.py).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +22,15 @@ from meshserve.models.layers.attention import PagedGQAAttention
 from meshserve.models.layers.linear import attach_packed, linear
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
+from meshserve.models.layers.tensor_parallel import (
+    Shard,
+    VocabParallelEmbedding,
+    attention_tp_part,
+    attention_tp_shard,
+    row_parallel_linear,
+    vocab_parallel_logits,
+)
+from meshserve.parallel.context import ParallelContext
 
 
 def require(hf_config: dict, key: str):
@@ -97,9 +110,14 @@ class FusedLinear(torch.nn.Module):
 
 
 class Qwen3Attention(torch.nn.Module):
-    def __init__(self, dims: Qwen3Dims, dtype: torch.dtype) -> None:
+    """GQA attention; under attention TP a rank holds its query heads and their KV heads."""
+
+    def __init__(self, dims: Qwen3Dims, dtype: torch.dtype, parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        self.parallel = parallel
+        self.num_heads = attention_tp_part(parallel, dims.num_heads, "num_attention_heads")
+        self.num_kv_heads = attention_tp_part(parallel, dims.num_kv_heads, "num_key_value_heads")
+        self.head_dim = dims.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = FusedLinear(dims.hidden_size, self.split_sizes, dims.attention_bias, dtype)
@@ -119,51 +137,48 @@ class Qwen3Attention(torch.nn.Module):
         k = rotary._rotate(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.paged_attn(q, k, v, attn, kv_cache)
-        return self.o_proj(out.reshape(num_tokens, -1))
-
-
-class Embedding(torch.nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = empty_param(num_embeddings, embedding_dim, dtype=dtype)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return row_parallel_linear(self.parallel, out.reshape(num_tokens, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class Qwen3MLP(torch.nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul; columns split over attention TP."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        intermediate_size = attention_tp_part(self.parallel, intermediate_size, "MLP intermediate size")
         self.intermediate_size = intermediate_size
         self.gate_up_proj = FusedLinear(hidden_size, [intermediate_size, intermediate_size], False, dtype)
         self.down_proj = FusedLinear(intermediate_size, [hidden_size], False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel_linear(self.parallel, F.silu(gate) * up, self.down_proj.weight)
 
 
 class Qwen3DecoderLayer(torch.nn.Module):
-    def __init__(self, dims: Qwen3Dims, mlp: torch.nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, dims: Qwen3Dims, mlp: torch.nn.Module, dtype: torch.dtype, parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(dims, dtype)
+        self.self_attn = Qwen3Attention(dims, dtype, parallel)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 0:  # an idle DP group: no attention, but an MoE block must still run its collectives
+            return hidden + self.mlp(hidden)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, rotary, attn, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Qwen3Model(torch.nn.Module):
-    def __init__(self, dims: Qwen3Dims, mlps: list[torch.nn.Module], dtype: torch.dtype) -> None:
+    def __init__(self, dims: Qwen3Dims, mlps: list[torch.nn.Module], dtype: torch.dtype,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(dims.vocab_size, dims.hidden_size, dtype)
-        self.layers = torch.nn.ModuleList(Qwen3DecoderLayer(dims, mlp, dtype) for mlp in mlps)
+        self.embed_tokens = VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, dtype, parallel)
+        self.layers = torch.nn.ModuleList(Qwen3DecoderLayer(dims, mlp, dtype, parallel) for mlp in mlps)
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.rope_parameters, dims.max_position_embeddings,
                                           interleaved=False)
@@ -191,19 +206,26 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class Qwen3ForCausalLM(CausalLM):
     model_type = "qwen3"
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32) -> None:
+    # checkpoint tensors split over the attention TP group: output rows / input columns
+    _TP_ROWS = re.compile(r"(?:^|\.)(?:self_attn\.(?:q_proj|k_proj|v_proj)\.(?:weight|bias)"
+                          r"|mlp\.(?:gate_proj|up_proj)\.weight|embed_tokens\.weight|lm_head\.weight)$")
+    _TP_COLUMNS = re.compile(r"(?:^|\.)(?:self_attn\.o_proj|mlp\.down_proj)\.weight$")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.dims = Qwen3Dims.from_hf(hf_config)
         self.dtype = dtype
+        self.parallel = parallel or ParallelContext.single()
         mlps = [self.make_mlp(hf_config, i) for i in range(self.dims.num_layers)]
-        self.model = Qwen3Model(self.dims, mlps, dtype)
+        self.model = Qwen3Model(self.dims, mlps, dtype, self.parallel)
         if not self.dims.tie_word_embeddings:
-            self.lm_head = FusedLinear(self.dims.hidden_size, [self.dims.vocab_size], False, dtype)
+            self.lm_head = FusedLinear(self.dims.hidden_size, [self.model.embed_tokens.num_local], False, dtype)
         # parameter name -> pieces received so far (whole tensors count as piece None)
         self._loaded_pieces: dict[str, set] = {}
 
     def make_mlp(self, hf_config: dict, layer_idx: int) -> torch.nn.Module:
-        return Qwen3MLP(self.dims.hidden_size, self.dims.intermediate_size, self.dtype)
+        return Qwen3MLP(self.dims.hidden_size, self.dims.intermediate_size, self.dtype, self.parallel)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -214,12 +236,22 @@ class Qwen3ForCausalLM(CausalLM):
         return self.model(input_ids, positions, attn, kv_caches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(hidden_states, self.lm_head_weight).float()
+        return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head_weight)
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
-        return KVCacheLayout(num_layers=self.dims.num_layers,
-                             entry_shape=(2, self.dims.num_kv_heads, self.dims.head_dim),
+        """Per rank: the KV heads of this rank's attention TP slice."""
+        num_kv_heads = attention_tp_part(self.parallel, self.dims.num_kv_heads, "num_key_value_heads")
+        return KVCacheLayout(num_layers=self.dims.num_layers, entry_shape=(2, num_kv_heads, self.dims.head_dim),
                              dtype=dtype or self.dtype)
+
+    def weight_shard(self, name: str) -> Shard | None:
+        if self.parallel.attn_tp_size == 1:
+            return None
+        if self._TP_ROWS.search(name):
+            return attention_tp_shard(self.parallel, 0)
+        if self._TP_COLUMNS.search(name):
+            return attention_tp_shard(self.parallel, 1)
+        return None
 
     # ---- weight loading -------------------------------------------------------------------------
 

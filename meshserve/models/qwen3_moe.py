@@ -4,6 +4,10 @@ Routing follows HF `Qwen3MoeTopKRouter`: softmax over all experts in float32, to
 `norm_topk_prob`) renormalise the k weights to sum to one. A layer is sparse unless it is listed in
 `mlp_only_layers` or `(layer_idx + 1) % decoder_sparse_step != 0`; the others keep a dense SwiGLU MLP
 of `intermediate_size`, exactly like HF `Qwen3MoeDecoderLayer`.
+
+Under a parallel strategy the router is replicated and the routed experts run through `MoERuntime`:
+a rank reads only its experts (EP; of packed expert tensors only its expert range) and keeps their
+intermediate-column block (MoE TP).
 """
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ import re
 import torch
 
 from meshserve.models.layers.moe import FusedMoEWeights
-from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, copy_checked, require
+from meshserve.models.layers.tensor_parallel import Shard
+from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, require
+from meshserve.parallel.context import ParallelContext
+from meshserve.parallel.moe_runtime import MoERuntime
 
 # per-expert tensors as transformers writes them, and the packed form some checkpoints keep
 _EXPERT_WEIGHT = re.compile(
@@ -22,22 +29,31 @@ _PACKED_EXPERTS = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_pr
 
 class Qwen3MoeSparseBlock(torch.nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
-                 norm_topk_prob: bool, dtype: torch.dtype) -> None:
+                 norm_topk_prob: bool, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
         self.num_experts = num_experts  # across all ranks; `experts` may hold a slice
+        self.hidden_size = hidden_size
+        self.moe_intermediate_size = moe_intermediate_size  # full HF size; `experts` may hold a column block
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = FusedLinear(hidden_size, [num_experts], False, dtype)
-        self.experts = FusedMoEWeights(num_experts, hidden_size, moe_intermediate_size, dtype)
+        self.runtime = MoERuntime(parallel or ParallelContext.single(), num_experts, top_k, hidden_size, dtype)
+        self.experts = self.runtime.make_weights(moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Also with 0 tokens: the runtime's collectives must run on every rank."""
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, ids, weights.to(x.dtype))
+        return self.runtime(x, ids, weights.to(x.dtype), self.experts)
+
+    def expert_shape(self, proj: str) -> tuple[int, int]:
+        """One expert's full HF tensor shape for `proj`."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return (h, i) if proj == "down_proj" else (i, h)
 
 
 def is_sparse_layer(hf_config: dict, layer_idx: int) -> bool:
@@ -58,9 +74,17 @@ def num_routed_experts(hf_config: dict) -> int:
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_type = "qwen3_moe"
 
+    _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32,
+                 parallel: ParallelContext | None = None) -> None:
+        super().__init__(hf_config, dtype, parallel)
+        num_experts = num_routed_experts(hf_config)
+        self._expert_range = self.parallel.expert_range(num_experts) if num_experts else (0, 0)
+
     def make_mlp(self, hf_config: dict, layer_idx: int) -> torch.nn.Module:
         if not is_sparse_layer(hf_config, layer_idx):
-            return Qwen3MLP(self.dims.hidden_size, self.dims.intermediate_size, self.dtype)
+            return Qwen3MLP(self.dims.hidden_size, self.dims.intermediate_size, self.dtype, self.parallel)
         return Qwen3MoeSparseBlock(
             hidden_size=self.dims.hidden_size,
             num_experts=num_routed_experts(hf_config),
@@ -68,7 +92,22 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             moe_intermediate_size=require(hf_config, "moe_intermediate_size"),
             norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
             dtype=self.dtype,
+            parallel=self.parallel,
         )
+
+    def wants_weight(self, name: str) -> bool:
+        """Everything but the per-expert tensors of other EP ranks (most of a checkpoint's bytes)."""
+        match = self._ROUTED_EXPERT.search(name)
+        if match is None:
+            return True
+        first, count = self._expert_range
+        return first <= int(match.group(1)) < first + count
+
+    def weight_shard(self, name: str) -> Shard | None:
+        # packed expert tensors [E, ...]: only this rank's expert range is read
+        if self.parallel.ep_size > 1 and _PACKED_EXPERTS.match(name):
+            return Shard(0, self.parallel.ep_rank, self.parallel.ep_size)
+        return super().weight_shard(name)
 
     def expected_pieces(self) -> dict[str, int]:
         counts = super().expected_pieces()
@@ -86,7 +125,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if "expert" in match.groupdict():
             self._load_one_expert(match["block"], block, int(match["expert"]), match["proj"], tensor, name)
         else:
-            self._load_packed_experts(match["block"], block.experts, match["proj"], tensor, name)
+            self._load_packed_experts(match["block"], block, match["proj"], tensor, name)
         return True
 
     def _sparse_block(self, module_name: str, weight_name: str) -> Qwen3MoeSparseBlock:
@@ -103,27 +142,28 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                          tensor: torch.Tensor, name: str) -> None:
         if expert_id >= block.num_experts:
             raise ValueError(f"unknown weight {name!r}: expert {expert_id} >= num_experts {block.num_experts}")
-        experts = block.experts
-        if not 0 <= expert_id - experts.first_expert < experts.num_experts:
-            return  # another rank's expert
-        i = experts.intermediate_size
-        expected = (experts.w2.shape[1], i) if proj == "down_proj" else (i, experts.w13.shape[2])
+        expected = block.expert_shape(proj)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        experts.load_expert(expert_id, proj, tensor)
-        self.mark_loaded(f"{block_name}.experts.{'w2' if proj == 'down_proj' else 'w13'}", (expert_id, proj))
+        # the runtime's weights keep this rank's column block of their own experts and skip the others
+        if block.experts.load_expert(expert_id, proj, tensor):
+            self.mark_loaded(f"{block_name}.experts.{'w2' if proj == 'down_proj' else 'w13'}", (expert_id, proj))
 
-    def _load_packed_experts(self, block_name: str, experts: FusedMoEWeights, proj: str, tensor: torch.Tensor,
+    def _load_packed_experts(self, block_name: str, block: Qwen3MoeSparseBlock, proj: str, tensor: torch.Tensor,
                              name: str) -> None:
-        # packed tensors hold every expert ([E, 2I, H] gate rows then up rows, or [E, H, I]); keep our slice
-        param_name = "w13" if proj == "gate_up_proj" else "w2"
-        dest = getattr(experts, param_name).data
-        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != tuple(dest.shape[1:]):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected [E, {dest.shape[1]}, "
-                             f"{dest.shape[2]}]")
-        first = experts.first_expert
-        copy_checked(dest, tensor[first:first + experts.num_experts], name)
-        for expert_id in range(first, first + experts.num_experts):
-            pieces = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
-            for piece in pieces:
-                self.mark_loaded(f"{block_name}.experts.{param_name}", (expert_id, piece))
+        """Packed tensors hold the experts of this rank's EP range (see `weight_shard`; all of them with one
+        EP rank): [E, 2I, H] with gate rows then up rows, or [E, H, I]."""
+        experts = block.experts
+        num_local, first = experts.num_local_experts, experts.first_expert
+        i = block.moe_intermediate_size
+        gate_up = proj == "gate_up_proj"
+        expected = (num_local, 2 * i, block.hidden_size) if gate_up else (num_local, *block.expert_shape("down_proj"))
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        param_name = "w13" if gate_up else "w2"
+        for local in range(num_local):
+            pieces = {"gate_proj": tensor[local, :i], "up_proj": tensor[local, i:]} if gate_up \
+                else {"down_proj": tensor[local]}
+            for piece, part in pieces.items():
+                experts.load_expert(first + local, piece, part)
+                self.mark_loaded(f"{block_name}.experts.{param_name}", (first + local, piece))

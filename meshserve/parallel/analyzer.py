@@ -394,15 +394,34 @@ def analyze(config: Mapping[str, Any] | ModelSpec, cluster: Cluster, workload: W
     return sorted(estimates, key=rank_key)
 
 
-def to_deployment(strategy: ParallelStrategy, model_dir: str, est: StrategyEstimate | None = None) -> dict:
-    """The deployment-file dict (plain types only, YAML-serialisable)."""
-    deployment: dict[str, Any] = {
-        "model": str(model_dir),
+MOE_COMM_MODES = ("fused", "sync")
+
+
+def to_deployment(strategy: ParallelStrategy, model_dir: str | None = None, est: StrategyEstimate | None = None,
+                  cluster: Cluster | None = None, moe_comm: str = "fused", int8_dispatch: bool = False,
+                  engine: Mapping[str, Any] | None = None) -> dict:
+    """The deployment-file dict `meshserve serve --deployment` reads (plain types only, YAML-serialisable).
+
+    `model` is left out without a model directory (serve then uses its default model);
+    `topology` is the cluster's shape, or one node holding the whole world without a cluster.
+    """
+    if moe_comm not in MOE_COMM_MODES:
+        raise AnalyzerError(f"moe_comm must be one of {', '.join(MOE_COMM_MODES)}, got {moe_comm!r}")
+    if cluster is not None and cluster.world_size != strategy.world_size:
+        raise AnalyzerError(f"strategy {strategy} needs {strategy.world_size} ranks but cluster {cluster.name} "
+                            f"has {cluster.world_size}")
+    nodes, ranks_per_node = (cluster.nodes, cluster.devices_per_node) if cluster else (1, strategy.world_size)
+    deployment: dict[str, Any] = {"model": str(model_dir)} if model_dir else {}
+    deployment.update({
         "parallel": str(strategy),
+        "topology": {"nodes": nodes, "ranks_per_node": ranks_per_node},
+        "moe_comm": moe_comm,
+        "int8_dispatch": bool(int8_dispatch),
+        "engine": dict(engine or {}),
         "world_size": strategy.world_size,
         "attention": {"tp": strategy.attn_tp, "dp": strategy.attn_dp},
         "moe": {"tp": strategy.moe_tp, "ep": strategy.moe_ep},
-    }
+    })
     if est is not None:
         deployment["estimate"] = {
             "ttft_ms": round(est.ttft_s * 1e3, 3) if math.isfinite(est.ttft_s) else None,

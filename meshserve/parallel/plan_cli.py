@@ -1,4 +1,7 @@
-"""`meshserve plan`: rank every parallel strategy for a model on a cluster and write a deployment file."""
+"""`meshserve plan`: rank every parallel strategy for a model on a cluster and write a deployment file.
+
+`meshserve plan calibrate` measures this machine into a cluster file (meshserve/parallel/calibrate.py).
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +12,9 @@ from typing import Any
 
 import yaml
 
-from meshserve.parallel.analyzer import (AnalyzerError, Cluster, StrategyEstimate, Workload, analyze,
-                                         model_spec_from_config, to_deployment)
+from meshserve.parallel.analyzer import (MOE_COMM_MODES, AnalyzerError, Cluster, StrategyEstimate, Workload,
+                                         analyze, model_spec_from_config, to_deployment)
+from meshserve.parallel.calibrate import add_calibrate_arguments, calibrate_main
 from meshserve.parallel.strategy import StrategyError
 
 GB = 1e9
@@ -62,6 +66,8 @@ _CLUSTER_FILE_KEYS = {
     "intra_bandwidth_gb_s": ("intra_bandwidth", GB), "inter_bandwidth_gb_s": ("inter_bandwidth", GB),
     "intra_latency_us": ("intra_latency", 1e-6), "inter_latency_us": ("inter_latency", 1e-6),
 }
+# Keys a cluster file may carry for people, not for the analyzer: `calibrate` records its raw samples here.
+_CLUSTER_FILE_NOTES = {"measured"}
 
 
 class PlanError(ValueError):
@@ -70,7 +76,7 @@ class PlanError(ValueError):
 
 def load_cluster_file(path: str) -> Cluster:
     """Cluster YAML: nodes, devices_per_node, device_memory_gb, tflops, intra/inter_bandwidth_gb_s,
-    optional intra/inter_latency_us and name."""
+    optional intra/inter_latency_us and name; a `measured` section is ignored."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -78,6 +84,7 @@ def load_cluster_file(path: str) -> Cluster:
         raise PlanError(f"cannot read cluster file {path}: {e}") from e
     if not isinstance(data, dict):
         raise PlanError(f"cluster file {path} must be a mapping")
+    data = {key: value for key, value in data.items() if key not in _CLUSTER_FILE_NOTES}
     unknown = sorted(set(data) - set(_CLUSTER_FILE_KEYS))
     if unknown:
         raise PlanError(f"cluster file {path}: unknown keys {', '.join(unknown)}")
@@ -103,11 +110,26 @@ def _as_int(key: str, value: Any) -> int:
     return value
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad argument as one line (no usage block) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A sub-command's leftovers would otherwise reach the parent parser's multi-line error.
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_mutually_exclusive_group(required=True)
+    # The model and cluster are required for planning but not for `calibrate`: plan_main checks them.
+    model = parser.add_mutually_exclusive_group()
     model.add_argument("--config", help="HF config.json of the model (deepseek_v3 / kimi_k2 / qwen3_moe)")
     model.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), help="built-in model config")
-    cluster = parser.add_mutually_exclusive_group(required=True)
+    cluster = parser.add_mutually_exclusive_group()
     cluster.add_argument("--cluster", help="cluster YAML file")
     cluster.add_argument("--preset-cluster", choices=sorted(CLUSTER_PRESETS), help="built-in cluster")
     parser.add_argument("--batch", type=int, default=16, help="concurrent requests b (default 16)")
@@ -116,9 +138,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="request arrival rate, requests/s")
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-itl-ms", type=float, default=None)
-    parser.add_argument("--model-dir", default=None, help="model path recorded in the deployment file")
+    parser.add_argument("--model-dir", default=None,
+                        help="model directory recorded in the deployment file (default: none; serve's default model)")
+    parser.add_argument("--moe-comm", choices=MOE_COMM_MODES, default="fused",
+                        help="hybrid TP-EP collectives recorded in the deployment file (default: fused)")
+    parser.add_argument("--int8-dispatch", action="store_true", help="record INT8 EP dispatch in the deployment file")
     parser.add_argument("--out", default=None, help="write the best strategy's deployment YAML here")
     parser.add_argument("--top", type=int, default=0, help="print only the best N rows (default: all)")
+    commands = parser.add_subparsers(dest="plan_command", metavar="{calibrate}", parser_class=_OneLineErrorParser)
+    calibrate = commands.add_parser("calibrate", help="measure this machine into a cluster YAML for --cluster",
+                                    description="Measure collective latency/bandwidth, matmul rate and memory "
+                                                "on a local world of ranks and write a cluster YAML.")
+    add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(func=calibrate_main)
 
 
 def _ms(seconds: float) -> str:
@@ -150,6 +182,10 @@ def _load_model_config(args: argparse.Namespace) -> tuple[dict, str]:
 def run_plan(args: argparse.Namespace, out=None) -> dict:
     """Analyze, print the ranked table, write the deployment file; returns the deployment dict."""
     out = out or sys.stdout
+    if not (args.config or args.model_preset):
+        raise PlanError("one of --config or --model-preset is required")
+    if not (args.cluster or args.preset_cluster):
+        raise PlanError("one of --cluster or --preset-cluster is required")
     config, model_name = _load_model_config(args)
     model = model_spec_from_config(config, name=model_name)
     cluster = CLUSTER_PRESETS[args.preset_cluster] if args.preset_cluster else load_cluster_file(args.cluster)
@@ -169,7 +205,9 @@ def run_plan(args: argparse.Namespace, out=None) -> dict:
           f"rate {workload.arrival_rate:g} req/s", file=out)
     shown = estimates[:args.top] if args.top > 0 else estimates
     print(format_table(shown), file=out)
-    deployment = to_deployment(best.strategy, args.model_dir or model_name, best)
+    deployment = to_deployment(best.strategy, args.model_dir, best, cluster=cluster, moe_comm=args.moe_comm,
+                               int8_dispatch=args.int8_dispatch)
+    deployment["estimate"].update({"model": model.name, "cluster": cluster.name})
     if args.out:
         try:
             with open(args.out, "w", encoding="utf-8") as f:
@@ -194,7 +232,9 @@ def plan_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve plan", description=__doc__)
     add_plan_arguments(parser)
-    return plan_main(parser.parse_args(argv))
+    parser.set_defaults(func=plan_main)
+    args = parser.parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ logger = logging.getLogger(__name__)
 
 
 def serve(args: argparse.Namespace) -> int:
-    from meshserve.cli import engine_config_from_args
+    from meshserve.cli import engine_config_from_args, resolve_deployment
     from meshserve.engine.async_client import AsyncEngineClient
     from meshserve.platform.api_server import run_server
 
+    resolve_deployment(args)
     model = args.model
     if model is None:
         from meshserve.models.factory import ensure_default_model
@@ -20,7 +21,7 @@ def serve(args: argparse.Namespace) -> int:
         model = str(ensure_default_model())
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
-    config = engine_config_from_args(args, model)
+    config = engine_config_from_args(args, model)  # before any process starts: bad settings fail fast
     log_level = getattr(logging, args.log_level.upper())
     engine = AsyncEngineClient(config, log_level=log_level)
     try:

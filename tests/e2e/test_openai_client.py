@@ -1,5 +1,9 @@
 """The official `openai` client against a real `meshserve serve` process on the tiny deepseek_v3 model.
 
+Every test runs twice: against the single-rank engine, and against `serve --deployment FILE` with a
+multi-rank strategy (two DP groups of attention over expert parallelism), which must serve the same
+API unchanged.
+
 The model has random weights, so texts are checked against the server itself
 (stream == non-stream when greedy, same seed -> same text, stop strings cut a
 text generated without them) and token counts against the model's tokenizer.
@@ -45,16 +49,27 @@ def model_dir(tmp_path_factory) -> Path:
     return Path(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny-dsv3"))
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+DEPLOYMENT_YAML = """\
+parallel: "attn=TP1+DP2 moe=TP1+EP2"
+engine:
+  max_num_seqs: 16
+"""
+
+
+@pytest.fixture(scope="module", params=["single-rank", "deployment-DP2+EP2"])
+def server(request, model_dir, tmp_path_factory):
     """The server process, as a user starts it; yields its base URL."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    workdir = tmp_path_factory.mktemp("server")
+    log_path = workdir / "server.log"
+    command = [sys.executable, "-m", "meshserve.cli", "serve", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port)]
+    if request.param.startswith("deployment"):
+        deployment = workdir / "deployment.yaml"
+        deployment.write_text(DEPLOYMENT_YAML)
+        command += ["--deployment", str(deployment)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.cli", "serve", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

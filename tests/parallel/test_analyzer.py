@@ -6,7 +6,7 @@ import yaml
 
 from meshserve.parallel import analyzer as az
 from meshserve.parallel.analyzer import (AnalyzerError, Cluster, Link, ModelSpec, Workload, analyze)
-from meshserve.parallel.plan_cli import CLUSTER_PRESETS, MODEL_PRESETS, main
+from meshserve.parallel.plan_cli import CLUSTER_PRESETS, MODEL_PRESETS, load_cluster_file, main
 from meshserve.parallel.strategy import ParallelStrategy, enumerate_strategies
 
 # Toy numbers chosen so every expectation below is hand-computable.
@@ -220,6 +220,24 @@ def test_to_deployment_is_yaml_serialisable():
     assert yaml.safe_load(yaml.safe_dump(d)) == d
     assert d["parallel"] == "attn=TP8+DP2 moe=TP8+EP2" and d["world_size"] == 16
     assert ParallelStrategy.parse(d["parallel"]) == s
+    # What `meshserve serve --deployment` reads, with serve's defaults where the plan has no say.
+    assert d["model"] == "/models/x"
+    assert d["topology"] == {"nodes": 1, "ranks_per_node": 16}
+    assert (d["moe_comm"], d["int8_dispatch"], d["engine"]) == ("fused", False, {})
+    assert d["attention"] == {"tp": 8, "dp": 2} and d["moe"] == {"tp": 8, "ep": 2}
+
+
+def test_to_deployment_carries_the_cluster_shape_and_comm_choices():
+    s = ParallelStrategy(8, 2, 8, 2)
+    d = az.to_deployment(s, None, cluster=CLUSTER_PRESETS["h20-2x8"], moe_comm="sync", int8_dispatch=True,
+                         engine={"max_num_seqs": 8})
+    assert "model" not in d
+    assert d["topology"] == {"nodes": 2, "ranks_per_node": 8}
+    assert (d["moe_comm"], d["int8_dispatch"], d["engine"]) == ("sync", True, {"max_num_seqs": 8})
+    with pytest.raises(AnalyzerError, match="moe_comm must be one of fused, sync"):
+        az.to_deployment(s, None, moe_comm="overlapped")
+    with pytest.raises(AnalyzerError, match="needs 16 ranks but cluster ascend910b-4x8 has 32"):
+        az.to_deployment(s, None, cluster=CLUSTER_PRESETS["ascend910b-4x8"])
 
 
 @pytest.mark.parametrize("model", sorted(MODEL_PRESETS))
@@ -241,9 +259,42 @@ def test_cli_on_paper_models_and_clusters(model, cluster, tmp_path, capsys):
     deployment = yaml.safe_load(out.read_text())
     chosen = ParallelStrategy.parse(deployment["parallel"])
     assert chosen.world_size == world
-    assert deployment["model"] == model
+    assert "model" not in deployment  # a preset has no model directory: serve falls back to its default
+    assert deployment["estimate"]["model"] == model and deployment["estimate"]["cluster"] == cluster
+    c = CLUSTER_PRESETS[cluster]
+    assert deployment["topology"] == {"nodes": c.nodes, "ranks_per_node": c.devices_per_node}
+    assert (deployment["moe_comm"], deployment["int8_dispatch"], deployment["engine"]) == ("fused", False, {})
     assert str(chosen) in rows[0]
     assert deployment["estimate"]["meets_slo"] is True
+
+
+def test_cli_records_model_dir_and_comm_choices(tmp_path, capsys):
+    out = tmp_path / "deploy.yaml"
+    assert main(["--model-preset", "qwen3-235b-a22b", "--preset-cluster", "h20-2x8", "--model-dir", "/models/qwen",
+                 "--moe-comm", "sync", "--int8-dispatch", "--out", str(out)]) == 0
+    deployment = yaml.safe_load(out.read_text())
+    assert deployment["model"] == "/models/qwen"
+    assert (deployment["moe_comm"], deployment["int8_dispatch"]) == ("sync", True)
+    assert f"-> {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset-cluster", "h20-2x8"], "one of --config or --model-preset is required"),
+    (["--model-preset", "deepseek-r1"], "one of --cluster or --preset-cluster is required"),
+])
+def test_cli_missing_model_or_cluster_is_one_line_error(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cluster_file_measured_section_is_ignored(tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"nodes": 1, "devices_per_node": 2, "device_memory_gb": 8, "tflops": 0.1,
+                                       "intra_bandwidth_gb_s": 2, "inter_bandwidth_gb_s": 1,
+                                       "measured": {"anything": [1, 2, 3]}}))
+    c = load_cluster_file(str(cluster))
+    assert (c.world_size, c.flops, c.intra_bandwidth) == (2, pytest.approx(0.1e12), pytest.approx(2e9))
 
 
 def test_cli_with_config_and_cluster_files(tmp_path, capsys):
@@ -284,3 +335,16 @@ def test_cli_bad_model_config_is_one_line_error(tmp_path, capsys):
     assert "unsupported model_type" in capsys.readouterr().err
     assert main(["--model-preset", "deepseek-r1", "--preset-cluster", "h20-2x8", "--batch", "0"]) == 2
     assert "batch must be a positive integer" in capsys.readouterr().err
+
+
+def test_plan_deployment_file_is_what_serve_reads(tmp_path):
+    from meshserve.config import Deployment
+
+    out = tmp_path / "deploy.yaml"
+    assert main(["--model-preset", "qwen3-235b-a22b", "--preset-cluster", "h20-2x8", "--model-dir", "/models/qwen",
+                 "--moe-comm", "sync", "--out", str(out)]) == 0
+    written = yaml.safe_load(out.read_text())
+    deployment = Deployment.load(str(out))
+    assert deployment.model == "/models/qwen"
+    assert deployment.engine["parallel"] == written["parallel"]
+    assert (deployment.engine["moe_comm"], deployment.engine["int8_dispatch"]) == ("sync", False)

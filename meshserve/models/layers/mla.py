@@ -22,6 +22,8 @@ from meshserve.models.layers.linear import Linear
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.paged import gather_sequence, length_mask, write_to_cache
 from meshserve.models.layers.rope import apply_rotary, yarn_factor, yarn_get_mscale
+from meshserve.models.layers.tensor_parallel import attention_tp_part, row_parallel_linear
+from meshserve.parallel.context import ParallelContext
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_parameters: dict, max_position_embeddings: int) -> float:
@@ -140,7 +142,13 @@ def uninitialized_linear(in_features: int, out_features: int, bias: bool, dtype:
 
 
 class MultiHeadLatentAttention(torch.nn.Module):
-    """MLA with optional q-LoRA; the input projections of q and the latent run as one matmul."""
+    """MLA with optional q-LoRA; the input projections of q and the latent run as one matmul.
+
+    Under attention TP a rank computes its own heads (`num_heads` counts them): the rows of
+    q_b_proj (q_proj) and kv_b_proj of those heads, the matching input columns of o_proj, and
+    the group sums the o_proj outputs. The latent projection, its norms and so the latent cache
+    are the same on every rank.
+    """
 
     def __init__(
         self,
@@ -155,8 +163,11 @@ class MultiHeadLatentAttention(torch.nn.Module):
         rope_interleave: bool = True,
         attention_bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        num_heads = attention_tp_part(self.parallel, num_heads, "num_attention_heads")
         self.num_heads = num_heads
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
@@ -248,7 +259,7 @@ class MultiHeadLatentAttention(torch.nn.Module):
             attn_out = torch.cat(outputs, dim=0)
         else:  # an empty batch
             attn_out = hidden_states.new_zeros(0, self.num_heads * self.v_head_dim)
-        return self.o_proj(attn_out)
+        return row_parallel_linear(self.parallel, attn_out, self.o_proj.weight, self.o_proj.bias)
 
     def _decode_absorbed(self, q: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [B, heads, qk_head_dim] (one token per sequence) -> [B, heads * v_head_dim]."""

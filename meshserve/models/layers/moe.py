@@ -61,36 +61,78 @@ def fused_experts(
 
 
 class FusedMoEWeights(torch.nn.Module):
-    """Stacked expert weights with a loader that accepts HF per-expert tensors."""
+    """Stacked expert weights with a loader that accepts HF per-expert tensors.
+
+    Sharded for parallel serving: a rank holds `num_local_experts` consecutive experts
+    from `first_expert` (expert parallelism) and, of each, the intermediate block
+    `tp_rank` of `tp_size` (MoE tensor parallelism). Gate and up keep the same column
+    block and down the matching input columns, so silu(gate) * up stays local and the
+    `tp_size` partial outputs sum to the full one. `load_expert` takes full HF tensors and
+    copies the held slice.
+
+    `num_experts` is the number of experts held here (what loaders iterate over);
+    `total_experts` the model's; `intermediate_size` the full HF size and
+    `local_intermediate_size` the held columns.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 first_expert: int = 0) -> None:
+                 first_expert: int = 0, num_local_experts: int | None = None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        if num_local_experts is None:
+            num_local_experts = num_experts - first_expert
+        if not (0 <= first_expert and 1 <= num_local_experts and first_expert + num_local_experts <= num_experts):
+            raise ValueError(f"experts [{first_expert}, {first_expert + num_local_experts}) are not a slice of "
+                             f"{num_experts} experts")
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} outside TP{tp_size}")
+        if intermediate_size % tp_size:
+            raise ValueError(f"intermediate size {intermediate_size} does not split evenly over TP{tp_size}")
+        self.total_experts = num_experts
+        self.num_experts = num_local_experts
+        self.num_local_experts = num_local_experts
         self.first_expert = first_expert
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.local_intermediate_size = intermediate_size // tp_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        part = self.local_intermediate_size
         self.w13 = torch.nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(num_local_experts, 2 * part, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = torch.nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+            torch.empty(num_local_experts, hidden_size, part, dtype=dtype), requires_grad=False)
+
+    def owns_expert(self, expert_id: int) -> bool:
+        return 0 <= expert_id - self.first_expert < self.num_local_experts
+
+    def hf_shape(self, proj: str) -> tuple[int, int]:
+        """Shape of one expert's full HF tensor for `gate_proj`, `up_proj` or `down_proj`."""
+        if proj in ("gate_proj", "up_proj"):
+            return self.intermediate_size, self.hidden_size
+        if proj == "down_proj":
+            return self.hidden_size, self.intermediate_size
+        raise KeyError(f"unknown expert projection {proj!r}")
+
+    def _columns(self) -> slice:
+        part = self.local_intermediate_size
+        return slice(self.tp_rank * part, (self.tp_rank + 1) * part)
 
     def load_expert(self, expert_id: int, proj: str, tensor: torch.Tensor) -> bool:
-        """Copy one HF tensor (`gate_proj`, `up_proj` or `down_proj` of a global expert id) in place.
-
-        Returns False when the expert is not held by this rank.
-        """
-        local = expert_id - self.first_expert
-        if not 0 <= local < self.num_experts:
+        """Copy this rank's slice of one full HF tensor (`gate_proj`, `up_proj` or `down_proj` of a global
+        expert id) in place. Returns False when the expert is not held by this rank."""
+        expected = self.hf_shape(proj)
+        if not self.owns_expert(expert_id):
             return False
-        i = self.intermediate_size
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"expert {expert_id} {proj} has shape {tuple(tensor.shape)}, expected {expected}")
+        local, cols, part = expert_id - self.first_expert, self._columns(), self.local_intermediate_size
         if proj == "gate_proj":
-            self.w13.data[local, :i].copy_(tensor)
+            self.w13.data[local, :part].copy_(tensor[cols])
         elif proj == "up_proj":
-            self.w13.data[local, i:].copy_(tensor)
-        elif proj == "down_proj":
-            self.w2.data[local].copy_(tensor)
+            self.w13.data[local, part:].copy_(tensor[cols])
         else:
-            raise KeyError(f"unknown expert projection {proj!r}")
+            self.w2.data[local].copy_(tensor[:, cols])
         return True
 
     def pack_weights(self) -> int:
@@ -103,5 +145,6 @@ class FusedMoEWeights(torch.nn.Module):
         return 2 * self.num_experts
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Top-k weighted expert output over the held experts (a partial sum under MoE TP)."""
         return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_expert,
                              getattr(self, "_packed", None))
