@@ -89,6 +89,35 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _executor(args: argparse.Namespace) -> int:
+    """One rank of a TE whose master runs on another host (torch's MASTER_ADDR / RANK as defaults)."""
+    import os
+
+    from meshserve.config import DEFAULT_ENGINE_PORT
+    from meshserve.engine.executor import ExecutorJoinError, join_engine
+
+    engine = args.engine or os.environ.get("MASTER_ADDR")
+    if not engine:
+        raise ConfigError("give the master's address: --engine tcp://HOST:PORT (or set MASTER_ADDR)")
+    if "://" not in engine:
+        engine = f"tcp://{engine}"
+    if not engine.startswith("tcp://"):
+        raise ConfigError(f"--engine must be a tcp://HOST:PORT address, got {engine!r}")
+    if ":" not in engine.removeprefix("tcp://").rsplit("]", 1)[-1]:
+        engine = f"{engine}:{DEFAULT_ENGINE_PORT}"
+    rank = args.rank
+    if rank is None:
+        if not os.environ.get("RANK", "").strip().isdigit():
+            raise ConfigError("give this executor's rank: --rank R (or set RANK)")
+        rank = int(os.environ["RANK"])
+    try:
+        join_engine(engine, rank, args.timeout, getattr(logging, args.log_level.upper()))
+    except ExecutorJoinError as exc:
+        print(f"meshserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from meshserve.models.factory import make_model_main
 
@@ -109,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
 
+    executor = sub.add_parser("executor", help="run one executor rank of a TE whose master is on another host")
+    executor.add_argument("--engine", default=None,
+                          help="the master's tcp://HOST:PORT for remote ranks (its --master-addr and --engine-port; "
+                               "default: MASTER_ADDR and the default engine port)")
+    executor.add_argument("--rank", type=int, default=None, help="this executor's rank (default: RANK)")
+    executor.add_argument("--timeout", type=float, default=300.0,
+                          help="seconds to wait for the master to answer (it may start later)")
+    executor.set_defaults(func=_executor)
+
     make = sub.add_parser("make-model", help="write a random, deterministic HF-format checkpoint")
     from meshserve.models.factory import add_make_model_arguments
 
@@ -120,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_arguments(plan)
     plan.set_defaults(func=plan_main)
+
+    from meshserve.moe.cli import add_eplb_commands
+
+    add_eplb_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (offline throughput, online serving)")
     from meshserve.bench.cli import register_bench_commands

@@ -8,6 +8,9 @@ from typing import Any
 from meshserve.parallel.strategy import ParallelStrategy, StrategyError, parse_strategy
 
 
+DEFAULT_ENGINE_PORT = 29600  # where a master with remote ranks listens for them (`meshserve executor`)
+
+
 class ConfigError(ValueError):
     """An engine setting is invalid; the CLI prints it as one line."""
 
@@ -35,8 +38,18 @@ class EngineConfig:
     parallel: str = "attn=TP1+DP1 moe=TP1+EP1"
     moe_comm: str = "fused"  # hybrid TP-EP collectives: fused (MixServe Alg. 1-2, overlapped) | sync
     int8_dispatch: bool = False  # INT8 EP dispatch (per-token scale); combine stays full precision
+    # expert load balancing (xdeepserve §4.5)
+    eplb_redundant_experts: int = 0  # redundant expert slots per EP rank (replicas of hot experts)
+    eplb_slice_s: float = 10.0  # expert-load recording slice
+    eplb_interval_s: float | None = None  # rebalance automatically this often from the recorded load
     dist_backend: str | None = None  # torch.distributed backend; default gloo on CPU, nccl on CUDA
     num_threads: int | None = None  # torch threads per executor; default: the cores divided among the ranks
+    # ranks on other hosts: the master starts ranks 0..local_ranks-1 itself; each other rank is started on
+    # its host with `meshserve executor --engine tcp://MASTER_ADDR:ENGINE_PORT --rank R`
+    local_ranks: int | None = None  # default: all of them (every rank on this host)
+    master_addr: str = "127.0.0.1"  # this host's address as the other hosts reach it (MASTER_ADDR)
+    engine_port: int = DEFAULT_ENGINE_PORT  # with remote ranks: where they connect to the master
+    master_port: int | None = None  # torch.distributed rendezvous port on this host (MASTER_PORT); default: a free one
     seed: int = 0
     startup_timeout_s: float = 300.0
 
@@ -55,9 +68,20 @@ class EngineConfig:
             raise ConfigError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
         if self.moe_comm not in ("fused", "sync"):
             raise ConfigError(f"moe_comm must be 'fused' or 'sync', got {self.moe_comm!r}")
+        if self.eplb_redundant_experts < 0:
+            raise ConfigError(f"eplb_redundant_experts must be >= 0, got {self.eplb_redundant_experts}")
+        if self.eplb_slice_s <= 0 or (self.eplb_interval_s is not None and self.eplb_interval_s <= 0):
+            raise ConfigError("eplb_slice_s and eplb_interval_s must be positive")
         if self.dist_backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"dist_backend must be gloo or nccl, got {self.dist_backend!r}")
-        self.strategy  # parses `parallel`, raising ConfigError on a bad strategy
+        world = self.world_size  # parses `parallel`, raising ConfigError on a bad strategy
+        if self.local_ranks is not None and not 1 <= self.local_ranks <= world:
+            raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
+                              f"master), got {self.local_ranks}")
+        for name in ("engine_port", "master_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ConfigError(f"{name} must be a TCP port (1-65535), got {port}")
 
     @property
     def strategy(self) -> ParallelStrategy:
@@ -69,6 +93,11 @@ class EngineConfig:
     @property
     def world_size(self) -> int:
         return self.strategy.world_size
+
+    @property
+    def num_local_ranks(self) -> int:
+        """Ranks the master starts on its own host; the rest join with `meshserve executor`."""
+        return self.world_size if self.local_ranks is None else self.local_ranks
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -120,6 +120,24 @@ class LLM:
                 raise EngineDeadError(item.message)
         raise TimeoutError(f"engine did not answer a stats query in {timeout_s:.0f}s")
 
+    def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> dict:
+        """An operator command to the engine (e.g. "eplb.status", "eplb.load", "eplb.rebalance"): its data.
+
+        Raises RuntimeError with the engine's reason when the command is refused.
+        """
+        query_id = next(self._ids)
+        self.engine.send(msg.AdminRequest(query_id=query_id, op=op, args=args or {}))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            item = self.engine.recv(200)
+            if isinstance(item, msg.AdminReply) and item.query_id == query_id:
+                if not item.ok:
+                    raise RuntimeError(item.error)
+                return item.data
+            if isinstance(item, msg.EngineError):
+                raise EngineDeadError(item.message)
+        raise TimeoutError(f"engine did not answer {op} in {timeout_s:.0f}s")
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

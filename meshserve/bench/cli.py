@@ -25,7 +25,8 @@ ENGINE_FLAGS = {
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve`, `moe-comm` and `parallel` to the `bench` subcommand's subparsers."""
+    """Add `offline`, `serve`, `moe-comm`, `parallel` and `eplb` to the `bench` subcommand's subparsers."""
+    from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
     from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 
@@ -41,6 +42,10 @@ def register_bench_commands(subparsers) -> None:
         "parallel", help="every parallel strategy of a world size against one rank, measured vs the analyzer's ranking")
     add_parallel_arguments(parallel)
     parallel.set_defaults(func=parallel_main)
+    eplb = subparsers.add_parser(
+        "eplb", help="expert load balancing: balancedness without and with redundant experts, planning time")
+    add_eplb_arguments(eplb)
+    eplb.set_defaults(func=eplb_main)
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

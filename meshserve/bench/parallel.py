@@ -309,7 +309,8 @@ def load_or_calibrate_cluster(options: ParallelBenchOptions, hf_config: dict[str
 def cluster_record(cluster) -> dict[str, Any]:
     return {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
             "device_memory_gb": cluster.device_memory_bytes / 1e9, "tflops": cluster.flops / 1e12,
-            "intra_bandwidth_gb_s": cluster.intra_bandwidth / 1e9, "inter_bandwidth_gb_s": cluster.inter_bandwidth / 1e9,
+            "intra_bandwidth_gb_s": cluster.intra_bandwidth / 1e9,
+            "inter_bandwidth_gb_s": cluster.inter_bandwidth / 1e9,
             "intra_latency_us": cluster.intra_latency * 1e6, "inter_latency_us": cluster.inter_latency * 1e6}
 
 

@@ -6,6 +6,7 @@ loop; all request state (the output processor) lives on the loop's thread.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
@@ -36,6 +37,8 @@ class AsyncEngineClient:
         self.max_model_len = self.engine.ready.max_model_len
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._admin_waiters: dict[int, asyncio.Future] = {}
+        self._admin_ids = itertools.count()
         self._dead_error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
@@ -95,6 +98,10 @@ class AsyncEngineClient:
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(item)
+        elif isinstance(item, msg.AdminReply):
+            fut = self._admin_waiters.pop(item.query_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(item)
         elif isinstance(item, msg.EngineError):
             self._on_dead(item.message)
 
@@ -113,10 +120,11 @@ class AsyncEngineClient:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-        for fut in self._stats_waiters:
+        for fut in [*self._stats_waiters, *self._admin_waiters.values()]:
             if not fut.done():
                 fut.set_exception(EngineDeadError(error))
         self._stats_waiters = []
+        self._admin_waiters = {}
 
     def _send_aborts(self, child_ids: list[str]) -> None:
         if child_ids and self._dead_error is None:
@@ -178,3 +186,18 @@ class AsyncEngineClient:
             return await asyncio.wait_for(fut, timeout=10)
         except asyncio.TimeoutError:
             return msg.EngineStats(healthy=self.healthy, error="engine did not answer a stats query in 10 s")
+
+    async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> msg.AdminReply:
+        """An operator command to the engine's master (e.g. "eplb.status"); raises EngineDeadError."""
+        self._ensure_started()
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+        query_id = next(self._admin_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._admin_waiters[query_id] = fut
+        self.engine.send(msg.AdminRequest(query_id=query_id, op=op, args=args or {}))
+        try:
+            return await asyncio.wait_for(fut, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            self._admin_waiters.pop(query_id, None)
+            return msg.AdminReply(query_id=query_id, ok=False, error=f"the engine did not answer {op} in {timeout_s:.0f} s")

@@ -41,7 +41,8 @@ class EngineCoreClient:
                                   output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level)
         self.closed = False
         try:
-            self.ready = self._wait_ready(config.startup_timeout_s)
+            # a margin over the master's own start-up limit, so the master can say why it is not ready
+            self.ready = self._wait_ready(config.startup_timeout_s + 15)
         except BaseException:
             self.shutdown()
             raise

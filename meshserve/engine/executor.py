@@ -5,6 +5,10 @@ group's part of it, in order, in lockstep with the others (the ranks meet in the
 model's collectives over torch.distributed). The driver rank of each DP group
 PUSHes back the group's `ModelRunnerOutput`. If the master disappears the
 executor exits on its own.
+
+The master starts its local ranks as child processes; a rank on another host joins
+with `join_engine` (`meshserve executor`), which fetches the config and addresses
+from the master and then runs the same loop.
 """
 from __future__ import annotations
 
@@ -12,15 +16,18 @@ import logging
 import os
 import signal
 import traceback
+from typing import Callable
 
 import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
+from meshserve.engine.remote_ranks import PeerMonitor, enable_heartbeats
 
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_MS = 1000
+_BACKGROUND_POLL_MS = 20
 
 
 def init_distributed(config: EngineConfig, rank: int, init_method: str | None) -> None:
@@ -40,14 +47,60 @@ def init_distributed(config: EngineConfig, rank: int, init_method: str | None) -
                             timeout=datetime.timedelta(seconds=config.startup_timeout_s))
 
 
-def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist_init_method: str | None = None,
-                 log_level: int = logging.INFO) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s executor[{rank}] %(levelname)s %(message)s")
-    # Ctrl-C reaches the whole process group; the parent stops us in order instead
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+class ExecutorJoinError(RuntimeError):
+    """The master refused this rank, or did not answer; the CLI prints it as one line."""
+
+
+def join_engine(engine_addr: str, rank: int, timeout_s: float, log_level: int = logging.INFO) -> None:
+    """Run `rank` of the TE whose master listens for remote ranks at `engine_addr` (tcp://HOST:PORT)."""
+    assignment = _handshake(engine_addr, rank, timeout_s)
+    run_executor(rank, assignment.config, assignment.work_addr, assignment.result_addr,
+                 assignment.dist_init_method, log_level, remote=True)
+
+
+def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.ExecutorHandshake:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        try:
+            sock.connect(engine_addr)  # the master may start later: ZMQ keeps trying
+        except zmq.ZMQError as exc:
+            raise ExecutorJoinError(f"cannot connect to the engine at {engine_addr}: {exc}") from None
+        sock.send(msg.encode(msg.ExecutorHandshake(rank=rank)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise ExecutorJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s")
+        reply = msg.decode(sock.recv())
+    finally:
+        sock.close(0)
+        ctx.term()
+    if reply.error is not None:
+        raise ExecutorJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
+    return reply
+
+
+def _parent_gone() -> Callable[[], bool]:
     parent = os.getppid()
+    return lambda: os.getppid() != parent
+
+
+def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist_init_method: str | None = None,
+                 log_level: int = logging.INFO, remote: bool = False) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s executor[{rank}] %(levelname)s %(message)s",
+                        force=True)
+    if not remote:
+        # Ctrl-C reaches the whole process group; the parent stops us in order instead
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     work = ctx.socket(zmq.PULL)
+    if remote:
+        # not our parent: the master is gone when the work connection drops (or stops answering heartbeats)
+        enable_heartbeats(work)
+        master_link = PeerMonitor(work)
+        master_gone = master_link.update
+    else:
+        master_link = None
+        master_gone = _parent_gone()
     work.connect(work_addr)
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 2000)
@@ -61,17 +114,23 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
         init_distributed(engine_config, rank, dist_init_method)
         parallel = ParallelContext.build(engine_config.strategy, moe_comm=engine_config.moe_comm,
                                          int8_dispatch=engine_config.int8_dispatch,
-                                         max_tokens_per_step=engine_config.max_num_batched_tokens)
+                                         max_tokens_per_step=engine_config.max_num_batched_tokens,
+                                         redundant_experts_per_rank=engine_config.eplb_redundant_experts)
         runner = ModelRunner(engine_config, parallel)
         logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
                     threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)
         results.send(msg.encode(msg.ExecutorReady(rank=rank, num_kv_blocks=runner.num_blocks,
-                                                  kv_bytes_per_token=runner.layout.bytes_per_token)))
+                                                  kv_bytes_per_token=runner.layout.bytes_per_token,
+                                                  moe_layers=runner.moe_layers,
+                                                  num_logical_experts=runner.num_logical_experts)))
         poller = zmq.Poller()
         poller.register(work, zmq.POLLIN)
         while True:
-            if not poller.poll(_PARENT_CHECK_MS):
-                if os.getppid() != parent:
+            for kind, detail in runner.poll_background():
+                results.send(msg.encode(msg.ExecutorEvent(rank=rank, kind=kind, detail=detail)))
+            # background work (an expert reconfiguration) is reported promptly even when no step comes
+            if not poller.poll(_BACKGROUND_POLL_MS if runner.background_busy else _PARENT_CHECK_MS):
+                if master_gone():
                     logger.warning("master is gone; exiting")
                     return
                 continue
@@ -79,9 +138,8 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
             if isinstance(item, msg.Shutdown):
                 logger.info("shutting down")
                 return
-            out = runner.execute(item.per_dp[parallel.dp_rank])
-            if parallel.is_driver:
-                out.dp_rank = parallel.dp_rank
+            out = runner.run_batch(item)
+            if out is not None:
                 results.send(msg.encode(out))
     except Exception as exc:  # report, then die: the master fails in-flight requests
         logger.error("executor failed: %s", traceback.format_exc())
@@ -91,6 +149,8 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
             pass
         raise SystemExit(1)
     finally:
+        if master_link is not None:
+            master_link.close()
         work.close(0)
         results.close()
         ctx.term()

@@ -21,46 +21,76 @@ import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
+from meshserve.engine.eplb_controller import EplbController, EplbError
 from meshserve.engine.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
 from meshserve.engine.errors import QueueFullError, RequestTooLongError
 from meshserve.engine.processes import free_tcp_port, launch_module, module_arguments, stop_process
+from meshserve.engine.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.engine.request import Request
 from meshserve.engine.rtc import RelationalTensorCache
 from meshserve.engine.scheduler import Scheduler, SchedulerConfig
 from meshserve.models.generation_config import max_position_embeddings
+from meshserve.moe.placement import PlacementShape
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
+_DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
 
 
 class ExecutorGroup:
-    """The executor processes of one TE (one per rank) and the sockets to reach them."""
+    """The executor processes of one TE (one per rank) and the sockets to reach them.
+
+    The master starts ranks 0..num_local_ranks-1 itself; the others run on other hosts and
+    join through `RemoteRanks`. With remote ranks every socket is TCP on `master_addr`;
+    otherwise IPC in the TE's private directory.
+    """
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int) -> None:
         self.world_size = config.world_size
+        num_local = config.num_local_ranks
+        self._tcp_host = config.master_addr if num_local < self.world_size else None
+        self._ipc_dir = ipc_dir
         self.works: list[zmq.Socket] = []
-        result_addr = f"ipc://{ipc_dir}/results"
         self.results = ctx.socket(zmq.PULL)
-        self.results.bind(result_addr)
-        # the ranks meet in torch.distributed; rank 0's store listens here
-        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}" if self.world_size > 1 else None
-        self.procs = []
+        result_addr = self._bind(self.results, "results")
+        # the ranks meet in torch.distributed; rank 0's store listens here (MASTER_ADDR:MASTER_PORT)
+        dist_init = (f"tcp://{config.master_addr}:{config.master_port or free_tcp_port(config.master_addr)}"
+                     if self.world_size > 1 else None)
+        work_addrs = []
         for rank in range(self.world_size):
             work = ctx.socket(zmq.PUSH)
             work.setsockopt(zmq.LINGER, 0)
-            work_addr = f"ipc://{ipc_dir}/work-{rank}"
-            work.bind(work_addr)
+            if rank >= num_local:
+                enable_heartbeats(work)
+                work.setsockopt(zmq.LINGER, 1000)  # let Shutdown reach the other host
+                work.setsockopt(zmq.SNDTIMEO, 1000)  # a rank that is gone must not block the master
+            work_addrs.append(self._bind(work, f"work-{rank}"))
             self.works.append(work)
-            self.procs.append(launch_module("meshserve.engine.executor", rank=rank, config=config.to_dict(),
-                                            work_addr=work_addr, result_addr=result_addr,
-                                            dist_init_method=dist_init, log_level=log_level))
+        self.remote = (RemoteRanks(ctx, config, self.works, work_addrs, result_addr, dist_init)
+                       if num_local < self.world_size else None)
+        self._unreachable: list[int] = []  # remote ranks whose work socket had no connection to send on
+        self.procs = [launch_module("meshserve.engine.executor", rank=rank, config=config.to_dict(),
+                                    work_addr=work_addrs[rank], result_addr=result_addr,
+                                    dist_init_method=dist_init, log_level=log_level)
+                      for rank in range(num_local)]
+
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        if self._tcp_host is None:
+            addr = f"ipc://{self._ipc_dir}/{name}"
+            sock.bind(addr)
+            return addr
+        port = sock.bind_to_random_port(f"tcp://{self._tcp_host}")
+        return f"tcp://{self._tcp_host}:{port}"
 
     def send(self, item) -> None:
         data = msg.encode(item)
-        for work in self.works:
-            work.send(data)
+        for rank, work in enumerate(self.works):
+            try:
+                work.send(data)
+            except zmq.Again:  # only remote ranks' sockets time out: no connection left to send on
+                self._unreachable.append(rank)
 
     def wait_ready(self, timeout_s: float) -> list[msg.ExecutorReady]:
         deadline = time.monotonic() + timeout_s
@@ -73,29 +103,61 @@ class ExecutorGroup:
                     if len(ready) == self.world_size:
                         return [ready[rank] for rank in range(self.world_size)]
                 elif isinstance(item, msg.ExecutorFailure):
-                    raise RuntimeError(f"executor {item.rank} failed to start: {item.message}")
-            dead = self.dead_rank()
-            if dead is not None:
-                raise RuntimeError(f"executor {dead} exited during start-up (exit code {self.procs[dead].returncode})")
+                    raise RuntimeError(f"executor {item.rank} failed to start: {item.message}{self._not_joined()}")
+            gone = self._gone_rank(starting=True)
+            if gone is not None:
+                raise RuntimeError(gone[1])
+        if self.remote is not None and self.remote.missing():
+            raise RuntimeError(f"remote executor rank(s) {self.remote.missing()} did not join within "
+                               f"{timeout_s:.0f}s; start each on its host with "
+                               f"`meshserve executor --engine {self.remote.endpoint} --rank R`")
         missing = sorted(set(range(self.world_size)) - set(ready))
         raise RuntimeError(f"executor(s) {missing} not ready after {timeout_s:.0f}s")
 
-    def dead_rank(self) -> int | None:
+    def _not_joined(self) -> str:
+        missing = self.remote.missing() if self.remote is not None else []
+        return f" (remote rank(s) {missing} never joined)" if missing else ""
+
+    def failure(self) -> str | None:
+        """Answer remote ranks knocking, then say which rank is gone, if one is."""
+        gone = self._gone_rank()
+        return None if gone is None else gone[1]
+
+    def explain(self, report: msg.ExecutorFailure) -> str:
+        """A rank's failure report, led by another rank's death when one is seen: a rank that
+        fails inside a collective is often only the echo of a peer that died."""
+        text = f"executor {report.rank} failed: {report.message}"
+        gone = self._gone_rank()
+        return text if gone is None or gone[0] == report.rank else f"{gone[1]}; then {text}"
+
+    def _gone_rank(self, starting: bool = False) -> tuple[int, str] | None:
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
-                return rank
+                return rank, (f"executor {rank} exited during start-up (exit code {p.returncode})" if starting
+                              else f"executor {rank} died (exit code {p.returncode})")
+        if self.remote is None:
+            return None
+        self.remote.answer_handshakes()
+        lost = self.remote.lost_rank()
+        if lost is None and self._unreachable:
+            lost = self._unreachable[0]
+        if lost is not None:
+            return lost, (f"remote executor {lost} disconnected during start-up" if starting
+                          else f"remote executor {lost} disconnected (its process or host is gone)")
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 10.0) -> None:
         for work in self.works:
             try:
                 work.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for p in self.procs:
-            stop_process(p, grace_s=10)
+            stop_process(p, grace_s=grace_s)
+        if self.remote is not None:
+            self.remote.close()
         for work in self.works:
-            work.close(0)
+            work.close()  # remote ranks' sockets linger a moment to deliver Shutdown
         self.results.close(0)
 
 
@@ -120,7 +182,11 @@ class EngineCore:
         strategy = config.strategy
         self.dp_size = strategy.attn_dp
         self.executors = ExecutorGroup(self.ctx, config, ipc_dir, log_level)
-        ready = self.executors.wait_ready(config.startup_timeout_s)
+        try:
+            ready = self.executors.wait_ready(config.startup_timeout_s)
+        except BaseException:
+            self.executors.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
+            raise
         self.max_model_len = config.max_model_len or max_position_embeddings(config.model)
         self.kv_events = None
         self._kv_event_seq = 0
@@ -150,11 +216,20 @@ class EngineCore:
         self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
         self.dead_error: str | None = None
         self.running = True
+        self.eplb = self._make_eplb_controller(ready[0])
         num_blocks = sum(rtc.num_blocks for rtc in self.rtcs)
         self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
                                    kv_bytes_per_token=ready[0].kv_bytes_per_token, max_model_len=self.max_model_len))
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
+
+    def _make_eplb_controller(self, ready: msg.ExecutorReady) -> EplbController:
+        strategy = self.config.strategy
+        shape = None
+        if ready.moe_layers and ready.num_logical_experts:
+            shape = PlacementShape(ready.num_logical_experts, strategy.moe_ep, self.config.eplb_redundant_experts)
+        return EplbController(shape, ready.moe_layers, strategy.world_size, self.config.eplb_slice_s,
+                              self.config.eplb_interval_s)
 
     def _send(self, item) -> None:
         self.outbox.send(msg.encode(item))
@@ -171,8 +246,27 @@ class EngineCore:
             self._abort(item.req_ids)
         elif isinstance(item, msg.StatsQuery):
             self._send(self._stats())
+        elif isinstance(item, msg.AdminRequest):
+            self._send(self._admin(item))
         elif isinstance(item, msg.Shutdown):
             self.running = False
+
+    def _admin(self, item: msg.AdminRequest) -> msg.AdminReply:
+        try:
+            if item.op == "eplb.load":
+                data = self.eplb.record().to_dict()
+            elif item.op == "eplb.status":
+                data = self.eplb.status()
+            elif item.op == "eplb.rebalance":
+                if self.dead_error is not None:
+                    raise EplbError(f"engine is dead: {self.dead_error}")
+                self.eplb.rebalance(item.args.get("placement"))
+                data = self.eplb.status()
+            else:
+                raise EplbError(f"unknown admin operation {item.op!r}")
+        except EplbError as exc:
+            return msg.AdminReply(query_id=item.query_id, ok=False, error=str(exc))
+        return msg.AdminReply(query_id=item.query_id, data=data)
 
     def _add_request(self, item: msg.AddRequest) -> None:
         def reject(error: Exception) -> None:
@@ -243,10 +337,15 @@ class EngineCore:
     # ------------------------------------------------------------------ executors
     def _on_result(self, item) -> None:
         if isinstance(item, msg.ExecutorFailure):
-            self._fail(f"executor {item.rank} failed: {item.message}")
+            self._fail(self.executors.explain(item))
             return
         if self.dead_error is not None:
             return
+        if isinstance(item, msg.ExecutorEvent):
+            self.eplb.on_event(item.rank, item.kind, item.detail)
+            return
+        if item.expert_load is not None:
+            self.eplb.on_counts(item.expert_load)
         group = item.dp_rank
         sched = self.in_flight[group].popleft()
         if item.step_id != sched.step_id:
@@ -300,9 +399,12 @@ class EngineCore:
             scheds = [s.schedule() for s in self.schedulers]
             if all(sched.is_empty for sched in scheds):
                 break
-            self.executors.send(msg.StepBatch(per_dp=scheds))
+            self.executors.send(msg.StepBatch(per_dp=scheds, control=self.eplb.step_control(time.time())))
             for queue, sched in zip(self.in_flight, scheds):
                 queue.append(sched)
+        if self.dead_error is None and self.eplb.has_pending_control:
+            # no step carried it: send the phase on its own (ranks apply it without a forward)
+            self.executors.send(msg.StepBatch(per_dp=[], control=self.eplb.idle_control()))
 
     def _stats(self) -> msg.EngineStats:
         parts = [s.stats() for s in self.schedulers]
@@ -336,9 +438,10 @@ class EngineCore:
                     while self.inbox.poll(0):
                         self._on_client(msg.decode(self.inbox.recv()))
                 self._check_peers()
+                self.eplb.tick(time.time())
         finally:
             logger.info("shutting down")
-            self.executors.shutdown()
+            self.executors.shutdown(grace_s=10.0 if self.dead_error is None else _DEAD_GRACE_S)
             self.inbox.close(0)
             self.outbox.close()
             if self.kv_events is not None:
@@ -350,10 +453,9 @@ class EngineCore:
             logger.warning("client is gone; shutting down")
             self.running = False
             return
-        dead = self.executors.dead_rank()
-        if dead is not None and self.dead_error is None:
-            code = self.executors.procs[dead].returncode
-            self._fail(f"executor {dead} died (exit code {code})")
+        failure = self.executors.failure()
+        if failure is not None and self.dead_error is None:
+            self._fail(failure)
 
 
 def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,

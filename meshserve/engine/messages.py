@@ -4,10 +4,11 @@ One dataclass per message; `encode` / `decode` turn them into msgpack bytes
 tagged with the class name (no pickle crosses a process boundary).
 
 Boundaries:
-  client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery
-  master  -> client   : EngineReady, EngineOutputs (a batch of RequestDelta), EngineStats, EngineError
+  client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery, AdminRequest
+  master  -> client   : EngineReady, EngineOutputs (a batch of RequestDelta), EngineStats, EngineError, AdminReply
   master  -> executor : StepBatch (one SchedulerOutput per DP group), Shutdown
-  executor-> master   : ModelRunnerOutput, ExecutorReady, ExecutorFailure
+  executor-> master   : ModelRunnerOutput, ExecutorReady, ExecutorFailure, ExecutorEvent
+  executor<-> master  : ExecutorHandshake (a rank on another host joining the TE)
   master  -> routers  : KVCacheEvents (PUB socket at EngineConfig.kv_events_endpoint)
 """
 from __future__ import annotations
@@ -64,7 +65,10 @@ class StepBatch:
     """One lockstep step of every rank: DP group g runs `per_dp[g]` (empty when it has no work;
     its ranks still join the step's MoE collectives)."""
 
-    per_dp: list[SchedulerOutput] = field(default_factory=list)
+    per_dp: list[SchedulerOutput] = field(default_factory=list)  # empty: a control-only batch, no forward
+    # between-step commands every rank applies before the step, e.g. {"report_load": True} or
+    # {"eplb": {"phase": "prefetch", "placement": {...}}} (expert placement reconfiguration)
+    control: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- executor -> master
@@ -72,6 +76,8 @@ class StepBatch:
 class ModelRunnerOutput:
     step_id: int
     dp_rank: int = 0  # the DP group whose driver rank reports this step
+    # tokens per logical expert of each MoE layer since the last report ([layer][expert]), when asked
+    expert_load: list[list[int]] | None = None
     # one entry per request that produced a token this step (its prefill completed or it decoded)
     sampled: dict[str, int] = field(default_factory=dict)
     # req_id -> [chosen_logprob, [[token, logprob], ...top alternatives]] when requested
@@ -84,12 +90,36 @@ class ExecutorReady:
     rank: int
     num_kv_blocks: int
     kv_bytes_per_token: int
+    moe_layers: list[int] = field(default_factory=list)  # decoder-layer indices of the MoE layers
+    num_logical_experts: int = 0  # routed experts per MoE layer
+
+
+@dataclass
+class ExecutorEvent:
+    """Something an executor finished in the background (e.g. "eplb_prefetched", "eplb_loaded", "eplb_failed")."""
+
+    rank: int
+    kind: str
+    detail: str = ""
 
 
 @dataclass
 class ExecutorFailure:
     rank: int
     message: str
+
+
+@dataclass
+class ExecutorHandshake:
+    """A rank on another host joining a TE: it sends only its `rank`; the master answers with
+    the engine config and the rank's addresses, or with `error` when it cannot take that rank."""
+
+    rank: int
+    config: dict[str, Any] | None = None  # EngineConfig.to_dict()
+    work_addr: str = ""
+    result_addr: str = ""
+    dist_init_method: str | None = None
+    error: str | None = None
 
 
 # ---------------------------------------------------------------- client <-> master
@@ -176,6 +206,23 @@ class KVCacheEvents:
 
 
 @dataclass
+class AdminRequest:
+    """An operator command to the master (e.g. "eplb.load", "eplb.status", "eplb.rebalance")."""
+
+    query_id: int
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AdminReply:
+    query_id: int
+    ok: bool = True
+    data: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -184,8 +231,9 @@ _MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (
         NewRequestData, CachedRequestData, SchedulerOutput, StepBatch, ModelRunnerOutput, ExecutorReady, ExecutorFailure,
+        ExecutorHandshake,
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
-        KVCacheEvents, Shutdown,
+        KVCacheEvents, Shutdown, ExecutorEvent, AdminRequest, AdminReply,
     )
 }
 _NESTED = {

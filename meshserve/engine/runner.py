@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from meshserve.config import EngineConfig
-from meshserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from meshserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepBatch
 from meshserve.engine.sampler import Sampler, SamplingRow
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.generation_config import eos_token_ids
@@ -75,6 +75,68 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(config.model)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
+        self._eplb_phase: str | None = None
+
+    # ------------------------------------------------------------------ expert placement (xdeepserve §4.5)
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.expert_balancer.moe_layers) if self.expert_balancer is not None else []
+
+    @property
+    def num_logical_experts(self) -> int:
+        return self.expert_balancer.shape.num_logical if self.expert_balancer is not None else 0
+
+    def apply_control(self, control: dict) -> None:
+        """Between-step commands; every rank applies them at the same step boundary."""
+        eplb = control.get("eplb")
+        if eplb is None:
+            return
+        balancer = self.expert_balancer
+        if balancer is None:
+            raise RuntimeError("expert placement command for a model without MoE layers")
+        phase = eplb["phase"]
+        if phase == "prefetch":
+            from meshserve.moe.placement import ExpertPlacement
+
+            balancer.start_prefetch(ExpertPlacement.from_dict(eplb["placement"]))
+            self._eplb_phase = "prefetching"
+        elif phase == "disable_and_load":
+            balancer.disable_changing_slots()
+            balancer.start_load()
+            self._eplb_phase = "loading"
+        elif phase == "enable":
+            balancer.enable()
+            self._eplb_phase = None
+        elif phase == "abort":  # some rank failed a phase: all drop it at this same step boundary
+            balancer.abort()
+            self._eplb_phase = None
+        else:
+            raise RuntimeError(f"unknown expert placement phase {phase!r}")
+
+    @property
+    def background_busy(self) -> bool:
+        return self._eplb_phase in ("prefetching", "loading")
+
+    def poll_background(self) -> list[tuple[str, str]]:
+        """(kind, detail) of background work that finished since the last call."""
+        if not self.background_busy:
+            return []
+        balancer = self.expert_balancer
+        try:
+            done = balancer.prefetch_done() if self._eplb_phase == "prefetching" else balancer.load_done()
+        except Exception as exc:  # reported to the master, which stops the reconfiguration on every rank
+            self._eplb_phase = None
+            return [("eplb_failed", f"{type(exc).__name__}: {exc}")]
+        if not done:
+            return []
+        kind = "eplb_prefetched" if self._eplb_phase == "prefetching" else "eplb_loaded"
+        self._eplb_phase = "loaded" if kind == "eplb_loaded" else "prefetched"
+        return [(kind, "")]
+
+    def take_expert_load(self) -> list[list[int]] | None:
+        return self.expert_balancer.take_counts() if self.expert_balancer is not None else None
 
     # ------------------------------------------------------------------ state updates
     def _add(self, new: NewRequestData) -> None:
@@ -109,6 +171,19 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ------------------------------------------------------------------ one step
+    def run_batch(self, batch: StepBatch) -> ModelRunnerOutput | None:
+        """Apply the batch's control, run this rank's DP group's part; the output the driver reports."""
+        self.apply_control(batch.control)
+        if not batch.per_dp:  # control only
+            return None
+        out = self.execute(batch.per_dp[self.parallel.dp_rank])
+        if batch.control.get("report_load"):
+            out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
+        if not self.parallel.is_driver:
+            return None
+        out.dp_rank = self.parallel.dp_rank
+        return out
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()

@@ -8,7 +8,8 @@ Under a parallel strategy (`parallel`), attention heads, dense and shared-expert
 columns, the embedding and the LM head are split over the attention TP group, the
 routers are replicated, and the routed experts run through `MoERuntime`, which holds
 this rank's experts (EP) and intermediate columns (MoE TP). MTP layers are split the
-same way.
+same way. `expert_balancer` records expert load and reconfigures redundant expert slots
+(meshserve/moe/balancer.py).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from meshserve.models.layers.tensor_parallel import (
     row_parallel_linear,
     vocab_parallel_logits,
 )
+from meshserve.moe.balancer import ExpertBalancer
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.moe_runtime import MoERuntime
 
@@ -411,6 +413,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             for i in range(p.num_nextn_predict_layers))
         self.requires_grad_(False)
         self._expert_range = self.parallel.expert_range(p.n_routed_experts) if p.n_routed_experts else (0, 0)
+        # load counts and expert placement of the decoder layers' MoE blocks (MTP layers keep the default)
+        moe_blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, DeepseekV3MoE)}
+        self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
         return KVCacheLayout(

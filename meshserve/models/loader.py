@@ -129,4 +129,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     if callable(post_process):
         post_process()
     pack_linears(model)  # weights are final now: prepack them for the CPU matmul library
+    balancer = getattr(model, "expert_balancer", None)
+    if balancer is not None:  # live expert reconfiguration reads replicas from the same checkpoint
+        balancer.model_dir = str(model_dir)
     return model.eval()

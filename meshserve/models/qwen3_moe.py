@@ -7,7 +7,8 @@ of `intermediate_size`, exactly like HF `Qwen3MoeDecoderLayer`.
 
 Under a parallel strategy the router is replicated and the routed experts run through `MoERuntime`:
 a rank reads only its experts (EP; of packed expert tensors only its expert range) and keeps their
-intermediate-column block (MoE TP).
+intermediate-column block (MoE TP). `expert_balancer` records expert load and reconfigures
+redundant expert slots (meshserve/moe/balancer.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from meshserve.models.layers.moe import FusedMoEWeights
 from meshserve.models.layers.tensor_parallel import Shard
 from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, require
+from meshserve.moe.balancer import ExpertBalancer
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.moe_runtime import MoERuntime
 
@@ -81,6 +83,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         super().__init__(hf_config, dtype, parallel)
         num_experts = num_routed_experts(hf_config)
         self._expert_range = self.parallel.expert_range(num_experts) if num_experts else (0, 0)
+        moe_blocks = {i: layer.mlp for i, layer in enumerate(self.model.layers)
+                      if isinstance(layer.mlp, Qwen3MoeSparseBlock)}
+        self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None
 
     def make_mlp(self, hf_config: dict, layer_idx: int) -> torch.nn.Module:
         if not is_sparse_layer(hf_config, layer_idx):

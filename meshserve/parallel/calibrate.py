@@ -558,18 +558,6 @@ def calibrate(config: CalibrationConfig, out_path: str | Path,
 
 # ---------------------------------------------------------------- command line
 
-def add_calibrate_arguments(parser) -> None:
-    parser.add_argument("--nodes", type=int, default=2, help="nodes the local ranks are grouped into (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
-    parser.add_argument("--sizes", nargs="+", metavar="SIZE", default=None,
-                        help="message sizes of the bandwidth fit, bytes with optional K/M suffix "
-                             "(default: 256K 1M 4M)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed samples per measurement; the median counts")
-    parser.add_argument("--matmul-shapes", nargs="+", metavar="MxKxN", default=None,
-                        help="matmul shapes, tokens x in x out features (default: 32x4096x1536 512x4096x1536)")
-    parser.add_argument("--out", required=True, help="cluster YAML to write; the plot goes beside it as .png")
-
-
 def config_from_args(args) -> CalibrationConfig:
     sizes = tuple(parse_size(s) for s in args.sizes) if args.sizes else DEFAULT_SIZES
     shapes = tuple(parse_matmul_shape(s) for s in args.matmul_shapes) if args.matmul_shapes else DEFAULT_MATMUL_SHAPES

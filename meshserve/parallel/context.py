@@ -33,6 +33,9 @@ class ParallelContext:
     int8_dispatch: bool = False
     # the most tokens one rank runs in a step (sizes the pre-allocated dispatch buffers)
     max_tokens_per_step: int = 2048
+    # R: extra physical expert slots per EP rank for replicas of hot experts (expert load balancing);
+    # each EP rank then holds E/EP primary slots + R redundant ones per MoE layer
+    redundant_experts_per_rank: int = 0
     attn_tp_group: dist.ProcessGroup | None = None
     moe_groups: TopologyGroups | None = None
     world_group: dist.ProcessGroup | None = None
@@ -48,6 +51,8 @@ class ParallelContext:
             raise ValueError(f"rank {self.rank} outside a world of {self.strategy.world_size}")
         if self.max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}")
+        if self.redundant_experts_per_rank < 0:
+            raise ValueError(f"redundant_experts_per_rank must be >= 0, got {self.redundant_experts_per_rank}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -56,12 +61,13 @@ class ParallelContext:
 
     @classmethod
     def build(cls, strategy: ParallelStrategy, moe_comm: str = "fused", int8_dispatch: bool = False,
-              max_tokens_per_step: int = 2048) -> "ParallelContext":
+              max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0) -> "ParallelContext":
         """Create every group on an initialised world; collective: every rank calls it in the same order."""
         if not dist.is_initialized():
             if strategy.world_size == 1:
                 return cls(strategy, moe_comm=moe_comm, int8_dispatch=int8_dispatch,
-                           max_tokens_per_step=max_tokens_per_step)
+                           max_tokens_per_step=max_tokens_per_step,
+                           redundant_experts_per_rank=redundant_experts_per_rank)
             raise RuntimeError(f"strategy {strategy} needs torch.distributed to be initialised")
         world = dist.get_world_size()
         if world != strategy.world_size:
@@ -74,7 +80,7 @@ class ParallelContext:
         moe_groups = build_groups(Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp))
         topo = moe_groups.topology
         ctx = cls(strategy, rank=rank, moe_comm=moe_comm, int8_dispatch=int8_dispatch,
-                  max_tokens_per_step=max_tokens_per_step,
+                  max_tokens_per_step=max_tokens_per_step, redundant_experts_per_rank=redundant_experts_per_rank,
                   attn_tp_group=attn_pgs[rank // a], moe_groups=moe_groups, world_group=dist.group.WORLD,
                   attn_tp_ranks=attn_groups[rank // a],
                   moe_tp_ranks=topo.intra_node_ranks(topo.node_of(rank)),
@@ -128,6 +134,13 @@ class ParallelContext:
         if num_experts % self.ep_size:
             raise ValueError(f"{num_experts} experts do not split evenly over EP{self.ep_size}")
         count = num_experts // self.ep_size
+        return self.ep_rank * count, count
+
+    def slot_range(self, num_experts: int) -> tuple[int, int]:
+        """[first, first + count) of the physical expert slots this rank's EP rank holds: its E/EP primary
+        slots, then R redundant ones (slot ids are rank-major, see meshserve/moe/placement.py)."""
+        _, primaries = self.expert_range(num_experts)
+        count = primaries + self.redundant_experts_per_rank
         return self.ep_rank * count, count
 
     def shard_range(self, size: int, tp_size: int, tp_rank: int, what: str) -> tuple[int, int]:

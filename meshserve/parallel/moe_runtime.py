@@ -20,6 +20,14 @@ every collective completes. The path, per step:
 3. the attention TP group all-gathers the chunks back, so all of its ranks hold the
    same output for all T tokens.
 
+Physical expert slots (`ctx.redundant_experts_per_rank` = R > 0): each EP rank holds
+S = E/EP + R slots, its primaries then R redundant slots for replicas of hot experts, and
+the dispatchers route by global slot id (N * S "experts"). After gating the runtime adds
+the logical ids to the layer's load counts (`load_counts`, when the model's
+`ExpertBalancer` has attached its row) and maps them to slot ids through `slot_map`
+(meshserve/moe/slots.py), on the whole batch of the attention TP group before step 1.
+With R = 0 slot ids are the expert ids and no mapping runs.
+
 INT8 dispatch (`ctx.int8_dispatch`, off by default, pure EP only) quantizes each token
 symmetrically per row before it leaves its rank: every input element moves by at most
 max|x_t| / 254, and the layer output stays within 2% of its max |output| (max abs error
@@ -35,6 +43,9 @@ import torch
 import torch.distributed as dist
 
 from meshserve.models.layers.moe import FusedMoEWeights
+from meshserve.moe.placement import PlacementShape
+from meshserve.moe.recorder import add_counts
+from meshserve.moe.slots import SlotMap
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.moe_comm import EPDispatcher, HybridMoEComm
 
@@ -87,6 +98,17 @@ class MoERuntime:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.first_expert, self.num_local_experts = ctx.expert_range(num_experts)
+        self.redundant_slots = ctx.redundant_experts_per_rank
+        self.placement_shape = PlacementShape(num_experts, ctx.ep_size, self.redundant_slots)
+        self.num_slots = self.placement_shape.num_slots  # what the dispatchers route over
+        # logical -> slot ids; None while slot ids are the expert ids (no redundant slots)
+        self.slot_map: SlotMap | None = None
+        if self.redundant_slots:
+            self.slot_map = SlotMap.from_slots(self.placement_shape.default_slots(), num_experts)
+        # this layer's row of the model's expert-load counter (attached by its ExpertBalancer)
+        self.load_counts: torch.Tensor | None = None
+        self._one = torch.ones(1, dtype=torch.int64)
+        self.rotation_offset = ctx.dp_rank
         self.tp_rank, self.tp_size = ctx.moe_tp_rank, ctx.moe_tp_size
         self.attn_tp_size = ctx.attn_tp_size
         self.single = ctx.world_size == 1
@@ -99,30 +121,40 @@ class MoERuntime:
             return
         if ctx.moe_groups is None:
             raise ValueError(f"a context for {ctx.strategy} needs its process groups (ParallelContext.build)")
-        shape = (num_experts, top_k, hidden_size, dtype)
+        shape = (self.num_slots, top_k, hidden_size, dtype)
         if self.tp_size == 1:
             per_rank = -(-ctx.max_tokens_per_step // self.attn_tp_size) if self.deduplicate \
                 else ctx.max_tokens_per_step
             self.ep_dispatcher = _shared_comm(ctx, ("ep", *shape), lambda: EPDispatcher(
-                ctx.moe_groups.inter_node, num_experts, top_k, hidden_size, per_rank, dtype,
+                ctx.moe_groups.inter_node, self.num_slots, top_k, hidden_size, per_rank, dtype,
                 int8=ctx.int8_dispatch))
         else:
             if ctx.int8_dispatch:
                 raise ValueError(f"INT8 dispatch needs pure EP (moe=TP1+EPn); {ctx.strategy} has MoE TP")
             self.hybrid = _shared_comm(ctx, ("hybrid", *shape), lambda: HybridMoEComm(
-                ctx.moe_groups, num_experts, top_k, hidden_size, fused=ctx.moe_comm == "fused"))
+                ctx.moe_groups, self.num_slots, top_k, hidden_size, fused=ctx.moe_comm == "fused"))
 
     def make_weights(self, intermediate_size: int) -> FusedMoEWeights:
-        """Expert weights holding this rank's experts and intermediate-column block."""
+        """Expert weights holding this rank's slots and intermediate-column block."""
         return FusedMoEWeights(self.num_experts, self.hidden_size, intermediate_size, self.dtype,
                                first_expert=self.first_expert, num_local_experts=self.num_local_experts,
-                               tp_rank=self.tp_rank, tp_size=self.tp_size)
+                               tp_rank=self.tp_rank, tp_size=self.tp_size, redundant_slots=self.redundant_slots)
+
+    def attach_load_counts(self, row: torch.Tensor) -> None:
+        """Count this layer's routed tokens per logical expert into `row` ([E] int64) from now on."""
+        self.load_counts = row
+        self._one = torch.ones(1, dtype=torch.int64, device=row.device)
 
     # ------------------------------------------------------------------ forward
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  experts: FusedMoEWeights) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights, experts)
+        if self.load_counts is not None:
+            add_counts(self.load_counts, topk_ids, self._one)
+        slot_map = self.slot_map
+        if slot_map is not None:
+            topk_ids = slot_map.route(topk_ids, self.rotation_offset)
         if self.single:
             return experts(hidden, topk_ids, topk_weights)
         num_tokens = hidden.shape[0]
@@ -145,11 +177,13 @@ class MoERuntime:
         if tuple(topk_ids.shape) != expected or tuple(topk_weights.shape) != expected:
             raise ValueError(f"topk_ids and topk_weights must be {list(expected)}, got "
                              f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
-        held = (experts.first_expert, experts.num_local_experts, experts.tp_rank, experts.tp_size)
-        if held != (self.first_expert, self.num_local_experts, self.tp_rank, self.tp_size):
-            raise ValueError(f"expert weights hold experts [{held[0]}, {held[0] + held[1]}) TP {held[2]}/{held[3]}; "
-                             f"this rank needs [{self.first_expert}, {self.first_expert + self.num_local_experts}) "
-                             f"TP {self.tp_rank}/{self.tp_size} (use make_weights)")
+        held = (experts.first_expert, experts.num_local_experts, experts.tp_rank, experts.tp_size,
+                experts.redundant_slots)
+        if held != (self.first_expert, self.num_local_experts, self.tp_rank, self.tp_size, self.redundant_slots):
+            raise ValueError(f"expert weights hold experts [{held[0]}, {held[0] + held[1]}) TP {held[2]}/{held[3]} "
+                             f"+{held[4]} redundant slots; this rank needs [{self.first_expert}, "
+                             f"{self.first_expert + self.num_local_experts}) TP {self.tp_rank}/{self.tp_size} "
+                             f"+{self.redundant_slots} (use make_weights)")
 
     @staticmethod
     def _run_rows(experts: FusedMoEWeights, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ import yaml
 
 from meshserve.parallel.analyzer import (MOE_COMM_MODES, AnalyzerError, Cluster, StrategyEstimate, Workload,
                                          analyze, model_spec_from_config, to_deployment)
-from meshserve.parallel.calibrate import add_calibrate_arguments, calibrate_main
 from meshserve.parallel.strategy import StrategyError
 
 GB = 1e9
@@ -150,7 +149,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                                     description="Measure collective latency/bandwidth, matmul rate and memory "
                                                 "on a local world of ranks and write a cluster YAML.")
     add_calibrate_arguments(calibrate)
-    calibrate.set_defaults(func=calibrate_main)
+    calibrate.set_defaults(func=_calibrate_main)
 
 
 def _ms(seconds: float) -> str:
@@ -239,3 +238,21 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_calibrate_arguments(parser) -> None:
+    parser.add_argument("--nodes", type=int, default=2, help="nodes the local ranks are grouped into (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    parser.add_argument("--sizes", nargs="+", metavar="SIZE", default=None,
+                        help="message sizes of the bandwidth fit, bytes with optional K/M suffix "
+                             "(default: 256K 1M 4M)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed samples per measurement; the median counts")
+    parser.add_argument("--matmul-shapes", nargs="+", metavar="MxKxN", default=None,
+                        help="matmul shapes, tokens x in x out features (default: 32x4096x1536 512x4096x1536)")
+    parser.add_argument("--out", required=True, help="cluster YAML to write; the plot goes beside it as .png")
+
+
+def _calibrate_main(args) -> int:
+    from meshserve.parallel.calibrate import calibrate_main  # torch is imported only when calibrating
+
+    return calibrate_main(args)

@@ -56,6 +56,8 @@ class EngineClientProtocol(Protocol):
 
     async def get_stats(self) -> EngineStats: ...
 
+    async def admin(self, op: str, args: dict | None = None) -> Any: ...  # an AdminReply
+
 
 class _EngineStreamResponse(StreamingResponse):
     """A stream that releases its engine requests however it ends (done, client gone, server stopping)."""
@@ -144,6 +146,19 @@ class OpenAIServing:
             return JSONResponse({"status": "ok"})
         return APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
                         code="engine_dead").to_response()
+
+    async def admin(self, op: str, args: dict | None = None) -> dict[str, Any]:
+        """An operator command's result; a refused command is a 400 with the engine's reason."""
+        if not self.engine.healthy:
+            raise APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
+                           code="engine_dead")
+        try:
+            reply = await self.engine.admin(op, args)
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+        if not reply.ok:
+            raise APIError(400, reply.error or f"{op} failed")
+        return reply.data
 
     async def metrics_page(self) -> Response:
         await self.metrics.refresh(self.engine.get_stats)
@@ -306,6 +321,28 @@ def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = N
     @app.get("/metrics")
     async def metrics() -> Response:
         return await serving.metrics_page()
+
+    # operator endpoints: expert load balancing (xdeepserve §4.5)
+    @app.get("/admin/eplb/load")
+    async def eplb_load() -> dict[str, Any]:
+        return await serving.admin("eplb.load")
+
+    @app.get("/admin/eplb/status")
+    async def eplb_status() -> dict[str, Any]:
+        return await serving.admin("eplb.status")
+
+    @app.post("/admin/eplb/rebalance")
+    async def eplb_rebalance(raw: Request) -> dict[str, Any]:
+        body = await raw.body()
+        args = {}
+        if body.strip():
+            try:
+                args = json.loads(body)
+            except json.JSONDecodeError as exc:
+                raise APIError(400, f"body is not JSON: {exc}") from None
+            if not isinstance(args, dict) or set(args) - {"placement"}:
+                raise APIError(400, 'body must be {} or {"placement": <placement JSON>}')
+        return await serving.admin("eplb.rebalance", args)
 
     return app
 

@@ -70,14 +70,20 @@ class FusedMoEWeights(torch.nn.Module):
     `tp_size` partial outputs sum to the full one. `load_expert` takes full HF tensors and
     copies the held slice.
 
-    `num_experts` is the number of experts held here (what loaders iterate over);
-    `total_experts` the model's; `intermediate_size` the full HF size and
-    `local_intermediate_size` the held columns.
+    Expert load balancing adds `redundant_slots` physical slots after the primaries:
+    local slot i < num_local_experts holds expert first_expert + i, the redundant slots
+    hold replicas written by `write_slot` (empty, zero, until then). The forward takes
+    global slot ids (local slot 0 is global slot `first_slot`); without redundant slots
+    slot ids are the expert ids.
+
+    `num_experts` is the number of primary experts held here (what loaders iterate over);
+    `total_experts` the model's; `num_slots` the local slots; `intermediate_size` the full
+    HF size and `local_intermediate_size` the held columns.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  first_expert: int = 0, num_local_experts: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, redundant_slots: int = 0) -> None:
         super().__init__()
         if num_local_experts is None:
             num_local_experts = num_experts - first_expert
@@ -88,10 +94,19 @@ class FusedMoEWeights(torch.nn.Module):
             raise ValueError(f"tp_rank {tp_rank} outside TP{tp_size}")
         if intermediate_size % tp_size:
             raise ValueError(f"intermediate size {intermediate_size} does not split evenly over TP{tp_size}")
+        if redundant_slots < 0 or (redundant_slots and first_expert % num_local_experts):
+            raise ValueError(f"redundant slots need a non-negative count and an EP-aligned expert slice, got "
+                             f"{redundant_slots} after experts [{first_expert}, {first_expert + num_local_experts})")
         self.total_experts = num_experts
         self.num_experts = num_local_experts
         self.num_local_experts = num_local_experts
         self.first_expert = first_expert
+        self.redundant_slots = redundant_slots
+        self.num_slots = num_local_experts + redundant_slots
+        # slots are rank-major: EP rank r's slots start at r * num_slots
+        self.first_slot = first_expert // num_local_experts * self.num_slots
+        # the logical expert each local slot holds (-1: empty)
+        self.slot_experts = list(range(first_expert, first_expert + num_local_experts)) + [-1] * redundant_slots
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.local_intermediate_size = intermediate_size // tp_size
@@ -99,11 +114,16 @@ class FusedMoEWeights(torch.nn.Module):
         self.tp_size = tp_size
         part = self.local_intermediate_size
         self.w13 = torch.nn.Parameter(
-            torch.empty(num_local_experts, 2 * part, hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(self.num_slots, 2 * part, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden_size, part, dtype=dtype), requires_grad=False)
+            torch.empty(self.num_slots, hidden_size, part, dtype=dtype), requires_grad=False)
+        if redundant_slots:  # empty slots are never routed to; zeros keep them free of garbage
+            self.w13.data[num_local_experts:].zero_()
+            self.w2.data[num_local_experts:].zero_()
+        self._packed: tuple[list, list] | None = None
 
     def owns_expert(self, expert_id: int) -> bool:
+        """Whether expert_id is one of the primaries held here (what the checkpoint loader fills)."""
         return 0 <= expert_id - self.first_expert < self.num_local_experts
 
     def hf_shape(self, proj: str) -> tuple[int, int]:
@@ -114,13 +134,17 @@ class FusedMoEWeights(torch.nn.Module):
             return self.hidden_size, self.intermediate_size
         raise KeyError(f"unknown expert projection {proj!r}")
 
-    def _columns(self) -> slice:
+    def column_range(self) -> tuple[int, int]:
+        """[lo, hi) of the intermediate columns held here (of gate/up rows and down columns)."""
         part = self.local_intermediate_size
-        return slice(self.tp_rank * part, (self.tp_rank + 1) * part)
+        return self.tp_rank * part, (self.tp_rank + 1) * part
+
+    def _columns(self) -> slice:
+        return slice(*self.column_range())
 
     def load_expert(self, expert_id: int, proj: str, tensor: torch.Tensor) -> bool:
         """Copy this rank's slice of one full HF tensor (`gate_proj`, `up_proj` or `down_proj` of a global
-        expert id) in place. Returns False when the expert is not held by this rank."""
+        expert id) into its primary slot. Returns False when the expert is not held by this rank."""
         expected = self.hf_shape(proj)
         if not self.owns_expert(expert_id):
             return False
@@ -135,16 +159,38 @@ class FusedMoEWeights(torch.nn.Module):
             self.w2.data[local].copy_(tensor[:, cols])
         return True
 
+    def write_slot(self, slot: int, expert_id: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Fill redundant local `slot` with `expert_id`'s held slice: w13 [2 * local I, H] (gate rows then
+        up rows), w2 [H, local I]; repacks the slot. Safe while other slots serve forwards."""
+        if not self.num_local_experts <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not a redundant slot (local redundant slots: "
+                             f"[{self.num_local_experts}, {self.num_slots}))")
+        if tuple(w13.shape) != tuple(self.w13.shape[1:]) or tuple(w2.shape) != tuple(self.w2.shape[1:]):
+            raise ValueError(f"slot weights must be {tuple(self.w13.shape[1:])} and {tuple(self.w2.shape[1:])}, "
+                             f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        self.w13.data[slot].copy_(w13)
+        self.w2.data[slot].copy_(w2)
+        if self._packed is not None:  # swap in the slot's new blocked copies (list items: atomic)
+            self._packed[0][slot] = pack_weight(self.w13[slot])
+            self._packed[1][slot] = pack_weight(self.w2[slot])
+        self.slot_experts[slot] = expert_id
+
+    def clear_slot(self, slot: int) -> None:
+        """Mark a redundant slot empty (its weights stay; nothing routes to an empty slot)."""
+        if not self.num_local_experts <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not a redundant slot")
+        self.slot_experts[slot] = -1
+
     def pack_weights(self) -> int:
-        """Prepack each expert's matrices for oneDNN (see linear.py); 0 where that does not apply."""
-        w13 = [pack_weight(self.w13[e]) for e in range(self.num_experts)]
+        """Prepack each slot's matrices for oneDNN (see linear.py); 0 where that does not apply."""
+        w13 = [pack_weight(self.w13[e]) for e in range(self.num_slots)]
         if any(p is None for p in w13):
             self._packed = None
             return 0
-        self._packed = (w13, [pack_weight(self.w2[e]) for e in range(self.num_experts)])
-        return 2 * self.num_experts
+        self._packed = (w13, [pack_weight(self.w2[e]) for e in range(self.num_slots)])
+        return 2 * self.num_slots
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Top-k weighted expert output over the held experts (a partial sum under MoE TP)."""
-        return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_expert,
-                             getattr(self, "_packed", None))
+        """Top-k weighted output over the held slots (a partial sum under MoE TP); ids are global slot ids."""
+        return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
+                             self._packed)

@@ -1,0 +1,233 @@
+"""The master's side of expert load balancing (xdeepserve §4.5): load slices and live reconfiguration.
+
+Load: the driver rank of each DP group reports its tokens per logical expert when a
+step asks (`{"report_load": True}`, at most every `report_every_s`); the reports
+are summed over DP groups into time slices of `slice_s` seconds.
+
+Reconfiguration: a new placement (given, or planned from the recorded slices)
+goes to every rank in four phases, each carried by the control field of a step
+so all ranks switch at the same step boundary while the TE keeps serving:
+
+  prefetch          ranks read the changing slots' weights in the background
+  (all ranks ack)   disable_and_load: the mapping stops using those slots, and
+                    ranks copy the weights into them in the background
+  (all ranks ack)   enable: the mapping switches to the new placement
+
+A rank that fails a phase stops the sequence: every rank drops the reconfiguration
+at the same step boundary (`abort`), so all of them still route with one mapping.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from meshserve.moe.load_record import ExpertLoadRecord
+from meshserve.moe.placement import ExpertPlacement, PlacementShape
+
+logger = logging.getLogger(__name__)
+
+MAX_SLICES = 720  # recorded history kept (two hours of 10 s slices)
+
+
+class EplbError(RuntimeError):
+    """A rebalancing request the engine cannot carry out (shown to the operator as is)."""
+
+
+@dataclass
+class _Reconfiguration:
+    placement: ExpertPlacement
+    phase: str  # "prefetch" -> "prefetching" -> "load" -> "loading" -> "enable"
+    acks: set[int] = field(default_factory=set)
+    started: float = 0.0
+
+
+class EplbController:
+    def __init__(self, shape: PlacementShape | None, moe_layers: list[int], world_size: int, slice_s: float,
+                 interval_s: float | None = None, report_every_s: float = 1.0) -> None:
+        self.shape = shape
+        self.moe_layers = list(moe_layers)
+        self.world_size = world_size
+        self.slice_s = slice_s
+        self.interval_s = interval_s
+        self.report_every_s = min(report_every_s, slice_s)
+        self.placement = ExpertPlacement.default(shape, self.moe_layers) if shape is not None else None
+        self.slices: list[list[list[int]]] = []
+        self.slice_starts: list[float] = []
+        now = time.time()
+        self._current = self._zeros()
+        self._current_start = now
+        self._last_report = 0.0
+        self._last_rebalance = now
+        self._reconfig: _Reconfiguration | None = None
+        self.num_reconfigurations = 0
+        self.last_error: str | None = None
+        self.last_started_at: float | None = None  # unix times of the last reconfiguration
+        self.last_finished_at: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this model has MoE layers to record."""
+        return self.shape is not None and bool(self.moe_layers)
+
+    def _zeros(self) -> list[list[int]]:
+        return [[0] * (self.shape.num_logical if self.shape else 0) for _ in self.moe_layers]
+
+    # ------------------------------------------------------------------ load
+    def step_control(self, now: float) -> dict:
+        """Control for a step about to run (it has work)."""
+        control = self._phase_control()
+        if self.enabled and now - self._last_report >= self.report_every_s:
+            control["report_load"] = True
+            self._last_report = now
+        return control
+
+    def idle_control(self) -> dict:
+        """Control that must reach the ranks even when no step runs (reconfiguration phases)."""
+        return self._phase_control()
+
+    def on_counts(self, counts: list[list[int]]) -> None:
+        if not self.enabled:
+            return
+        if len(counts) != len(self.moe_layers):
+            logger.warning("expert load report has %d layers, expected %d; ignored", len(counts), len(self.moe_layers))
+            return
+        for row, new in zip(self._current, counts):
+            for e, c in enumerate(new[:len(row)]):
+                row[e] += int(c)
+
+    def tick(self, now: float) -> None:
+        """Close finished slices; start an automatic rebalance when one is due."""
+        if not self.enabled:
+            return
+        while now - self._current_start >= self.slice_s:
+            self._close_slice()
+        if (self.interval_s is not None and self._reconfig is None and self.slices
+                and now - self._last_rebalance >= self.interval_s):
+            self._last_rebalance = now
+            try:
+                recent = max(1, int(round(self.interval_s / self.slice_s)))
+                self.rebalance(None, window_slices=recent)
+            except EplbError as exc:
+                logger.info("automatic rebalance skipped: %s", exc)
+
+    def _close_slice(self) -> None:
+        self.slices.append(self._current)
+        self.slice_starts.append(self._current_start)
+        if len(self.slices) > MAX_SLICES:
+            del self.slices[0], self.slice_starts[0]
+        self._current = self._zeros()
+        self._current_start += self.slice_s
+
+    def record(self, include_current: bool = True, window_slices: int | None = None) -> ExpertLoadRecord:
+        if not self.enabled:
+            raise EplbError("the model has no MoE layers: there is no expert load to record")
+        counts = list(self.slices)
+        starts = list(self.slice_starts)
+        if include_current:
+            counts.append(self._current)
+            starts.append(self._current_start)
+        if window_slices is not None:
+            counts, starts = counts[-window_slices:], starts[-window_slices:]
+        return ExpertLoadRecord(num_logical=self.shape.num_logical, moe_layers=self.moe_layers,
+                                slice_seconds=self.slice_s, counts=[[list(r) for r in s] for s in counts],
+                                slice_start_times=starts)
+
+    # ------------------------------------------------------------------ reconfiguration
+    def rebalance(self, placement: dict | None, window_slices: int | None = None) -> ExpertPlacement:
+        """Start a reconfiguration to `placement` (a placement dict), or to a plan from the recorded load."""
+        if not self.enabled:
+            raise EplbError("the model has no MoE layers to rebalance")
+        if self.shape.redundant_per_rank == 0:
+            raise EplbError("no redundant expert slots: start the engine with --eplb-redundant-experts N")
+        if self._reconfig is not None:
+            raise EplbError(f"a reconfiguration is already running (phase {self._reconfig.phase})")
+        if placement is None:
+            from meshserve.moe.eplb import plan_placement
+
+            record = self.record(include_current=True, window_slices=window_slices)
+            if not any(c for s in record.counts for row in s for c in row):
+                raise EplbError("no expert load recorded yet")
+            new = plan_placement(record, self.shape)
+        else:
+            try:
+                new = ExpertPlacement.from_dict(placement)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EplbError(f"bad placement: {exc}") from None
+        if new.shape != self.shape:
+            raise EplbError(f"placement is for {new.shape}, the engine has {self.shape}")
+        if sorted(new.layers) != sorted(self.moe_layers):
+            raise EplbError(f"placement covers layers {sorted(new.layers)}, the model's MoE layers are "
+                            f"{self.moe_layers}")
+        for layer, slots in new.layers.items():
+            for slot, (old, expert) in enumerate(zip(self.placement.layers[layer], slots)):
+                primary = slot % self.shape.slots_per_rank < self.shape.primary_per_rank
+                if primary and old != expert:
+                    raise EplbError(f"layer {layer} slot {slot} is a primary slot; only redundant slots may change")
+        self._reconfig = _Reconfiguration(new, "prefetch", started=time.time())
+        self.last_started_at, self.last_finished_at = self._reconfig.started, None
+        self.last_error = None
+        logger.info("expert placement reconfiguration started")
+        return new
+
+    def _phase_control(self) -> dict:
+        r = self._reconfig
+        if r is None:
+            return {}
+        if r.phase == "prefetch":
+            r.phase, r.acks = "prefetching", set()
+            return {"eplb": {"phase": "prefetch", "placement": r.placement.to_dict()}}
+        if r.phase == "load":
+            r.phase, r.acks = "loading", set()
+            return {"eplb": {"phase": "disable_and_load"}}
+        if r.phase == "abort":
+            self._reconfig = None
+            return {"eplb": {"phase": "abort"}}
+        if r.phase == "enable":
+            self.placement = r.placement
+            self._reconfig = None
+            self.num_reconfigurations += 1
+            self.last_finished_at = time.time()
+            logger.info("expert placement reconfiguration %d done in %.2f s", self.num_reconfigurations,
+                        time.time() - r.started)
+            return {"eplb": {"phase": "enable"}}
+        return {}
+
+    def on_event(self, rank: int, kind: str, detail: str) -> None:
+        r = self._reconfig
+        if kind == "eplb_failed":
+            phase = r.phase if r is not None else "?"
+            self.last_error = f"rank {rank} failed in phase {phase}: {detail}"
+            logger.error("expert placement reconfiguration stopped: %s", self.last_error)
+            # every rank drops the reconfiguration at the same step boundary, keeping one mapping
+            self._reconfig = _Reconfiguration(r.placement if r else self.placement, "abort")
+            return
+        expected = {"eplb_prefetched": "prefetching", "eplb_loaded": "loading"}.get(kind)
+        if r is None or expected != r.phase:
+            logger.warning("unexpected executor event %s from rank %d", kind, rank)
+            return
+        r.acks.add(rank)
+        if len(r.acks) == self.world_size:
+            r.phase = "load" if kind == "eplb_prefetched" else "enable"
+
+    @property
+    def busy(self) -> bool:
+        return self._reconfig is not None
+
+    @property
+    def has_pending_control(self) -> bool:
+        return self._reconfig is not None and self._reconfig.phase in ("prefetch", "load", "enable", "abort")
+
+    def status(self) -> dict:
+        return {
+            "enabled": self.enabled,
+            "phase": self._reconfig.phase if self._reconfig else "idle",
+            "num_reconfigurations": self.num_reconfigurations,
+            "last_error": self.last_error,
+            "last_started_at": self.last_started_at,
+            "last_finished_at": self.last_finished_at,
+            "num_slices": len(self.slices),
+            "slice_seconds": self.slice_s,
+            "interval_seconds": self.interval_s,
+            "placement": self.placement.to_dict() if self.placement is not None else None,
+        }

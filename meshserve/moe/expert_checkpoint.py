@@ -1,0 +1,73 @@
+"""Read single experts' weights, this rank's intermediate columns only, from an HF safetensors checkpoint.
+
+Experts are stored per expert (`{prefix}.{e}.gate_proj.weight`, `up_proj`, `down_proj`, as
+transformers writes them) or packed per layer (`{prefix}.gate_up_proj` [E, 2I, H] with gate
+rows then up rows, `{prefix}.down_proj` [E, H, I]). Only the requested slices are read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def tensor_files(model_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{str(model_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+class ExpertCheckpoint:
+    """Reads [gate; up] rows and down columns [lo, hi) of one expert of one layer."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = tensor_files(model_dir)
+        self._open: dict[Path, object] = {}
+
+    def __enter__(self) -> "ExpertCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+    def _slice(self, name: str):
+        path = self.files.get(name)
+        if path is None:
+            raise KeyError(name)
+        handle = self._open.get(path)
+        if handle is None:
+            handle = self._open[path] = safe_open(str(path), framework="pt").__enter__()
+        return handle.get_slice(name)
+
+    def read(self, prefix: str, expert: int, columns: tuple[int, int], intermediate: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [2 * (hi - lo), H], w2 [H, hi - lo]) of expert `expert` under `prefix` (`...mlp.experts`)."""
+        lo, hi = columns
+        if f"{prefix}.{expert}.gate_proj.weight" in self.files:
+            gate = self._slice(f"{prefix}.{expert}.gate_proj.weight")[lo:hi]
+            up = self._slice(f"{prefix}.{expert}.up_proj.weight")[lo:hi]
+            down = self._slice(f"{prefix}.{expert}.down_proj.weight")[:, lo:hi]
+        elif f"{prefix}.gate_up_proj" in self.files:
+            gate_up = self._slice(f"{prefix}.gate_up_proj")
+            gate = gate_up[expert:expert + 1, lo:hi][0]
+            up = gate_up[expert:expert + 1, intermediate + lo:intermediate + hi][0]
+            down = self._slice(f"{prefix}.down_proj")[expert:expert + 1, :, lo:hi][0]
+        else:
+            raise KeyError(f"checkpoint {str(self.model_dir)!r} has no weights of expert {expert} under {prefix!r}")
+        return torch.cat([gate, up]).to(dtype), down.to(dtype).contiguous()

@@ -1,0 +1,129 @@
+"""Where each logical expert lives: physical expert slots on EP ranks, with redundant replicas.
+
+An EP world of N ranks with E logical experts and R redundant slots per rank has
+N * (E/N + R) physical slots, rank-major: rank r holds slots [r*S, (r+1)*S) with
+S = E/N + R. A layer's placement lists, per physical slot, the logical expert whose
+weights it holds (-1: empty). Its replica table lists, per logical expert, the slots
+holding it; tokens routed to a replicated expert rotate over those slots by their
+position in the batch (xdeepserve §4.5 step 4).
+
+A shrink plan (some ranks removed) keeps each surviving rank's S slots, so its
+experts need not split evenly over the ranks left: such a shape sets
+`uneven_slots_per_rank = S` and has no primary slots (every slot was planned).
+
+Pure Python (the master, which has no torch, plans and ships placements).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMPTY = -1
+
+
+@dataclass(frozen=True)
+class PlacementShape:
+    num_logical: int  # E
+    num_ranks: int  # N (EP ranks)
+    redundant_per_rank: int  # R
+    uneven_slots_per_rank: int = 0  # S of a shrink plan (0: S = E/N + R)
+
+    def __post_init__(self) -> None:
+        if (self.num_logical < 1 or self.num_ranks < 1 or self.redundant_per_rank < 0
+                or self.uneven_slots_per_rank < 0):
+            raise ValueError(f"bad placement shape {self}")
+        if self.uneven_slots_per_rank:
+            if self.redundant_per_rank:
+                raise ValueError("a shape with uneven_slots_per_rank has no separate redundant slots")
+            if self.uneven_slots_per_rank * self.num_ranks < self.num_logical:
+                raise ValueError(f"{self.num_ranks} ranks x {self.uneven_slots_per_rank} slots cannot hold "
+                                 f"{self.num_logical} experts")
+        elif self.num_logical % self.num_ranks:
+            raise ValueError(f"{self.num_logical} experts do not split evenly over {self.num_ranks} EP ranks")
+
+    @property
+    def uneven(self) -> bool:
+        return self.uneven_slots_per_rank > 0
+
+    @property
+    def primary_per_rank(self) -> int:
+        if self.uneven:
+            raise ValueError("a shrink placement shape has no primary slots")
+        return self.num_logical // self.num_ranks
+
+    @property
+    def slots_per_rank(self) -> int:
+        if self.uneven:
+            return self.uneven_slots_per_rank
+        return self.primary_per_rank + self.redundant_per_rank
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_ranks * self.slots_per_rank
+
+    def rank_of_slot(self, slot: int) -> int:
+        return slot // self.slots_per_rank
+
+    def default_slots(self) -> list[int]:
+        """Each rank's primary slots hold its contiguous share of experts; redundant slots are empty."""
+        slots = []
+        for rank in range(self.num_ranks):
+            first = rank * self.primary_per_rank
+            slots.extend(range(first, first + self.primary_per_rank))
+            slots.extend([EMPTY] * self.redundant_per_rank)
+        return slots
+
+
+def replica_table(slots: list[int], num_logical: int) -> list[list[int]]:
+    """Per logical expert, the physical slots holding it (in slot order)."""
+    table: list[list[int]] = [[] for _ in range(num_logical)]
+    for slot, expert in enumerate(slots):
+        if expert != EMPTY:
+            table[expert].append(slot)
+    return table
+
+
+def check_slots(shape: PlacementShape, slots: list[int], what: str = "placement") -> None:
+    if len(slots) != shape.num_slots:
+        raise ValueError(f"{what}: {len(slots)} slots, expected {shape.num_slots}")
+    bad = [e for e in slots if e != EMPTY and not 0 <= e < shape.num_logical]
+    if bad:
+        raise ValueError(f"{what}: logical expert ids out of range: {bad[:5]}")
+    missing = [e for e, replicas in enumerate(replica_table(slots, shape.num_logical)) if not replicas]
+    if missing:
+        raise ValueError(f"{what}: logical experts without any slot: {missing[:10]}")
+
+
+@dataclass
+class ExpertPlacement:
+    """A placement for every MoE layer of a model (layer index -> slots)."""
+
+    shape: PlacementShape
+    layers: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for layer, slots in self.layers.items():
+            check_slots(self.shape, slots, f"layer {layer}")
+
+    @classmethod
+    def default(cls, shape: PlacementShape, moe_layers: list[int]) -> "ExpertPlacement":
+        return cls(shape, {layer: shape.default_slots() for layer in moe_layers})
+
+    def replicas(self, layer: int) -> list[list[int]]:
+        return replica_table(self.layers[layer], self.shape.num_logical)
+
+    def to_dict(self) -> dict:
+        data = {"format": "meshserve-expert-placement/1", "num_logical": self.shape.num_logical,
+                "num_ranks": self.shape.num_ranks, "redundant_per_rank": self.shape.redundant_per_rank}
+        if self.shape.uneven:
+            data["slots_per_rank"] = self.shape.uneven_slots_per_rank
+        data["layers"] = {str(layer): list(slots) for layer, slots in sorted(self.layers.items())}
+        data["replicas"] = {str(layer): self.replicas(layer) for layer in sorted(self.layers)}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ExpertPlacement":
+        if not isinstance(data, dict) or data.get("format") != "meshserve-expert-placement/1":
+            raise ValueError("not a meshserve expert placement (format meshserve-expert-placement/1)")
+        shape = PlacementShape(int(data["num_logical"]), int(data["num_ranks"]), int(data["redundant_per_rank"]),
+                               int(data.get("slots_per_rank", 0)))
+        return cls(shape, {int(layer): [int(e) for e in slots] for layer, slots in data["layers"].items()})
