@@ -42,6 +42,7 @@ class EngineConfig:
     eplb_redundant_experts: int = 0  # redundant expert slots per EP rank (replicas of hot experts)
     eplb_slice_s: float = 10.0  # expert-load recording slice
     eplb_interval_s: float | None = None  # rebalance automatically this often from the recorded load
+    eplb_placement: str | None = None  # placement JSON applied before serving (may move primary experts too)
     dist_backend: str | None = None  # torch.distributed backend; default gloo on CPU, nccl on CUDA
     num_threads: int | None = None  # torch threads per executor; default: the cores divided among the ranks
     # ranks on other hosts: the master starts ranks 0..local_ranks-1 itself; each other rank is started on

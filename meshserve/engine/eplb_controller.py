@@ -44,14 +44,15 @@ class _Reconfiguration:
 
 class EplbController:
     def __init__(self, shape: PlacementShape | None, moe_layers: list[int], world_size: int, slice_s: float,
-                 interval_s: float | None = None, report_every_s: float = 1.0) -> None:
+                 interval_s: float | None = None, report_every_s: float = 1.0,
+                 initial: ExpertPlacement | None = None) -> None:
         self.shape = shape
         self.moe_layers = list(moe_layers)
         self.world_size = world_size
         self.slice_s = slice_s
         self.interval_s = interval_s
         self.report_every_s = min(report_every_s, slice_s)
-        self.placement = ExpertPlacement.default(shape, self.moe_layers) if shape is not None else None
+        self.placement = initial or (ExpertPlacement.default(shape, self.moe_layers) if shape is not None else None)
         self.slices: list[list[list[int]]] = []
         self.slice_starts: list[float] = []
         now = time.time()
@@ -148,7 +149,7 @@ class EplbController:
             record = self.record(include_current=True, window_slices=window_slices)
             if not any(c for s in record.counts for row in s for c in row):
                 raise EplbError("no expert load recorded yet")
-            new = plan_placement(record, self.shape)
+            new = plan_placement(record, self.shape, base=self.placement)
         else:
             try:
                 new = ExpertPlacement.from_dict(placement)

@@ -1,8 +1,9 @@
-"""The TE master process: scheduler + Relational Tensor Cache, driving executor processes.
+"""The TE master process: per DP group a scheduler + Relational Tensor Cache, driving the executor ranks.
 
 It never touches tensors (it does not even import torch). Each loop turn it takes
 client messages, collects finished steps from the executors and schedules new
-ones. With `async_scheduling` up to two steps are in flight: step n+1 is
+ones; it also places requests on DP groups and drives expert-placement
+reconfigurations (`eplb_controller`). With `async_scheduling` up to two steps are in flight: step n+1 is
 prepared and queued while step n runs, so the executors never wait on the
 scheduler (deepserve §4.2, asynchronous execution).
 """
@@ -21,8 +22,8 @@ import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
-from meshserve.engine.eplb_controller import EplbController, EplbError
 from meshserve.engine.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
+from meshserve.engine.eplb_controller import EplbController, EplbError
 from meshserve.engine.errors import QueueFullError, RequestTooLongError
 from meshserve.engine.processes import free_tcp_port, launch_module, module_arguments, stop_process
 from meshserve.engine.remote_ranks import RemoteRanks, enable_heartbeats
@@ -30,7 +31,7 @@ from meshserve.engine.request import Request
 from meshserve.engine.rtc import RelationalTensorCache
 from meshserve.engine.scheduler import Scheduler, SchedulerConfig
 from meshserve.models.generation_config import max_position_embeddings
-from meshserve.moe.placement import PlacementShape
+from meshserve.moe.placement import PlacementShape, load_placement_file
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -228,8 +229,9 @@ class EngineCore:
         shape = None
         if ready.moe_layers and ready.num_logical_experts:
             shape = PlacementShape(ready.num_logical_experts, strategy.moe_ep, self.config.eplb_redundant_experts)
+        initial = load_placement_file(self.config.eplb_placement) if self.config.eplb_placement else None
         return EplbController(shape, ready.moe_layers, strategy.world_size, self.config.eplb_slice_s,
-                              self.config.eplb_interval_s)
+                              self.config.eplb_interval_s, initial=initial)
 
     def _send(self, item) -> None:
         self.outbox.send(msg.encode(item))

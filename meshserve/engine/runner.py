@@ -20,6 +20,7 @@ from meshserve.engine.sampler import Sampler, SamplingRow
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
+from meshserve.moe.placement import load_placement_file
 from meshserve.parallel.context import ParallelContext
 from meshserve.sampling_params import SamplingParams
 
@@ -76,10 +77,21 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        if config.eplb_placement:
+            self._apply_initial_placement(config.eplb_placement)
         # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
         self._eplb_phase: str | None = None
 
     # ------------------------------------------------------------------ expert placement (xdeepserve §4.5)
+    def _apply_initial_placement(self, path: str) -> None:
+        """Load the experts of a planned placement before serving: primary slots may move here too."""
+        placement = load_placement_file(path)
+        if self.expert_balancer is None:
+            raise ValueError(f"--eplb-placement {path}: the model has no MoE layers")
+        t0 = time.perf_counter()
+        self.expert_balancer.reconfigure(placement, allow_primary_moves=True)
+        logger.info("applied expert placement %s in %.2fs", path, time.perf_counter() - t0)
+
     @property
     def moe_layers(self) -> list[int]:
         return list(self.expert_balancer.moe_layers) if self.expert_balancer is not None else []

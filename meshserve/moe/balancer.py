@@ -116,12 +116,15 @@ class ExpertBalancer:
         """"idle", or the reconfiguration phase begun last: "prefetch", "disabled", "loading"."""
         return IDLE if self._pending is None else self._pending.phase
 
-    def start_prefetch(self, new: ExpertPlacement) -> None:
-        """Phase 1: read this rank's new slot weights from the checkpoint in the background."""
+    def start_prefetch(self, new: ExpertPlacement, allow_primary_moves: bool = False) -> None:
+        """Phase 1: read this rank's new slot weights from the checkpoint in the background.
+
+        Live, only redundant slots may change (every expert keeps a slot while the changing ones are
+        disabled); `allow_primary_moves` is for a placement applied before serving starts."""
         if self._pending is not None:
             raise RuntimeError(f"an expert reconfiguration is already in phase {self._pending.phase!r}; "
                                "finish it (enable) or abort it first")
-        self._check_new(new)
+        self._check_new(new, allow_primary_moves)
         if self.model_dir is None:
             raise RuntimeError("the expert balancer has no checkpoint to read experts from "
                                "(set expert_balancer.model_dir to the model directory)")
@@ -183,15 +186,18 @@ class ExpertBalancer:
         self._set_maps(self.placement, pending.changing, disable=False)
         self._pending = None
 
-    def reconfigure(self, new: ExpertPlacement) -> None:
+    def reconfigure(self, new: ExpertPlacement, allow_primary_moves: bool = False) -> None:
         """All four phases at once, blocking (at startup, or where no forward needs to run in between)."""
-        self.start_prefetch(new)
-        self.disable_changing_slots()
+        self.start_prefetch(new, allow_primary_moves)
+        if allow_primary_moves:  # no forward runs in between, and moved primaries may leave an expert no slot
+            self._pending.phase = DISABLED
+        else:
+            self.disable_changing_slots()
         self.start_load()
         self.enable()
 
     # ------------------------------------------------------------------ pieces
-    def _check_new(self, new: ExpertPlacement) -> None:
+    def _check_new(self, new: ExpertPlacement, allow_primary_moves: bool = False) -> None:
         if not isinstance(new, ExpertPlacement):
             raise TypeError(f"expected an ExpertPlacement, got {type(new).__name__}")
         if new.shape != self.shape:
@@ -199,7 +205,7 @@ class ExpertBalancer:
         if set(new.layers) != set(self.moe_layers):
             raise ValueError(f"placement covers layers {sorted(new.layers)}; the model's MoE layers are "
                              f"{self.moe_layers}")
-        for layer in self.moe_layers:
+        for layer in self.moe_layers if not allow_primary_moves else ():
             check_primaries_kept(self.shape, self.placement.layers[layer], new.layers[layer], f"layer {layer}")
 
     def _require(self, *phases: str, action: str) -> _Reconfiguration:
@@ -210,8 +216,6 @@ class ExpertBalancer:
 
     def _set_maps(self, placement: ExpertPlacement, changing: dict[int, list[int]], disable: bool) -> None:
         """Give each layer with changing slots the map of `placement`, without those slots when `disable`."""
-        if self.shape.redundant_per_rank == 0:  # every slot is a primary: slot ids stay the expert ids
-            return
         for layer, block in zip(self.moe_layers, self._blocks):
             if changing[layer]:
                 block.runtime.slot_map = SlotMap.from_slots(placement.layers[layer], self.shape.num_logical,

@@ -45,8 +45,12 @@ def free_slots(shape: PlacementShape, mode: str = DEFAULT_MODE) -> int:
 
 
 def plan_redundancy(counts_per_slice, shape: PlacementShape, *, budget: int | None = None,
-                    algorithm: str = DEFAULT_ALGORITHM, mode: str = DEFAULT_MODE) -> list[int]:
-    """One layer's slots (physical slot -> logical expert, -1 empty) from its counts[slice][expert]."""
+                    algorithm: str = DEFAULT_ALGORITHM, mode: str = DEFAULT_MODE,
+                    base_slots: list[int] | None = None) -> list[int]:
+    """One layer's slots (physical slot -> logical expert, -1 empty) from its counts[slice][expert].
+
+    In `redundant` mode the primary slots keep `base_slots`' experts (default: the contiguous
+    default placement), so a running engine can apply the plan live."""
     _check_choice(algorithm, ALGORITHMS, "algorithm")
     counts = as_counts(counts_per_slice, shape.num_logical)
     budget = _check_budget(budget, free_slots(shape, mode))
@@ -54,21 +58,28 @@ def plan_redundancy(counts_per_slice, shape: PlacementShape, *, budget: int | No
         if shape.uneven:
             raise ValueError("mode 'redundant' needs primary slots; plan a shrink placement with mode 'full'")
         slots = np.asarray(shape.default_slots(), dtype=np.int64)
+        if base_slots is not None:
+            if len(base_slots) != shape.num_slots:
+                raise ValueError(f"base placement has {len(base_slots)} slots, the shape {shape.num_slots}")
+            primary = np.arange(shape.num_slots) % shape.slots_per_rank < shape.primary_per_rank
+            slots[primary] = np.asarray(base_slots, dtype=np.int64)[primary]
         free = slots == EMPTY
         return fill_free_slots(slots, free, counts, shape.num_ranks, budget, algorithm)
     return plan_all_slots(counts, shape.num_ranks, shape.slots_per_rank, budget, algorithm)
 
 
 def plan_placement(record: ExpertLoadRecord, shape: PlacementShape, *, budget: int | None = None,
-                   algorithm: str = DEFAULT_ALGORITHM, mode: str = DEFAULT_MODE) -> ExpertPlacement:
-    """A placement for every MoE layer of a recorded load."""
+                   algorithm: str = DEFAULT_ALGORITHM, mode: str = DEFAULT_MODE,
+                   base: ExpertPlacement | None = None) -> ExpertPlacement:
+    """A placement for every MoE layer of a recorded load (`base`: the placement in use, whose
+    primary slots a `redundant` plan keeps)."""
     if record.num_logical != shape.num_logical:
         raise ValueError(f"the load record has {record.num_logical} experts per layer, the shape "
                          f"{shape.num_logical}")
     if not record.num_slices:
         raise ValueError("the load record has no time slices")
     layers = {layer: plan_redundancy(record.layer_counts(layer), shape, budget=budget, algorithm=algorithm,
-                                     mode=mode)
+                                     mode=mode, base_slots=base.layers[layer] if base is not None else None)
               for layer in record.moe_layers}
     return ExpertPlacement(shape, layers)
 

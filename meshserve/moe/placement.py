@@ -127,3 +127,16 @@ class ExpertPlacement:
         shape = PlacementShape(int(data["num_logical"]), int(data["num_ranks"]), int(data["redundant_per_rank"]),
                                int(data.get("slots_per_rank", 0)))
         return cls(shape, {int(layer): [int(e) for e in slots] for layer, slots in data["layers"].items()})
+
+
+def load_placement_file(path: str) -> ExpertPlacement:
+    """A placement JSON (`meshserve eplb plan --out`), with a one-line error for a bad file."""
+    import json
+
+    try:
+        with open(path) as f:
+            return ExpertPlacement.from_dict(json.load(f))
+    except OSError as exc:
+        raise ValueError(f"cannot read placement {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"placement {path}: {exc}") from None

@@ -7,6 +7,8 @@ longest gap between tokens is reported against the steady state's).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 
@@ -111,10 +113,42 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
             print(f"\n{arch}: longest gap between tokens: steady {steady_gap:.3f} s, during reconfiguration "
                   f"{live_gap:.3f} s, rebalanced {on_gap:.3f} s")
             assert live_gap < STALL_LIMIT_S
-            return off, live, on
+            return off, live, on, load.data["moe_layers"]
         finally:
             client.shutdown()
 
-    off, live, on = asyncio.run(scenario())
+    off, live, on, moe_layers = asyncio.run(scenario())
     assert live == off
     assert on == off
+
+    # a placement planned with primaries moved too (mode "full") is applied before serving starts
+    placement = _full_placement(config.eplb_redundant_experts, moe_layers)
+    placement_file = tmp_path / "placement.json"
+    placement_file.write_text(json.dumps(placement.to_dict()))
+
+    async def from_file():
+        client = AsyncEngineClient(dataclasses.replace(config, eplb_placement=str(placement_file)),
+                                   log_level=logging.WARNING)
+        try:
+            status = (await client.admin("eplb.status")).data
+            assert ExpertPlacement.from_dict(status["placement"]).layers == placement.layers
+            return (await _generate(client, prompts, "planned"))[0]
+        finally:
+            client.shutdown()
+
+    assert asyncio.run(from_file()) == off
+
+
+def _full_placement(redundant: int, moe_layers: list[int]) -> ExpertPlacement:
+    """Every rank's experts shuffled across ranks, the hottest-looking few replicated (16 experts, EP4)."""
+    from meshserve.moe.placement import PlacementShape
+
+    shape = PlacementShape(16, 4, redundant)
+    order = [15, 3, 8, 0, 12, 5, 1, 10, 7, 14, 2, 9, 4, 11, 6, 13]
+    layers = {}
+    for layer in moe_layers:
+        slots = []
+        for rank in range(4):
+            slots += order[rank * 4:(rank + 1) * 4] + [order[(rank * 4 + 5) % 16]] * redundant
+        layers[layer] = slots
+    return ExpertPlacement(shape, layers)

@@ -376,8 +376,8 @@ def test_redundant_slots_run_like_their_primaries():
         want = fused_experts(x, torch.full((5, 1), expert), weights, half13, w2[:, :, lo:hi])
         got = experts(x, torch.full((5, 1), slot), weights)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="not a redundant slot"):
-        experts.write_slot(1, 0, shard13, shard2)
+    with pytest.raises(ValueError, match="not a local slot"):
+        experts.write_slot(experts.num_slots, 0, shard13, shard2)
     with pytest.raises(ValueError, match="slot weights must be"):
         experts.write_slot(2, 0, shard13[:1], shard2)
     experts.clear_slot(3)

@@ -160,11 +160,12 @@ class FusedMoEWeights(torch.nn.Module):
         return True
 
     def write_slot(self, slot: int, expert_id: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Fill redundant local `slot` with `expert_id`'s held slice: w13 [2 * local I, H] (gate rows then
-        up rows), w2 [H, local I]; repacks the slot. Safe while other slots serve forwards."""
-        if not self.num_local_experts <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} is not a redundant slot (local redundant slots: "
-                             f"[{self.num_local_experts}, {self.num_slots}))")
+        """Fill local `slot` with `expert_id`'s held slice: w13 [2 * local I, H] (gate rows then up rows),
+        w2 [H, local I]; repacks the slot. Safe while other slots serve forwards. Live reconfiguration
+        writes only redundant slots (the balancer checks); a placement applied before serving may
+        rewrite primary slots too."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not a local slot (this rank holds [0, {self.num_slots}))")
         if tuple(w13.shape) != tuple(self.w13.shape[1:]) or tuple(w2.shape) != tuple(self.w2.shape[1:]):
             raise ValueError(f"slot weights must be {tuple(self.w13.shape[1:])} and {tuple(self.w2.shape[1:])}, "
                              f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
@@ -176,9 +177,9 @@ class FusedMoEWeights(torch.nn.Module):
         self.slot_experts[slot] = expert_id
 
     def clear_slot(self, slot: int) -> None:
-        """Mark a redundant slot empty (its weights stay; nothing routes to an empty slot)."""
-        if not self.num_local_experts <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} is not a redundant slot")
+        """Mark a local slot empty (its weights stay; nothing routes to an empty slot)."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not a local slot (this rank holds [0, {self.num_slots}))")
         self.slot_experts[slot] = -1
 
     def pack_weights(self) -> int:
