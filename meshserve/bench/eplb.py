@@ -11,6 +11,9 @@ averaged over slices, first; on the counts summed over slices second. The plan i
 made from the load's slices and evaluated on them; for the synthetic load it is
 also evaluated on the next window of slices (the drift continues), which a plan
 cannot have seen. Planning time is per layer, the median of `--repeats` runs.
+
+`--layer-time` (on by default) adds a measured part (meshserve/bench/eplb_layer_time.py): one MoE
+layer's step time on 4 local ranks for the default placement and the planner's plans.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from meshserve.bench import report
+from meshserve.bench import eplb_layer_time
 from meshserve.moe.balance import balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, MODES, plan_redundancy
 from meshserve.moe.load_record import ExpertLoadRecord
@@ -48,6 +52,7 @@ def add_eplb_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slices", type=int, default=8, help="synthetic time slices planned from (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic load seed (default: 0)")
     parser.add_argument("--repeats", type=int, default=3, help="plans timed per layer, median taken (default: 3)")
+    eplb_layer_time.add_layer_time_arguments(parser)
 
 
 def parse_int_list(text: str, flag: str, minimum: int) -> list[int]:
@@ -135,8 +140,12 @@ def run_eplb_benchmark(args: argparse.Namespace) -> dict:
     redundant = parse_int_list(args.redundant, "--redundant", 0)
     if args.layers < 1 or args.slices < 1 or args.repeats < 1:
         raise ValueError("--layers, --slices and --repeats must be >= 1")
-    if not args.synthetic and not args.load:
-        raise ValueError("nothing to run: give --load FILE or leave the synthetic load on")
+    if not args.synthetic and not args.load and not args.layer_time:
+        raise ValueError("nothing to run: give --load FILE or --layer-time, or leave the synthetic load on")
+    layer_config = None
+    if args.layer_time:
+        layer_config = eplb_layer_time.layer_config(
+            args, parse_int_list(args.layer_redundant, "--layer-redundant", 0), HOT_RATIO)
     recorded = [(path, ExpertLoadRecord.load(path)) for path in args.load]  # read them all before the long part
     for path, record in recorded:
         if not record.num_slices:
@@ -147,7 +156,7 @@ def run_eplb_benchmark(args: argparse.Namespace) -> dict:
         loads.append(run_load("synthetic", planned, devices, redundant, args.repeats, next_window))
     for path, record in recorded:
         loads.append(run_load(Path(path).name, record, devices, redundant, args.repeats))
-    return {
+    result = {
         "benchmark": "eplb",
         "definitions": {
             "redundant": "redundant experts per MoE layer over all devices; each device has ceil(R/N) redundant "
@@ -167,6 +176,9 @@ def run_eplb_benchmark(args: argparse.Namespace) -> dict:
         "loads": loads,
         "claim": claim_check(loads),
     }
+    if layer_config is not None:
+        result["layer_time"] = eplb_layer_time.run_layer_time(layer_config)
+    return result
 
 
 def claim_check(loads: list[dict]) -> dict | None:
@@ -222,6 +234,8 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"claim: synthetic, {claim['devices']} devices, {claim['redundant']} redundant experts: "
                      f"no replication {claim['none']:.3f}, best plan ({claim['best_plan']}) {claim['best']:.3f} "
                      f"({'meets' if claim['met'] else 'misses'} >= {claim['min_balancedness']})")
+    if "layer_time" in result:
+        lines.extend(eplb_layer_time.summary_lines(result["layer_time"]))
     return lines
 
 
@@ -230,9 +244,13 @@ def _plan(cell: dict, mode: str, algorithm: str) -> float:
 
 
 def plot_eplb(result: dict, path: str | Path) -> Path:
-    """One row per load, one panel per mode: balancedness vs redundant experts, one line per device count."""
+    """One row per load, one panel per mode: balancedness vs redundant experts, one line per device count;
+    a last row for the measured layer time when it ran."""
     loads = [load for load in result["loads"] if load["cells"]]
-    fig, axes = report.new_figure(ncols=len(MODES), nrows=max(1, len(loads)))
+    layer_time = result.get("layer_time")
+    fig, axes = report.new_figure(ncols=len(MODES), nrows=max(1, len(loads) + (layer_time is not None)))
+    if layer_time is not None:
+        eplb_layer_time.plot_row(layer_time, axes[len(loads)])
     for row, load in enumerate(loads):
         redundant = sorted({cell["redundant"] for cell in load["cells"]})
         for col, mode in enumerate(MODES):

@@ -13,11 +13,12 @@ at `cache.view(-1, *entry_shape)[s]`, with `s = block_id * block_size + offset`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
-from meshserve.models.layers.tensor_parallel import Shard
+from meshserve.models.layers.tensor_parallel import Shard, attention_tp_shard
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,30 @@ class CausalLM(torch.nn.Module):
 
     model_type: str = ""
 
+    # Subclasses name their sharded tensors: per-expert tensors (group 1: the expert id) and the
+    # weights split over the attention TP group by output rows or by input columns.
+    _ROUTED_EXPERT: re.Pattern | None = None
+    _TP_ROWS: re.Pattern | None = None
+    _TP_COLUMNS: re.Pattern | None = None
+    _expert_range: tuple[int, int] = (0, 0)  # [first, first + count) of the routed experts this rank holds
+
     def wants_weight(self, name: str) -> bool:
-        """Whether this rank keeps (part of) the checkpoint tensor `name`."""
-        return True
+        """Whether this rank keeps (part of) the checkpoint tensor `name`: all but other EP ranks' experts."""
+        match = self._ROUTED_EXPERT.search(name) if self._ROUTED_EXPERT is not None else None
+        if match is None:
+            return True
+        first, count = self._expert_range
+        return first <= int(match.group(1)) < first + count
 
     def weight_shard(self, name: str) -> Shard | None:
         """The piece of checkpoint tensor `name` this rank keeps; None for the whole tensor."""
+        parallel = getattr(self, "parallel", None)
+        if parallel is None or parallel.attn_tp_size == 1:
+            return None
+        if self._TP_ROWS is not None and self._TP_ROWS.search(name):
+            return attention_tp_shard(parallel, 0)
+        if self._TP_COLUMNS is not None and self._TP_COLUMNS.search(name):
+            return attention_tp_shard(parallel, 1)
         return None
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:  # pragma: no cover - abstract

@@ -31,10 +31,8 @@ from meshserve.models.layers.mla import (
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
 from meshserve.models.layers.tensor_parallel import (
-    Shard,
     VocabParallelEmbedding,
     attention_tp_part,
-    attention_tp_shard,
     row_parallel_linear,
     vocab_parallel_logits,
 )
@@ -437,23 +435,6 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head.weight)
-
-    def wants_weight(self, name: str) -> bool:
-        """Everything but the routed experts of other EP ranks (most of a checkpoint's bytes)."""
-        match = self._ROUTED_EXPERT.search(name)
-        if match is None:
-            return True
-        first, count = self._expert_range
-        return first <= int(match.group(1)) < first + count
-
-    def weight_shard(self, name: str) -> Shard | None:
-        if self.parallel.attn_tp_size == 1:
-            return None
-        if self._TP_ROWS.search(name):
-            return attention_tp_shard(self.parallel, 0)
-        if self._TP_COLUMNS.search(name):
-            return attention_tp_shard(self.parallel, 1)
-        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names (as in `named_parameters`) of the parameters written.

@@ -23,10 +23,8 @@ from meshserve.models.layers.linear import attach_packed, linear
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
 from meshserve.models.layers.tensor_parallel import (
-    Shard,
     VocabParallelEmbedding,
     attention_tp_part,
-    attention_tp_shard,
     row_parallel_linear,
     vocab_parallel_logits,
 )
@@ -243,15 +241,6 @@ class Qwen3ForCausalLM(CausalLM):
         num_kv_heads = attention_tp_part(self.parallel, self.dims.num_kv_heads, "num_key_value_heads")
         return KVCacheLayout(num_layers=self.dims.num_layers, entry_shape=(2, num_kv_heads, self.dims.head_dim),
                              dtype=dtype or self.dtype)
-
-    def weight_shard(self, name: str) -> Shard | None:
-        if self.parallel.attn_tp_size == 1:
-            return None
-        if self._TP_ROWS.search(name):
-            return attention_tp_shard(self.parallel, 0)
-        if self._TP_COLUMNS.search(name):
-            return attention_tp_shard(self.parallel, 1)
-        return None
 
     # ---- weight loading -------------------------------------------------------------------------
 

@@ -100,14 +100,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             parallel=self.parallel,
         )
 
-    def wants_weight(self, name: str) -> bool:
-        """Everything but the per-expert tensors of other EP ranks (most of a checkpoint's bytes)."""
-        match = self._ROUTED_EXPERT.search(name)
-        if match is None:
-            return True
-        first, count = self._expert_range
-        return first <= int(match.group(1)) < first + count
-
     def weight_shard(self, name: str) -> Shard | None:
         # packed expert tensors [E, ...]: only this rank's expert range is read
         if self.parallel.ep_size > 1 and _PACKED_EXPERTS.match(name):

@@ -1,10 +1,19 @@
 import json
 
 import pytest
+import torch
 
+from meshserve.bench import eplb_layer_time
 from meshserve.bench.eplb import claim_check, parse_int_list
 from meshserve.cli import main as meshserve_main
 from meshserve.moe.load_record import ExpertLoadRecord
+from meshserve.moe.placement import PlacementShape
+from meshserve.moe.slots import SlotMap
+
+# the measured part at toy size: 32 experts (the fewest that reach 30x), top-4, 16 tokens per rank
+TINY_LAYER = ["--layer-experts", "32", "--layer-top-k", "4", "--layer-hidden", "32", "--layer-intermediate", "16",
+              "--layer-tokens", "16", "--layer-batches", "2", "--layer-steps", "3", "--layer-warmup", "1",
+              "--layer-redundant", "1,2"]
 
 
 def _recorded_load(tmp_path):
@@ -21,8 +30,10 @@ def test_bench_eplb_writes_json_png_and_tables(tmp_path, capsys):
     load = _recorded_load(tmp_path)
     out = tmp_path / "results" / "eplb.json"
     assert meshserve_main(["bench", "eplb", "--json", str(out), "--devices", "4,8,32", "--redundant", "0,4",
-                           "--layers", "1", "--slices", "2", "--repeats", "1", "--load", str(load)]) == 0
+                           "--layers", "1", "--slices", "2", "--repeats", "1", "--load", str(load),
+                           "--no-layer-time"]) == 0
     result = json.loads(out.read_text())
+    assert "layer_time" not in result
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     synthetic, recorded = result["loads"]
     assert synthetic["name"] == "synthetic" and recorded["name"] == "recorded.json"
@@ -65,7 +76,12 @@ def test_claim_check_reads_the_32_by_32_synthetic_cell():
     (["--devices", "4,x"], "comma-separated integers"),
     (["--redundant=-1,2"], "integers >= 0"),
     (["--load", "/nonexistent/load.json"], "cannot read"),
-    (["--no-synthetic"], "nothing to run"),
+    (["--no-synthetic", "--no-layer-time"], "nothing to run"),
+    (["--layer-experts", "30"], "multiple of 4"),
+    (["--layer-experts", "28"], "must exceed 30"),
+    (["--layer-redundant", "1,x"], "--layer-redundant takes comma-separated integers"),
+    (["--layer-steps", "0"], "--layer-steps must be >= 1"),
+    (["--layer-top-k", "99"], "must not exceed --layer-experts"),
 ])
 def test_bench_eplb_bad_arguments_exit_2_with_one_line(tmp_path, capsys, extra, message):
     out = tmp_path / "eplb.json"
@@ -77,3 +93,67 @@ def test_bench_eplb_bad_arguments_exit_2_with_one_line(tmp_path, capsys, extra, 
 
 def test_parse_int_list_sorts_and_dedups():
     assert parse_int_list("32, 4,8,4", "--devices", 1) == [4, 8, 32]
+
+
+def _expected_rows(config: dict, placement: dict, steps: int) -> list[float]:
+    """Rows per rank per step (mean) that the slot map's rotation gives on the timed window."""
+    shape = PlacementShape(config["experts"], 4, placement["redundant_per_rank"])
+    slot_map = SlotMap.from_slots(placement["slots"], config["experts"])
+    probs = eplb_layer_time.popularity(config)
+    rows = torch.zeros(4, dtype=torch.float64)
+    for step in range(steps):
+        for rank in range(4):
+            ids = eplb_layer_time.routed_batch(config, probs, eplb_layer_time.TIMED_WINDOW, rank,
+                                               step % config["batches"])[1]
+            slots = slot_map.route(ids, offset=rank)  # pure EP: the DP rank is the rank
+            rows += torch.bincount(slots.reshape(-1) // shape.slots_per_rank, minlength=4)
+    return (rows / steps).tolist()
+
+
+def test_bench_eplb_layer_time_only_writes_times_rows_and_ratios(tmp_path, capsys):
+    out = tmp_path / "layer.json"
+    assert meshserve_main(["bench", "eplb", "--json", str(out), "--no-synthetic", *TINY_LAYER]) == 0
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["loads"] == [] and result["claim"] is None
+    section = result["layer_time"]
+    config = section["config"]
+    assert config["strategy"] == "attn=TP1+DP4 moe=TP1+EP4" and config["redundant"] == [1, 2]
+    # without replacement no expert is picked by more than every token: at most experts / top-k x the mean
+    assert 2.0 < section["routing"]["hottest_over_mean"] <= 32 / 4
+    placements = section["placements"]
+    assert [p["name"] for p in placements] == ["default", "redundant R=1", "redundant R=2", "full R=1", "full R=2"]
+    default = placements[0]
+    assert default["ratio_vs_default"] == 1.0
+    for p in placements:
+        assert len(p["steps_ms"]) == 3 and all(t > 0 for t in p["steps_ms"])
+        assert p["ratio_vs_default"] == pytest.approx(p["median_ms"] / default["median_ms"])
+        assert len(p["rows_per_rank"]) == len(p["expert_ms_per_rank"]) == 4
+        assert p["mean_rows"] == 16 * 4  # every (token, expert) row runs once: tokens x top-k per rank
+        assert p["rows_per_rank"] == pytest.approx(_expected_rows(config, p, 3))
+        assert p["max_abs_diff_vs_default"] <= 1e-5  # every placement computes the same layer
+        if p is not default:
+            assert p["max_rows"] < default["max_rows"], p["name"]  # the plan takes rows off the busiest rank
+            assert p["planner_balancedness"] > default["planner_balancedness"]
+    printed = capsys.readouterr().out
+    assert "| placement | median ms | p90 ms | vs default | rows per rank max / mean |" in printed
+    assert "| full R=2 |" in printed and f"wrote {out}" in printed
+
+
+def test_layer_time_routing_is_seeded_and_without_replacement():
+    config = {"experts": 32, "top_k": 4, "tokens": 64, "hidden": 8, "batches": 2, "seed": 3,
+              "zipf_exponent": 1.2, "redundant": [0, 1]}
+    probs = eplb_layer_time.popularity(config)
+    assert probs.sum().item() == pytest.approx(1.0)
+    first = eplb_layer_time.routed_batch(config, probs, 1, 2, 0)
+    again = eplb_layer_time.routed_batch(config, probs, 1, 2, 0)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[1], eplb_layer_time.routed_batch(config, probs, 0, 2, 0)[1])  # another window
+    ids = first[1]
+    assert ids.shape == (64, 4) and all(len(set(row)) == 4 for row in ids.tolist())
+    counts = eplb_layer_time.window_counts(config, probs, 1)
+    assert len(counts) == 2 and all(sum(c) == 4 * 64 * 4 for c in counts)
+    plans = eplb_layer_time.placements(config, counts)
+    # R = 0 has no redundant plan (it would be the default); the full plan at R = 0 re-places the primaries
+    assert [p["name"] for p in plans] == ["default", "redundant R=1", "full R=0", "full R=1"]
+    assert sorted(plans[2]["slots"]) == list(range(32)) and plans[2]["slots"] != plans[0]["slots"]

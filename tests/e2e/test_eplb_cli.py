@@ -12,7 +12,7 @@ import pytest
 from meshserve.models.factory import make_model
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import ExpertPlacement
-from tests.e2e.test_openai_client import _free_port, _log_tail, _stop_server
+from tests.e2e.server_process import running_server
 
 STARTUP_TIMEOUT_S = 90
 
@@ -24,33 +24,11 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import time
-
     model_dir = make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny-dsv3", seed=2)
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.cli", "serve", "--model", str(model_dir), "--port", str(port),
-             "--parallel", "attn=TP1+DP4 moe=TP1+EP4", "--eplb-redundant-experts", "1", "--eplb-slice-s", "0.5"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with code {proc.returncode}:\n{_log_tail(log_path)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_log_tail(log_path)}")
-            time.sleep(0.2)
+    args = ["--model", str(model_dir), "--parallel", "attn=TP1+DP4 moe=TP1+EP4",
+            "--eplb-redundant-experts", "1", "--eplb-slice-s", "0.5"]
+    with running_server(args, tmp_path_factory.mktemp("server") / "server.log", STARTUP_TIMEOUT_S) as base:
         yield base
-    finally:
-        _stop_server(proc)
 
 
 def _complete(base: str, n: int = 4) -> list[str]:

@@ -10,12 +10,6 @@ text generated without them) and token counts against the model's tokenizer.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,22 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from meshserve.models.factory import make_model
+from tests.e2e.server_process import running_server
 
 STARTUP_TIMEOUT_S = 60
 PROMPT = "The capital of France is"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 # random weights rarely pick EOS, but greedy checks must not depend on that
 IGNORE_EOS = {"ignore_eos": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(log_path: Path, lines: int = 40) -> str:
-    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 @pytest.fixture(scope="module")
@@ -59,46 +44,14 @@ engine:
 @pytest.fixture(scope="module", params=["single-rank", "deployment-DP2+EP2"])
 def server(request, model_dir, tmp_path_factory):
     """The server process, as a user starts it; yields its base URL."""
-    port = _free_port()
     workdir = tmp_path_factory.mktemp("server")
-    log_path = workdir / "server.log"
-    command = [sys.executable, "-m", "meshserve.cli", "serve", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port)]
+    args = ["--model", str(model_dir)]
     if request.param.startswith("deployment"):
         deployment = workdir / "deployment.yaml"
         deployment.write_text(DEPLOYMENT_YAML)
-        command += ["--deployment", str(deployment)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with code {proc.returncode}:\n{_log_tail(log_path)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_log_tail(log_path)}")
-            time.sleep(0.2)
+        args += ["--deployment", str(deployment)]
+    with running_server(args, workdir / "server.log", STARTUP_TIMEOUT_S) as base:
         yield base
-    finally:
-        _stop_server(proc)
-
-
-def _stop_server(proc: subprocess.Popen) -> None:
-    """Ctrl-C, as a user would; then kill whatever is left of its process group (engine processes included)."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 @pytest.fixture(scope="module")

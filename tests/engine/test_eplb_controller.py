@@ -114,3 +114,19 @@ def test_dense_models_have_nothing_to_record():
     assert not ctl.enabled and ctl.step_control(now=0.0) == {}
     with pytest.raises(EplbError):
         ctl.record()
+
+
+def test_automatic_rebalance_plans_from_the_recent_slices():
+    ctl = controller(interval_s=20.0)
+    start = ctl._current_start
+    hot = [[100, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 90]]
+    ctl.on_counts(hot)
+    ctl.tick(start + 10.5)  # one slice closed, not yet time to rebalance
+    assert not ctl.busy
+    ctl.on_counts(hot)
+    ctl.tick(start + 20.5)
+    assert ctl.busy
+    control = ctl.idle_control()
+    planned = ExpertPlacement.from_dict(control["eplb"]["placement"])
+    assert len(planned.replicas(1)[0]) == 2 and len(planned.replicas(2)[7]) == 2  # the hot experts
+    assert planned.layers[1][:4] == [0, 1, 2, 3]  # primaries kept: the plan can go live

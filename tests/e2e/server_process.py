@@ -1,0 +1,64 @@
+"""Starting `meshserve serve` as a user does, waiting until it is healthy, and stopping it (and its engine)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(log_path: Path, lines: int = 40) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def running_server(serve_args: list[str], log_path: Path, startup_timeout_s: float) -> Iterator[str]:
+    """`meshserve serve <serve_args>` on a free loopback port; yields its base URL once /health is 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "meshserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
+               "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with code {proc.returncode}:\n{log_tail(log_path)}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {startup_timeout_s} s:\n{log_tail(log_path)}")
+            time.sleep(0.2)
+        yield base
+    finally:
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user would; then kill whatever is left of its process group (engine processes included)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
