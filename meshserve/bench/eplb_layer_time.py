@@ -20,13 +20,16 @@ A step is dispatch + experts + combine, started after a barrier; its time is the
 slowest rank's. Placements are timed interleaved (one step each, round robin, the
 order rotating) so that machine noise spreads over all of them; warm-up steps are
 not timed. Each rank also reports the token-rows its experts processed and the time
-they took.
+they took, as wall time and as the CPU time of its thread (one torch thread per rank):
+where ranks share cores the wall time includes waiting for a core, the CPU time does
+not, so the CPU time shows the compute imbalance a host with a core per rank would see.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -144,23 +147,26 @@ def placements(config: dict, planned_from: list[list[int]]) -> list[dict]:
 # ---------------------------------------------------------------- one rank
 
 class _ExpertProbe:
-    """Token-rows and seconds of this rank's expert compute, per step (forward hooks on the expert weights)."""
+    """Token-rows, wall seconds and thread CPU seconds of this rank's expert compute, per step
+    (forward hooks on the expert weights)."""
 
     def __init__(self, experts: torch.nn.Module) -> None:
-        self.rows, self.seconds, self._start = 0, 0.0, 0.0
+        self.rows, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
+        self._start = self._cpu_start = 0.0
         experts.register_forward_pre_hook(self._before)
         experts.register_forward_hook(self._after)
 
     def _before(self, module, args) -> None:
         self.rows += args[0].shape[0]
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.thread_time()
 
     def _after(self, module, args, out) -> None:
         self.seconds += time.perf_counter() - self._start
+        self.cpu_seconds += time.thread_time() - self._cpu_start
 
-    def take(self) -> tuple[int, float]:
-        taken = (self.rows, self.seconds)
-        self.rows, self.seconds = 0, 0.0
+    def take(self) -> tuple[int, float, float]:
+        taken = (self.rows, self.seconds, self.cpu_seconds)
+        self.rows, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
         return taken
 
 
@@ -208,6 +214,7 @@ def _worker(rank: int, world: int, config: dict, plans: list[dict], result_path:
     elapsed = torch.zeros(count, steps, dtype=torch.float64)
     rows = torch.zeros(count, steps, dtype=torch.float64)
     expert_s = torch.zeros(count, steps, dtype=torch.float64)
+    expert_cpu_s = torch.zeros(count, steps, dtype=torch.float64)
     for step in range(steps):
         for j in range(count):
             i = (j + step) % count  # rotate the order so no placement always runs first
@@ -215,19 +222,16 @@ def _worker(rank: int, world: int, config: dict, plans: list[dict], result_path:
             start = time.perf_counter()
             run(i, step)
             elapsed[i, step] = time.perf_counter() - start
-            rows[i, step], expert_s[i, step] = layers[i][2].take()
+            rows[i, step], expert_s[i, step], expert_cpu_s[i, step] = layers[i][2].take()
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank is done
-    per_rank_rows = [torch.empty_like(rows) for _ in range(world)]
-    per_rank_expert_s = [torch.empty_like(expert_s) for _ in range(world)]
-    dist.all_gather(per_rank_rows, rows)
-    dist.all_gather(per_rank_expert_s, expert_s)
+    gathered = {}
+    for name, local in (("rows", rows), ("expert_ms", expert_s * 1e3), ("expert_cpu_ms", expert_cpu_s * 1e3)):
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        gathered[name] = [part.tolist() for part in parts]  # [rank][placement][step]
     if rank == 0:
-        Path(result_path).write_text(json.dumps({
-            "steps_ms": (elapsed * 1e3).tolist(),
-            "rows": [r.tolist() for r in per_rank_rows],  # [rank][placement][step]
-            "expert_ms": [(s * 1e3).tolist() for s in per_rank_expert_s],
-            "max_abs_diff_vs_default": diffs.tolist(),
-        }))
+        Path(result_path).write_text(json.dumps({"steps_ms": (elapsed * 1e3).tolist(), **gathered,
+                                                 "max_abs_diff_vs_default": diffs.tolist()}))
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -240,14 +244,14 @@ def run_layer_time(config: dict, progress: bool = True) -> dict:
     plans = placements(config, planned_from)
     if progress:
         print(f"[eplb] layer time: {WORLD_SIZE} ranks ({STRATEGY}), placements: "
-              f"{', '.join(plan['name'] for plan in plans)}", flush=True)
+              f"{', '.join(plan['name'] for plan in plans)}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
         spawn_local_world(_worker, WORLD_SIZE, args=(config, plans, str(raw_path)), timeout_s=WORLD_TIMEOUT_S)
         raw = json.loads(raw_path.read_text())
     if progress:
-        print(f"[eplb] layer time: {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"[eplb] layer time: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     totals = np.asarray(timed_counts, dtype=np.float64).sum(axis=0)
     return {
         "config": config,
@@ -255,7 +259,9 @@ def run_layer_time(config: dict, progress: bool = True) -> dict:
             "step_ms": "dispatch + experts + combine of one step, the slowest rank's, after a barrier",
             "ratio_vs_default": "median step time / the default placement's median step time, same run",
             "rows_per_rank": "token-rows each rank's experts processed, mean per step",
-            "expert_ms_per_rank": "each rank's expert compute time, median per step",
+            "expert_ms_per_rank": "each rank's expert compute wall time, median per step",
+            "expert_cpu_ms_per_rank": "each rank's expert compute CPU time (its thread's), median per step; "
+                                      "excludes waiting for a core where ranks share cores",
             "planner_balancedness": "mean/max device load the planner's load model predicts on the timed window",
         },
         "routing": {"hottest_over_mean": float(totals.max() / totals.mean()),
@@ -272,6 +278,7 @@ def summarise(raw: dict, plans: list[dict], timed_counts: list[list[int]]) -> li
         rows = [statistics.fmean(per_rank[i]) for per_rank in raw["rows"]]
         step_max_rows = [max(per_rank[i][s] for per_rank in raw["rows"]) for s in range(len(steps))]
         expert_ms = [statistics.median(per_rank[i]) for per_rank in raw["expert_ms"]]
+        expert_cpu_ms = [statistics.median(per_rank[i]) for per_rank in raw["expert_cpu_ms"]]
         mean_rows = statistics.fmean(rows)
         median = statistics.median(steps)
         out.append({
@@ -282,6 +289,8 @@ def summarise(raw: dict, plans: list[dict], timed_counts: list[list[int]]) -> li
             "max_over_mean_rows": max(rows) / mean_rows if mean_rows else 1.0,
             "step_max_rows": statistics.fmean(step_max_rows),
             "expert_ms_per_rank": expert_ms, "expert_ms_busiest": max(expert_ms),
+            "expert_cpu_ms_per_rank": expert_cpu_ms, "expert_cpu_ms_busiest": max(expert_cpu_ms),
+            "expert_cpu_ms_total": sum(expert_cpu_ms),
             "planner_balancedness": balancedness(plan["slots"], timed_counts, WORLD_SIZE),
             "max_abs_diff_vs_default": raw["max_abs_diff_vs_default"][i],
             "steps_ms": steps, "slots": plan["slots"],
@@ -295,12 +304,13 @@ def summary_lines(section: dict) -> list[str]:
              f"intermediate {cfg['intermediate']}, {cfg['tokens']} tokens per rank, realised hottest expert "
              f"{section['routing']['hottest_over_mean']:.1f}x the mean; median of {cfg['steps']} steps",
              "| placement | median ms | p90 ms | vs default | rows per rank max / mean | "
-             "busiest rank's expert ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "expert ms, busiest rank: wall / CPU | expert CPU ms, all ranks |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in section["placements"]:
         lines.append(f"| {p['name']} | {p['median_ms']:.2f} | {p['p90_ms']:.2f} | {p['ratio_vs_default']:.2f}x | "
                      f"{p['max_rows']:.0f} / {p['mean_rows']:.0f} ({p['max_over_mean_rows']:.2f}) | "
-                     f"{p['expert_ms_busiest']:.2f} |")
+                     f"{p['expert_ms_busiest']:.2f} / {p['expert_cpu_ms_busiest']:.2f} | "
+                     f"{p['expert_cpu_ms_total']:.2f} |")
     return lines
 
 
