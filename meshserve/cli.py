@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eplb_commands(sub)
 
+    from meshserve.pool.cli import add_pool_commands
+
+    add_pool_commands(sub)
+
     bench = sub.add_parser("bench", help="benchmarks (offline throughput, online serving)")
     from meshserve.bench.cli import register_bench_commands
 

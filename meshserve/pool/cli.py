@@ -1,0 +1,155 @@
+"""`meshserve pool ...`: run the memory pool's controller and servers, inspect and configure it.
+
+  meshserve pool controller --bind tcp://127.0.0.1:PORT [--server-timeout S]
+  meshserve pool server --controller ADDR --bind tcp://127.0.0.1:PORT --dram-gb X [--ssd-dir DIR --ssd-gb Y]
+  meshserve pool stats --controller ADDR
+  meshserve pool namespace NAME --quota-gb X --controller ADDR
+
+Bad arguments print one line and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from meshserve.config import ConfigError
+from meshserve.pool.controller import DEFAULT_SERVER_TIMEOUT_S
+from meshserve.pool.hashring import DEFAULT_VIRTUAL_NODES
+
+GB = 1 << 30
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_pool_commands(subparsers) -> None:
+    """Add the `pool` command and its subcommands to the top-level `meshserve` subparsers."""
+    pool = subparsers.add_parser("pool", help="the caching cluster's memory pool: controller, servers, stats")
+    commands = pool.add_subparsers(dest="pool_command", required=True, parser_class=_OneLineErrorParser)
+
+    controller = commands.add_parser("controller", help="run the pool controller (membership, view, quotas)")
+    controller.add_argument("--bind", required=True, help="tcp://HOST:PORT to listen on")
+    controller.add_argument("--server-timeout", dest="server_timeout", type=float, default=DEFAULT_SERVER_TIMEOUT_S,
+                            help="seconds without a heartbeat before a server leaves the view")
+    controller.add_argument("--virtual-nodes", dest="virtual_nodes", type=int, default=DEFAULT_VIRTUAL_NODES,
+                            help="points per server on the hash ring")
+    controller.set_defaults(func=_controller_main)
+
+    server = commands.add_parser("server", help="run one pool memory server (DRAM tier, optional SSD tier)")
+    server.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
+    server.add_argument("--bind", required=True, help="tcp://HOST:PORT to listen on (clients connect here)")
+    server.add_argument("--dram-gb", dest="dram_gb", type=float, required=True, help="DRAM tier capacity")
+    server.add_argument("--ssd-dir", dest="ssd_dir", default=None, help="SSD tier directory (data survives restarts)")
+    server.add_argument("--ssd-gb", dest="ssd_gb", type=float, default=None, help="SSD tier capacity")
+    server.add_argument("--id", dest="server_id", default=None,
+                        help="server id, its place on the hash ring (default: HOST-PORT of --bind, so a "
+                             "restarted server gets its keys back)")
+    server.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    server.set_defaults(func=_server_main)
+
+    stats = commands.add_parser("stats", help="print every live server's usage")
+    stats.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
+    stats.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for each answer")
+    stats.set_defaults(func=_stats_main)
+
+    namespace = commands.add_parser("namespace", help="create a namespace or change its byte quota")
+    namespace.add_argument("name")
+    namespace.add_argument("--quota-gb", dest="quota_gb", type=float, required=True,
+                           help="quota over the whole pool")
+    namespace.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
+    namespace.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    namespace.set_defaults(func=_namespace_main)
+
+
+def check_address(flag: str, address: str) -> str:
+    """A tcp://HOST:PORT address, or ConfigError (one line, exit 2)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag} must be tcp://HOST:PORT, got {address!r}")
+    return address
+
+
+def _positive(flag: str, value: float | None) -> float:
+    if value is None or not value > 0:
+        raise ConfigError(f"{flag} must be > 0, got {value}")
+    return value
+
+
+def default_server_id(bind: str) -> str:
+    host, _, port = bind.removeprefix("tcp://").rpartition(":")
+    return f"{host.strip('[]')}-{port}"
+
+
+def _controller_main(args: argparse.Namespace) -> int:
+    from meshserve.pool.controller import run_controller
+
+    bind = check_address("--bind", args.bind)
+    _positive("--server-timeout", args.server_timeout)
+    if args.virtual_nodes < 1:
+        raise ConfigError(f"--virtual-nodes must be >= 1, got {args.virtual_nodes}")
+    run_controller(bind, args.server_timeout, args.virtual_nodes)
+    return 0
+
+
+def _server_main(args: argparse.Namespace) -> int:
+    bind = check_address("--bind", args.bind)
+    controller = check_address("--controller", args.controller)
+    dram_bytes = int(_positive("--dram-gb", args.dram_gb) * GB)
+    _positive("--heartbeat", args.heartbeat)
+    if (args.ssd_dir is None) != (args.ssd_gb is None):
+        raise ConfigError("give --ssd-dir and --ssd-gb together (or neither)")
+    ssd_bytes = int(_positive("--ssd-gb", args.ssd_gb) * GB) if args.ssd_gb is not None else 0
+    from meshserve.pool.server import run_server
+
+    run_server(server_id=args.server_id or default_server_id(bind), bind=bind, controller=controller,
+               dram_bytes=dram_bytes, ssd_dir=args.ssd_dir, ssd_bytes=ssd_bytes, heartbeat_s=args.heartbeat)
+    return 0
+
+
+def _stats_main(args: argparse.Namespace) -> int:
+    from meshserve.pool.sdk import PoolClient
+
+    controller = check_address("--controller", args.controller)
+    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+        view = client.view()
+        if view is None:
+            print(f"meshserve: error: the pool controller at {controller} does not answer", file=sys.stderr)
+            return 1
+        stats = client.stats()
+    print(f"view version {view.version}: {len(view.servers)} servers")
+    if view.quotas:
+        print("quotas: " + ", ".join(f"{ns}={_size(q)}" for ns, q in sorted(view.quotas.items())))
+    print(f"{'server':<24} {'address':<24} {'keys':>8} {'dram':>10} {'ssd':>10} {'hits':>8} {'misses':>8}  namespaces")
+    for sid, address in sorted(view.servers.items()):
+        s = stats.get(sid)
+        if s is None:
+            print(f"{sid:<24} {address:<24} {'(no answer)':>8}")
+            continue
+        namespaces = ", ".join(f"{ns}={_size(b)}" for ns, b in sorted(s.namespaces.items()))
+        print(f"{sid:<24} {address:<24} {s.num_keys:>8} {_size(s.dram_bytes):>10} {_size(s.ssd_bytes):>10} "
+              f"{s.hits:>8} {s.misses:>8}  {namespaces}")
+    return 0
+
+
+def _namespace_main(args: argparse.Namespace) -> int:
+    from meshserve.pool.sdk import PoolClient
+
+    controller = check_address("--controller", args.controller)
+    if args.quota_gb < 0:
+        raise ConfigError(f"--quota-gb must be >= 0, got {args.quota_gb}")
+    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+        if not client.create_namespace(args.name, int(args.quota_gb * GB)):
+            print(f"meshserve: error: namespace {args.name!r} was not set (see the warning above)", file=sys.stderr)
+            return 1
+    print(f"namespace {args.name}: quota {_size(int(args.quota_gb * GB))}")
+    return 0
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", GB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f}{unit}"
+    return f"{num_bytes}B"
