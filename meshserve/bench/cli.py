@@ -47,6 +47,10 @@ def register_bench_commands(subparsers) -> None:
                      "and one MoE layer's step time on 4 ranks")
     add_eplb_arguments(eplb)
     eplb.set_defaults(func=eplb_main)
+    from meshserve.bench.cache import add_cache_arguments, cache_main
+    cache = subparsers.add_parser("cache", help="caching cluster: pool bandwidth vs memory copy, model start-up time")
+    add_cache_arguments(cache)
+    cache.set_defaults(func=cache_main)
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

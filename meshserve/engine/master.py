@@ -32,6 +32,7 @@ from meshserve.engine.rtc import RelationalTensorCache
 from meshserve.engine.scheduler import Scheduler, SchedulerConfig
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import PlacementShape, load_placement_file
+from meshserve.pool.context_keys import block_keys, model_identity, rank_key
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,13 @@ class EngineCore:
         self.dead_error: str | None = None
         self.running = True
         self.eplb = self._make_eplb_controller(ready[0])
+        self.pool = None  # context caching in the memory pool
+        self._pool_lookups: dict[str, tuple[Request, object]] = {}
+        if config.pool_controller:
+            from meshserve.pool.sdk import PoolClient
+
+            self.pool = PoolClient(config.pool_controller, name="master")
+            self.pool_model_id = model_identity(config.model, config.dtype)
         num_blocks = sum(rtc.num_blocks for rtc in self.rtcs)
         self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
                                    kv_bytes_per_token=ready[0].kv_bytes_per_token, max_model_len=self.max_model_len))
@@ -284,12 +292,57 @@ class EngineCore:
                               sampling_params=SamplingParams.from_dict(item.sampling_params),
                               arrival_time=item.arrival_time, priority=item.priority,
                               eos_token_ids=item.eos_token_ids)
-            if self.dp_size == 1:
-                self.schedulers[0].add_request(request)
-            else:
-                self._enqueue(request)
+            if self.pool is not None and self._start_pool_lookup(request):
+                return  # admitted once the pool has said which prompt blocks it holds
+            self._admit(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
             reject(exc)
+
+    def _admit(self, request: Request) -> None:
+        if self.dp_size == 1:
+            self.schedulers[0].add_request(request)
+        else:
+            self._enqueue(request)
+
+    # ------------------------------------------------------------------ context caching (memory pool)
+    def _start_pool_lookup(self, request: Request) -> bool:
+        """Ask the pool (one batched exists) which leading prompt blocks it holds; False: nothing to ask."""
+        self.schedulers[0].check_fits(request)  # refuse a request that can never run before waiting on the pool
+        if request.req_id in self._pool_lookups:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        # like the local prefix cache, never the block of the last prompt token: its logits are needed
+        keys = block_keys(request.prompt_token_ids[:-1], self.config.block_size, self.pool_model_id,
+                          self.config.pool_namespace)
+        if not keys:
+            return False
+        request.pool_block_keys = keys
+        probe = [rank_key(k, 0, self.config.strategy.attn_tp) for k in keys]
+        self._pool_lookups[request.req_id] = (request, self.pool.exists_async(self.config.pool_namespace, probe))
+        return True
+
+    def _finish_pool_lookups(self) -> None:
+        for req_id, (request, future) in list(self._pool_lookups.items()):
+            if not future.done():
+                continue
+            del self._pool_lookups[req_id]
+            found = future.result()
+            hits = next((i for i, present in enumerate(found) if not present), len(found))
+            request.num_pool_hit_blocks = request.num_pool_stored_blocks = hits
+            try:
+                self._admit(request)
+            except (QueueFullError, RequestTooLongError, ValueError) as exc:
+                self._send_deltas([msg.RequestDelta(req_id=req_id, new_token_ids=[], finish_reason="error",
+                                                    error=str(exc), error_type=type(exc).__name__,
+                                                    num_prompt_tokens=request.num_prompt_tokens)])
+
+    def _take_pool_stores(self) -> dict:
+        """Control that has each DP group's ranks copy its newly computed prompt blocks to the pool."""
+        stores = {}
+        for group, scheduler in enumerate(self.schedulers):
+            if scheduler.pool_store_queue:
+                stores[group] = scheduler.pool_store_queue
+                scheduler.pool_store_queue = []
+        return {"pool_store": stores} if stores else {}
 
     def _enqueue(self, request: Request) -> None:
         if request.req_id in self.owner or request.req_id in self._pending_keys:
@@ -304,6 +357,8 @@ class EngineCore:
     def _abort(self, req_ids: list[str]) -> None:
         aborted = set(req_ids)
         self.pending = [r for r in self.pending if r.req_id not in aborted]
+        for req_id in aborted:
+            self._pool_lookups.pop(req_id, None)
         for req_id in req_ids:
             self._pending_keys.pop(req_id, None)
             group = self.owner.pop(req_id, None) if self.dp_size > 1 else 0
@@ -397,16 +452,22 @@ class EngineCore:
     def _schedule(self) -> None:
         if self.dp_size > 1 and self.dead_error is None:
             self._place_pending()
+        if self.pool is not None and self.dead_error is None:
+            self._finish_pool_lookups()
         while self.dead_error is None and self._steps_in_flight() < self.pipeline_depth and self._has_work():
             scheds = [s.schedule() for s in self.schedulers]
             if all(sched.is_empty for sched in scheds):
                 break
-            self.executors.send(msg.StepBatch(per_dp=scheds, control=self.eplb.step_control(time.time())))
+            # blocks freed while scheduling are stored before this step's forward can overwrite them
+            control = {**self.eplb.step_control(time.time()), **self._take_pool_stores()}
+            self.executors.send(msg.StepBatch(per_dp=scheds, control=control))
             for queue, sched in zip(self.in_flight, scheds):
                 queue.append(sched)
-        if self.dead_error is None and self.eplb.has_pending_control:
-            # no step carried it: send the phase on its own (ranks apply it without a forward)
-            self.executors.send(msg.StepBatch(per_dp=[], control=self.eplb.idle_control()))
+        if self.dead_error is None and (self.eplb.has_pending_control
+                                        or any(s.pool_store_queue for s in self.schedulers)):
+            # no step carried it: send the control on its own (ranks apply it without a forward)
+            control = {**self.eplb.idle_control(), **self._take_pool_stores()}
+            self.executors.send(msg.StepBatch(per_dp=[], control=control))
 
     def _stats(self) -> msg.EngineStats:
         parts = [s.stats() for s in self.schedulers]
@@ -419,6 +480,7 @@ class EngineCore:
             prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             num_preemptions=sum(p.num_preemptions for p in parts),
+            pool_hit_tokens=sum(s.pool_hit_tokens for s in self.schedulers),
             healthy=self.dead_error is None,
             error=self.dead_error,
         )
@@ -431,8 +493,11 @@ class EngineCore:
         try:
             while self.running:
                 self._schedule()
-                stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending))
-                events = dict(poller.poll(50 if stalled else _IDLE_POLL_MS))
+                stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending)
+                                                            or bool(self._pool_lookups))
+                # a pool lookup answers on the SDK's thread, not on these sockets: look again soon
+                timeout_ms = 2 if self._pool_lookups else 50 if stalled else _IDLE_POLL_MS
+                events = dict(poller.poll(timeout_ms))
                 if self.executors.results in events:
                     while self.executors.results.poll(0):
                         self._on_result(msg.decode(self.executors.results.recv()))
@@ -448,6 +513,8 @@ class EngineCore:
             self.outbox.close()
             if self.kv_events is not None:
                 self.kv_events.close(0)
+            if self.pool is not None:
+                self.pool.close()
             self.ctx.term()
 
     def _check_peers(self) -> None:

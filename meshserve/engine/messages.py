@@ -29,8 +29,11 @@ class NewRequestData:
     token_ids: list[int]  # prompt (+ outputs so far when resumed after preemption)
     sampling_params: dict[str, Any]  # SamplingParams.to_dict()
     block_ids: list[int]
-    num_computed_tokens: int  # already in the cache (prefix-cache hit)
+    num_computed_tokens: int  # already in the cache (prefix-cache hit, or fetched from the pool)
     num_prompt_tokens: int  # the original prompt length (penalties use output tokens only)
+    # context caching: [position in block_ids, pool key] of blocks to fetch from the pool before the
+    # forward; tokens of a block that cannot be fetched are computed instead, in the same step
+    populate: list[list] = field(default_factory=list)
 
 
 @dataclass
@@ -66,8 +69,9 @@ class StepBatch:
     its ranks still join the step's MoE collectives)."""
 
     per_dp: list[SchedulerOutput] = field(default_factory=list)  # empty: a control-only batch, no forward
-    # between-step commands every rank applies before the step, e.g. {"report_load": True} or
-    # {"eplb": {"phase": "prefetch", "placement": {...}}} (expert placement reconfiguration)
+    # between-step commands every rank applies before the step, e.g. {"report_load": True},
+    # {"eplb": {"phase": "prefetch", "placement": {...}}} (expert placement reconfiguration), or
+    # {"pool_store": {dp_rank: [[block_id, key], ...]}} (full blocks to copy to the memory pool)
     control: dict[str, Any] = field(default_factory=dict)
 
 
@@ -173,6 +177,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    pool_hit_tokens: int = 0  # prompt tokens fetched from the memory pool instead of computed
     healthy: bool = True
     error: str | None = None
 

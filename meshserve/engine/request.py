@@ -78,6 +78,11 @@ class Request:
         self.in_executor = False  # the executor holds this request's token state
         self.num_preemptions = 0
         self.ever_scheduled = False
+        # context caching: pool keys of the prompt's full blocks, and how many leading ones the pool holds
+        self.pool_block_keys: list[str] = []
+        self.num_pool_hit_blocks = 0
+        self.num_pool_stored_blocks = 0  # leading prompt blocks known to be in the pool (hit or stored)
+        self.populate_positions: list[int] = []  # block-table positions the next step fetches from the pool
         self.arrival_seq = 0  # order of admission: breaks ties between equal arrival times
         self.queue_key: tuple = ()  # position in the waiting queue
 

@@ -22,6 +22,7 @@ from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
 from meshserve.moe.placement import load_placement_file
 from meshserve.parallel.context import ParallelContext
+from meshserve.pool.context_keys import rank_key
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        self.pool = None  # context caching: this rank's client of the memory pool
+        if config.pool_controller:
+            from meshserve.pool.sdk import PoolClient
+
+            self.pool = PoolClient(config.pool_controller, name=f"executor-{self.parallel.rank}")
         if config.eplb_placement:
             self._apply_initial_placement(config.eplb_placement)
         # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
@@ -102,6 +108,9 @@ class ModelRunner:
 
     def apply_control(self, control: dict) -> None:
         """Between-step commands; every rank applies them at the same step boundary."""
+        stores = control.get("pool_store", {}).get(self.parallel.dp_rank)
+        if stores:
+            self._store_blocks(stores)
         eplb = control.get("eplb")
         if eplb is None:
             return
@@ -204,8 +213,9 @@ class ModelRunner:
             if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
                 self._idle_forward()
             return ModelRunnerOutput(step_id=sched.step_id)
+        num_tokens = self._populate(sched)
         # decodes (one token) first: the attention kernels expect that layout
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        order = sorted(num_tokens.items(), key=lambda kv: kv[1] != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -264,6 +274,66 @@ class ModelRunner:
             logprobs = list(sampled.logprobs)
         self.parallel.attn_broadcast_from_driver(tokens)
         return tokens.tolist(), logprobs
+
+    # ------------------------------------------------------------------ context caching (memory pool)
+    def _block_nbytes(self) -> int:
+        return self.layout.bytes_per_token * self.block_size
+
+    def _store_blocks(self, stores: list) -> None:
+        """Copy full prompt blocks to the pool (the bytes are taken now; sending runs in the background)."""
+        if self.pool is None:
+            return
+        values = {}
+        for block_id, key in stores:
+            block = torch.stack([kv[block_id] for kv in self.kv_caches]).cpu().contiguous()
+            values[rank_key(key, self.parallel.attn_tp_rank, self.parallel.attn_tp_size)] = \
+                block.view(torch.uint8).numpy().tobytes()
+        self.pool.put_async(self.config.pool_namespace, values)
+
+    def _populate(self, sched: SchedulerOutput) -> dict[str, int]:
+        """Fetch the pool blocks new requests were promised; returns the tokens to run per request.
+
+        A block the pool no longer has (evicted, server down) is computed instead, from that block on,
+        in this same step: the miss costs compute, never the request. The ranks of an attention TP
+        group agree on the first miss so that they all run the same tokens."""
+        num_tokens = dict(sched.num_scheduled_tokens)
+        wanted = [new for new in sched.new_reqs if new.populate]
+        if not wanted:
+            return num_tokens
+        tp_rank, tp_size = self.parallel.attn_tp_rank, self.parallel.attn_tp_size
+        keys = [rank_key(key, tp_rank, tp_size) for new in wanted for _, key in new.populate]
+        found = self.pool.get(self.config.pool_namespace, keys) if self.pool is not None else {}
+        first_missing = []
+        for new in wanted:
+            state = self.requests[new.req_id]
+            missing = None
+            for pos, key in new.populate:
+                data = found.get(rank_key(key, tp_rank, tp_size))
+                if data is None or len(data) != self._block_nbytes():
+                    missing = pos
+                    break
+                self._write_block(state.block_ids[pos], data)
+            first_missing.append(missing if missing is not None else -1)
+        if tp_size > 1:  # the group recomputes from the earliest miss any of its ranks saw
+            agreed = torch.tensor([m if m >= 0 else 1 << 30 for m in first_missing], dtype=torch.int64)
+            self.parallel.attn_all_reduce_min(agreed)
+            first_missing = [m if m < 1 << 30 else -1 for m in agreed.tolist()]
+        for new, missing in zip(wanted, first_missing):
+            if missing < 0:
+                continue
+            state = self.requests[new.req_id]
+            start = missing * self.block_size
+            num_tokens[new.req_id] += state.num_computed_tokens - start
+            state.num_computed_tokens = start
+            logger.warning("request %s: the pool misses block %d on; computing from token %d", new.req_id, missing,
+                        start)
+        return num_tokens
+
+    def _write_block(self, block_id: int, data) -> None:
+        block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype)
+        block = block.view(len(self.kv_caches), self.block_size, *self.layout.entry_shape)
+        for layer, kv in enumerate(self.kv_caches):
+            kv[block_id].copy_(block[layer])
 
     def _idle_forward(self) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)

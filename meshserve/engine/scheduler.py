@@ -107,6 +107,9 @@ class Scheduler:
         self._step_progress: dict[int, dict[str, tuple[int, int]]] = {}
         self._executor_must_drop: list[str] = []
         self.num_preemptions = 0
+        # context caching: full prompt blocks whose KV is ready and not yet in the pool, [block_id, key]
+        self.pool_store_queue: list[list] = []
+        self.pool_hit_tokens = 0  # prompt tokens fetched from the pool instead of computed
 
     # ------------------------------------------------------------ queue
     @property
@@ -206,7 +209,10 @@ class Scheduler:
             if self.rtc.enable_prefix_caching:
                 # at least the last token is computed: its logits give the next token
                 hit_blocks = self.rtc.match_by_prefix(tokens, max_tokens=len(tokens) - 1, record=False)
-            num_hit = len(hit_blocks) * self.config.block_size
+            num_local = len(hit_blocks)
+            # blocks the memory pool holds beyond the local hit are fetched, not computed
+            num_pool = max(0, req.num_pool_hit_blocks - num_local)
+            num_hit = (num_local + num_pool) * self.config.block_size
             remaining = len(tokens) - num_hit
             # a resumed request longer than the whole budget is chunked regardless, or it would starve
             may_chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
@@ -220,11 +226,14 @@ class Scheduler:
                 req.block_ids = []
                 break
             if self.rtc.enable_prefix_caching:
-                self.rtc.record_prefix_lookup(len(tokens), num_hit)
+                self.rtc.record_prefix_lookup(len(tokens), num_local * self.config.block_size)
             self._waiting.remove(req)  # victims of this request may now stand before it
             req.num_computed_tokens = num_hit
-            req.num_kv_ready_tokens = num_hit
-            req.num_inserted_blocks = len(hit_blocks)
+            # fetched blocks hold KV only once their step has run
+            req.num_kv_ready_tokens = num_local * self.config.block_size
+            req.num_inserted_blocks = num_local
+            req.populate_positions = list(range(num_local, num_local + num_pool))
+            self.pool_hit_tokens += num_pool * self.config.block_size
             if not req.ever_scheduled:
                 req.num_cached_tokens = num_hit
                 req.ever_scheduled = True
@@ -300,7 +309,9 @@ class Scheduler:
                     block_ids=list(req.block_ids),
                     num_computed_tokens=entry.num_computed_before,
                     num_prompt_tokens=req.num_prompt_tokens,
+                    populate=[[pos, req.pool_block_keys[pos]] for pos in req.populate_positions],
                 ))
+                req.populate_positions = []
                 req.in_executor = True
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens = entry.num_computed_before + entry.num_tokens
@@ -363,13 +374,17 @@ class Scheduler:
         return delta
 
     def _cache_full_blocks(self, req: Request, num_kv_ready: int) -> None:
-        """Offer the full blocks whose KV is computed (and whose token ids are known) to the prefix cache."""
-        if not self.rtc.enable_prefix_caching:
-            return
+        """Offer the full blocks whose KV is computed (and whose token ids are known) to the prefix cache,
+        and the prompt's to the memory pool."""
         num_full = min(num_kv_ready, req.num_tokens) // self.config.block_size
-        if num_full > req.num_inserted_blocks:
+        if self.rtc.enable_prefix_caching and num_full > req.num_inserted_blocks:
             self.rtc.insert_prefix(req.all_token_ids, req.block_ids, num_full)
             req.num_inserted_blocks = num_full
+        # prompt blocks go to the memory pool too (decode blocks are not stored)
+        num_store = min(num_full, len(req.pool_block_keys))
+        for pos in range(req.num_pool_stored_blocks, num_store):
+            self.pool_store_queue.append([req.block_ids[pos], req.pool_block_keys[pos]])
+        req.num_pool_stored_blocks = max(req.num_pool_stored_blocks, num_store)
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
         if req.status is RequestStatus.RUNNING:

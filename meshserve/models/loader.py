@@ -4,12 +4,19 @@ Weights stream shard by shard into the model's `load_weights`, one tensor at a t
 the model plus one tensor. `name_filter` is asked about each tensor name before the tensor is read,
 which lets a tensor/expert-parallel rank read only the tensors it keeps; of a tensor split over ranks
 only this rank's piece is read (safetensors slices).
+
+With `pool` (a `meshserve.pool.sdk.PoolClient`), tensors come from the memory pool's model cache
+instead (`meshserve pool put-model DIR`; see meshserve/pool/model_cache.py): the model id is
+`pool_model_id` or the directory's name, the version the directory's content hash, and any tensor
+the pool misses is read from disk. A runner that wants this calls
+`load_model(model_dir, ..., pool=PoolClient(controller_addr, timeout_s=10.0))`.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -19,6 +26,9 @@ from meshserve.models.layers.linear import pack_linears
 from meshserve.models.layers.tensor_parallel import Shard
 from meshserve.models.registry import model_class
 from meshserve.parallel.context import ParallelContext
+
+if TYPE_CHECKING:
+    from meshserve.pool.sdk import PoolClient
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -106,10 +116,12 @@ def shard_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               name_filter: Callable[[str], bool] | None = None, parallel: ParallelContext | None = None) -> CausalLM:
+               name_filter: Callable[[str], bool] | None = None, parallel: ParallelContext | None = None,
+               pool: PoolClient | None = None, pool_model_id: str | None = None) -> CausalLM:
     """Build the registered model for config.json's `model_type` and fill every parameter from the checkpoint.
 
     With `parallel`, the model is this rank's part of the strategy and only that part is read.
+    With `pool`, the checkpoint is read from the pool's model cache, falling back to disk per tensor.
     """
     config = load_hf_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
@@ -120,7 +132,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     def wanted(name: str) -> bool:
         return model.wants_weight(name) and (name_filter is None or name_filter(name))
 
-    loaded = model.load_weights(iter_safetensors(model_dir, wanted, model.weight_shard))
+    if pool is None:
+        weights = iter_safetensors(model_dir, wanted, model.weight_shard)
+    else:
+        from meshserve.pool.model_cache import iter_pool_tensors
+
+        weights = iter_pool_tensors(pool, model_dir, pool_model_id, wanted, model.weight_shard)
+    loaded = model.load_weights(weights)
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -4,6 +4,8 @@
   meshserve pool server --controller ADDR --bind tcp://127.0.0.1:PORT --dram-gb X [--ssd-dir DIR --ssd-gb Y]
   meshserve pool stats --controller ADDR
   meshserve pool namespace NAME --quota-gb X --controller ADDR
+  meshserve pool put-model DIR --controller ADDR [--model-id ID] [--chunk-mb 64] [--max-bytes N]
+  meshserve pool models --controller ADDR [--evict ID[:VERSION]] [--prefetch ID[:VERSION]]
 
 Bad arguments print one line and exit with status 2.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import NoReturn
 
 from meshserve.config import ConfigError
@@ -62,6 +65,28 @@ def add_pool_commands(subparsers) -> None:
     namespace.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
     namespace.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     namespace.set_defaults(func=_namespace_main)
+
+    put_model = commands.add_parser("put-model", help="store a model directory's weights in the pool (model cache)")
+    put_model.add_argument("model_dir", metavar="DIR", help="HF-format model directory (config.json + safetensors)")
+    put_model.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
+    put_model.add_argument("--model-id", dest="model_id", default=None, help="model id (default: the directory name)")
+    put_model.add_argument("--chunk-mb", dest="chunk_mb", type=float, default=64.0,
+                           help="tensors larger than this are stored as several values (default: 64)")
+    put_model.add_argument("--max-bytes", dest="max_bytes", type=_byte_count, default=None,
+                           help="budget of the models namespace (e.g. 8G): least recently used whole models "
+                                "are evicted first to stay within it")
+    put_model.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each pool answer")
+    put_model.set_defaults(func=_put_model_main)
+
+    models = commands.add_parser("models", help="list the models cached in the pool; evict or prefetch one")
+    models.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
+    action = models.add_mutually_exclusive_group()
+    action.add_argument("--evict", metavar="ID[:VERSION]", default=None,
+                        help="delete one model (every version, or just VERSION) as a whole")
+    action.add_argument("--prefetch", metavar="ID[:VERSION]", default=None,
+                        help="read a model once so the pool servers hold it in DRAM (newest version by default)")
+    models.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each pool answer")
+    models.set_defaults(func=_models_main)
 
 
 def check_address(flag: str, address: str) -> str:
@@ -145,6 +170,88 @@ def _namespace_main(args: argparse.Namespace) -> int:
             print(f"meshserve: error: namespace {args.name!r} was not set (see the warning above)", file=sys.stderr)
             return 1
     print(f"namespace {args.name}: quota {_size(int(args.quota_gb * GB))}")
+    return 0
+
+
+def _byte_count(text: str) -> int:
+    """Bytes from '123', '64K', '512M', '8G' (powers of 1024)."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": GB}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (use e.g. 512M or 8G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _model_ref(text: str) -> tuple[str, str | None]:
+    """ID[:VERSION] -> (id, version or None); a version is the 16 hex digits `pool models` prints."""
+    model_id, _, version = text.rpartition(":")
+    if model_id and len(version) == 16 and all(c in "0123456789abcdef" for c in version):
+        return model_id, version
+    return text, None
+
+
+def _put_model_main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from meshserve.models.loader import load_hf_config
+    from meshserve.pool.model_cache import ModelCacheError, put_model
+    from meshserve.pool.sdk import PoolClient
+
+    controller = check_address("--controller", args.controller)
+    chunk_bytes = int(_positive("--chunk-mb", args.chunk_mb) * (1 << 20))
+    try:
+        load_hf_config(args.model_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+        view = client.view()
+        if view is None or not view.servers:
+            print(f"meshserve: error: the pool at {controller} has no live server (or its controller does not answer)",
+                  file=sys.stderr)
+            return 1
+        try:
+            entry = put_model(client, Path(args.model_dir), args.model_id, chunk_bytes, args.max_bytes,
+                              progress=lambda line: print(line, flush=True))
+        except (ModelCacheError, FileNotFoundError, ValueError) as e:
+            print(f"meshserve: error: {e}", file=sys.stderr)
+            return 1
+    print(f"model {entry.model_id} version {entry.version}: {_size(entry.bytes)} in {entry.values} values")
+    return 0
+
+
+def _models_main(args: argparse.Namespace) -> int:
+    from meshserve.pool.model_cache import evict_model, list_models, prefetch_model
+    from meshserve.pool.sdk import PoolClient
+
+    controller = check_address("--controller", args.controller)
+    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+        if client.view() is None:
+            print(f"meshserve: error: the pool controller at {controller} does not answer", file=sys.stderr)
+            return 1
+        if args.evict:
+            evicted = evict_model(client, *_model_ref(args.evict))
+            if not evicted:
+                print(f"meshserve: error: no cached model {args.evict!r}", file=sys.stderr)
+                return 1
+            for entry in evicted:
+                print(f"evicted {entry.model_id} version {entry.version} ({_size(entry.bytes)})")
+            return 0
+        if args.prefetch:
+            found = prefetch_model(client, *_model_ref(args.prefetch))
+            if not found:
+                print(f"meshserve: error: no cached model {args.prefetch!r}", file=sys.stderr)
+                return 1
+            print(f"prefetched {args.prefetch}: {_size(found)}")
+            return 0
+        entries = list_models(client)
+    print(f"{'model':<32} {'version':<17} {'bytes':>10} {'values':>7}  last used")
+    for e in entries:
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
+        print(f"{e.model_id:<32} {e.version:<17} {_size(e.bytes):>10} {e.values:>7}  {used}")
     return 0
 
 

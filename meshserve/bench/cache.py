@@ -1,0 +1,295 @@
+"""`meshserve bench cache`: the caching cluster's benchmarks, one `--part` at a time.
+
+- `pool`: put/get bandwidth of the memory pool (a controller and `--servers` servers started as
+  processes, as a user would) against a plain memory copy of the same bytes, per value size;
+  the median of `--repeats` runs each.
+- `model-startup`: `load_model` of a model from the pool (warm: the values in the servers' DRAM,
+  after a prefetch), from safetensors on disk with a warm page cache, and cold. Cold drops the
+  files from the page cache with posix_fadvise(DONTNEED), which needs no privileges; whether it
+  worked is checked by timing a raw read of the files, and reported as not measurable if not.
+- KV-cache reuse (prefill throughput and TTFT against token reuse rate) is another part, added
+  to PARTS by the engine side of context caching.
+
+Writes JSON (with the machine's facts), a PNG beside it and summary lines.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from meshserve.bench import report
+
+DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
+GB = 1 << 30
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--part", choices=sorted(PARTS) + ["all"], default="all", help="which benchmark (default: all)")
+    parser.add_argument("--json", required=True, help="result file; a PNG with the same name is written next to it")
+    pool = parser.add_argument_group("pool bandwidth")
+    pool.add_argument("--sizes", default=DEFAULT_SIZES, help=f"value sizes (default: {DEFAULT_SIZES})")
+    pool.add_argument("--total-mb", dest="total_mb", type=float, default=256.0,
+                      help="bytes moved per measurement, in values of one size (default: 256)")
+    pool.add_argument("--servers", type=int, default=2, help="pool servers started (default: 2)")
+    pool.add_argument("--repeats", type=int, default=5, help="repeats per measurement, median taken (default: 5)")
+    model = parser.add_argument_group("model start-up")
+    source = model.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="HF-format model directory")
+    source.add_argument("--preset", default="small", help="a generated model preset (default: small)")
+    model.add_argument("--arch", default="deepseek_v3", help="architecture of --preset (default: deepseek_v3)")
+    model.add_argument("--load-repeats", dest="load_repeats", type=int, default=3,
+                       help="loads per source, median taken (default: 3)")
+
+
+def cache_main(args: argparse.Namespace) -> int:
+    parts = sorted(PARTS) if args.part == "all" else [args.part]
+    results = {"machine": report.machine_info()}
+    for part in parts:
+        results[part.replace("-", "_")] = PARTS[part](args)
+    path = report.write_json(args.json, results)
+    plot(results, report.png_path_for(path))
+    for line in summary_lines(results):
+        print(line)
+    print(f"wrote {path} and {report.png_path_for(path)}")
+    return 0
+
+
+# ---------------------------------------------------------------- pool processes
+class LocalPool:
+    """A controller and servers started with `meshserve pool ...` on free loopback ports."""
+
+    def __init__(self, servers: int, dram_gb: float, log_dir: Path):
+        from meshserve.engine.processes import free_tcp_port
+
+        self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self._start(["controller", "--bind", self.controller])
+        for i in range(servers):
+            self._start(["server", "--controller", self.controller, "--bind", f"tcp://127.0.0.1:{free_tcp_port()}",
+                         "--id", f"bench-s{i}", "--dram-gb", f"{dram_gb:.3f}", "--heartbeat", "0.5"])
+        self.num_servers = servers
+
+    def _start(self, args: list[str]) -> None:
+        with open(self.log_dir / f"pool-{len(self.procs)}.log", "a") as log:
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "meshserve.cli", "pool", *args],
+                                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    def client(self, timeout_s: float = 30.0):
+        from meshserve.pool.sdk import PoolClient
+
+        client = PoolClient(self.controller, timeout_s=timeout_s, view_refresh_s=0.5)
+        deadline = time.monotonic() + 60
+        while (view := client.view()) is None or len(view.servers) < self.num_servers:
+            if time.monotonic() > deadline:
+                client.close()
+                self.close()
+                raise RuntimeError(f"the pool did not come up in 60 s (logs in {self.log_dir})")
+            time.sleep(0.1)
+        return client
+
+    def close(self) -> None:
+        from meshserve.engine.processes import stop_process
+
+        for proc in self.procs:
+            proc.terminate()
+            stop_process(proc, grace_s=5.0)
+
+    def __enter__(self) -> LocalPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def parse_size(text: str) -> int:
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": GB}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if scale != 1 else text) * scale)
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- part: pool bandwidth
+def pool_bandwidth(args: argparse.Namespace) -> dict:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    total = int(args.total_mb * (1 << 20))
+    rows = []
+    # each server holds its share of one measurement's values, twice over for headroom
+    dram_gb = max(0.05, 2.5 * max(total, max(sizes)) / max(1, args.servers) / GB + 0.01)
+    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, LocalPool(args.servers, dram_gb, Path(logs)) as pool:
+        with pool.client() as client:
+            for size in sizes:
+                count = max(1, total // size)
+                values = {f"v{size}-{i}": os.urandom(size) for i in range(count)}
+                keys = list(values)
+                moved = count * size
+
+                def put() -> None:
+                    stored = client.put("bench", values)
+                    if not all(stored.values()):
+                        raise RuntimeError(f"the pool refused {sum(not s for s in stored.values())} values of {size} B")
+
+                def get() -> None:
+                    found = client.get("bench", keys)
+                    if len(found) != count:
+                        raise RuntimeError(f"the pool missed {count - len(found)} values of {size} B")
+
+                targets = [bytearray(size) for _ in range(count)]
+
+                def copy() -> None:
+                    for target, value in zip(targets, values.values()):
+                        target[:] = value
+
+                put_s, get_s, copy_s = (_median_time(fn, args.repeats) for fn in (put, get, copy))
+                client.delete("bench", keys)
+                row = {"value_bytes": size, "values": count, "bytes": moved,
+                       "put_s": put_s, "get_s": get_s, "memcpy_s": copy_s,
+                       "put_gbps": moved / put_s / 1e9, "get_gbps": moved / get_s / 1e9,
+                       "memcpy_gbps": moved / copy_s / 1e9}
+                row["get_vs_memcpy"] = row["get_gbps"] / row["memcpy_gbps"]
+                row["put_vs_memcpy"] = row["put_gbps"] / row["memcpy_gbps"]
+                rows.append(row)
+                print(f"pool {size >> 10:>6} KiB x {count:>5}: put {row['put_gbps']:.2f} GB/s, get "
+                      f"{row['get_gbps']:.2f} GB/s, memcpy {row['memcpy_gbps']:.2f} GB/s "
+                      f"(get/memcpy {row['get_vs_memcpy']:.2f})", flush=True)
+    return {"servers": args.servers, "repeats": args.repeats, "rows": rows}
+
+
+# ---------------------------------------------------------------- part: model start-up
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model)
+    from meshserve.models.factory import ensure_default_model
+
+    return ensure_default_model(args.arch, args.preset)
+
+
+def drop_from_page_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_files_s(paths: list[Path]) -> float:
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+    return time.perf_counter() - start
+
+
+def model_startup(args: argparse.Namespace) -> dict:
+    import torch
+
+    from meshserve.models.loader import load_model, safetensors_files
+    from meshserve.pool.model_cache import model_version, put_model, prefetch_model
+
+    model_dir = _model_dir(args)
+    files = safetensors_files(model_dir)
+    model_bytes = sum(p.stat().st_size for p in files)
+    result = {"model": str(model_dir), "bytes": model_bytes, "repeats": args.load_repeats}
+
+    def timed_load(**kwargs) -> float:
+        return _median_time(lambda: load_model(model_dir, **kwargs), args.load_repeats)
+
+    # disk, warm page cache: one untimed load first
+    load_model(model_dir)
+    result["disk_warm_s"] = timed_load()
+    warm_read_s = _read_files_s(files)
+    # disk, cold: drop the files from the page cache before every load
+    cold_times, cold_read = [], []
+    for _ in range(args.load_repeats):
+        drop_from_page_cache(files)
+        cold_read.append(_read_files_s(files))
+        drop_from_page_cache(files)
+        start = time.perf_counter()
+        load_model(model_dir)
+        cold_times.append(time.perf_counter() - start)
+    result["read_warm_gbps"] = model_bytes / warm_read_s / 1e9
+    result["read_after_drop_gbps"] = model_bytes / statistics.median(cold_read) / 1e9
+    # the drop took effect only if reading after it is clearly slower than from the page cache
+    result["cold_measured"] = result["read_after_drop_gbps"] < 0.7 * result["read_warm_gbps"]
+    result["disk_cold_s"] = statistics.median(cold_times) if result["cold_measured"] else None
+    result["disk_after_drop_s"] = statistics.median(cold_times)
+
+    # pool, warm: stored once, prefetched into the servers' DRAM
+    dram_gb = 2.0 * model_bytes / max(1, args.servers) / GB + 0.05
+    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, LocalPool(args.servers, dram_gb, Path(logs)) as pool:
+        with pool.client(timeout_s=60.0) as client:
+            start = time.perf_counter()
+            put_model(client, model_dir)
+            result["put_model_s"] = time.perf_counter() - start
+            prefetch_model(client, model_dir.resolve().name, model_version(model_dir))
+            result["pool_warm_s"] = timed_load(pool=client)
+            # the same parameters as from disk: a benchmark of a wrong load would be worthless
+            a, b = load_model(model_dir), load_model(model_dir, pool=client)
+            result["identical"] = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    result["pool_vs_disk_warm"] = result["pool_warm_s"] / result["disk_warm_s"]
+    print(f"model start-up ({model_bytes / GB:.2f} GiB): pool warm {result['pool_warm_s']:.2f} s, disk warm "
+          f"{result['disk_warm_s']:.2f} s, cold " + (f"{result['disk_cold_s']:.2f} s" if result["cold_measured"]
+                                                     else "not measurable here (the page cache was not dropped)"),
+          flush=True)
+    return result
+
+
+# Parts by name. The KV-reuse TTFT benchmark (context caching) joins here as "kv-reuse".
+PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "pool": pool_bandwidth,
+    "model-startup": model_startup,
+}
+
+
+# ---------------------------------------------------------------- report
+def summary_lines(results: dict) -> list[str]:
+    lines = []
+    if "pool" in results:
+        for r in results["pool"]["rows"]:
+            lines.append(f"pool {r['value_bytes'] >> 10} KiB values: get {r['get_gbps']:.2f} GB/s = "
+                         f"{r['get_vs_memcpy']:.2f}x memcpy ({r['memcpy_gbps']:.2f} GB/s), put {r['put_gbps']:.2f} GB/s")
+    if "model_startup" in results:
+        r = results["model_startup"]
+        cold = f"{r['disk_cold_s']:.2f} s" if r["cold_measured"] else "not measurable here"
+        lines.append(f"model start-up: pool warm {r['pool_warm_s']:.2f} s, disk warm {r['disk_warm_s']:.2f} s, "
+                     f"disk cold {cold}; identical parameters: {r['identical']}")
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    panels = [p for p in ("pool", "model_startup") if p in results]
+    fig, axes = report.new_figure(ncols=len(panels))
+    for ax, part in zip(axes[0], panels):
+        if part == "pool":
+            rows = results["pool"]["rows"]
+            sizes = [r["value_bytes"] / 1024 for r in rows]
+            for key, label in (("put_gbps", "pool put"), ("get_gbps", "pool get"), ("memcpy_gbps", "memory copy")):
+                ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("value size (KiB)")
+            ax.set_ylabel("GB/s")
+            ax.set_title(f"pool bandwidth ({results['pool']['servers']} servers)")
+            ax.legend()
+        else:
+            r = results["model_startup"]
+            labels = ["pool (warm)", "disk (warm cache)", "disk (cold)" if r["cold_measured"] else "disk (after drop*)"]
+            ax.bar(labels, [r["pool_warm_s"], r["disk_warm_s"], r["disk_after_drop_s"]])
+            ax.set_ylabel("load_model seconds")
+            ax.set_title(f"model start-up ({r['bytes'] / GB:.2f} GiB)")
+    report.save_figure(fig, path)

@@ -1,0 +1,54 @@
+"""Pool keys of KV blocks (context caching, cloudmatrix-infer §4.4.2).
+
+A block's key chains the previous block's key with the block's token ids, the model's
+identity (its config, weights index and KV dtype) and the namespace (tenant), so equal
+prefixes share blocks while different models, versions or tenants never do. Each rank
+stores its own part of a block under the key plus its attention-TP coordinates
+(`rank_key`), so layouts with different TP never read each other's bytes.
+
+Torch-free: the master computes keys; the executors store and fetch the bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+_TOKEN = struct.Struct("<I")
+
+
+def model_identity(model_dir: str, dtype: str) -> str:
+    """A short id that changes whenever the model's config, weight index or KV dtype changes."""
+    digest = hashlib.blake2b(digest_size=12)
+    root = Path(model_dir)
+    for name in ("config.json", "model.safetensors.index.json"):
+        path = root / name
+        if path.is_file():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    for shard in sorted(root.glob("*.safetensors")):  # sizes stand in for contents: cheap and changes with them
+        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
+    digest.update(dtype.encode())
+    return f"{root.name}-{digest.hexdigest()}"
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, model_id: str, namespace: str,
+               num_blocks: int | None = None) -> list[str]:
+    """Keys of the first `num_blocks` full blocks of `token_ids` (default: every full block)."""
+    full = len(token_ids) // block_size
+    count = full if num_blocks is None else min(num_blocks, full)
+    keys: list[str] = []
+    parent = f"{namespace}\0{model_id}".encode()
+    for b in range(count):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(b"".join(_TOKEN.pack(t) for t in token_ids[b * block_size:(b + 1) * block_size]))
+        key = digest.hexdigest()
+        keys.append(key)
+        parent = key.encode()
+    return keys
+
+
+def rank_key(key: str, attn_tp_rank: int, attn_tp_size: int) -> str:
+    """The pool key of one rank's part of a block."""
+    return f"kv/{key}/tp{attn_tp_rank}of{attn_tp_size}"
