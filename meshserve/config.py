@@ -46,6 +46,7 @@ class EngineConfig:
     # context caching in the memory pool (`meshserve pool controller` address, e.g. tcp://127.0.0.1:7600)
     pool_controller: str | None = None
     pool_namespace: str = "default"  # tenant of this TE's KV blocks: blocks are shared within a namespace only
+    pool_load_weights: bool = True  # with a pool: load weights from its model cache when the model is there
     dist_backend: str | None = None  # torch.distributed backend; default gloo on CPU, nccl on CUDA
     num_threads: int | None = None  # torch threads per executor; default: the cores divided among the ranks
     # ranks on other hosts: the master starts ranks 0..local_ranks-1 itself; each other rank is started on

@@ -60,8 +60,15 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.pool = None  # this rank's client of the memory pool: model weights and context (KV) caching
+        if config.pool_controller:
+            from meshserve.pool.sdk import PoolClient
+
+            self.pool = PoolClient(config.pool_controller, name=f"executor-{self.parallel.rank}")
         t0 = time.perf_counter()
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device, parallel=self.parallel)
+        # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
+                                pool=self.pool if config.pool_load_weights else None)
         logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
         self.layout = self.model.kv_cache_layout(self.dtype)
         if config.num_kv_blocks is not None:
@@ -78,11 +85,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.expert_balancer = getattr(self.model, "expert_balancer", None)
-        self.pool = None  # context caching: this rank's client of the memory pool
-        if config.pool_controller:
-            from meshserve.pool.sdk import PoolClient
-
-            self.pool = PoolClient(config.pool_controller, name=f"executor-{self.parallel.rank}")
         if config.eplb_placement:
             self._apply_initial_placement(config.eplb_placement)
         # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"

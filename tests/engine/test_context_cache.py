@@ -115,3 +115,19 @@ def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, t
     outs, cached, _ = _generate(model_dir, prompts, **tp2)
     assert outs == reference
     assert cached[0] == len(keys) * BLOCK  # promised by the probe; blocks 3.. were computed instead
+
+
+def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
+    """With the model in the pool, a TE starts from a directory holding no weights at all."""
+    from meshserve.pool import model_cache
+
+    controller, _ = pool
+    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=9)
+    prompts = _prompts()[:2]
+    reference, _, _ = _generate(model_dir, prompts)
+    with PoolClient(controller, timeout_s=10.0) as client:
+        model_cache.put_model(client, str(model_dir), model_id="tiny-dsv3")
+        weightless = model_cache.fetch_model_files(client, "tiny-dsv3", tmp_path / "from-pool")
+    assert not list(weightless.glob("*.safetensors"))
+    outs, _, _ = _generate(weightless, prompts, pool_controller=controller, pool_namespace="weights")
+    assert outs == reference
