@@ -317,7 +317,8 @@ class ModelRunner:
                 self._write_block(state.block_ids[pos], data)
             first_missing.append(missing if missing is not None else -1)
         if tp_size > 1:  # the group recomputes from the earliest miss any of its ranks saw
-            agreed = torch.tensor([m if m >= 0 else 1 << 30 for m in first_missing], dtype=torch.int64)
+            agreed = torch.tensor([m if m >= 0 else 1 << 30 for m in first_missing], dtype=torch.int64,
+                                  device=self.device)
             self.parallel.attn_all_reduce_min(agreed)
             first_missing = [m if m < 1 << 30 else -1 for m in agreed.tolist()]
         for new, missing in zip(wanted, first_missing):

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from meshserve.models.base import CausalLM
+from meshserve.models.checkpoint_files import safetensors_files
 from meshserve.models.layers.linear import pack_linears
 from meshserve.models.layers.tensor_parallel import Shard
 from meshserve.models.registry import model_class
@@ -30,8 +31,6 @@ from meshserve.parallel.context import ParallelContext
 if TYPE_CHECKING:
     from meshserve.pool.sdk import PoolClient
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -69,27 +68,6 @@ def load_hf_config(model_dir: str | Path) -> dict:
     if "model_type" not in config:
         raise ValueError(f"{path} has no 'model_type'")
     return config
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    """The checkpoint's safetensors files in load order; every listed shard must exist."""
-    model_dir = Path(model_dir)
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index_path} is not a safetensors index (needs a 'weight_map'): {e}") from None
-        shards = list(dict.fromkeys(weight_map.values()))
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{index_path} lists shard(s) missing from {str(model_dir)!r}: {', '.join(missing)}")
-        return [model_dir / s for s in shards]
-    single = model_dir / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{str(model_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def iter_safetensors(model_dir: str | Path, name_filter: Callable[[str], bool] | None = None,

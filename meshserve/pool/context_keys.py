@@ -1,7 +1,7 @@
 """Pool keys of KV blocks (context caching, cloudmatrix-infer §4.4.2).
 
 A block's key chains the previous block's key with the block's token ids, the model's
-identity (its config, weights index and KV dtype) and the namespace (tenant), so equal
+identity (a content hash of its weights and the KV dtype) and the namespace (tenant), so equal
 prefixes share blocks while different models, versions or tenants never do. Each rank
 stores its own part of a block under the key plus its attention-TP coordinates
 (`rank_key`), so layouts with different TP never read each other's bytes.
@@ -13,24 +13,16 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from pathlib import Path
+
+from meshserve.models.checkpoint_files import content_version
 
 _TOKEN = struct.Struct("<I")
 
 
 def model_identity(model_dir: str, dtype: str) -> str:
-    """A short id that changes whenever the model's config, weight index or KV dtype changes."""
-    digest = hashlib.blake2b(digest_size=12)
-    root = Path(model_dir)
-    for name in ("config.json", "model.safetensors.index.json"):
-        path = root / name
-        if path.is_file():
-            digest.update(name.encode())
-            digest.update(path.read_bytes())
-    for shard in sorted(root.glob("*.safetensors")):  # sizes stand in for contents: cheap and changes with them
-        digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
-    digest.update(dtype.encode())
-    return f"{root.name}-{digest.hexdigest()}"
+    """The model's content version (`checkpoint_files.content_version`: the same for every copy of
+    the weights, and for a directory that loads them from the pool) and the KV dtype."""
+    return f"{content_version(model_dir)}-{dtype}"
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, model_id: str, namespace: str,

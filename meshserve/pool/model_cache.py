@@ -27,10 +27,8 @@ down, evicted) is read from disk instead; the load never fails while the disk co
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -40,7 +38,8 @@ from pathlib import Path
 import msgpack
 import torch
 
-from meshserve.models.loader import INDEX_FILE, safetensors_files
+from meshserve.models.checkpoint_files import (  # noqa: F401 (model_version is part of this module's API)
+    INDEX_FILE, MARKER_FILE, model_version, read_safetensors_header, safetensors_files)
 from meshserve.models.layers.tensor_parallel import Shard
 from meshserve.pool.sdk import PoolClient
 
@@ -48,10 +47,8 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "models"
 CATALOG_KEY = "catalog"
-MARKER_FILE = "pool_model.json"  # written by fetch_model_files: which pooled model a directory stands for
 DEFAULT_CHUNK_BYTES = 64 << 20
 BATCH_BYTES = 64 << 20  # bytes per put/get call: bounds memory and keeps each call well inside a timeout
-VERSION_SAMPLE_BYTES = 4096  # leading bytes of each tensor that enter the version hash
 MAX_FILE_BYTES = 64 << 20  # small files stored in the manifest; anything bigger is left out
 _MANIFEST_FORMAT = 1
 
@@ -133,32 +130,6 @@ def value_keys(manifest: Manifest) -> list[str]:
     """Every pool key of a model: its chunks, then its manifest."""
     keys = [chunk_key(manifest.model_id, manifest.version, t.name, i) for t in manifest.tensors for i in range(t.chunks)]
     return keys + [manifest_key(manifest.model_id, manifest.version)]
-
-
-def read_safetensors_header(path: Path) -> tuple[bytes, dict, int]:
-    """(raw header bytes, parsed header, offset where the data starts)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        raw = f.read(length)
-    return raw, json.loads(raw), 8 + length
-
-
-def model_version(model_dir: str | Path) -> str:
-    """Content hash of config.json, the safetensors index and headers: 16 hex digits."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256()
-    digest.update((model_dir / "config.json").read_bytes())
-    if (model_dir / INDEX_FILE).is_file():
-        digest.update((model_dir / INDEX_FILE).read_bytes())
-    for path in safetensors_files(model_dir):
-        raw, header, data_start = read_safetensors_header(path)
-        digest.update(path.name.encode() + b"\0" + raw)
-        with open(path, "rb") as f:  # a sample of every tensor: retrained weights keep the headers, not the data
-            for name in sorted(k for k in header if k != "__metadata__"):
-                begin, end = header[name]["data_offsets"]
-                f.seek(data_start + begin)
-                digest.update(f.read(min(VERSION_SAMPLE_BYTES, end - begin)))
-    return digest.hexdigest()[:16]
 
 
 def default_model_id(model_dir: str | Path) -> str:

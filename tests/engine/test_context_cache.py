@@ -124,10 +124,16 @@ def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
     controller, _ = pool
     model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=9)
     prompts = _prompts()[:2]
-    reference, _, _ = _generate(model_dir, prompts)
+    # a TE on the disk copy computes the prompts; its KV blocks are keyed by the weights' content
+    reference, _, _ = _generate(model_dir, prompts, pool_controller=controller, pool_namespace="weights")
+    keys = block_keys(prompts[1][:-1], BLOCK, model_identity(str(model_dir), "float32"), "weights")
     with PoolClient(controller, timeout_s=10.0) as client:
+        wait_until(lambda: all(client.exists("weights", [rank_key(k, 0, 1) for k in keys])), 30,
+                   "the first TE's blocks to reach the pool")
         model_cache.put_model(client, str(model_dir), model_id="tiny-dsv3")
         weightless = model_cache.fetch_model_files(client, "tiny-dsv3", tmp_path / "from-pool")
     assert not list(weightless.glob("*.safetensors"))
-    outs, _, _ = _generate(weightless, prompts, pool_controller=controller, pool_namespace="weights")
+    assert model_identity(str(weightless), "float32") == model_identity(str(model_dir), "float32")
+    outs, _, stats = _generate(weightless, prompts, pool_controller=controller, pool_namespace="weights")
     assert outs == reference
+    assert stats.pool_hit_tokens >= len(keys) * BLOCK  # the same model's blocks, whichever copy computed them

@@ -8,7 +8,8 @@ import torch
 
 from meshserve.models import loader
 from meshserve.models.base import AttentionMetadata
-from meshserve.models.loader import INDEX_FILE, iter_safetensors, load_hf_config, load_model, resolve_dtype
+from meshserve.models.checkpoint_files import INDEX_FILE
+from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
 from meshserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from meshserve.models.registry import UnsupportedModelError
 from tests.models.qwen3_checkpoints import hf_logits, make_checkpoint
