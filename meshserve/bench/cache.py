@@ -7,15 +7,20 @@
   after a prefetch), from safetensors on disk with a warm page cache, and cold. Cold drops the
   files from the page cache with posix_fadvise(DONTNEED), which needs no privileges; whether it
   worked is checked by timing a raw read of the files, and reported as not measurable if not.
-- KV-cache reuse (prefill throughput and TTFT against token reuse rate) is another part, added
-  to PARTS by the engine side of context caching.
+- `kv-reuse`: context caching through the pool (cloudmatrix-infer Fig. 23). Per token reuse
+  rate, a warm-up TE computes prompts whose leading `rate x --prompt-len` tokens are prefixes,
+  and their blocks reach the pool; then a fresh TE (empty local cache: hits come only from the
+  pool) serves new prompts with those prefixes and fresh suffixes, one at a time (TTFT) and as
+  one batch (prefill throughput). TTFT is compared with the 0% rate of the same run.
 
 Writes JSON (with the machine's facts), a PNG beside it and summary lines.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -27,6 +32,8 @@ from pathlib import Path
 from meshserve.bench import report
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
+DEFAULT_REUSE_RATES = "0,12.5,50,90"
+TTFT_TARGET = 0.2  # the issue's must-show: at 90% reuse, TTFT <= 0.2x the no-reuse TTFT
 GB = 1 << 30
 
 
@@ -46,6 +53,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--arch", default="deepseek_v3", help="architecture of --preset (default: deepseek_v3)")
     model.add_argument("--load-repeats", dest="load_repeats", type=int, default=3,
                        help="loads per source, median taken (default: 3)")
+    kv = parser.add_argument_group("KV-cache reuse (uses the model of --model/--preset)")
+    kv.add_argument("--prompt-len", dest="prompt_len", type=int, default=2048, help="prompt tokens (default: 2048)")
+    kv.add_argument("--reuse-rates", dest="reuse_rates", default=DEFAULT_REUSE_RATES,
+                    help=f"percent of each prompt that is a prefix held by the pool (default: {DEFAULT_REUSE_RATES})")
+    kv.add_argument("--kv-requests", dest="kv_requests", type=int, default=4,
+                    help="requests per rate, timed one at a time and again as one batch (default: 4)")
+    kv.add_argument("--block-size", dest="block_size", type=int, default=16, help="KV block size (default: 16)")
 
 
 def cache_main(args: argparse.Namespace) -> int:
@@ -250,10 +264,103 @@ def model_startup(args: argparse.Namespace) -> dict:
     return result
 
 
-# Parts by name. The KV-reuse TTFT benchmark (context caching) joins here as "kv-reuse".
+# ---------------------------------------------------------------- part: KV-cache reuse
+def _random_tokens(rng: random.Random, vocab: int, count: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(count)]
+
+
+def _ttft_s(output) -> float:
+    return output.metrics.first_token_time - output.metrics.arrival_time
+
+
+def _wait_for_blocks(client, namespace: str, keys: list[str], timeout_s: float) -> float:
+    """Polls until the pool holds every key (rank 0 of TP1); the seconds it took."""
+    from meshserve.pool.context_keys import rank_key
+
+    probe = [rank_key(k, 0, 1) for k in keys]
+    start = time.monotonic()
+    while not all(client.exists(namespace, probe)):
+        if time.monotonic() - start > timeout_s:
+            raise RuntimeError(f"the warm-up TE's {len(keys)} prefix blocks did not reach the pool in {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def _measure_rate(args: argparse.Namespace, model_dir: Path, pool: LocalPool, rate: float, vocab: int,
+                  engine: dict, seed: int) -> dict:
+    from meshserve import LLM, SamplingParams
+    from meshserve.pool.context_keys import block_keys, model_identity
+
+    n, block, prompt_len = args.kv_requests, args.block_size, args.prompt_len
+    # shared prefixes are whole blocks: only full blocks are stored and looked up
+    reused = int(rate / 100 * prompt_len) // block * block
+    namespace = f"kv-reuse-{seed}-{rate:g}"
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(seed)
+    # one prefix per request, so no request is a local prefix hit for another in the fresh TE
+    prefixes = [_random_tokens(rng, vocab, reused) for _ in range(2 * n)]
+    row = {"rate_pct": rate, "reused_tokens": reused, "reuse": reused / prompt_len, "namespace": namespace}
+    te = dict(engine, pool_controller=pool.controller, pool_namespace=namespace)
+
+    if reused:
+        warm_prompts = [p + _random_tokens(rng, vocab, prompt_len - reused) for p in prefixes]
+        keys = [k for p in prefixes for k in block_keys(p, block, model_identity(str(model_dir), "float32"), namespace)]
+        with LLM(model=str(model_dir), **te) as llm, pool.client() as client:
+            llm.generate(warm_prompts, one_token)
+            row["store_wait_s"] = _wait_for_blocks(client, namespace, keys, timeout_s=120.0)
+
+    fresh = [p + _random_tokens(rng, vocab, prompt_len - reused) for p in prefixes]
+    with LLM(model=str(model_dir), **te) as llm:
+        llm.generate(_random_tokens(rng, vocab, prompt_len), one_token)  # first-step costs, untimed; no hits
+        hits_before = llm.get_stats().pool_hit_tokens
+        one_at_a_time = [llm.generate(p, one_token)[0] for p in fresh[:n]]
+        batch = llm.generate(fresh[n:], one_token)
+        row["pool_hit_tokens"] = llm.get_stats().pool_hit_tokens - hits_before
+    ttfts = [_ttft_s(o) for o in one_at_a_time]
+    batch_s = max(o.metrics.first_token_time for o in batch) - min(o.metrics.arrival_time for o in batch)
+    computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in batch)
+    row |= {"ttft_s": ttfts, "ttft_median_s": statistics.median(ttfts),
+            "cached_tokens": [o.num_cached_tokens for o in one_at_a_time + batch],
+            "batch_s": batch_s, "prefill_tokens_per_s": n * prompt_len / batch_s,
+            "computed_tokens_per_s": computed / batch_s}
+    return row
+
+
+def kv_reuse(args: argparse.Namespace) -> dict:
+    rates = [float(r) for r in args.reuse_rates.split(",")]
+    if any(not 0 <= r < 100 for r in rates):
+        raise ValueError(f"reuse rates are percentages in [0, 100), got {args.reuse_rates}")
+    model_dir = _model_dir(args)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    n, block, prompt_len = args.kv_requests, args.block_size, args.prompt_len
+    blocks_per_prompt = -(-(prompt_len + 1) // block)
+    # a prefill is one step (budget >= the prompt), and the batch plus the cached blocks fit
+    engine = dict(block_size=block, max_num_batched_tokens=max(prompt_len, 2048), max_num_seqs=n,
+                  num_kv_blocks=(2 * n + 2) * blocks_per_prompt, max_model_len=prompt_len + 1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, LocalPool(1, 4.0, Path(logs)) as pool:
+        pool.client().close()  # waits for the server to join
+        for i, rate in enumerate(rates):
+            row = _measure_rate(args, model_dir, pool, rate, vocab, engine, seed=i + 1)
+            rows.append(row)
+            print(f"kv-reuse {rate:g}% ({row['reused_tokens']}/{prompt_len} tokens): TTFT median "
+                  f"{row['ttft_median_s'] * 1e3:.0f} ms, prefill {row['prefill_tokens_per_s']:.0f} tok/s, "
+                  f"pool hits {row['pool_hit_tokens']} tokens", flush=True)
+    base = next((r["ttft_median_s"] for r in rows if r["rate_pct"] == 0), None)
+    for row in rows:
+        row["ttft_vs_no_reuse"] = row["ttft_median_s"] / base if base else None
+    at_90 = next((r for r in rows if r["rate_pct"] == 90), None)
+    holds = None if base is None or at_90 is None else at_90["ttft_vs_no_reuse"] <= TTFT_TARGET
+    return {"model": str(model_dir), "prompt_len": prompt_len, "requests": n, "block_size": block,
+            "engine": engine, "pool_servers": 1, "rows": rows, "ttft_target": TTFT_TARGET,
+            "ttft_target_holds": holds}
+
+
+# Parts by name.
 PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "pool": pool_bandwidth,
     "model-startup": model_startup,
+    "kv-reuse": kv_reuse,
 }
 
 
@@ -269,11 +376,20 @@ def summary_lines(results: dict) -> list[str]:
         cold = f"{r['disk_cold_s']:.2f} s" if r["cold_measured"] else "not measurable here"
         lines.append(f"model start-up: pool warm {r['pool_warm_s']:.2f} s, disk warm {r['disk_warm_s']:.2f} s, "
                      f"disk cold {cold}; identical parameters: {r['identical']}")
+    if "kv_reuse" in results:
+        r = results["kv_reuse"]
+        for row in r["rows"]:
+            ratio = "" if row["ttft_vs_no_reuse"] is None else f" = {row['ttft_vs_no_reuse']:.2f}x no reuse"
+            lines.append(f"kv-reuse {row['rate_pct']:g}%: TTFT median {row['ttft_median_s'] * 1e3:.0f} ms{ratio}, "
+                         f"prefill {row['prefill_tokens_per_s']:.0f} tok/s, pool hits {row['pool_hit_tokens']} tokens")
+        if r["ttft_target_holds"] is not None:
+            lines.append(f"kv-reuse: TTFT at 90% reuse <= {r['ttft_target']}x no reuse: "
+                         f"{'holds' if r['ttft_target_holds'] else 'does not hold'}")
     return lines
 
 
 def plot(results: dict, path: Path) -> None:
-    panels = [p for p in ("pool", "model_startup") if p in results]
+    panels = [p for p in ("pool", "model_startup", "kv_reuse") if p in results]
     fig, axes = report.new_figure(ncols=len(panels))
     for ax, part in zip(axes[0], panels):
         if part == "pool":
@@ -286,6 +402,8 @@ def plot(results: dict, path: Path) -> None:
             ax.set_ylabel("GB/s")
             ax.set_title(f"pool bandwidth ({results['pool']['servers']} servers)")
             ax.legend()
+        elif part == "kv_reuse":
+            _plot_kv_reuse(ax, results["kv_reuse"])
         else:
             r = results["model_startup"]
             labels = ["pool (warm)", "disk (warm cache)", "disk (cold)" if r["cold_measured"] else "disk (after drop*)"]
@@ -293,3 +411,15 @@ def plot(results: dict, path: Path) -> None:
             ax.set_ylabel("load_model seconds")
             ax.set_title(f"model start-up ({r['bytes'] / GB:.2f} GiB)")
     report.save_figure(fig, path)
+
+
+def _plot_kv_reuse(ax, result: dict) -> None:
+    rows = result["rows"]
+    rates = [r["rate_pct"] for r in rows]
+    ax.plot(rates, [r["ttft_median_s"] * 1e3 for r in rows], marker="o", color="tab:blue", label="TTFT median")
+    ax.set_xlabel("token reuse rate (%)")
+    ax.set_ylabel("TTFT (ms)", color="tab:blue")
+    twin = ax.twinx()
+    twin.plot(rates, [r["prefill_tokens_per_s"] for r in rows], marker="s", color="tab:orange", label="prefill")
+    twin.set_ylabel("prefill tokens/s (batch)", color="tab:orange")
+    ax.set_title(f"KV reuse through the pool ({result['prompt_len']}-token prompts)")

@@ -64,7 +64,9 @@ class ModelRunner:
         if config.pool_controller:
             from meshserve.pool.sdk import PoolClient
 
-            self.pool = PoolClient(config.pool_controller, name=f"executor-{self.parallel.rank}")
+            # a generous timeout: background block stores must survive a busy host (a dead server
+            # still fails fast after its first timeout)
+            self.pool = PoolClient(config.pool_controller, timeout_s=5.0, name=f"executor-{self.parallel.rank}")
         t0 = time.perf_counter()
         # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
         self.model = load_model(config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,

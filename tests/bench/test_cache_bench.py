@@ -1,4 +1,4 @@
-"""`meshserve bench cache` at tiny sizes: both parts run end to end and write JSON + PNG."""
+"""`meshserve bench cache` at tiny sizes: every part runs end to end and writes JSON + PNG."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ def test_cache_bench_smoke(tmp_path, capsys):
     model = make_model("qwen3_moe", "tiny", tmp_path / "model")
     out = tmp_path / "cache.json"
     assert main(["bench", "cache", "--json", str(out), "--sizes", "64K,1M", "--total-mb", "2", "--servers", "1",
-                 "--repeats", "2", "--model", str(model), "--load-repeats", "1"]) == 0
+                 "--repeats", "2", "--model", str(model), "--load-repeats", "1",
+                 "--prompt-len", "64", "--reuse-rates", "0,50", "--kv-requests", "1"]) == 0
     results = json.loads(out.read_text())
     rows = results["pool"]["rows"]
     assert [r["value_bytes"] for r in rows] == [64 << 10, 1 << 20]
@@ -22,10 +23,31 @@ def test_cache_bench_smoke(tmp_path, capsys):
     assert startup["identical"] is True
     assert startup["pool_warm_s"] > 0 and startup["disk_warm_s"] > 0
     assert (startup["disk_cold_s"] is None) != startup["cold_measured"]
+    kv = results["kv_reuse"]
+    assert [r["rate_pct"] for r in kv["rows"]] == [0, 50]
+    none, half = kv["rows"]
+    assert none["pool_hit_tokens"] == 0 and none["cached_tokens"] == [0, 0]
+    # the fresh TE's prefixes (two blocks of 16 per request) came from the pool, nothing more
+    assert half["reused_tokens"] == 32 and half["pool_hit_tokens"] == 64 and half["cached_tokens"] == [32, 32]
+    assert all(r["ttft_median_s"] > 0 and r["prefill_tokens_per_s"] > 0 for r in kv["rows"])
+    assert none["ttft_vs_no_reuse"] == 1.0 and half["ttft_vs_no_reuse"] > 0
+    assert kv["ttft_target_holds"] is None  # no 90% rate measured
     assert out.with_suffix(".png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "x memcpy" in printed and "model start-up: pool warm" in printed
+    assert "kv-reuse 50%: TTFT median" in printed
 
 
 def test_parse_size():
     assert parse_size("64K") == 65536 and parse_size("1M") == 1 << 20 and parse_size("100") == 100
+
+
+def test_kv_reuse_rejects_rates_outside_0_to_100():
+    import argparse
+
+    import pytest
+
+    from meshserve.bench.cache import kv_reuse
+
+    with pytest.raises(ValueError, match="reuse rates"):
+        kv_reuse(argparse.Namespace(reuse_rates="0,100"))
