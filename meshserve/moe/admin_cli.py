@@ -11,10 +11,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from meshserve.moe.load_record import ExpertLoadRecord
-from meshserve.moe.placement import ExpertPlacement
+from meshserve.moe.placement import load_placement_file
 
 _PROGRESS_EVERY_S = 10.0
 
@@ -115,10 +114,7 @@ def rebalance_main(args: argparse.Namespace) -> int:
     try:
         body = {}
         if args.placement:
-            try:
-                body["placement"] = ExpertPlacement.from_dict(json.loads(Path(args.placement).read_text())).to_dict()
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"cannot read placement {args.placement}: {exc}") from None
+            body["placement"] = load_placement_file(args.placement).to_dict()
         status = _request("POST", args.url, "/admin/eplb/rebalance", body)
         deadline = time.monotonic() + args.wait
         while args.wait > 0 and status["phase"] != "idle":

@@ -18,7 +18,7 @@ from meshserve.moe.balance import balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_MODE, MODES, plan_placement
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.admin_cli import add_admin_commands
-from meshserve.moe.placement import ExpertPlacement, PlacementShape
+from meshserve.moe.placement import ExpertPlacement, PlacementShape, load_placement_file
 from meshserve.moe.shrink import plan_shrink, shrunk_shape
 
 
@@ -65,7 +65,7 @@ def plan_main(args: argparse.Namespace) -> int:
         if args.devices is not None or args.redundant is not None:
             raise ValueError("--shrink-from takes devices and slots from the placement file; drop --devices "
                              "and --redundant")
-        placement = _load_placement(args.shrink_from)
+        placement = load_placement_file(args.shrink_from)
         shrunk_shape(placement.shape, removed)  # fail before any work on a shrink that cannot fit
     else:
         shape = _shape(record, args.devices, args.redundant, args.redundant_per_device)
@@ -120,19 +120,6 @@ def _parse_ranks(text: str) -> list[int]:
     if not ranks:
         raise ValueError("--shrink needs at least one rank")
     return ranks
-
-
-def _load_placement(path: str) -> ExpertPlacement:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from None
-    try:
-        return ExpertPlacement.from_dict(data)
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: bad placement: {exc}") from None
 
 
 def _changes(label_a: str, a: ExpertPlacement, label_b: str, b: ExpertPlacement,
