@@ -1,4 +1,4 @@
-"""`meshserve` command line: serve, make-model, bench."""
+"""`meshserve` command line: serve, make-model, profile, bench."""
 from __future__ import annotations
 
 import argparse
@@ -32,8 +32,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallel layout")
     group.add_argument("--deployment", default=None,
-                       help="deployment YAML (model, parallel strategy, engine settings; `meshserve plan --out` "
-                            "writes one); flags given explicitly override it")
+                       help="deployment YAML (one TE: model, parallel strategy, engine settings, as `meshserve "
+                            "plan --out` writes; or several TEs under te_groups) or a preset (colocated, "
+                            "colocatedN, MpNd such as 1p1d, joined by +); flags given explicitly override it")
     for name, what in (("tp", "attention tensor-parallel degree"), ("dp", "attention data-parallel degree"),
                        ("ep", "expert-parallel degree (MoE TP fills the rest of the world)")):
         group.add_argument(f"--{name}", type=int, default=None,
@@ -135,8 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     add_deployment_arguments(serve)
+    serve.add_argument("--routing", default=None,
+                       help="with a multi-TE deployment: the job executor's routing policy (round_robin, load, "
+                            "locality, pd_aware, combined; default: the deployment's)")
+    serve.add_argument("--register-port", type=int, default=0,
+                       help="with a multi-TE deployment: where TEs register with the job executor (0: a free port)")
+    serve.add_argument("--also-register", action="append", default=[],
+                       help="with a multi-TE deployment: another job executor's registration address its TEs also "
+                            "register with (repeatable)")
     add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    from meshserve.platform.te_server import add_te_parser
+
+    add_te_parser(sub)
 
     executor = sub.add_parser("executor", help="run one executor rank of a TE whose master is on another host")
     executor.add_argument("--engine", default=None,
@@ -166,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     from meshserve.pool.cli import add_pool_commands
 
     add_pool_commands(sub)
+
+    from meshserve.platform.predictor_cli import add_predictor_parser
+
+    add_predictor_parser(sub)
+
+    from meshserve.platform.profile_pd import add_profile_commands
+
+    add_profile_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (offline throughput, online serving)")
     from meshserve.bench.cli import register_bench_commands

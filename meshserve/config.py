@@ -55,6 +55,12 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # this host's address as the other hosts reach it (MASTER_ADDR)
     engine_port: int = DEFAULT_ENGINE_PORT  # with remote ranks: where they connect to the master
     master_port: int | None = None  # torch.distributed rendezvous port on this host (MASTER_PORT); default: a free one
+    # disaggregated prefill/decode: a prefill TE's ranks expose their KV caches ("producer"), a decode TE's
+    # ranks pull from them ("consumer"); `meshserve te --role` sets it
+    kv_transfer: str = "none"  # none | producer | consumer
+    kv_transfer_backend: str = "auto"  # auto (shared memory on one host, else TCP) | shm | tcp
+    kv_hold_timeout_s: float = 300.0  # a prefill TE frees held KV blocks no decode TE pulled in this time
+    te_name: str = "te"  # this TE's name in a deployment (transfer peers and routing tables use it)
     seed: int = 0
     startup_timeout_s: float = 300.0
 
@@ -77,6 +83,12 @@ class EngineConfig:
             raise ConfigError(f"eplb_redundant_experts must be >= 0, got {self.eplb_redundant_experts}")
         if self.eplb_slice_s <= 0 or (self.eplb_interval_s is not None and self.eplb_interval_s <= 0):
             raise ConfigError("eplb_slice_s and eplb_interval_s must be positive")
+        if self.kv_transfer not in ("none", "producer", "consumer"):
+            raise ConfigError(f"kv_transfer must be none, producer or consumer, got {self.kv_transfer!r}")
+        if self.kv_transfer_backend not in ("auto", "shm", "tcp"):
+            raise ConfigError(f"kv_transfer_backend must be auto, shm or tcp, got {self.kv_transfer_backend!r}")
+        if self.kv_hold_timeout_s <= 0:
+            raise ConfigError(f"kv_hold_timeout_s must be positive, got {self.kv_hold_timeout_s}")
         if self.dist_backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"dist_backend must be gloo or nccl, got {self.dist_backend!r}")
         world = self.world_size  # parses `parallel`, raising ConfigError on a bad strategy

@@ -25,7 +25,8 @@ ENGINE_FLAGS = {
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve`, `moe-comm`, `parallel` and `eplb` to the `bench` subcommand's subparsers."""
+    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `pd` and `routing` to the `bench`
+    subcommand's subparsers."""
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
     from meshserve.bench.parallel import add_parallel_arguments, parallel_main
@@ -51,6 +52,14 @@ def register_bench_commands(subparsers) -> None:
     cache = subparsers.add_parser("cache", help="caching cluster: pool bandwidth vs memory copy, model start-up time")
     add_cache_arguments(cache)
     cache.set_defaults(func=cache_main)
+    from meshserve.bench.pd import add_pd_arguments
+    from meshserve.bench.routing import add_routing_arguments
+
+    add_pd_arguments(subparsers.add_parser(
+        "pd", help="colocated TEs vs a P/D pair on the same cores: TTFT, TPOT and JCT on a mixed workload"))
+    add_routing_arguments(subparsers.add_parser(
+        "routing", help="the job executor's routing policies on one deployment with shared prefixes: "
+                        "JCT, TTFT, TPOT, prefix-cache hit rate"))
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -92,6 +92,7 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
         # Ctrl-C reaches the whole process group; the parent stops us in order instead
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
+    close_runner = None
     work = ctx.socket(zmq.PULL)
     if remote:
         # not our parent: the master is gone when the work connection drops (or stops answering heartbeats)
@@ -117,12 +118,14 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
                                          max_tokens_per_step=engine_config.max_num_batched_tokens,
                                          redundant_experts_per_rank=engine_config.eplb_redundant_experts)
         runner = ModelRunner(engine_config, parallel)
+        close_runner = runner.close
         logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
                     threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)
         results.send(msg.encode(msg.ExecutorReady(rank=rank, num_kv_blocks=runner.num_blocks,
                                                   kv_bytes_per_token=runner.layout.bytes_per_token,
                                                   moe_layers=runner.moe_layers,
-                                                  num_logical_experts=runner.num_logical_experts)))
+                                                  num_logical_experts=runner.num_logical_experts,
+                                                  kv_region=runner.kv_region)))
         poller = zmq.Poller()
         poller.register(work, zmq.POLLIN)
         while True:
@@ -149,6 +152,8 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
             pass
         raise SystemExit(1)
     finally:
+        if close_runner is not None:
+            close_runner()
         if master_link is not None:
             master_link.close()
         work.close(0)

@@ -22,6 +22,7 @@ import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
+from meshserve.engine.client_links import ClientLink, JobExecutorLinks
 from meshserve.engine.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
 from meshserve.engine.eplb_controller import EplbController, EplbError
 from meshserve.engine.errors import QueueFullError, RequestTooLongError
@@ -32,8 +33,10 @@ from meshserve.engine.rtc import RelationalTensorCache
 from meshserve.engine.scheduler import Scheduler, SchedulerConfig
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import PlacementShape, load_placement_file
+from meshserve.engine.kv_transfer import PULL_FAILED, PULLED
 from meshserve.pool.context_keys import block_keys, model_identity, rank_key
 from meshserve.sampling_params import SamplingParams
+from meshserve.transfer.pd_mapping import source_prefill_tp_rank
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,16 @@ class ExecutorGroup:
         self.results.close(0)
 
 
+@dataclasses.dataclass
+class _PullProgress:
+    """A decode TE's pull of one request's blocks: the DP group's ranks that reported, the first error."""
+
+    group: int
+    source_addr: str  # the prefill TE's input address (ReleaseKV goes there)
+    ranks: set = dataclasses.field(default_factory=set)
+    error: str | None = None
+
+
 class EngineCore:
     """Scheduler(s) of one TE: one scheduler and KV pool per DP group, in lockstep steps.
 
@@ -171,15 +184,16 @@ class EngineCore:
     (possibly empty) to one `StepBatch`, since all ranks meet at every MoE layer.
     """
 
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str, ipc_dir: str,
-                 log_level: int = logging.INFO) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, link: ClientLink | JobExecutorLinks, ipc_dir: str,
+                 log_level: int = logging.INFO, role: str = "colocated", group: str = "",
+                 watch_parent: bool = True) -> None:
         self.config = config
-        self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.connect(input_addr)
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.LINGER, 2000)
-        self.outbox.connect(output_addr)
+        self.ctx = ctx
+        self.link = link
+        self.inbox = link.inbox
+        self.role, self.group = role, group or role
+        self.watch_parent = watch_parent
+        self.reply_of: dict[str, str] = {}  # request id -> where its outputs go (TE serving job executors)
         self.parent = os.getppid()
         strategy = config.strategy
         self.dp_size = strategy.attn_dp
@@ -198,6 +212,10 @@ class EngineCore:
             self.kv_events.bind(config.kv_events_endpoint)
         self.rtcs: list[RelationalTensorCache] = []
         self.schedulers: list[Scheduler] = []
+        # disaggregated prefill/decode: each DP group's ranks' KV regions, and pulls awaiting their ranks
+        self.kv_regions = [[r.kv_region for r in ready[g * strategy.attn_tp:(g + 1) * strategy.attn_tp]]
+                           for g in range(self.dp_size)]
+        self._pulls: dict[str, _PullProgress] = {}
         for group in range(self.dp_size):
             ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
             rtc = RelationalTensorCache(min(r.num_kv_blocks for r in ranks), config.block_size,
@@ -209,6 +227,7 @@ class EngineCore:
                                 enable_chunked_prefill=config.enable_chunked_prefill,
                                 max_waiting=config.max_waiting),
                 rtc))
+            self.schedulers[-1].kv_hold_timeout_s = config.kv_hold_timeout_s
         # requests no DP group has taken yet (DP > 1 only), in queue order; and where each placed one went
         self.pending: list[Request] = []
         self._pending_seq = 0
@@ -227,8 +246,10 @@ class EngineCore:
             self.pool = PoolClient(config.pool_controller, name="master")
             self.pool_model_id = model_identity(config.model, config.dtype)
         num_blocks = sum(rtc.num_blocks for rtc in self.rtcs)
-        self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
-                                   kv_bytes_per_token=ready[0].kv_bytes_per_token, max_model_len=self.max_model_len))
+        if isinstance(link, ClientLink):
+            self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
+                                       kv_bytes_per_token=ready[0].kv_bytes_per_token,
+                                       max_model_len=self.max_model_len))
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
 
@@ -241,12 +262,21 @@ class EngineCore:
         return EplbController(shape, ready.moe_layers, strategy.world_size, self.config.eplb_slice_s,
                               self.config.eplb_interval_s, initial=initial)
 
-    def _send(self, item) -> None:
-        self.outbox.send(msg.encode(item))
+    def _send(self, item, reply_to: str = "") -> None:
+        self.link.send(item, reply_to)
 
     def _send_deltas(self, deltas: list[msg.RequestDelta]) -> None:
-        if deltas:
-            self._send(msg.EngineOutputs(deltas=deltas, timestamp=time.time()))
+        if not deltas:
+            return
+        by_client: dict[str, list[msg.RequestDelta]] = {}
+        for delta in deltas:
+            reply_to = self.reply_of.get(delta.req_id, "")
+            if delta.finish_reason is not None or delta.kv_transfer_params is not None:
+                self.reply_of.pop(delta.req_id, None)
+            by_client.setdefault(reply_to, []).append(delta)
+        now = time.time()
+        for reply_to, batch in by_client.items():
+            self._send(msg.EngineOutputs(deltas=batch, timestamp=now), reply_to)
 
     # ------------------------------------------------------------------ client messages
     def _on_client(self, item) -> None:
@@ -254,10 +284,14 @@ class EngineCore:
             self._add_request(item)
         elif isinstance(item, msg.AbortRequests):
             self._abort(item.req_ids)
+        elif isinstance(item, msg.ReleaseKV):
+            for req_id in item.req_ids:
+                for scheduler in self.schedulers:
+                    scheduler.release_kv(req_id)
         elif isinstance(item, msg.StatsQuery):
-            self._send(self._stats())
+            self._send(self._stats(), item.reply_to)
         elif isinstance(item, msg.AdminRequest):
-            self._send(self._admin(item))
+            self._send(self._admin(item), item.reply_to)
         elif isinstance(item, msg.Shutdown):
             self.running = False
 
@@ -272,6 +306,10 @@ class EngineCore:
                     raise EplbError(f"engine is dead: {self.dead_error}")
                 self.eplb.rebalance(item.args.get("placement"))
                 data = self.eplb.status()
+            elif item.op == "stats":
+                data = dataclasses.asdict(self._stats())
+            elif item.op == "kv.snapshot":  # a router rebuilding its view of this TE's prefix caches
+                data = {"seq": self._kv_event_seq, "blocks": {g: rtc.snapshot() for g, rtc in enumerate(self.rtcs)}}
             else:
                 raise EplbError(f"unknown admin operation {item.op!r}")
         except EplbError as exc:
@@ -279,6 +317,9 @@ class EngineCore:
         return msg.AdminReply(query_id=item.query_id, data=data)
 
     def _add_request(self, item: msg.AddRequest) -> None:
+        if item.reply_to:
+            self.reply_of[item.req_id] = item.reply_to
+
         def reject(error: Exception) -> None:
             self._send_deltas([msg.RequestDelta(req_id=item.req_id, new_token_ids=[], finish_reason="error",
                                                 error=str(error), error_type=type(error).__name__,
@@ -292,11 +333,40 @@ class EngineCore:
                               sampling_params=SamplingParams.from_dict(item.sampling_params),
                               arrival_time=item.arrival_time, priority=item.priority,
                               eos_token_ids=item.eos_token_ids)
-            if self.pool is not None and self._start_pool_lookup(request):
+            if item.kv_transfer is not None:
+                self._set_kv_transfer(request, item)
+            elif item.output_token_ids:
+                raise ValueError("output_token_ids are only accepted with a KV transfer from a prefill TE")
+            if (self.pool is not None and request.kv_transfer_role != "consumer"
+                    and self._start_pool_lookup(request)):
                 return  # admitted once the pool has said which prompt blocks it holds
             self._admit(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
             reject(exc)
+
+    def _set_kv_transfer(self, request: Request, item: msg.AddRequest) -> None:
+        """A disaggregated request: "producer" here computes the prompt and the first token only; "consumer"
+        pulls the prompt's KV from the prefill TE named in `kv_transfer` and decodes from its first token."""
+        role = item.kv_transfer.get("role")
+        wanted = {"producer": "producer", "consumer": "consumer"}.get(role)
+        if wanted is None:
+            raise ValueError(f"kv_transfer role must be producer or consumer, got {role!r}")
+        if self.config.kv_transfer != wanted:
+            raise ValueError(f"this TE ({self.role}) cannot take {role} requests")
+        request.kv_transfer_role = role
+        if role == "producer":
+            return
+        source = item.kv_transfer
+        missing = [k for k in ("engine", "engine_addr", "regions", "block_ids", "num_tokens", "attn_tp")
+                   if k not in source]
+        if missing:
+            raise ValueError(f"kv_transfer is missing {', '.join(missing)}")
+        if not item.output_token_ids or int(source["num_tokens"]) != len(item.prompt_token_ids):
+            raise ValueError("a decode request needs the prompt whose KV is transferred and its first token")
+        for token in item.output_token_ids:
+            request.append_output_token(int(token))
+        # "recompute": the blocks may be gone (a decode TE failed after pulling them): compute them here
+        request.kv_source = None if source.get("recompute") else source
 
     def _admit(self, request: Request) -> None:
         if self.dp_size == 1:
@@ -355,6 +425,9 @@ class EngineCore:
         bisect.insort(self.pending, request, key=lambda r: self._pending_keys[r.req_id])
 
     def _abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:  # a prefill TE's held blocks, whichever DP group holds them
+            for scheduler in self.schedulers:
+                scheduler.release_kv(req_id)
         aborted = set(req_ids)
         self.pending = [r for r in self.pending if r.req_id not in aborted]
         for req_id in aborted:
@@ -399,7 +472,10 @@ class EngineCore:
         if self.dead_error is not None:
             return
         if isinstance(item, msg.ExecutorEvent):
-            self.eplb.on_event(item.rank, item.kind, item.detail)
+            if item.kind in (PULLED, PULL_FAILED):
+                self._on_pull_event(item)
+            else:
+                self.eplb.on_event(item.rank, item.kind, item.detail)
             return
         if item.expert_load is not None:
             self.eplb.on_counts(item.expert_load)
@@ -409,19 +485,75 @@ class EngineCore:
             self._fail(f"DP group {group} returned step {item.step_id}, expected {sched.step_id}")
             return
         deltas = self.schedulers[group].update_from_output(sched, item)
+        for delta in deltas:
+            if delta.kv_transfer_params is not None:
+                self._describe_hand_off(group, delta)
         if self.dp_size > 1:
             for delta in deltas:
-                if delta.finish_reason is not None:
+                if delta.finish_reason is not None or delta.kv_transfer_params is not None:
                     self.owner.pop(delta.req_id, None)
         self._send_deltas(deltas)
         self._publish_kv_events(group)
+
+    # ------------------------------------------------------------------ disaggregated prefill/decode
+    def _describe_hand_off(self, group: int, delta: msg.RequestDelta) -> None:
+        """Prefill TE: what a decode TE needs to pull the request's blocks (xdeepserve §5.1 step 3)."""
+        strategy = self.config.strategy
+        delta.kv_transfer_params.update(engine=self.config.te_name, engine_addr=self.link.listen_addr,
+                                        dp_rank=group, attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp,
+                                        regions=self.kv_regions[group])
+
+    def _take_kv_pulls(self) -> dict:
+        """Control that has each DP group's ranks start pulling the blocks of requests that got theirs."""
+        strategy = self.config.strategy
+        pulls = {}
+        for group, scheduler in enumerate(self.schedulers):
+            if not scheduler.kv_pull_queue:
+                continue
+            orders, scheduler.kv_pull_queue = scheduler.kv_pull_queue, []
+            for order in orders:
+                source = order.pop("source")
+                # cloudmatrix-infer §4.3.3: decode TP rank t of this group reads from one fixed prefill rank
+                order["sources"] = [source["regions"][source_prefill_tp_rank(
+                    int(source["attn_tp"]), strategy.attn_tp, strategy.attn_dp, group, tp_rank)]
+                    for tp_rank in range(strategy.attn_tp)]
+                self._pulls[order["req_id"]] = _PullProgress(group, source["engine_addr"])
+            pulls[group] = orders
+        return {"kv_pull": pulls} if pulls else {}
+
+    def _on_pull_event(self, event: msg.ExecutorEvent) -> None:
+        req_id, _, error = event.detail.partition("\t")
+        progress = self._pulls.get(req_id)
+        if progress is None:
+            return
+        progress.ranks.add(event.rank)
+        if event.kind == PULL_FAILED:
+            progress.error = progress.error or error
+        if len(progress.ranks) < self.config.strategy.attn_tp:
+            return
+        del self._pulls[req_id]
+        if progress.error is not None:
+            logger.warning("request %s: KV pull failed (%s); computing its prompt here", req_id, progress.error)
+        self.schedulers[progress.group].on_kv_pulled(req_id, ok=progress.error is None)
+        # step 8: the prefill TE frees its blocks (after a failure too: nobody will read them)
+        self.link.send_to(progress.source_addr, msg.ReleaseKV(req_ids=[req_id]))
+
+    def _heartbeat(self) -> msg.TEHeartbeat:
+        strategy = self.config.strategy
+        return msg.TEHeartbeat(name=self.config.te_name, role=self.role, group=self.group,
+                               input_addr=self.link.listen_addr, kv_events_addr=self.config.kv_events_endpoint or "",
+                               model=self.config.served_model_name or self.config.model,
+                               max_model_len=self.max_model_len, block_size=self.config.block_size,
+                               attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),
+                               kv_event_seq=self._kv_event_seq, timestamp=time.time())
 
     def _publish_kv_events(self, group: int) -> None:
         events = self.rtcs[group].drain_events()
         if not events or self.kv_events is None:
             return
         self._kv_event_seq += 1
-        batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group, events=[
+        batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group,
+                                  engine=self.config.te_name, events=[
             {"type": type(e).__name__, **dataclasses.asdict(e)} for e in events])
         self.kv_events.send(msg.encode(batch))
 
@@ -433,7 +565,7 @@ class EngineCore:
         for queue in self.in_flight:
             queue.clear()
         # the error first: clients fail everything at once; the per-request deltas then only confirm it
-        self._send(msg.EngineError(message=error, fatal=True))
+        self.link.broadcast(msg.EngineError(message=error, fatal=True, engine=self.config.te_name))
         deltas = [msg.RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason="error", error=error,
                                    num_prompt_tokens=r.num_prompt_tokens) for r in self.pending]
         self.pending = []
@@ -459,14 +591,14 @@ class EngineCore:
             if all(sched.is_empty for sched in scheds):
                 break
             # blocks freed while scheduling are stored before this step's forward can overwrite them
-            control = {**self.eplb.step_control(time.time()), **self._take_pool_stores()}
+            control = {**self.eplb.step_control(time.time()), **self._take_pool_stores(), **self._take_kv_pulls()}
             self.executors.send(msg.StepBatch(per_dp=scheds, control=control))
             for queue, sched in zip(self.in_flight, scheds):
                 queue.append(sched)
         if self.dead_error is None and (self.eplb.has_pending_control
-                                        or any(s.pool_store_queue for s in self.schedulers)):
+                                        or any(s.pool_store_queue or s.kv_pull_queue for s in self.schedulers)):
             # no step carried it: send the control on its own (ranks apply it without a forward)
-            control = {**self.eplb.idle_control(), **self._take_pool_stores()}
+            control = {**self.eplb.idle_control(), **self._take_pool_stores(), **self._take_kv_pulls()}
             self.executors.send(msg.StepBatch(per_dp=[], control=control))
 
     def _stats(self) -> msg.EngineStats:
@@ -481,6 +613,11 @@ class EngineCore:
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             num_preemptions=sum(p.num_preemptions for p in parts),
             pool_hit_tokens=sum(s.pool_hit_tokens for s in self.schedulers),
+            waiting_tokens=sum(p.waiting_tokens for p in parts) + sum(r.num_tokens for r in self.pending),
+            running_tokens=sum(p.running_tokens for p in parts),
+            kv_transfer_holds=sum(p.kv_transfer_holds for p in parts),
+            kv_pulled=sum(p.kv_pulled for p in parts),
+            kv_pull_recomputed=sum(p.kv_pull_recomputed for p in parts),
             healthy=self.dead_error is None,
             error=self.dead_error,
         )
@@ -505,12 +642,18 @@ class EngineCore:
                     while self.inbox.poll(0):
                         self._on_client(msg.decode(self.inbox.recv()))
                 self._check_peers()
-                self.eplb.tick(time.time())
+                now = time.time()
+                self.eplb.tick(now)
+                self.link.tick(now, self._heartbeat)
+                for scheduler in self.schedulers:
+                    for req_id in scheduler.expire_kv_holds():
+                        logger.warning("request %s: no decode TE pulled its KV blocks in %.0f s; freed", req_id,
+                                       self.config.kv_hold_timeout_s)
         finally:
             logger.info("shutting down")
+            self.link.say_goodbye(self._heartbeat())
             self.executors.shutdown(grace_s=10.0 if self.dead_error is None else _DEAD_GRACE_S)
-            self.inbox.close(0)
-            self.outbox.close()
+            self.link.close()
             if self.kv_events is not None:
                 self.kv_events.close(0)
             if self.pool is not None:
@@ -518,7 +661,7 @@ class EngineCore:
             self.ctx.term()
 
     def _check_peers(self) -> None:
-        if os.getppid() != self.parent:
+        if self.watch_parent and os.getppid() != self.parent:
             logger.warning("client is gone; shutting down")
             self.running = False
             return
@@ -533,8 +676,9 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
     # Ctrl-C reaches the whole process group; the parent stops us in order instead
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = EngineConfig.from_dict(config)
+    ctx = zmq.Context()
     try:
-        core = EngineCore(config, input_addr, output_addr, ipc_dir, log_level)
+        core = EngineCore(config, ctx, ClientLink(ctx, input_addr, output_addr), ipc_dir, log_level)
     except Exception as exc:
         logger.error("start-up failed: %s", traceback.format_exc())
         ctx = zmq.Context.instance()

@@ -4,8 +4,11 @@ One dataclass per message; `encode` / `decode` turn them into msgpack bytes
 tagged with the class name (no pickle crosses a process boundary).
 
 Boundaries:
-  client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery, AdminRequest
+  client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery, AdminRequest, ReleaseKV
   master  -> client   : EngineReady, EngineOutputs (a batch of RequestDelta), EngineStats, EngineError, AdminReply
+                        (a TE serving job executors answers each at the `reply_to` address its request named)
+  master  -> JEs      : TEHeartbeat (a TE's registration and load, repeated; `meshserve te --register`)
+  decode master -> prefill master : ReleaseKV (the decode TE has the KV blocks: the prefill TE frees them)
   master  -> executor : StepBatch (one SchedulerOutput per DP group), Shutdown
   executor-> master   : ModelRunnerOutput, ExecutorReady, ExecutorFailure, ExecutorEvent
   executor<-> master  : ExecutorHandshake (a rank on another host joining the TE)
@@ -94,6 +97,8 @@ class ExecutorReady:
     rank: int
     num_kv_blocks: int
     kv_bytes_per_token: int
+    # this rank's KV cache as the transfer engine exposes it (RegionDescriptor.to_dict()), P/D TEs only
+    kv_region: dict[str, Any] | None = None
     moe_layers: list[int] = field(default_factory=list)  # decoder-layer indices of the MoE layers
     num_logical_experts: int = 0  # routed experts per MoE layer
 
@@ -135,10 +140,23 @@ class AddRequest:
     arrival_time: float
     priority: int = 0  # lower runs first; FCFS within a priority
     eos_token_ids: list[int] = field(default_factory=list)
+    reply_to: str = ""  # a TE serving job executors sends this request's outputs here (output short-circuiting)
+    # disaggregated prefill/decode: {"role": "producer"} on the prefill TE (compute the prompt, sample the first
+    # token, hold the KV blocks for a decode TE); on the decode TE {"role": "consumer", **the prefill TE's
+    # kv_transfer_params} (pull the blocks, then decode)
+    kv_transfer: dict[str, Any] | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # tokens already generated elsewhere (decode TE)
 
 
 @dataclass
 class AbortRequests:
+    req_ids: list[str]
+
+
+@dataclass
+class ReleaseKV:
+    """The KV blocks held for these requests' decode may be freed (pulled, or never to be pulled)."""
+
     req_ids: list[str]
 
 
@@ -155,6 +173,8 @@ class RequestDelta:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     error_type: str | None = None  # exception class name for errors the caller maps (e.g. QueueFullError)
+    # a prefill TE's hand-off: where the request's KV blocks wait for the decode TE (`kv_transfer` producer)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -165,7 +185,7 @@ class EngineOutputs:
 
 @dataclass
 class StatsQuery:
-    pass
+    reply_to: str = ""
 
 
 @dataclass
@@ -178,6 +198,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
     pool_hit_tokens: int = 0  # prompt tokens fetched from the memory pool instead of computed
+    waiting_tokens: int = 0  # prompt tokens admitted and not yet computed (load for routing)
+    running_tokens: int = 0  # tokens in the KV cache of running requests
+    kv_transfer_holds: int = 0  # requests whose KV blocks wait for a decode TE to pull them
+    kv_pulled: int = 0  # requests whose prompt KV came from a prefill TE
+    kv_pull_recomputed: int = 0  # ... of which the pull failed and the prompt was computed here instead
     healthy: bool = True
     error: str | None = None
 
@@ -194,6 +219,7 @@ class EngineReady:
 class EngineError:
     message: str
     fatal: bool = True
+    engine: str = ""  # the TE's name (EngineConfig.te_name)
 
 
 @dataclass
@@ -208,6 +234,7 @@ class KVCacheEvents:
     timestamp: float
     events: list[dict[str, Any]] = field(default_factory=list)
     dp_rank: int = 0  # the DP group whose cache changed (each DP group has its own KV pool)
+    engine: str = ""  # the TE's name (EngineConfig.te_name)
 
 
 @dataclass
@@ -217,6 +244,7 @@ class AdminRequest:
     query_id: int
     op: str
     args: dict[str, Any] = field(default_factory=dict)
+    reply_to: str = ""
 
 
 @dataclass
@@ -232,13 +260,34 @@ class Shutdown:
     pass
 
 
+@dataclass
+class TEHeartbeat:
+    """A TE announcing itself to a job executor, repeated every heartbeat interval: its registration
+    (addresses, role, layout) and its current load. A JE that misses several heartbeats drops the TE."""
+
+    name: str
+    role: str  # "colocated" | "prefill" | "decode"
+    group: str  # the deployment's TE group
+    input_addr: str  # where the JE sends AddRequest / AbortRequests / StatsQuery / AdminRequest
+    kv_events_addr: str  # the TE's KVCacheEvents PUB socket
+    model: str
+    max_model_len: int
+    block_size: int
+    attn_tp: int
+    attn_dp: int
+    stats: EngineStats = field(default_factory=EngineStats)
+    kv_event_seq: int = 0  # the last KVCacheEvents seq published (a subscriber that lags behind resyncs)
+    timestamp: float = 0.0
+    leaving: bool = False  # the TE is shutting down: route nothing new to it
+
+
 _MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (
         NewRequestData, CachedRequestData, SchedulerOutput, StepBatch, ModelRunnerOutput, ExecutorReady, ExecutorFailure,
         ExecutorHandshake,
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
-        KVCacheEvents, Shutdown, ExecutorEvent, AdminRequest, AdminReply,
+        KVCacheEvents, Shutdown, ExecutorEvent, AdminRequest, AdminReply, ReleaseKV, TEHeartbeat,
     )
 }
 _NESTED = {
@@ -247,6 +296,7 @@ _NESTED = {
     ("StepBatch", "per_dp"): SchedulerOutput,
     ("EngineOutputs", "deltas"): RequestDelta,
 }
+_NESTED_ONE = {("TEHeartbeat", "stats"): EngineStats}
 
 
 def _to_plain(obj: Any) -> Any:
@@ -267,6 +317,9 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
     for (owner, attr), sub in _NESTED.items():
         if owner == cls.__name__ and attr in fields:
             fields[attr] = [_build(sub, x) for x in fields[attr]]
+    for (owner, attr), sub in _NESTED_ONE.items():
+        if owner == cls.__name__ and isinstance(fields.get(attr), dict):
+            fields[attr] = _build(sub, fields[attr])
     return cls(**fields)
 
 

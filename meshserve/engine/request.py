@@ -18,9 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
+    # prefill TE: the prompt is computed and the first token sampled; a decode TE takes the request on
+    TRANSFERRED = "transferred"
 
     @property
     def is_finished(self) -> bool:
+        """Finished on this engine (a transferred request goes on in a decode TE)."""
         return self in _FINISH_REASONS
 
     @property
@@ -33,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.TRANSFERRED: None,  # finished here, not for the caller
 }
 
 
@@ -83,6 +87,11 @@ class Request:
         self.num_pool_hit_blocks = 0
         self.num_pool_stored_blocks = 0  # leading prompt blocks known to be in the pool (hit or stored)
         self.populate_positions: list[int] = []  # block-table positions the next step fetches from the pool
+        # disaggregated prefill/decode: "producer" (prefill TE) or "consumer" (decode TE), and for a consumer
+        # the prefill TE's kv_transfer_params until its blocks arrive
+        self.kv_transfer_role: str | None = None
+        self.kv_source: dict | None = None
+        self.kv_pull_aborted = False  # aborted while its blocks were being pulled: freed once the pull ends
         self.arrival_seq = 0  # order of admission: breaks ties between equal arrival times
         self.queue_key: tuple = ()  # position in the waiting queue
 

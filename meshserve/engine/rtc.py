@@ -272,6 +272,17 @@ class RelationalTensorCache:
                 block_size=self.block_size,
             ))
 
+    def snapshot(self) -> list[list]:
+        """Every cached block as [block_hash, parent_block_hash or None, token_ids], parents first: what a
+        router that lost events needs to rebuild its view of this cache."""
+        out: list[list] = []
+        stack = list(self._root_children.values())
+        while stack:
+            node = stack.pop()
+            out.append([node.block_hash, node.parent.block_hash if node.parent else None, list(node.key)])
+            stack.extend(node.children.values())
+        return out
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Referenced blocks stay with their holders (and return to
         the free list when released); unreferenced cached blocks are freed now."""

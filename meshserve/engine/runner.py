@@ -79,7 +79,17 @@ class ModelRunner:
             self.num_blocks = kv_blocks_for_budget(
                 self.layout.bytes_per_token, config.block_size, config.kv_cache_memory_gb * 2**30)
         self.block_size = config.block_size
-        self.kv_caches = self.layout.allocate(self.num_blocks, self.block_size, self.device)
+        self.kv_transfer = None  # disaggregated prefill/decode: this rank's KV cache as a transfer region
+        if config.kv_transfer != "none":
+            from meshserve.engine.kv_transfer import RankKVTransfer
+
+            self.kv_transfer = RankKVTransfer(
+                f"{config.te_name}/rank{self.parallel.rank}", config.master_addr, config.kv_transfer_backend,
+                self.layout.num_layers, self.num_blocks, self.block_size, self.layout.entry_shape, self.dtype,
+                self.device)
+            self.kv_caches = self.kv_transfer.kv_caches
+        else:
+            self.kv_caches = self.layout.allocate(self.num_blocks, self.block_size, self.device)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token)
@@ -115,6 +125,12 @@ class ModelRunner:
         stores = control.get("pool_store", {}).get(self.parallel.dp_rank)
         if stores:
             self._store_blocks(stores)
+        pulls = control.get("kv_pull", {}).get(self.parallel.dp_rank)
+        if pulls:
+            if self.kv_transfer is None:
+                raise RuntimeError("KV pull ordered on a TE that is not a decode TE")
+            for order in pulls:
+                self.kv_transfer.start_pull(order, order["sources"][self.parallel.attn_tp_rank])
         eplb = control.get("eplb")
         if eplb is None:
             return
@@ -142,11 +158,24 @@ class ModelRunner:
 
     @property
     def background_busy(self) -> bool:
-        return self._eplb_phase in ("prefetching", "loading")
+        return self._eplb_phase in ("prefetching", "loading") or (self.kv_transfer is not None
+                                                                    and self.kv_transfer.busy)
+
+    @property
+    def kv_region(self) -> dict | None:
+        return self.kv_transfer.descriptor if self.kv_transfer is not None else None
+
+    def close(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()  # unlinks the shared-memory KV cache
 
     def poll_background(self) -> list[tuple[str, str]]:
         """(kind, detail) of background work that finished since the last call."""
-        if not self.background_busy:
+        events = self.kv_transfer.poll() if self.kv_transfer is not None else []
+        return events + self._poll_eplb()
+
+    def _poll_eplb(self) -> list[tuple[str, str]]:
+        if self._eplb_phase not in ("prefetching", "loading"):
             return []
         balancer = self.expert_balancer
         try:

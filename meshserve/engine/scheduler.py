@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -78,8 +79,28 @@ class _StepPlan:
             self.budget += entry.num_tokens
 
 
+@dataclass
+class _KVHold:
+    block_ids: list[int]
+    deadline: float
+
+
+# a decode TE does not start a pull this close to the prefill TE's hold expiry: a pull finishes well
+# within it (the TCP backend's I/O timeout is 10 s), and blocks read after the expiry may be reused
+_PULL_MARGIN_S = 10.0
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _hold_expiring(source: dict) -> bool:
+    """Whether the prefill TE's hold on a consumer request's blocks ends before a pull started now would."""
+    expires = source.get("hold_expires_at")
+    if expires is None:
+        return False
+    margin = min(_PULL_MARGIN_S, 0.2 * float(source.get("hold_s", _PULL_MARGIN_S)))
+    return time.time() > float(expires) - margin
 
 
 def _queue_key(req: Request) -> tuple:
@@ -110,6 +131,15 @@ class Scheduler:
         # context caching: full prompt blocks whose KV is ready and not yet in the pool, [block_id, key]
         self.pool_store_queue: list[list] = []
         self.pool_hit_tokens = 0  # prompt tokens fetched from the pool instead of computed
+        # disaggregated prefill/decode (xdeepserve §5.1)
+        # prefill TE: blocks of handed-off requests, held until the decode TE has pulled them: req_id -> hold
+        self.kv_holds: dict[str, _KVHold] = {}
+        self.kv_hold_timeout_s = 300.0
+        # decode TE: requests whose blocks are allocated and being pulled, and the pull orders not yet sent
+        self._receiving: dict[str, Request] = {}
+        self.kv_pull_queue: list[dict] = []
+        self.num_kv_pulled = 0
+        self.num_kv_pull_recomputed = 0
 
     # ------------------------------------------------------------ queue
     @property
@@ -121,7 +151,7 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._receiving)
 
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)
@@ -191,6 +221,8 @@ class Scheduler:
                 continue  # preempted for an earlier request of this loop
             if req.num_tokens_with_placeholders >= self._max_total_tokens(req):
                 continue  # every token it may produce is already scheduled
+            if req.kv_transfer_role == "producer" and req.num_tokens_with_placeholders > req.num_prompt_tokens:
+                continue  # a prefill TE samples the first token only; the decode TE goes on
             num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
@@ -200,10 +232,23 @@ class Scheduler:
             plan.add(req, num_new)
 
     def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
-        while self._waiting and plan.budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while (self._waiting and plan.budget > 0
+               and len(self._running) + len(self._receiving) < self.config.max_num_seqs):
             req = self._waiting[0]
             if req.req_id in preempted_now:
                 break  # it just lost its blocks; resuming it in the same step would thrash
+            if req.kv_source is not None and _hold_expiring(req.kv_source):
+                # it waited for blocks (backpressure) until the prefill TE is about to free its KV: a pull
+                # could read blocks already reused by another request, so the prompt is computed here
+                logger.warning("request %s: the prefill TE's hold on its KV expires; computing the prompt here",
+                               req.req_id)
+                self.num_kv_pulled += 1
+                self.num_kv_pull_recomputed += 1
+                req.kv_source = None
+            if req.kv_source is not None:
+                if not self._start_kv_pull(req):
+                    break  # no free blocks: the pull waits (backpressure on the prefill TE), nothing is dropped
+                continue
             tokens = req.all_token_ids
             hit_blocks: list[int] = []
             if self.rtc.enable_prefix_caching:
@@ -325,6 +370,77 @@ class Scheduler:
         self._step_progress[self._step_id] = progress
         return out
 
+    # ------------------------------------------------------------ disaggregated prefill/decode
+    def _start_kv_pull(self, req: Request) -> bool:
+        """Decode TE: allocate the request's blocks and order its prompt KV pulled from the prefill TE
+        (xdeepserve §5.1 step 6); False when the blocks are not free yet."""
+        source = req.kv_source
+        num_src_blocks = len(source["block_ids"])
+        blocks = self.rtc.alloc_blocks(max(num_src_blocks, _cdiv(req.num_tokens, self.config.block_size)))
+        if blocks is None:
+            return False
+        self._waiting.remove(req)
+        req.block_ids = blocks
+        req.ever_scheduled = True
+        self._receiving[req.req_id] = req
+        self.kv_pull_queue.append({"req_id": req.req_id, "dst_block_ids": blocks[:num_src_blocks],
+                                   "src_block_ids": list(source["block_ids"]), "source": source})
+        return True
+
+    def on_kv_pulled(self, req_id: str, ok: bool) -> None:
+        """Decode TE: every rank of this DP group has pulled (or failed to pull) the request's blocks.
+        A failed pull is recovered by computing the prompt here, in the blocks already allocated."""
+        req = self._receiving.pop(req_id, None)
+        if req is None:
+            return
+        if req.kv_pull_aborted:  # the abort already answered the caller; the blocks were being written until now
+            self.rtc.free(req.block_ids)
+            req.block_ids = []
+            return
+        num_pulled = int(req.kv_source["num_tokens"]) if ok else 0
+        self.num_kv_pulled += 1
+        self.num_kv_pull_recomputed += 0 if ok else 1
+        req.num_cached_tokens = int(req.kv_source.get("num_cached_tokens", 0))
+        req.kv_source = None  # from here on a plain running request (a preemption recomputes it)
+        req.num_computed_tokens = req.num_kv_ready_tokens = num_pulled
+        req.status = RequestStatus.RUNNING
+        self._running.append(req)
+
+    def _hand_off(self, req: Request) -> dict:
+        """Prefill TE: the first token is sampled; keep the prompt's blocks for the decode TE (the prefix
+        cache indexes them too) and forget the request (xdeepserve §5.1 step 3)."""
+        self._cache_full_blocks(req, req.num_kv_ready_tokens)
+        self._running.remove(req)
+        num_blocks = _cdiv(req.num_prompt_tokens, self.config.block_size)
+        held, extra = req.block_ids[:num_blocks], req.block_ids[num_blocks:]
+        self.rtc.free(extra)
+        self.kv_holds[req.req_id] = _KVHold(held, time.monotonic() + self.kv_hold_timeout_s)
+        req.block_ids = []
+        if req.in_executor:
+            self._executor_must_drop.append(req.req_id)
+            req.in_executor = False
+        req.status = RequestStatus.TRANSFERRED
+        del self._requests[req.req_id]
+        # the decode TE must pull before the hold expires (wall clock: it is compared on another host)
+        return {"block_ids": held, "num_tokens": req.num_prompt_tokens, "num_cached_tokens": req.num_cached_tokens,
+                "hold_s": self.kv_hold_timeout_s, "hold_expires_at": time.time() + self.kv_hold_timeout_s}
+
+    def release_kv(self, req_id: str) -> bool:
+        """Prefill TE: the decode TE has the blocks (or will never pull them): free them."""
+        hold = self.kv_holds.pop(req_id, None)
+        if hold is None:
+            return False
+        self.rtc.free(hold.block_ids)
+        return True
+
+    def expire_kv_holds(self, now: float | None = None) -> list[str]:
+        """Free holds no decode TE pulled within the timeout (it died, or the job was dropped)."""
+        now = time.monotonic() if now is None else now
+        expired = [req_id for req_id, hold in self.kv_holds.items() if hold.deadline <= now]
+        for req_id in expired:
+            self.release_kv(req_id)
+        return expired
+
     # ------------------------------------------------------------ outputs
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
         progress = self._step_progress.pop(sched.step_id, {})
@@ -365,6 +481,9 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
+        if status is None and req.kv_transfer_role == "producer":
+            delta.kv_transfer_params = self._hand_off(req)
+            return delta
         if status is not None:
             if status is RequestStatus.FINISHED_STOPPED:
                 req.stop_reason = token
@@ -409,10 +528,22 @@ class Scheduler:
         """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
         deltas = []
         for req_id in req_ids:
+            self.release_kv(req_id)  # a prefill TE's hold: the job is gone, nobody will pull it
             req = self._requests.get(req_id)
-            if req is not None:
+            if req is None:
+                continue
+            if req_id in self._receiving:  # its blocks are being written: free them once the pull ends
+                deltas.append(self._finish_receiving(req, RequestStatus.FINISHED_ABORTED))
+            else:
                 deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED))
         return deltas
+
+    def _finish_receiving(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
+        req.kv_pull_aborted = True
+        req.status = status
+        del self._requests[req.req_id]
+        return RequestDelta(req_id=req.req_id, new_token_ids=[], finish_reason=status.finish_reason,
+                            num_prompt_tokens=req.num_prompt_tokens, error=error)
 
     def fail_all(self, message: str) -> list[RequestDelta]:
         """Finish every request with "error" (the executor failed)."""
@@ -420,6 +551,8 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_ERROR, error=message)
             for req in list(self._running) + list(self._waiting)
         ]
+        deltas += [self._finish_receiving(req, RequestStatus.FINISHED_ERROR, error=message)
+                   for req in self._receiving.values() if not req.kv_pull_aborted]
         self._step_progress.clear()
         return deltas
 
@@ -442,9 +575,16 @@ class Scheduler:
         self._check_fits(req)
 
     def stats(self) -> EngineStats:
+        waiting_tokens = sum(r.num_tokens for r in self._waiting)
+        waiting_tokens += sum(max(0, r.num_tokens - r.num_computed_tokens) for r in self._running)
         return EngineStats(
-            num_running=len(self._running),
+            num_running=len(self._running) + len(self._receiving),
             num_waiting=len(self._waiting),
+            waiting_tokens=waiting_tokens,
+            running_tokens=sum(r.num_tokens for r in self._running),
+            kv_transfer_holds=len(self.kv_holds),
+            kv_pulled=self.num_kv_pulled,
+            kv_pull_recomputed=self.num_kv_pull_recomputed,
             kv_usage=self.rtc.usage,
             num_kv_blocks=self.rtc.num_blocks,
             prefix_cache_queries=self.rtc.prefix_queries,

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from meshserve.engine.errors import EngineDeadError
 from meshserve.engine.messages import EngineStats
+from meshserve.platform.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
 from meshserve.outputs import RequestOutput
 from meshserve.platform.errors import APIError, bad_request, from_exception, install_error_handlers, model_not_found
 from meshserve.platform.generation import ClientDisconnected, EnginePrompt, GenerationRun, unless_disconnected
@@ -177,6 +178,12 @@ class OpenAIServing:
                         stream: bool, renderer: Renderer, arrival: float) -> Response:
         if request_id in self._active_ids:
             raise bad_request(f"Request id {request_id!r} is already in use by a running request.")
+        policy = raw.headers.get(ROUTING_HEADER)
+        if policy is not None:  # a deployment's job executor routes this request by it
+            if policy not in POLICIES:
+                raise bad_request(f"Unknown routing policy {policy!r} in the {ROUTING_HEADER} header; "
+                                  f"expected one of {', '.join(POLICIES)}.")
+            REQUEST_ROUTING_POLICY.set(policy)
         run = GenerationRun(self.engine, prompts, request_id, priority,
                             [self.metrics.track(arrival) for _ in prompts])
         self._active_ids.add(request_id)
@@ -372,6 +379,9 @@ async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_lev
                      graceful_shutdown_s: int = 5) -> None:
     """Serve until SIGINT/SIGTERM (or `should_exit`); in-flight streams get `graceful_shutdown_s` to end."""
     app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint)
+    start = getattr(engine, "start", None)
+    if start is not None:  # a job executor starts taking TE heartbeats on this loop now, not at the first request
+        await start()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful_shutdown_s)
     await _Server(config).serve()

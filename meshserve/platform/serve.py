@@ -12,7 +12,10 @@ def serve(args: argparse.Namespace) -> int:
     from meshserve.cli import engine_config_from_args, resolve_deployment
     from meshserve.engine.async_client import AsyncEngineClient
     from meshserve.platform.api_server import run_server
+    from meshserve.platform.deployment import is_multi_te
 
+    if args.deployment and is_multi_te(args.deployment):
+        return serve_deployment(args)
     resolve_deployment(args)
     model = args.model
     if model is None:
@@ -30,4 +33,72 @@ def serve(args: argparse.Namespace) -> int:
                    max_queue_hint=config.max_waiting)
     finally:
         engine.shutdown()
+    return 0
+
+
+def serve_deployment(args: argparse.Namespace) -> int:
+    """Several TEs (each its own processes) behind job executors and the OpenAI API: the first JE runs in
+    this process on --port, further ones (`job_executors: N`) on the next ports, each its own process."""
+    from meshserve.cli import _explicit_engine_kwargs
+    from meshserve.config import ConfigError
+    from meshserve.engine.processes import free_tcp_port, launch_module, stop_process
+    from meshserve.platform.api_server import run_server
+    from meshserve.platform.deployment import launch_tes, load_multi
+    from meshserve.platform.frontend import make_job_executor
+
+    deployment = load_multi(args.deployment)
+    model = args.model or deployment.model
+    if model is None:
+        from meshserve.models.factory import ensure_default_model
+
+        model = str(ensure_default_model())
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
+    overrides = _explicit_engine_kwargs(args)  # flags given explicitly apply to every TE
+    if any(getattr(args, name, None) is not None for name in ("tp", "dp", "ep")):
+        raise ConfigError("--tp/--dp/--ep set one TE's layout; give each TE group's `parallel` in the deployment file")
+    policy = args.routing or deployment.routing
+    log_level = getattr(logging, args.log_level.upper())
+    served_name = overrides.get("served_model_name")
+    max_queue = overrides.get("max_waiting", 1024)
+    je = make_job_executor(model, args.host, args.register_port, policy, deployment.heatmap, deployment.predictor,
+                           served_name)
+    register_addrs = [je.register_addr, *args.also_register]
+    procs: list = []
+    names: list[str] = []
+    try:
+        for i in range(1, deployment.job_executors):  # JE replicas
+            register_port = free_tcp_port(args.host)
+            procs.append(launch_module("meshserve.platform.frontend", model=model, host=args.host,
+                                       port=args.port + i, register_port=register_port, policy=policy,
+                                       heatmap=deployment.heatmap, predictor=deployment.predictor,
+                                       served_model_name=served_name, max_queue_hint=max_queue,
+                                       log_level=log_level))
+            names.append(f"frontend on port {args.port + i}")
+            register_addrs.append(f"tcp://{args.host}:{register_port}")
+        tes = deployment.tes()
+        procs += launch_tes(tes, model, register_addrs, overrides, log_level)
+        names += [f"TE {spec.name}" for spec in tes]
+
+        def all_alive() -> None:
+            for name, proc in zip(names, procs):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited during start-up (exit code {proc.returncode})")
+
+        logger.info("job executor: TEs register at %s; starting %d TE(s)", je.register_addr, len(tes))
+        timeout = overrides.get("startup_timeout_s", 300.0) + 30
+        je.wait_for_tes_blocking(deployment.role_counts(), timeout, alive=all_alive)
+        logger.info("serving %s as %r on http://%s:%d through %d TE(s), routing %s", model, je.model_name,
+                    args.host, args.port, len(tes), policy)
+        run_server(je, args.host, args.port, log_level=args.log_level, served_model_name=je.model_name,
+                   max_queue_hint=max_queue)
+    except (TimeoutError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()  # a TE's master stops its executors and says goodbye
+        for proc in procs:
+            stop_process(proc, grace_s=15)
+        je.shutdown()
     return 0

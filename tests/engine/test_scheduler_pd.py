@@ -1,0 +1,311 @@
+"""Disaggregated prefill/decode in the scheduler (xdeepserve §5.1), driven by fake executors.
+
+A prefill scheduler and a decode scheduler each get a fake executor (tests/engine/test_scheduler.py):
+its KV slots hold fingerprints of the token history, and it checks every context slot before computing.
+A "pull" copies the prefill executor's slots of the handed-off blocks into the decode executor's
+destination blocks, as the ranks' transfer engines do, so a decode that starts from wrong or missing
+KV fails the test, and the outputs must equal the single-engine oracle.
+"""
+from __future__ import annotations
+
+import time
+
+from meshserve.engine.request import Request, RequestStatus
+from tests.engine.test_scheduler import (
+    BS,
+    FakeExecutor,
+    collect,
+    expected_outputs,
+    make_request,
+    make_scheduler,
+    prompt_of,
+    run_sync,
+)
+
+
+def producer(req_id: str, prompt: list[int], max_tokens: int = 6) -> Request:
+    req = make_request(req_id, prompt, max_tokens=max_tokens)
+    req.kv_transfer_role = "producer"
+    return req
+
+
+def consumer(req_id: str, prompt: list[int], first_token: int, source: dict, max_tokens: int = 6) -> Request:
+    """The decode TE's request, as the master builds it from AddRequest(kv_transfer={"role": "consumer", ...})."""
+    req = make_request(req_id, prompt, max_tokens=max_tokens)
+    req.kv_transfer_role = "consumer"
+    req.append_output_token(first_token)
+    req.kv_source = source
+    return req
+
+
+def prefill(sched, ex, reqs: list[Request]) -> dict:
+    """Run the prefill scheduler until every request handed off; req_id -> its hand-off delta."""
+    for req in reqs:
+        sched.add_request(req)
+    hand_offs = {}
+    for _ in range(50):
+        if not sched.has_unfinished_requests():
+            return hand_offs
+        out = sched.schedule()
+        for delta in sched.update_from_output(out, ex.execute(out)):
+            assert delta.finish_reason is None, delta
+            hand_offs[delta.req_id] = delta
+    raise AssertionError("prefill did not finish")
+
+
+def pull(src: FakeExecutor, dst: FakeExecutor, order: dict) -> None:
+    """What the decode ranks do for a pull order: copy the source blocks' slots into the destination's."""
+    assert len(order["src_block_ids"]) == len(order["dst_block_ids"])
+    for s, d in zip(order["src_block_ids"], order["dst_block_ids"]):
+        for offset in range(BS):
+            slot = src.kv.get(s * BS + offset)
+            if slot is not None:
+                dst.kv[d * BS + offset] = slot
+
+
+def hand_off_one(prompt: list[int], max_tokens: int = 6, req_id: str = "r"):
+    p_sched, p_ex = make_scheduler(num_blocks=32), FakeExecutor()
+    delta = prefill(p_sched, p_ex, [producer(req_id, prompt, max_tokens)])[req_id]
+    return p_sched, p_ex, delta
+
+
+# ---------------------------------------------------------------- prefill TE (producer)
+def test_hand_off_holds_exactly_the_prompt_blocks_and_describes_them():
+    for n in (10, 12):  # a partly filled last block, and a prompt of whole blocks
+        prompt = prompt_of(n, n)
+        p_sched, p_ex, delta = hand_off_one(prompt)
+        num_blocks = -(-n // BS)
+        params = delta.kv_transfer_params
+        assert delta.new_token_ids == expected_outputs(prompt, 1) and delta.finish_reason is None
+        assert params["num_tokens"] == n and params["num_cached_tokens"] == 0
+        assert len(params["block_ids"]) == num_blocks
+        assert p_sched.kv_holds["r"].block_ids == params["block_ids"]
+        assert p_sched.rtc.num_blocks - p_sched.rtc.num_available_blocks == num_blocks
+        # the held blocks hold the prompt's KV (the fake executor's fingerprints)
+        held_slots = [b * BS + i for b in params["block_ids"] for i in range(BS)][:n]
+        assert all(slot in p_ex.kv for slot in held_slots)
+        # the request is gone from the prefill TE; its executor state is dropped with the next step
+        assert p_sched.get_request("r") is None and not p_sched.has_unfinished_requests()
+        assert p_sched.stats().kv_transfer_holds == 1
+        p_sched.add_request(make_request("next", prompt_of(99, 3), max_tokens=1))
+        assert p_sched.schedule().finished_req_ids == ["r"]
+
+
+def test_a_producer_samples_the_first_token_only():
+    sched, ex = make_scheduler(), FakeExecutor()
+    sched.add_request(producer("r", prompt_of(1, 6), max_tokens=8))
+    first = sched.schedule()
+    out1 = ex.execute(first)
+    assert sched.schedule().is_empty  # overlapped scheduling must not feed the placeholder to a decode step
+    (delta,) = sched.update_from_output(first, out1)
+    assert delta.kv_transfer_params is not None and ex.samples["r"] == 1
+
+
+def test_a_producer_that_finishes_with_its_first_token_hands_nothing_off():
+    sched, ex = make_scheduler(), FakeExecutor()
+    sched.add_request(producer("r", prompt_of(1, 6), max_tokens=1))
+    run = run_sync(sched, ex)
+    assert run.finish["r"].finish_reason == "length" and run.finish["r"].kv_transfer_params is None
+    assert not sched.kv_holds and sched.rtc.usage == 0.0
+
+
+def test_a_prefix_hit_is_handed_off_with_its_cached_tokens():
+    prompt = prompt_of(3, 14)
+    sched, ex = make_scheduler(num_blocks=32), FakeExecutor()
+    first = prefill(sched, ex, [producer("a", prompt)])["a"]
+    second = prefill(sched, ex, [producer("b", prompt)])["b"]
+    assert second.kv_transfer_params["num_cached_tokens"] == 12
+    # both holds share the cached full blocks: freeing one keeps the other's intact
+    shared = first.kv_transfer_params["block_ids"][:3]
+    assert second.kv_transfer_params["block_ids"][:3] == shared
+    assert sched.release_kv("a")
+    assert sched.rtc.num_blocks - sched.rtc.num_available_blocks == 4  # b's 4 blocks
+    assert sched.release_kv("b") and sched.rtc.num_available_blocks == sched.rtc.num_blocks
+
+
+def test_release_kv_frees_the_held_blocks_once():
+    p_sched, _, _ = hand_off_one(prompt_of(1, 10))
+    assert p_sched.release_kv("r") is True
+    assert p_sched.rtc.num_available_blocks == p_sched.rtc.num_blocks and not p_sched.kv_holds
+    assert p_sched.release_kv("r") is False  # a second release (a duplicate ReleaseKV) is harmless
+    assert p_sched.rtc.num_available_blocks == p_sched.rtc.num_blocks
+
+
+def test_holds_nobody_pulls_expire():
+    sched, ex = make_scheduler(num_blocks=32), FakeExecutor()
+    sched.kv_hold_timeout_s = 5.0
+    start = time.monotonic()
+    prefill(sched, ex, [producer("r", prompt_of(1, 10))])
+    assert sched.expire_kv_holds(now=start + 1.0) == [] and "r" in sched.kv_holds
+    assert sched.expire_kv_holds(now=time.monotonic() + 5.0) == ["r"]
+    assert not sched.kv_holds and sched.rtc.num_available_blocks == sched.rtc.num_blocks
+
+
+def test_aborting_a_handed_off_request_frees_its_hold():
+    p_sched, _, _ = hand_off_one(prompt_of(1, 10))
+    assert p_sched.abort_requests(["r"]) == []  # the caller heard of it through the decode TE, not here
+    assert not p_sched.kv_holds and p_sched.rtc.num_available_blocks == p_sched.rtc.num_blocks
+
+
+# ---------------------------------------------------------------- decode TE (consumer)
+def test_pulled_request_decodes_from_the_transferred_kv():
+    prompt = prompt_of(5, 10)
+    _, p_ex, delta = hand_off_one(prompt, max_tokens=6)
+    d_sched, d_ex = make_scheduler(num_blocks=16), FakeExecutor()
+    req = consumer("r", prompt, delta.new_token_ids[0], delta.kv_transfer_params, max_tokens=6)
+    d_sched.add_request(req)
+    assert d_sched.schedule().is_empty  # nothing to compute until the blocks arrive
+    (order,) = d_sched.kv_pull_queue
+    assert order["src_block_ids"] == delta.kv_transfer_params["block_ids"]
+    assert set(order["dst_block_ids"]) <= set(req.block_ids)
+    assert d_sched.stats().num_running == 1 and d_sched.has_unfinished_requests()
+    pull(p_ex, d_ex, order)
+    d_sched.on_kv_pulled("r", ok=True)
+    step = d_sched.schedule()
+    (new,) = step.new_reqs
+    assert new.num_computed_tokens == len(prompt) and new.token_ids == prompt + delta.new_token_ids
+    assert step.num_scheduled_tokens == {"r": 1}
+    outputs, finish = {}, {}
+    collect(d_sched.update_from_output(step, d_ex.execute(step)), outputs, finish)
+    run = run_sync(d_sched, d_ex)
+    assert delta.new_token_ids + outputs["r"] + run.outputs["r"] == expected_outputs(prompt, 6)
+    assert run.finish["r"].finish_reason == "length"
+    stats = d_sched.stats()
+    assert (stats.kv_pulled, stats.kv_pull_recomputed) == (1, 0)
+    assert d_sched.rtc.usage == 0.0
+
+
+def test_a_failed_pull_recomputes_the_prompt_and_first_token():
+    prompt = prompt_of(6, 10)
+    _, _, delta = hand_off_one(prompt, max_tokens=5)
+    d_sched, d_ex = make_scheduler(num_blocks=16), FakeExecutor()
+    d_sched.add_request(consumer("r", prompt, delta.new_token_ids[0], delta.kv_transfer_params, max_tokens=5))
+    d_sched.schedule()
+    d_sched.kv_pull_queue.clear()  # the pull was ordered; nothing reaches the decode executor's KV
+    d_sched.on_kv_pulled("r", ok=False)
+    step = d_sched.schedule()
+    (new,) = step.new_reqs
+    assert new.num_computed_tokens == 0 and step.num_scheduled_tokens == {"r": len(prompt) + 1}
+    outputs, finish = {}, {}
+    collect(d_sched.update_from_output(step, d_ex.execute(step)), outputs, finish)
+    run = run_sync(d_sched, d_ex)
+    assert delta.new_token_ids + outputs["r"] + run.outputs["r"] == expected_outputs(prompt, 5)
+    stats = d_sched.stats()
+    assert (stats.kv_pulled, stats.kv_pull_recomputed) == (1, 1)
+    assert d_sched.rtc.usage == 0.0
+
+
+def test_a_pull_waits_for_free_blocks_and_starts_when_they_free_up():
+    # the decode pool fits one request at a time: 10-token prompt + 6 outputs = 4 blocks of 4
+    prompts = [prompt_of(i, 10) for i in range(3)]
+    p_sched, p_ex = make_scheduler(num_blocks=32), FakeExecutor()
+    hand_offs = prefill(p_sched, p_ex, [producer(f"r{i}", p) for i, p in enumerate(prompts)])
+    assert len(p_sched.kv_holds) == 3
+    d_sched, d_ex = make_scheduler(num_blocks=4), FakeExecutor()
+    reqs = [consumer(f"r{i}", p, hand_offs[f"r{i}"].new_token_ids[0], hand_offs[f"r{i}"].kv_transfer_params)
+            for i, p in enumerate(prompts)]
+    for req in reqs:
+        d_sched.add_request(req)
+    outputs, finish = {}, {}
+    pulled_order = []
+    waited = False
+    for _ in range(200):
+        if not d_sched.has_unfinished_requests():
+            break
+        step = d_sched.schedule()
+        for order in d_sched.kv_pull_queue:  # the master sends these to the ranks
+            pull(p_ex, d_ex, order)
+            d_sched.on_kv_pulled(order["req_id"], ok=True)
+            assert p_sched.release_kv(order["req_id"])  # the decode master's ReleaseKV
+            pulled_order.append(order["req_id"])
+        d_sched.kv_pull_queue.clear()
+        if d_sched.num_waiting and pulled_order:
+            # backpressure: the rest stay queued (not dropped) and their KV stays held on the prefill TE
+            waited = True
+            assert len(p_sched.kv_holds) == 3 - len(pulled_order)
+        if not step.is_empty:
+            collect(d_sched.update_from_output(step, d_ex.execute(step)), outputs, finish)
+    else:
+        raise AssertionError("requests did not finish")
+    assert waited and pulled_order == ["r0", "r1", "r2"]
+    for i, prompt in enumerate(prompts):
+        assert hand_offs[f"r{i}"].new_token_ids + outputs[f"r{i}"] == expected_outputs(prompt, 6)
+        assert finish[f"r{i}"].finish_reason == "length"
+    assert d_sched.stats().num_preemptions == 0  # waiting, not thrashing
+    assert not p_sched.kv_holds and p_sched.rtc.usage == 0.0 and d_sched.rtc.usage == 0.0
+
+
+def test_a_waiting_pull_does_not_preempt_running_requests():
+    d_sched, d_ex = make_scheduler(num_blocks=4), FakeExecutor()
+    local = make_request("local", prompt_of(1, 10), max_tokens=6)
+    d_sched.add_request(local)
+    step = d_sched.schedule()
+    d_sched.update_from_output(step, d_ex.execute(step))
+    source = {"block_ids": [0, 1, 2], "num_tokens": 10, "num_cached_tokens": 0}
+    d_sched.add_request(consumer("pulled", prompt_of(2, 10), 7, source))
+    d_sched.schedule()
+    assert d_sched.kv_pull_queue == [] and d_sched.num_waiting == 1
+    assert local.status is RequestStatus.RUNNING and d_sched.stats().num_preemptions == 0
+
+
+def test_abort_while_receiving_frees_the_blocks_only_when_the_pull_ends():
+    prompt = prompt_of(4, 10)
+    _, _, delta = hand_off_one(prompt)
+    d_sched = make_scheduler(num_blocks=16)
+    d_sched.add_request(consumer("r", prompt, delta.new_token_ids[0], delta.kv_transfer_params))
+    d_sched.schedule()
+    used = d_sched.rtc.num_blocks - d_sched.rtc.num_available_blocks
+    assert used == 3
+    (aborted,) = d_sched.abort_requests(["r"])
+    assert aborted.finish_reason == "abort"
+    # the ranks may still be writing the blocks: they are not reused yet
+    assert d_sched.rtc.num_blocks - d_sched.rtc.num_available_blocks == used
+    assert d_sched.get_request("r") is None
+    d_sched.on_kv_pulled("r", ok=True)
+    assert d_sched.rtc.num_available_blocks == d_sched.rtc.num_blocks
+    assert not d_sched.has_unfinished_requests()
+    assert d_sched.schedule().is_empty and d_sched.stats().kv_pulled == 0
+
+
+def test_fail_all_answers_a_receiving_request_once():
+    prompt = prompt_of(4, 10)
+    _, _, delta = hand_off_one(prompt)
+    d_sched = make_scheduler(num_blocks=16)
+    d_sched.add_request(consumer("r", prompt, delta.new_token_ids[0], delta.kv_transfer_params))
+    d_sched.add_request(make_request("local", prompt_of(8, 5)))
+    d_sched.schedule()
+    deltas = d_sched.fail_all("executor died")
+    assert sorted(d.req_id for d in deltas) == ["local", "r"]
+    assert all(d.finish_reason == "error" and d.error == "executor died" for d in deltas)
+    assert d_sched.fail_all("again") == []
+
+
+def test_hand_off_says_until_when_the_blocks_are_held():
+    before = time.time()
+    _, _, delta = hand_off_one(prompt_of(1, 10))
+    params = delta.kv_transfer_params
+    assert params["hold_s"] == 300.0
+    assert before + 300.0 <= params["hold_expires_at"] <= time.time() + 300.0
+
+
+def test_a_pull_that_waited_until_the_hold_expires_recomputes_instead_of_reading_freed_blocks():
+    prompt = prompt_of(7, 10)
+    _, p_ex, delta = hand_off_one(prompt, max_tokens=5)
+    d_sched, d_ex = make_scheduler(num_blocks=16), FakeExecutor()
+    fresh = dict(delta.kv_transfer_params, hold_expires_at=time.time() + 60.0, hold_s=60.0)
+    expiring = dict(delta.kv_transfer_params, hold_expires_at=time.time() + 5.0, hold_s=60.0)  # inside the margin
+    d_sched.add_request(consumer("fresh", prompt, delta.new_token_ids[0], fresh, max_tokens=5))
+    d_sched.add_request(consumer("expiring", prompt, delta.new_token_ids[0], expiring, max_tokens=5))
+    step = d_sched.schedule()
+    assert [order["req_id"] for order in d_sched.kv_pull_queue] == ["fresh"]
+    # the expiring one is computed here right away: prompt and first token
+    assert step.num_scheduled_tokens == {"expiring": len(prompt) + 1}
+    pull(p_ex, d_ex, d_sched.kv_pull_queue.pop())
+    d_sched.on_kv_pulled("fresh", ok=True)
+    outputs, finish = {}, {}
+    collect(d_sched.update_from_output(step, d_ex.execute(step)), outputs, finish)
+    run = run_sync(d_sched, d_ex)
+    for req_id in ("fresh", "expiring"):
+        assert delta.new_token_ids + outputs.get(req_id, []) + run.outputs[req_id] == expected_outputs(prompt, 5)
+    stats = d_sched.stats()
+    assert (stats.kv_pulled, stats.kv_pull_recomputed) == (2, 1)
