@@ -47,6 +47,10 @@ class EngineConfig:
     pool_controller: str | None = None
     pool_namespace: str = "default"  # tenant of this TE's KV blocks: blocks are shared within a namespace only
     pool_load_weights: bool = True  # with a pool: load weights from its model cache when the model is there
+    pool_store_decode_blocks: bool = False  # also store blocks of generated tokens (multi-turn reuse)
+    # fetch-vs-recompute cost model: the pool's round trip and bandwidth (`meshserve bench cache` measures them)
+    pool_fetch_latency_ms: float = 2.0
+    pool_fetch_gbps: float = 2.0
     dist_backend: str | None = None  # torch.distributed backend; default gloo on CPU, nccl on CUDA
     num_threads: int | None = None  # torch threads per executor; default: the cores divided among the ranks
     # ranks on other hosts: the master starts ranks 0..local_ranks-1 itself; each other rank is started on
@@ -83,6 +87,8 @@ class EngineConfig:
             raise ConfigError(f"eplb_redundant_experts must be >= 0, got {self.eplb_redundant_experts}")
         if self.eplb_slice_s <= 0 or (self.eplb_interval_s is not None and self.eplb_interval_s <= 0):
             raise ConfigError("eplb_slice_s and eplb_interval_s must be positive")
+        if self.pool_fetch_latency_ms < 0 or self.pool_fetch_gbps <= 0:
+            raise ConfigError("pool_fetch_latency_ms must be >= 0 and pool_fetch_gbps positive")
         if self.kv_transfer not in ("none", "producer", "consumer"):
             raise ConfigError(f"kv_transfer must be none, producer or consumer, got {self.kv_transfer!r}")
         if self.kv_transfer_backend not in ("auto", "shm", "tcp"):

@@ -60,6 +60,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-requests", dest="kv_requests", type=int, default=4,
                     help="requests per rate, timed one at a time and again as one batch (default: 4)")
     kv.add_argument("--block-size", dest="block_size", type=int, default=16, help="KV block size (default: 16)")
+    failover = parser.add_argument_group("failover (a pool server killed during a run, then restarted)")
+    failover.add_argument("--failover-requests", dest="failover_requests", type=int, default=24,
+                          help="requests per phase: before the kill, while down, after the restart (default: 24)")
+    failover.add_argument("--failover-prompt-len", dest="failover_prompt_len", type=int, default=256,
+                          help="prompt tokens of each failover request (default: 256)")
 
 
 def cache_main(args: argparse.Namespace) -> int:
@@ -79,22 +84,42 @@ def cache_main(args: argparse.Namespace) -> int:
 class LocalPool:
     """A controller and servers started with `meshserve pool ...` on free loopback ports."""
 
-    def __init__(self, servers: int, dram_gb: float, log_dir: Path):
+    def __init__(self, servers: int, dram_gb: float, log_dir: Path, ssd: bool = False, server_timeout_s: float = 3.0):
         from meshserve.engine.processes import free_tcp_port
 
         self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
-        self._start(["controller", "--bind", self.controller])
+        self._start(["controller", "--bind", self.controller, "--server-timeout", f"{server_timeout_s:g}"])
+        self.server_args: list[list[str]] = []  # each server's command line, to restart it as it was
         for i in range(servers):
-            self._start(["server", "--controller", self.controller, "--bind", f"tcp://127.0.0.1:{free_tcp_port()}",
-                         "--id", f"bench-s{i}", "--dram-gb", f"{dram_gb:.3f}", "--heartbeat", "0.5"])
+            args = ["server", "--controller", self.controller, "--bind", f"tcp://127.0.0.1:{free_tcp_port()}",
+                    "--id", f"bench-s{i}", "--dram-gb", f"{dram_gb:.3f}", "--heartbeat", "0.5"]
+            if ssd:
+                args += ["--ssd-dir", str(log_dir / f"ssd-{i}"), "--ssd-gb", "4"]
+            self.server_args.append(args)
+            self._start(args)
         self.num_servers = servers
 
-    def _start(self, args: list[str]) -> None:
+    def _start(self, args: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"pool-{len(self.procs)}.log", "a") as log:
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "meshserve.cli", "pool", *args],
-                                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "pool", *args],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def server_proc(self, index: int) -> subprocess.Popen:
+        """The running process of server `index` (the controller is procs[0]; restarts append)."""
+        args = self.server_args[index]
+        return [p for p in self.procs if p.args[4:] == args][-1]
+
+    def kill_server(self, index: int) -> None:
+        proc = self.server_proc(index)
+        proc.kill()
+        proc.wait(10)
+
+    def restart_server(self, index: int) -> None:
+        self._start(self.server_args[index])
 
     def client(self, timeout_s: float = 30.0):
         from meshserve.pool.sdk import PoolClient
@@ -335,8 +360,11 @@ def kv_reuse(args: argparse.Namespace) -> dict:
     n, block, prompt_len = args.kv_requests, args.block_size, args.prompt_len
     blocks_per_prompt = -(-(prompt_len + 1) // block)
     # a prefill is one step (budget >= the prompt), and the batch plus the cached blocks fit
+    # pool_fetch_latency_ms=0: every reusable block is fetched (the fetch-vs-recompute model would
+    # compute short matches of a small model instead); reuse itself is what is measured here
     engine = dict(block_size=block, max_num_batched_tokens=max(prompt_len, 2048), max_num_seqs=n,
-                  num_kv_blocks=(2 * n + 2) * blocks_per_prompt, max_model_len=prompt_len + 1)
+                  num_kv_blocks=(2 * n + 2) * blocks_per_prompt, max_model_len=prompt_len + 1,
+                  pool_fetch_latency_ms=0.0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, LocalPool(1, 4.0, Path(logs)) as pool:
         pool.client().close()  # waits for the server to join
@@ -356,11 +384,71 @@ def kv_reuse(args: argparse.Namespace) -> dict:
             "ttft_target_holds": holds}
 
 
+def failover(args: argparse.Namespace) -> dict:
+    """Context caching while a pool server dies and comes back (issue: hits lost, never requests).
+
+    Two servers with SSD tiers; a TE's prefixes are stored; then three phases of requests that reuse
+    them: both servers up, one killed (SIGKILL) at the start of the phase, the same server restarted
+    from its SSD directory. Every request must complete in every phase; hits drop to the surviving
+    server's share while it is down and come back once its SSD-tier data is served again."""
+    from meshserve import LLM, SamplingParams
+    from meshserve.pool.context_keys import block_keys, model_identity, rank_key
+
+    model_dir = _model_dir(args)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    n, block, prompt_len = args.failover_requests, args.block_size, args.failover_prompt_len
+    rng = random.Random(7)
+    namespace = "failover"
+    prompts = [_random_tokens(rng, vocab, prompt_len) for _ in range(n)]
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine = dict(block_size=block, max_num_seqs=8, num_kv_blocks=4 * (prompt_len // block + 2),
+                  enable_prefix_caching=False, pool_namespace=namespace,  # every hit comes from the pool
+                  pool_fetch_latency_ms=0.0)
+    keys = [k for p in prompts for k in block_keys(p[:-1], block, model_identity(str(model_dir), "float32"),
+                                                   namespace)]
+    phases = []
+    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, \
+            LocalPool(2, 1.0, Path(logs), ssd=True) as pool:
+        with pool.client() as client:
+            with LLM(model=str(model_dir), pool_controller=pool.controller, **engine) as llm:
+                llm.generate(prompts, one_token)
+            store_wait_s = _wait_for_blocks(client, namespace, keys, timeout_s=120.0)
+            probe = [rank_key(k, 0, 1) for k in keys]
+
+            def run_phase(name: str) -> None:
+                present = sum(client.exists(namespace, probe))  # before this phase's TE stores misses again
+                t0 = time.monotonic()
+                with LLM(model=str(model_dir), pool_controller=pool.controller, **engine) as llm:
+                    outs = llm.generate(prompts, one_token)
+                    hits = llm.get_stats().pool_hit_tokens
+                completed = sum(1 for o in outs if o.finished and o.outputs[0].finish_reason == "length")
+                phases.append({"phase": name, "requests": n, "completed": completed, "pool_hit_tokens": hits,
+                               "hit_rate": hits / (n * ((prompt_len - 1) // block * block)),
+                               "blocks_in_pool": present, "seconds": time.monotonic() - t0})
+                print(f"failover {name}: {completed}/{n} requests completed, pool hits {hits} tokens "
+                      f"({phases[-1]['hit_rate']:.0%}), {present}/{len(keys)} blocks reachable at its start", flush=True)
+
+            run_phase("both servers up")
+            pool.kill_server(1)
+            time.sleep(3.5)  # the controller drops the server (--server-timeout 3) and clients see the new view
+            run_phase("server killed")
+            pool.restart_server(1)
+            deadline = time.monotonic() + 60
+            while sum(client.exists(namespace, probe)) < len(keys) and time.monotonic() < deadline:
+                time.sleep(0.5)  # the restarted server rejoins and serves its SSD tier
+            run_phase("server restarted")
+    all_completed = all(p["completed"] == p["requests"] for p in phases)
+    return {"model": str(model_dir), "prompt_len": prompt_len, "block_size": block, "blocks": len(keys),
+            "store_wait_s": store_wait_s, "phases": phases, "all_requests_completed": all_completed,
+            "hits_restored": phases[-1]["pool_hit_tokens"] >= phases[0]["pool_hit_tokens"]}
+
+
 # Parts by name.
 PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "pool": pool_bandwidth,
     "model-startup": model_startup,
     "kv-reuse": kv_reuse,
+    "failover": failover,
 }
 
 
@@ -385,11 +473,18 @@ def summary_lines(results: dict) -> list[str]:
         if r["ttft_target_holds"] is not None:
             lines.append(f"kv-reuse: TTFT at 90% reuse <= {r['ttft_target']}x no reuse: "
                          f"{'holds' if r['ttft_target_holds'] else 'does not hold'}")
+    if "failover" in results:
+        r = results["failover"]
+        for p in r["phases"]:
+            lines.append(f"failover, {p['phase']}: {p['completed']}/{p['requests']} completed, "
+                         f"pool hit rate {p['hit_rate']:.0%}, {p['blocks_in_pool']}/{r['blocks']} blocks reachable at its start")
+        lines.append(f"failover: every request completed: {r['all_requests_completed']}; "
+                     f"hits back after the restart: {r['hits_restored']}")
     return lines
 
 
 def plot(results: dict, path: Path) -> None:
-    panels = [p for p in ("pool", "model_startup", "kv_reuse") if p in results]
+    panels = [p for p in ("pool", "model_startup", "kv_reuse", "failover") if p in results]
     fig, axes = report.new_figure(ncols=len(panels))
     for ax, part in zip(axes[0], panels):
         if part == "pool":
@@ -404,6 +499,16 @@ def plot(results: dict, path: Path) -> None:
             ax.legend()
         elif part == "kv_reuse":
             _plot_kv_reuse(ax, results["kv_reuse"])
+        elif part == "failover":
+            phases = results["failover"]["phases"]
+            names = [p["phase"] for p in phases]
+            ax.bar(names, [p["hit_rate"] * 100 for p in phases], color="tab:green")
+            ax.set_ylabel("pool hit rate (%)")
+            twin = ax.twinx()
+            twin.plot(names, [100 * p["completed"] / p["requests"] for p in phases], marker="o", color="black")
+            twin.set_ylim(0, 105)
+            twin.set_ylabel("requests completed (%)")
+            ax.set_title("a pool server killed, then restarted")
         else:
             r = results["model_startup"]
             labels = ["pool (warm)", "disk (warm cache)", "disk (cold)" if r["cold_measured"] else "disk (after drop*)"]

@@ -145,7 +145,10 @@ class AsyncEngineClient:
         return self._dead_error
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0, context_cache_id: str | None = None,
+                       context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come. `context_cache_id` names a context cache whose pinned blocks lead
+        the prompt; with `context_cache_ttl_s` this request creates that cache from its prompt instead."""
         self._ensure_started()
         if not self.healthy:
             raise EngineDeadError(self.dead_error or "engine is not running")
@@ -157,7 +160,8 @@ class AsyncEngineClient:
         try:
             now = time.time()
             self.engine.submit(self.processor.add_request(request_id, prompt, prompt_token_ids, params, now),
-                               prompt_token_ids, now, priority, self.eos_token_ids)
+                               prompt_token_ids, now, priority, self.eos_token_ids,
+                               context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):

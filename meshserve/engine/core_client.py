@@ -70,12 +70,14 @@ class EngineCoreClient:
         self.to_master.send(msg.encode(item))
 
     def submit(self, children, prompt_token_ids: list[int], arrival_time: float, priority: int,
-               eos_token_ids: list[int]) -> None:
+               eos_token_ids: list[int], context_cache_id: str | None = None,
+               context_cache_ttl_s: float | None = None) -> None:
         """Send the engine-level requests (child id, SamplingParams) of one caller request."""
         for child_id, params in children:
             self.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
                                      sampling_params=params.to_dict(), arrival_time=arrival_time,
-                                     priority=priority, eos_token_ids=eos_token_ids))
+                                     priority=priority, eos_token_ids=eos_token_ids,
+                                     context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s))
 
     def recv(self, timeout_ms: int) -> object | None:
         """The next message from the master, or None after `timeout_ms`."""

@@ -34,7 +34,8 @@ from meshserve.engine.scheduler import Scheduler, SchedulerConfig
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import PlacementShape, load_placement_file
 from meshserve.engine.kv_transfer import PULL_FAILED, PULLED
-from meshserve.pool.context_keys import block_keys, model_identity, rank_key
+from meshserve.pool.context_keys import block_keys, key_root, model_identity, rank_key
+from meshserve.pool.fetch_cost import FetchCostModel
 from meshserve.sampling_params import SamplingParams
 from meshserve.transfer.pd_mapping import source_prefill_tp_rank
 
@@ -245,6 +246,12 @@ class EngineCore:
 
             self.pool = PoolClient(config.pool_controller, name="master")
             self.pool_model_id = model_identity(config.model, config.dtype)
+            # one rank's share of a block crosses the pool; its ranks fetch in parallel
+            self.fetch_cost = FetchCostModel(
+                ready[0].kv_bytes_per_token * config.block_size, config.block_size,
+                config.pool_fetch_latency_ms / 1000, config.pool_fetch_gbps * 1e9)
+            for scheduler in self.schedulers:
+                scheduler.pool_store_decode_blocks = config.pool_store_decode_blocks
         num_blocks = sum(rtc.num_blocks for rtc in self.rtcs)
         if isinstance(link, ClientLink):
             self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
@@ -310,6 +317,17 @@ class EngineCore:
                 data = dataclasses.asdict(self._stats())
             elif item.op == "kv.snapshot":  # a router rebuilding its view of this TE's prefix caches
                 data = {"seq": self._kv_event_seq, "blocks": {g: rtc.snapshot() for g, rtc in enumerate(self.rtcs)}}
+            elif item.op == "context_cache.delete":  # unpin a named context cache's blocks
+                cache_id = item.args.get("id")
+                if not isinstance(cache_id, str):
+                    raise EplbError("context_cache.delete needs args {\"id\": CACHE_ID}")
+                deleted = [s.drop_context_cache(cache_id) for s in self.schedulers]
+                data = {"id": cache_id, "deleted": any(deleted)}
+            elif item.op == "context_cache.list":
+                now = time.monotonic()
+                data = {cache_id: {"dp_rank": g, "num_tokens": len(pin.token_ids),
+                                   "expires_in_s": max(0.0, pin.deadline - now)}
+                        for g, s in enumerate(self.schedulers) for cache_id, pin in s.context_caches.items()}
             else:
                 raise EplbError(f"unknown admin operation {item.op!r}")
         except EplbError as exc:
@@ -333,6 +351,11 @@ class EngineCore:
                               sampling_params=SamplingParams.from_dict(item.sampling_params),
                               arrival_time=item.arrival_time, priority=item.priority,
                               eos_token_ids=item.eos_token_ids)
+            self._set_context_cache(request, item)
+            if request.context_cache_ttl_s is not None and not any(
+                    s.can_pin(request.num_prompt_tokens // self.config.block_size) for s in self.schedulers):
+                raise QueueFullError("named context caches already pin the share of the KV cache they may hold; "
+                                     "delete some or wait for them to expire")
             if item.kv_transfer is not None:
                 self._set_kv_transfer(request, item)
             elif item.output_token_ids:
@@ -343,6 +366,17 @@ class EngineCore:
             self._admit(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
             reject(exc)
+
+    @staticmethod
+    def _set_context_cache(request: Request, item: msg.AddRequest) -> None:
+        """Explicit context caching (deepserve MatchByID): a ttl makes the request create the named cache."""
+        if item.context_cache_ttl_s is not None:
+            if not item.context_cache_id:
+                raise ValueError("context_cache_ttl_s needs a context_cache_id to pin the prompt under")
+            if not item.context_cache_ttl_s > 0:
+                raise ValueError(f"context_cache_ttl_s must be positive, got {item.context_cache_ttl_s}")
+        request.context_cache_id = item.context_cache_id or None
+        request.context_cache_ttl_s = item.context_cache_ttl_s
 
     def _set_kv_transfer(self, request: Request, item: msg.AddRequest) -> None:
         """A disaggregated request: "producer" here computes the prompt and the first token only; "consumer"
@@ -383,6 +417,7 @@ class EngineCore:
         # like the local prefix cache, never the block of the last prompt token: its logits are needed
         keys = block_keys(request.prompt_token_ids[:-1], self.config.block_size, self.pool_model_id,
                           self.config.pool_namespace)
+        request.pool_key_root = key_root(self.pool_model_id, self.config.pool_namespace)
         if not keys:
             return False
         request.pool_block_keys = keys
@@ -448,9 +483,10 @@ class EngineCore:
                  for r in self.pending]
 
         def prefix_hits(item: PendingRequest) -> list[int]:
-            tokens = item.key.all_token_ids
-            return [len(rtc.match_by_prefix(tokens, max_tokens=len(tokens) - 1, record=False)) * rtc.block_size
-                    if rtc.enable_prefix_caching else 0 for rtc in self.rtcs]
+            # a named context cache's pinned blocks count as a hit in the one group holding them, so the
+            # balancer prefers that group; when it is much busier the request goes elsewhere and computes
+            # the prefix there (a miss: the same output, no reuse)
+            return [len(s.match_cached_blocks(item.key)) * s.config.block_size for s in self.schedulers]
 
         placed = place_batch(items, self.config.block_size, loads, prefix_hits)
         if not placed:
@@ -484,6 +520,9 @@ class EngineCore:
         if item.step_id != sched.step_id:
             self._fail(f"DP group {group} returned step {item.step_id}, expected {sched.step_id}")
             return
+        if self.pool is not None:  # the prefill rate the fetch-vs-recompute decision weighs
+            self.fetch_cost.observe_step(sched.total_num_scheduled_tokens, item.execute_seconds)
+            self.schedulers[group].pool_min_fetch_blocks = self.fetch_cost.min_fetch_blocks()
         deltas = self.schedulers[group].update_from_output(sched, item)
         for delta in deltas:
             if delta.kv_transfer_params is not None:
@@ -649,6 +688,8 @@ class EngineCore:
                     for req_id in scheduler.expire_kv_holds():
                         logger.warning("request %s: no decode TE pulled its KV blocks in %.0f s; freed", req_id,
                                        self.config.kv_hold_timeout_s)
+                    for cache_id in scheduler.expire_context_caches():
+                        logger.info("context cache %s expired; its blocks are unpinned", cache_id)
         finally:
             logger.info("shutting down")
             self.link.say_goodbye(self._heartbeat())

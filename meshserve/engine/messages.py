@@ -146,6 +146,10 @@ class AddRequest:
     # kv_transfer_params} (pull the blocks, then decode)
     kv_transfer: dict[str, Any] | None = None
     output_token_ids: list[int] = field(default_factory=list)  # tokens already generated elsewhere (decode TE)
+    # explicit context caching (deepserve MatchByID): with a ttl this request creates the named cache (its prompt's
+    # full blocks stay pinned under the id until the ttl ends or it is deleted); without, it reuses the cache's blocks
+    context_cache_id: str | None = None
+    context_cache_ttl_s: float | None = None
 
 
 @dataclass

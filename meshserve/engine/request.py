@@ -84,6 +84,7 @@ class Request:
         self.ever_scheduled = False
         # context caching: pool keys of the prompt's full blocks, and how many leading ones the pool holds
         self.pool_block_keys: list[str] = []
+        self.pool_key_root: str | None = None  # what block 0's key chains from (set when the pool is used)
         self.num_pool_hit_blocks = 0
         self.num_pool_stored_blocks = 0  # leading prompt blocks known to be in the pool (hit or stored)
         self.populate_positions: list[int] = []  # block-table positions the next step fetches from the pool
@@ -92,12 +93,16 @@ class Request:
         self.kv_transfer_role: str | None = None
         self.kv_source: dict | None = None
         self.kv_pull_aborted = False  # aborted while its blocks were being pulled: freed once the pull ends
+        # explicit context caching: the named cache whose pinned blocks lead this prompt; with a ttl, this
+        # request creates it (its prompt's full blocks are pinned once computed, and the ttl is cleared)
+        self.context_cache_id: str | None = None
+        self.context_cache_ttl_s: float | None = None
         self.arrival_seq = 0  # order of admission: breaks ties between equal arrival times
         self.queue_key: tuple = ()  # position in the waiting queue
 
     @classmethod
     def from_message(cls, msg: AddRequest) -> "Request":
-        return cls(
+        req = cls(
             req_id=msg.req_id,
             prompt_token_ids=msg.prompt_token_ids,
             sampling_params=SamplingParams.from_dict(msg.sampling_params),
@@ -105,6 +110,9 @@ class Request:
             priority=msg.priority,
             eos_token_ids=msg.eos_token_ids,
         )
+        req.context_cache_id = msg.context_cache_id
+        req.context_cache_ttl_s = msg.context_cache_ttl_s
+        return req
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -35,6 +35,7 @@ from meshserve.engine.messages import (
 )
 from meshserve.engine.request import Request, RequestStatus
 from meshserve.engine.rtc import RelationalTensorCache
+from meshserve.pool.context_keys import chain_block_keys
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,17 @@ class _KVHold:
     deadline: float
 
 
+@dataclass
+class _ContextCachePin:
+    """A named context cache's blocks, pinned in the RTC's id index until `deadline` (time.monotonic)."""
+
+    token_ids: list[int]  # the tokens of the pinned full blocks, to check a request's prompt really starts with them
+    deadline: float
+
+
+# named context caches may pin at most this share of a DP group's KV blocks: the rest keeps serving requests
+MAX_PINNED_FRACTION = 0.5
+
 # a decode TE does not start a pull this close to the prefill TE's hold expiry: a pull finishes well
 # within it (the TCP backend's I/O timeout is 10 s), and blocks read after the expiry may be reused
 _PULL_MARGIN_S = 10.0
@@ -131,6 +143,8 @@ class Scheduler:
         # context caching: full prompt blocks whose KV is ready and not yet in the pool, [block_id, key]
         self.pool_store_queue: list[list] = []
         self.pool_hit_tokens = 0  # prompt tokens fetched from the pool instead of computed
+        self.pool_store_decode_blocks = False  # store full blocks of generated tokens too
+        self.pool_min_fetch_blocks = 1  # shorter pool matches are computed instead (FetchCostModel)
         # disaggregated prefill/decode (xdeepserve §5.1)
         # prefill TE: blocks of handed-off requests, held until the decode TE has pulled them: req_id -> hold
         self.kv_holds: dict[str, _KVHold] = {}
@@ -140,6 +154,8 @@ class Scheduler:
         self.kv_pull_queue: list[dict] = []
         self.num_kv_pulled = 0
         self.num_kv_pull_recomputed = 0
+        # explicit context caching (deepserve MatchByID): cache id -> its pinned prompt blocks' tokens and expiry
+        self.context_caches: dict[str, _ContextCachePin] = {}
 
     # ------------------------------------------------------------ queue
     @property
@@ -250,13 +266,12 @@ class Scheduler:
                     break  # no free blocks: the pull waits (backpressure on the prefill TE), nothing is dropped
                 continue
             tokens = req.all_token_ids
-            hit_blocks: list[int] = []
-            if self.rtc.enable_prefix_caching:
-                # at least the last token is computed: its logits give the next token
-                hit_blocks = self.rtc.match_by_prefix(tokens, max_tokens=len(tokens) - 1, record=False)
+            hit_blocks = self.match_cached_blocks(req)
             num_local = len(hit_blocks)
             # blocks the memory pool holds beyond the local hit are fetched, not computed
             num_pool = max(0, req.num_pool_hit_blocks - num_local)
+            if num_pool < self.pool_min_fetch_blocks:
+                num_pool = 0  # too short to pay for a round trip to the pool: computed instead
             num_hit = (num_local + num_pool) * self.config.block_size
             remaining = len(tokens) - num_hit
             # a resumed request longer than the whole budget is chunked regardless, or it would starve
@@ -450,6 +465,8 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != incarnation:
                 continue  # finished, aborted or preempted while the step was in flight
             req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready)
+            if req.context_cache_ttl_s is not None:
+                self._pin_context_cache(req)  # before the token: a request that finishes now frees its blocks
             if req.pending_sample_steps and req.pending_sample_steps[0] == sched.step_id:
                 req.pending_sample_steps.popleft()
                 req.num_output_placeholders -= 1
@@ -499,7 +516,12 @@ class Scheduler:
         if self.rtc.enable_prefix_caching and num_full > req.num_inserted_blocks:
             self.rtc.insert_prefix(req.all_token_ids, req.block_ids, num_full)
             req.num_inserted_blocks = num_full
-        # prompt blocks go to the memory pool too (decode blocks are not stored)
+        # prompt blocks go to the memory pool too; decode blocks only when asked
+        if (self.pool_store_decode_blocks and req.pool_key_root is not None
+                and num_full > len(req.pool_block_keys)):
+            parent = req.pool_block_keys[-1] if req.pool_block_keys else req.pool_key_root
+            req.pool_block_keys += chain_block_keys(parent, req.all_token_ids, self.config.block_size,
+                                                    len(req.pool_block_keys), num_full - len(req.pool_block_keys))
         num_store = min(num_full, len(req.pool_block_keys))
         for pos in range(req.num_pool_stored_blocks, num_store):
             self.pool_store_queue.append([req.block_ids[pos], req.pool_block_keys[pos]])
@@ -569,6 +591,79 @@ class Scheduler:
                            num_blocks=self.rtc.num_blocks,
                            num_used_blocks=self.rtc.num_blocks - self.rtc.num_available_blocks,
                            reserved_blocks=reserved, pending_prefill_tokens=pending)
+
+    # ------------------------------------------------------------ explicit context caching (MatchByID)
+    def match_cached_blocks(self, req: Request) -> list[int]:
+        """The leading blocks whose KV this request can reuse (no reference taken): those of its named context
+        cache first, then whatever the prefix cache holds beyond them. At least the last token is computed: its
+        logits give the next token."""
+        tokens = req.all_token_ids
+        limit = len(tokens) - 1
+        prefix: list[int] = []
+        if self.rtc.enable_prefix_caching:
+            prefix = self.rtc.match_by_prefix(tokens, max_tokens=limit, record=False)
+        pinned = self._match_context_cache(req.context_cache_id, tokens, limit)
+        # a block's KV depends only on the tokens up to it, so pinned and tree blocks of equal tokens mix freely
+        return pinned + prefix[len(pinned):]
+
+    def _match_context_cache(self, cache_id: str | None, tokens: list[int], limit: int) -> list[int]:
+        """The pinned blocks of `cache_id` that lead `tokens` (within `limit` tokens); none for an id this
+        engine does not know (it restarted, or another engine made it): prefix matching alone serves it."""
+        pin = self.context_caches.get(cache_id) if cache_id is not None else None
+        if pin is None:
+            return []
+        blocks = self.rtc.match_by_id(cache_id) or []
+        bs = self.config.block_size
+        n = 0
+        while (n < len(blocks) and (n + 1) * bs <= limit
+               and tokens[n * bs:(n + 1) * bs] == pin.token_ids[n * bs:(n + 1) * bs]):
+            n += 1
+        return blocks[:n]
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(self.rtc.match_by_id(cache_id) or ()) for cache_id in self.context_caches)
+
+    def can_pin(self, num_blocks: int) -> bool:
+        """Whether named context caches may pin `num_blocks` more blocks here."""
+        return self.num_pinned_blocks + num_blocks <= int(MAX_PINNED_FRACTION * self.rtc.num_blocks)
+
+    def _pin_context_cache(self, req: Request) -> None:
+        """Once a creating request's prompt KV is computed, pin its full prompt blocks under the cache id."""
+        bs = self.config.block_size
+        num_full = req.num_prompt_tokens // bs
+        if req.num_kv_ready_tokens < num_full * bs:
+            return
+        if not self.can_pin(num_full):  # others were pinned since its admission: it stays a plain prefix
+            logger.warning("context cache %s not pinned: named caches would hold over %.0f%% of the KV blocks",
+                           req.context_cache_id, 100 * MAX_PINNED_FRACTION)
+            req.context_cache_ttl_s = None
+            return
+        self.rtc.register_id(req.context_cache_id, req.block_ids[:num_full])  # one reference each: never evicted
+        self.context_caches[req.context_cache_id] = _ContextCachePin(
+            token_ids=list(req.prompt_token_ids[:num_full * bs]),
+            deadline=time.monotonic() + req.context_cache_ttl_s)
+        req.context_cache_ttl_s = None
+        logger.debug("context cache %s: %d blocks pinned", req.context_cache_id, num_full)
+
+    def drop_context_cache(self, cache_id: str) -> bool:
+        """Unpin a named cache (deleted or expired), and stop a request still creating it from pinning;
+        False when this scheduler knew nothing of it."""
+        known = self.context_caches.pop(cache_id, None) is not None
+        known = self.rtc.unregister_id(cache_id) or known
+        for req in self._requests.values():
+            if req.context_cache_id == cache_id and req.context_cache_ttl_s is not None:
+                req.context_cache_ttl_s = None
+                known = True
+        return known
+
+    def expire_context_caches(self, now: float | None = None) -> list[str]:
+        """Unpin the named caches whose ttl has passed."""
+        now = time.monotonic() if now is None else now
+        expired = [cache_id for cache_id, pin in self.context_caches.items() if pin.deadline <= now]
+        for cache_id in expired:
+            self.drop_context_cache(cache_id)
+        return expired
 
     def check_fits(self, req: Request) -> None:
         """Raise RequestTooLongError when `req` could never run here (used before a request is queued)."""

@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP API in front of one engine (FastAPI app + uvicorn runner).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics.
+GET /v1/models/{id}, POST /v1/context_caches, GET|DELETE /v1/context_caches/{id},
+GET /health, GET /metrics.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import threading
 import time
@@ -24,13 +26,17 @@ from meshserve.engine.errors import EngineDeadError
 from meshserve.engine.messages import EngineStats
 from meshserve.platform.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
 from meshserve.outputs import RequestOutput
+from meshserve.platform.context_caches import (
+    DEFAULT_TTL_S, ContextCache, ContextCacheNotFound, ContextCacheStore, new_cache_id,
+)
 from meshserve.platform.errors import APIError, bad_request, from_exception, install_error_handlers, model_not_found
 from meshserve.platform.generation import ClientDisconnected, EnginePrompt, GenerationRun, unless_disconnected
 from meshserve.platform.metrics import ServerMetrics
-from meshserve.platform.protocol import ChatCompletionRequest, CompletionRequest, usage
+from meshserve.platform.protocol import ChatCompletionRequest, CompletionRequest, ContextCacheCreateRequest, usage
 from meshserve.platform.renderers import ChatRenderer, CompletionRenderer, Renderer
 from meshserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 _MAX_REQUEST_ID_HEADER_LEN = 128
 # what a client that closed its connection gets logged with (nginx's convention; nobody receives it)
@@ -45,7 +51,8 @@ class EngineClientProtocol(Protocol):
     tokenizer: Any  # a transformers fast tokenizer
 
     def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 request_id: str, priority: int = 0, context_cache_id: str | None = None,
+                 context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -86,6 +93,15 @@ def _generation_failed(error: str) -> APIError:
     return APIError(500, f"The request failed during generation: {error}")
 
 
+def _context_cache_not_found(exc: ContextCacheNotFound, param: str | None) -> APIError:
+    if exc.expired:
+        expired_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(exc.expired_at))
+        return APIError(404, f"The context cache `{exc.cache_id}` expired at {expired_at}; create it again.",
+                        error_type="not_found_error", param=param, code="context_cache_expired")
+    return APIError(404, f"No context cache with id `{exc.cache_id}` exists.", error_type="not_found_error",
+                    param=param, code="context_cache_not_found")
+
+
 class OpenAIServing:
     """The request handlers, bound to one engine and one served model name."""
 
@@ -97,23 +113,28 @@ class OpenAIServing:
         self.max_queue_hint = max_queue_hint
         self.created = int(time.time())
         self._active_ids: set[str] = set()
+        self.context_caches = ContextCacheStore()
 
     # ---------------------------------------------------------------- endpoints
     async def completions(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = self._parse(CompletionRequest, await raw.body())
         self._check_model_and_engine(req.model)
-        prompts = []
+        cache = self._context_cache(req.context_cache_id, "prompt", "/v1/completions")
+        prefix = cache.token_ids if cache is not None else []
+        prompts, own_texts = [], []
         for prompt in req.prompt:
             if isinstance(prompt, str):
-                text, token_ids = prompt, self._encode(prompt, add_special_tokens=True)
+                # after a cached prefix the text continues it: no second set of special tokens
+                text, token_ids = prompt, self._encode(prompt, add_special_tokens=cache is None)
             else:
                 text, token_ids = None, self._checked_token_ids(prompt)
+            own_texts.append(text if text is not None else self.engine.tokenizer.decode(token_ids))
+            token_ids = prefix + token_ids
             max_tokens = self._max_tokens(len(token_ids), req.max_tokens, "prompt")
-            prompts.append(EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs)))
-        echo_texts = None
-        if req.echo:
-            echo_texts = [p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids) for p in prompts]
+            prompts.append(EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs),
+                                        context_cache_id=req.context_cache_id))
+        echo_texts = own_texts if req.echo else None  # the request's own prompt, not the cached prefix
         request_id = self._request_id(raw, "cmpl")
         renderer = CompletionRenderer(request_id, self.model_name, req.n, req.logprobs, req.include_usage_in_stream,
                                       echo_texts)
@@ -123,16 +144,106 @@ class OpenAIServing:
         arrival = time.monotonic()
         req = self._parse(ChatCompletionRequest, await raw.body())
         self._check_model_and_engine(req.model)
-        text = self._render_chat([m.for_template() for m in req.messages])
+        cache = self._context_cache(req.context_cache_id, "messages", "/v1/chat/completions")
+        cached_messages = cache.messages if cache is not None else []
+        # the cached conversation first, rendered together with the new messages
+        text = self._render_chat(cached_messages + [m.for_template() for m in req.messages])
         # the template already wrote the special tokens (BOS, role markers)
         token_ids = self._encode(text, add_special_tokens=False)
         if not token_ids:
             raise bad_request("The messages render to an empty prompt.", param="messages")
         max_tokens = self._max_tokens(len(token_ids), req.requested_max_tokens, "messages")
-        prompt = EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.num_logprobs))
+        prompt = EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.num_logprobs),
+                              context_cache_id=req.context_cache_id)
         request_id = self._request_id(raw, "chatcmpl")
         renderer = ChatRenderer(request_id, self.model_name, req.n, req.num_logprobs, req.include_usage_in_stream)
         return await self._generate(raw, request_id, [prompt], req.priority, bool(req.stream), renderer, arrival)
+
+    async def create_context_cache(self, raw: Request) -> Response:
+        """Have the engine compute a prefix's KV once and keep its blocks pinned under a new id until it expires."""
+        arrival, created = time.monotonic(), time.time()
+        req = self._parse(ContextCacheCreateRequest, await raw.body())
+        self._check_model_and_engine(req.model)
+        ttl_s = float(req.ttl_seconds) if req.ttl_seconds is not None else DEFAULT_TTL_S
+        messages = None
+        if req.messages is not None:
+            messages, param = [m.for_template() for m in req.messages], "messages"
+            # no generation prompt: the conversation goes on with the messages of the requests that use it
+            text = self._render_chat(messages, add_generation_prompt=False)
+            token_ids = self._encode(text, add_special_tokens=False)
+        elif isinstance(req.prompt, str):
+            text, param = req.prompt, "prompt"
+            token_ids = self._encode(text, add_special_tokens=True)
+        else:
+            text, param = None, "prompt"
+            token_ids = self._checked_token_ids(req.prompt)
+        if not token_ids:
+            raise bad_request(f"The {param} renders to an empty prefix.", param=param)
+        limit = self.engine.max_model_len
+        if len(token_ids) >= limit:  # a prefix must leave room for what follows it
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {param} is "
+                              f"{len(token_ids)} tokens, which leaves no room after the cached prefix.",
+                              param=param, code="context_length_exceeded")
+        cache_id = new_cache_id()
+        # one token: the engine computes the prompt's KV and pins its full blocks under the id
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        run = GenerationRun(self.engine, [EnginePrompt(text, token_ids, params, cache_id, ttl_s)], cache_id, 0,
+                            [self.metrics.track(arrival)])
+        try:
+            await unless_disconnected(raw, run.start())
+            await unless_disconnected(raw, self._collect(run))
+        except BaseException as exc:
+            await self._unpin_context_cache(cache_id)  # in case the engine pinned it before the failure
+            if isinstance(exc, ClientDisconnected):
+                return Response(status_code=_CLIENT_CLOSED_STATUS)
+            raise
+        finally:
+            await run.close()
+        cache = self.context_caches.add(cache_id, self.model_name, len(token_ids), ttl_s, created=created,
+                                        token_ids=token_ids if messages is None else None, messages=messages)
+        return JSONResponse(cache.to_dict())
+
+    def retrieve_context_cache(self, cache_id: str) -> dict[str, Any]:
+        try:
+            return self.context_caches.get(cache_id).to_dict()
+        except ContextCacheNotFound as exc:
+            raise _context_cache_not_found(exc, None) from None
+
+    async def delete_context_cache(self, cache_id: str) -> dict[str, Any]:
+        try:
+            self.context_caches.delete(cache_id)
+        except ContextCacheNotFound as exc:
+            raise _context_cache_not_found(exc, None) from None
+        await self._unpin_context_cache(cache_id)
+        return {"id": cache_id, "object": "context_cache.deleted", "deleted": True}
+
+    async def _unpin_context_cache(self, cache_id: str) -> None:
+        """Free the engine's pinned blocks now (they would go at expiry anyway, so a failure is only logged)."""
+        if not self.engine.healthy:
+            return
+        try:
+            reply = await self.engine.admin("context_cache.delete", {"id": cache_id})
+            if not reply.ok:
+                logger.warning("engine did not unpin context cache %s: %s", cache_id, reply.error)
+        except Exception as exc:
+            logger.warning("could not unpin context cache %s: %s", cache_id, exc)
+
+    def _context_cache(self, cache_id: str | None, kind: str, endpoint: str) -> ContextCache | None:
+        """The live cache a request names, checked for this model and this endpoint; None without an id."""
+        if cache_id is None:
+            return None
+        try:
+            cache = self.context_caches.get(cache_id)
+        except ContextCacheNotFound as exc:
+            raise _context_cache_not_found(exc, "context_cache_id") from None
+        if cache.model != self.model_name:
+            raise bad_request(f"The context cache `{cache_id}` belongs to model `{cache.model}`.",
+                              param="context_cache_id")
+        if cache.kind != kind:
+            other = "/v1/chat/completions" if cache.kind == "messages" else "/v1/completions"
+            raise bad_request(f"The context cache `{cache_id}` was created from {cache.kind}; use it with {other}, "
+                              f"not {endpoint}.", param="context_cache_id")
+        return cache
 
     def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_card()]}
@@ -256,9 +367,10 @@ class OpenAIServing:
                               param="prompt")
         return list(token_ids)
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         try:
-            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                             tokenize=False)
         except Exception as exc:  # no template, or the template rejects the conversation
             raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
                               param="messages") from exc
@@ -312,6 +424,19 @@ def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = N
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         return await serving.answer(serving.chat_completions(raw))
+
+    # explicit context caching (deepserve MatchByID)
+    @app.post("/v1/context_caches")
+    async def create_context_cache(raw: Request) -> Response:
+        return await serving.answer(serving.create_context_cache(raw))
+
+    @app.get("/v1/context_caches/{cache_id}")
+    async def retrieve_context_cache(cache_id: str) -> dict[str, Any]:
+        return serving.retrieve_context_cache(cache_id)
+
+    @app.delete("/v1/context_caches/{cache_id}")
+    async def delete_context_cache(cache_id: str) -> dict[str, Any]:
+        return await serving.delete_context_cache(cache_id)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -34,6 +34,13 @@ class EnginePrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    context_cache_id: str | None = None  # the named context cache leading token_ids
+    context_cache_ttl_s: float | None = None  # set: this prompt creates that cache
+
+    def cache_kwargs(self) -> dict:
+        """The engine's context-cache arguments, only when there are any (engines without them still work)."""
+        kwargs = {"context_cache_id": self.context_cache_id, "context_cache_ttl_s": self.context_cache_ttl_s}
+        return {k: v for k, v in kwargs.items() if v is not None}
 
 
 @dataclass
@@ -59,7 +66,8 @@ class GenerationRun:
         self._engine = engine
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self._requests = [
-            _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority), tracker)
+            _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority, **p.cache_kwargs()),
+                           tracker)
             for rid, p, tracker in zip(ids, prompts, trackers)
         ]
         self._pending: dict[asyncio.Task, int] = {}

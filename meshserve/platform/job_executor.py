@@ -36,7 +36,7 @@ from meshserve.engine.output_processor import OutputProcessor
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.outputs import RequestOutput
 from meshserve.platform.prompt_tree import GlobalPromptTree
-from meshserve.platform.routing import REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, Router
+from meshserve.platform.routing import REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, RouteDecision, Router
 from meshserve.platform.te_registry import TERecord, TERegistry
 from meshserve.sampling_params import SamplingParams
 
@@ -68,6 +68,8 @@ class _Job:
     group: str = ""  # ... and its TE group (a replacement decode TE must serve the same model)
     kv_params: dict | None = None  # the prefill TE's hand-off, kept for a decode TE that fails
     token_ids: list[int] = field(default_factory=list)  # tokens received so far
+    context_cache_id: str | None = None  # a named context cache leading the prompt
+    context_cache_ttl_s: float | None = None  # set: this job creates that cache
 
 
 class JobExecutor:
@@ -96,6 +98,8 @@ class JobExecutor:
             self.register_addr = f"tcp://{host}:{self.registrations.bind_to_random_port(f'tcp://{host}')}"
         self.registry = TERegistry(self.ctx, None, self.loads, timeout_s=heartbeat_timeout_s)
         self._jobs: dict[str, _Job] = {}  # engine id -> job
+        # named context caches: id -> (the TE whose KV cache pins its blocks, expiry on time.monotonic)
+        self._cache_homes: dict[str, tuple[str, float]] = {}
         self._job_of_child: dict[str, _Job] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._admin_waiters: dict[int, asyncio.Future] = {}
@@ -270,8 +274,8 @@ class JobExecutor:
     def _dispatch(self, job: _Job, exclude: set[str] = frozenset()) -> None:
         """Route the job's first stage and send it; raises NoRouteError."""
         views = [v for v in self.registry.views() if v.name not in exclude]
-        decision = self.router.route(job.prompt_token_ids, views, policy=job.policy,
-                                     max_tokens=job.params.max_tokens)
+        decision = self._cache_home_route(job, views) or self.router.route(
+            job.prompt_token_ids, views, policy=job.policy, max_tokens=job.params.max_tokens)
         job.attempt += 1
         self._jobs.pop(job.engine_id, None)
         job.engine_id = f"{job.child_id}@{job.attempt}"
@@ -287,7 +291,23 @@ class JobExecutor:
         self._send(self.registry.get(job.te), msg.AddRequest(
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params.to_dict(),
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
-            reply_to=self.output_addr, kv_transfer=kv_transfer))
+            reply_to=self.output_addr, kv_transfer=kv_transfer, context_cache_id=job.context_cache_id,
+            context_cache_ttl_s=job.context_cache_ttl_s))
+        if job.context_cache_ttl_s is not None:  # the TE that computes the prompt pins the cache's blocks
+            self._cache_homes[job.context_cache_id] = (job.te, time.monotonic() + job.context_cache_ttl_s)
+
+    def _cache_home_route(self, job: _Job, views: list) -> RouteDecision | None:
+        """A job using a named context cache goes to the TE that pinned its blocks while that TE is alive;
+        elsewhere it would only compute the prefix again (same output, no reuse)."""
+        now = time.monotonic()
+        for cache_id in [c for c, (_, expiry) in self._cache_homes.items() if expiry <= now]:
+            del self._cache_homes[cache_id]
+        if job.context_cache_id is None or job.context_cache_ttl_s is not None:
+            return None
+        home = self._cache_homes.get(job.context_cache_id)
+        if home is None:
+            return None
+        return self.router.route_to(home[0], views, f"context cache {job.context_cache_id} is pinned there")
 
     def _dispatch_decode(self, job: _Job, exclude: set[str] = frozenset(), recompute: bool = False) -> None:
         """Send a handed-off job to its decode TE (another one of its group if that one is gone). With
@@ -408,7 +428,9 @@ class JobExecutor:
         return None if self.registry.live() else "no TE is registered with this job executor"
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0, context_cache_id: str | None = None,
+                       context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngineClient.generate; a job of a named context cache goes to the TE holding it."""
         self._ensure_started()
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -420,7 +442,8 @@ class JobExecutor:
         finished = False
         try:
             for child_id, child_params in children:
-                job = _Job(child_id, request_id, child_params, list(prompt_token_ids), priority, now, policy)
+                job = _Job(child_id, request_id, child_params, list(prompt_token_ids), priority, now, policy,
+                           context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
                 self._job_of_child[child_id] = job
                 try:
                     self._dispatch(job)
@@ -473,6 +496,11 @@ class JobExecutor:
         self._ensure_started()
         args = dict(args or {})
         live = self.registry.live()
+        if op == "context_cache.delete" and "te" not in args:  # the TE that pinned it
+            home = self._cache_homes.pop(str(args.get("id")), None)
+            if home is None or self.registry.get(home[0]) is None:  # its TE is gone, and its pins with it
+                return msg.AdminReply(query_id=0, data={"id": args.get("id"), "deleted": False})
+            args["te"] = home[0]
         name = args.pop("te", None) or (live[0].name if len(live) == 1 else None)
         record = self.registry.get(name) if name else None
         if record is None:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshserve.outputs import PositionLogprobs
+from meshserve.platform.context_caches import MAX_TTL_S
 from meshserve.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # SamplingParams' own bound
@@ -52,6 +53,8 @@ class _SamplingRequest(_StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    # explicit context caching: the named cache (POST /v1/context_caches) whose prefix comes first
+    context_cache_id: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -200,6 +203,31 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ------------------------------------------------------------------ /v1/context_caches
+class ContextCacheCreateRequest(_StrictModel):
+    """A named prefix: a prompt (text or token ids, for /v1/completions) or chat messages (for chat)."""
+
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    ttl_seconds: int | float | None = Field(None, gt=0, le=MAX_TTL_S)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if value is not None and len(value) == 0:
+            raise ValueError("the prompt must not be empty")
+        if isinstance(value, list) and not all(_is_token_id(t) for t in value):
+            raise ValueError("must be a string or a list of token ids")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ContextCacheCreateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
 # ------------------------------------------------------------------ response pieces

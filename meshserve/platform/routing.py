@@ -201,6 +201,16 @@ class Router:
             return self._locality(cands, entries, prompt_token_ids, name, f"{why}; load balanced (spread {spread:.0f})")
         return self._least_load(cands, entries, name, f"{why}; load unbalanced (spread {spread:.0f})")
 
+    def route_to(self, name: str, tes: Sequence[TEView], reason: str) -> RouteDecision | None:
+        """The unit entered at TE `name` (a colocated TE, or a prefill TE with its group's least loaded
+        decode TE), or None when that TE cannot take requests now."""
+        try:
+            cands = _Candidates.of(tes)
+        except NoRouteError:
+            return None
+        entry = next((t for t in cands.colocated + cands.prefill if t.name == name), None)
+        return None if entry is None else self._decide(cands, entry, "pinned", reason)
+
     # ------------------------------------------------------------ policies
     def _round_robin(self, cands: _Candidates) -> RouteDecision:
         units: list[TEView | str] = list(cands.colocated)  # a str: one slot of that P/D group

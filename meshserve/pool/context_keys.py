@@ -25,14 +25,26 @@ def model_identity(model_dir: str, dtype: str) -> str:
     return f"{content_version(model_dir)}-{dtype}"
 
 
+def key_root(model_id: str, namespace: str) -> str:
+    """What the first block's key chains from."""
+    return f"{namespace}\0{model_id}"
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, model_id: str, namespace: str,
                num_blocks: int | None = None) -> list[str]:
     """Keys of the first `num_blocks` full blocks of `token_ids` (default: every full block)."""
+    return chain_block_keys(key_root(model_id, namespace), token_ids, block_size, 0, num_blocks)
+
+
+def chain_block_keys(parent: str, token_ids: Sequence[int], block_size: int, first_block: int,
+                     num_blocks: int | None = None) -> list[str]:
+    """Keys of the full blocks of `token_ids` from `first_block` on, chained from `parent` (the key of
+    block first_block - 1, or `key_root` for block 0): extends a sequence's keys as it grows."""
     full = len(token_ids) // block_size
-    count = full if num_blocks is None else min(num_blocks, full)
+    last = full if num_blocks is None else min(first_block + num_blocks, full)
     keys: list[str] = []
-    parent = f"{namespace}\0{model_id}".encode()
-    for b in range(count):
+    parent = parent.encode()
+    for b in range(first_block, last):
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(b"".join(_TOKEN.pack(t) for t in token_ids[b * block_size:(b + 1) * block_size]))
         key = digest.hexdigest()

@@ -13,7 +13,8 @@ def test_cache_bench_smoke(tmp_path, capsys):
     out = tmp_path / "cache.json"
     assert main(["bench", "cache", "--json", str(out), "--sizes", "64K,1M", "--total-mb", "2", "--servers", "1",
                  "--repeats", "2", "--model", str(model), "--load-repeats", "1",
-                 "--prompt-len", "64", "--reuse-rates", "0,50", "--kv-requests", "1"]) == 0
+                 "--prompt-len", "64", "--reuse-rates", "0,50", "--kv-requests", "1",
+                 "--failover-requests", "4", "--failover-prompt-len", "48"]) == 0
     results = json.loads(out.read_text())
     rows = results["pool"]["rows"]
     assert [r["value_bytes"] for r in rows] == [64 << 10, 1 << 20]
@@ -32,6 +33,13 @@ def test_cache_bench_smoke(tmp_path, capsys):
     assert all(r["ttft_median_s"] > 0 and r["prefill_tokens_per_s"] > 0 for r in kv["rows"])
     assert none["ttft_vs_no_reuse"] == 1.0 and half["ttft_vs_no_reuse"] > 0
     assert kv["ttft_target_holds"] is None  # no 90% rate measured
+    failover = results["failover"]
+    assert [p["phase"] for p in failover["phases"]] == ["both servers up", "server killed", "server restarted"]
+    assert all(p["completed"] == p["requests"] == 4 for p in failover["phases"])
+    up, down, back = failover["phases"]
+    assert up["pool_hit_tokens"] == 4 * 32  # two full blocks of each 47-token prompt prefix
+    assert down["blocks_in_pool"] < up["blocks_in_pool"] and down["pool_hit_tokens"] < up["pool_hit_tokens"]
+    assert back["blocks_in_pool"] == up["blocks_in_pool"] and failover["hits_restored"]
     assert out.with_suffix(".png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "x memcpy" in printed and "model start-up: pool warm" in printed

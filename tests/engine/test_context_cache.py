@@ -19,7 +19,9 @@ from tests.pool.pool_processes import free_address, pool_processes, start_pool, 
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-ENGINE = dict(block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=128)
+# every pool hit is fetched (the fetch-vs-recompute model is tested on its own)
+ENGINE = dict(block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=128,
+              pool_fetch_latency_ms=0.0)
 
 
 def _prompts() -> list[list[int]]:
@@ -137,3 +139,53 @@ def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
     outs, _, stats = _generate(weightless, prompts, pool_controller=controller, pool_namespace="weights")
     assert outs == reference
     assert stats.pool_hit_tokens >= len(keys) * BLOCK  # the same model's blocks, whichever copy computed them
+
+
+def test_generated_blocks_reach_the_pool_only_when_asked(pool, tmp_path):
+    """A follow-up turn (prompt + previous answer) reuses the answer's blocks from the pool with
+    pool_store_decode_blocks, and only its prompt's without."""
+    controller, _ = pool
+    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=5)
+    first_prompt = _prompts()[3]
+    long_answer = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    hits = {}
+    for store_decode in (False, True):
+        namespace = f"turns-{store_decode}"
+        with LLM(model=str(model_dir), **ENGINE, pool_controller=controller, pool_namespace=namespace,
+                 pool_store_decode_blocks=store_decode) as llm:
+            answer = llm.generate([first_prompt], long_answer)[0].token_ids
+        follow_up = first_prompt + list(answer) + [101, 102, 103]
+        full_blocks = (len(first_prompt) + len(answer) - 1) // BLOCK  # the last token's KV is never computed
+        keys = block_keys(follow_up, BLOCK, model_identity(str(model_dir), "float32"), namespace, full_blocks)
+        with PoolClient(controller, timeout_s=2.0) as client:
+            expected = len(keys) if store_decode else (len(first_prompt) - 1) // BLOCK
+            wait_until(lambda: sum(client.exists(namespace, [rank_key(k, 0, 1) for k in keys])) >= expected, 30,
+                       "the first turn's blocks to reach the pool")
+        reference, _, _ = _generate(model_dir, [follow_up], enable_prefix_caching=False)
+        tokens, cached, _ = _generate(model_dir, [follow_up], pool_controller=controller, pool_namespace=namespace)
+        assert tokens == reference
+        hits[store_decode] = cached[0]
+    assert hits[False] == (len(first_prompt) - 1) // BLOCK * BLOCK
+    assert hits[True] == full_blocks * BLOCK > hits[False]
+
+
+def test_short_pool_matches_are_computed_when_fetching_costs_more(pool, tmp_path):
+    """With a pool round trip priced far above computing a block, the fresh TE computes the prefix:
+    no pool hits once the prefill rate is measured, and the same outputs."""
+    controller, _ = pool
+    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=6)
+    prompts = _prompts()
+    namespace = "fetch-cost"
+    reference, _, _ = _generate(model_dir, prompts, enable_prefix_caching=False)
+    _generate(model_dir, prompts, pool_controller=controller, pool_namespace=namespace)
+    keys = block_keys(prompts[3][:-1], BLOCK, model_identity(str(model_dir), "float32"), namespace)
+    with PoolClient(controller, timeout_s=2.0) as client:
+        wait_until(lambda: all(client.exists(namespace, [rank_key(k, 0, 1) for k in keys])), 30,
+                   "the first TE's blocks to reach the pool")
+    with LLM(model=str(model_dir), **{**ENGINE, "pool_fetch_latency_ms": 60_000.0}, pool_controller=controller,
+             pool_namespace=namespace) as llm:
+        llm.generate([torch.randint(100, 31900, (64,)).tolist()], GREEDY)  # a prefill step measures the rate
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.get_stats()
+    assert [o.token_ids for o in outs] == reference
+    assert stats.pool_hit_tokens == 0
