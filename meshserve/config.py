@@ -15,6 +15,19 @@ class ConfigError(ValueError):
     """An engine setting is invalid; the CLI prints it as one line."""
 
 
+def read_deployment_yaml(path: str) -> Any:
+    """A deployment file's YAML; ConfigError names the file when it cannot be read or parsed."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read deployment file {path!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"deployment file {path!r} is not valid YAML: {exc}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # HF-format model directory
@@ -163,16 +176,7 @@ class Deployment:
 
     @classmethod
     def load(cls, path: str) -> "Deployment":
-        import yaml
-
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read deployment file {path!r}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"deployment file {path!r} is not valid YAML: {exc}") from None
-        return cls.from_dict(data, path)
+        return cls.from_dict(read_deployment_yaml(path), path)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "deployment") -> "Deployment":

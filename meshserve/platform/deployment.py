@@ -31,7 +31,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshserve.config import ConfigError, EngineConfig
+from meshserve.config import ConfigError, EngineConfig, read_deployment_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +123,7 @@ class MultiDeployment:
 
     @classmethod
     def load(cls, path: str) -> "MultiDeployment":
-        import yaml
-
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read deployment file {path!r}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"deployment file {path!r} is not valid YAML: {exc}") from None
-        return cls.from_dict(data, path)
+        return cls.from_dict(read_deployment_yaml(path), path)
 
     @classmethod
     def preset(cls, name: str) -> "MultiDeployment":

@@ -8,6 +8,17 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+def resolve_model(model: str | None) -> str:
+    """The model directory to serve: the one given, else the default model (created on first use)."""
+    if model is None:
+        from meshserve.models.factory import ensure_default_model
+
+        model = str(ensure_default_model())
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
+    return model
+
+
 def serve(args: argparse.Namespace) -> int:
     from meshserve.cli import engine_config_from_args, resolve_deployment
     from meshserve.engine.async_client import AsyncEngineClient
@@ -17,13 +28,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.deployment and is_multi_te(args.deployment):
         return serve_deployment(args)
     resolve_deployment(args)
-    model = args.model
-    if model is None:
-        from meshserve.models.factory import ensure_default_model
-
-        model = str(ensure_default_model())
-    if not (Path(model) / "config.json").is_file():
-        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
+    model = resolve_model(args.model)
     config = engine_config_from_args(args, model)  # before any process starts: bad settings fail fast
     log_level = getattr(logging, args.log_level.upper())
     engine = AsyncEngineClient(config, log_level=log_level)
@@ -47,13 +52,7 @@ def serve_deployment(args: argparse.Namespace) -> int:
     from meshserve.platform.frontend import make_job_executor
 
     deployment = load_multi(args.deployment)
-    model = args.model or deployment.model
-    if model is None:
-        from meshserve.models.factory import ensure_default_model
-
-        model = str(ensure_default_model())
-    if not (Path(model) / "config.json").is_file():
-        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
+    model = resolve_model(args.model or deployment.model)
     overrides = _explicit_engine_kwargs(args)  # flags given explicitly apply to every TE
     if any(getattr(args, name, None) is not None for name in ("tp", "dp", "ep")):
         raise ConfigError("--tp/--dp/--ep set one TE's layout; give each TE group's `parallel` in the deployment file")

@@ -81,19 +81,12 @@ def add_te_parser(subparsers) -> None:
 
 
 def te_main(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from meshserve.cli import engine_config_from_args, resolve_deployment
     from meshserve.config import ConfigError
+    from meshserve.platform.serve import resolve_model
 
     resolve_deployment(args)
-    model = args.model
-    if model is None:
-        from meshserve.models.factory import ensure_default_model
-
-        model = str(ensure_default_model())
-    if not (Path(model) / "config.json").is_file():
-        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
+    model = resolve_model(args.model)
     if not args.listen.startswith("tcp://"):
         raise ConfigError(f"--listen must be a tcp://HOST:PORT address, got {args.listen!r}")
     config = engine_config_from_args(args, model).to_dict()
