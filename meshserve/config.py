@@ -75,7 +75,9 @@ class EngineConfig:
     # disaggregated prefill/decode: a prefill TE's ranks expose their KV caches ("producer"), a decode TE's
     # ranks pull from them ("consumer"); `meshserve te --role` sets it
     kv_transfer: str = "none"  # none | producer | consumer
-    kv_transfer_backend: str = "auto"  # auto (shared memory on one host, else TCP) | shm | tcp
+    # auto (shared memory on one host, else TCP) | shm | tcp
+    # | dist (torch.distributed send/recv: Gloo between CPU ranks, NCCL between ranks on different GPUs)
+    kv_transfer_backend: str = "auto"
     kv_hold_timeout_s: float = 300.0  # a prefill TE frees held KV blocks no decode TE pulled in this time
     te_name: str = "te"  # this TE's name in a deployment (transfer peers and routing tables use it)
     seed: int = 0
@@ -104,8 +106,8 @@ class EngineConfig:
             raise ConfigError("pool_fetch_latency_ms must be >= 0 and pool_fetch_gbps positive")
         if self.kv_transfer not in ("none", "producer", "consumer"):
             raise ConfigError(f"kv_transfer must be none, producer or consumer, got {self.kv_transfer!r}")
-        if self.kv_transfer_backend not in ("auto", "shm", "tcp"):
-            raise ConfigError(f"kv_transfer_backend must be auto, shm or tcp, got {self.kv_transfer_backend!r}")
+        if self.kv_transfer_backend not in ("auto", "shm", "tcp", "dist"):
+            raise ConfigError(f"kv_transfer_backend must be auto, shm, tcp or dist, got {self.kv_transfer_backend!r}")
         if self.kv_hold_timeout_s <= 0:
             raise ConfigError(f"kv_hold_timeout_s must be positive, got {self.kv_hold_timeout_s}")
         if self.dist_backend not in (None, "gloo", "nccl"):

@@ -247,7 +247,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
     engine = parser.add_argument_group("engine (every TE)")
     flags = {**ENGINE_FLAGS, "num_kv_blocks": (int, "KV cache blocks per TE (overrides the memory budget)"),
-             "kv_transfer_backend": (str, "auto | shm | tcp: how decode TEs pull KV from prefill TEs")}
+             "kv_transfer_backend": (str, "auto | shm | tcp | dist: how decode TEs pull KV from prefill TEs")}
     for name, (kind, help_text) in flags.items():
         engine.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
     engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,

@@ -2,9 +2,11 @@
 
 The rank's KV cache is a region of its own transfer engine: in shared memory on CPU (a decode rank on
 the same host maps it and copies blocks with one memcpy per layer), and always behind the engine's TCP
-block server. A decode rank pulls a request's blocks from the prefill rank the master chose for it
-(`meshserve.transfer.pd_mapping`); pulls run on the transfer engine's threads while the rank keeps
-decoding, and their completions are reported to the master as executor events.
+block server, which also sets up the torch.distributed groups of the "dist" backend (Gloo between CPU
+ranks; NCCL between ranks on different GPUs). A decode rank pulls a request's
+blocks from the prefill rank the master chose for it (`meshserve.transfer.pd_mapping`); pulls run on
+the transfer engine's threads while the rank keeps decoding, and their completions are reported to
+the master as executor events.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class RankKVTransfer:
         if device.type == "cpu":
             self.kv_caches = self.engine.allocate_region(REGION, num_layers, num_blocks, block_size, entry_shape,
                                                          dtype)
-        else:  # device memory: peers read it through the TCP block server
+        else:  # device memory: peers read it through the TCP block server or a "dist" (NCCL) group
             self.kv_caches = [torch.zeros((num_blocks, block_size, *entry_shape), dtype=dtype, device=device)
                               for _ in range(num_layers)]
             self.engine.register(REGION, self.kv_caches)

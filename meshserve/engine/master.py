@@ -34,6 +34,7 @@ from meshserve.engine.scheduler import Scheduler, SchedulerConfig
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import PlacementShape, load_placement_file
 from meshserve.engine.kv_transfer import PULL_FAILED, PULLED
+from meshserve.engine.pool_fetch import POOL_FETCHED
 from meshserve.pool.context_keys import block_keys, key_root, model_identity, rank_key
 from meshserve.pool.fetch_cost import FetchCostModel
 from meshserve.sampling_params import SamplingParams
@@ -168,6 +169,16 @@ class ExecutorGroup:
 
 
 @dataclasses.dataclass
+class _FetchProgress:
+    """A populate from the memory pool: the DP group's ranks that reported, the fewest blocks one wrote."""
+
+    group: int
+    num_ordered: int
+    ranks: set = dataclasses.field(default_factory=set)
+    num_fetched: int | None = None
+
+
+@dataclasses.dataclass
 class _PullProgress:
     """A decode TE's pull of one request's blocks: the DP group's ranks that reported, the first error."""
 
@@ -217,6 +228,7 @@ class EngineCore:
         self.kv_regions = [[r.kv_region for r in ready[g * strategy.attn_tp:(g + 1) * strategy.attn_tp]]
                            for g in range(self.dp_size)]
         self._pulls: dict[str, _PullProgress] = {}
+        self._fetches: dict[str, _FetchProgress] = {}
         for group in range(self.dp_size):
             ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
             rtc = RelationalTensorCache(min(r.num_kv_blocks for r in ranks), config.block_size,
@@ -449,6 +461,30 @@ class EngineCore:
                 scheduler.pool_store_queue = []
         return {"pool_store": stores} if stores else {}
 
+    def _take_pool_fetches(self) -> dict:
+        """Control that has each DP group's ranks fetch the pool blocks of requests that got their KV blocks."""
+        fetches = {}
+        for group, scheduler in enumerate(self.schedulers):
+            if scheduler.pool_fetch_queue:
+                fetches[group], scheduler.pool_fetch_queue = scheduler.pool_fetch_queue, []
+                for order in fetches[group]:
+                    self._fetches[order["req_id"]] = _FetchProgress(group, len(order["blocks"]))
+        return {"pool_fetch": fetches} if fetches else {}
+
+    def _on_fetch_event(self, event: msg.ExecutorEvent) -> None:
+        req_id, _, written = event.detail.partition("\t")
+        progress = self._fetches.get(req_id)
+        if progress is None:
+            return
+        progress.ranks.add(event.rank)
+        # the ranks of a TP group compute the same tokens: all start after the fewest blocks any one wrote
+        progress.num_fetched = min(int(written), progress.num_ordered if progress.num_fetched is None
+                                   else progress.num_fetched)
+        if len(progress.ranks) < self.config.strategy.attn_tp:
+            return
+        del self._fetches[req_id]
+        self.schedulers[progress.group].on_pool_fetched(req_id, progress.num_fetched)
+
     def _enqueue(self, request: Request) -> None:
         if request.req_id in self.owner or request.req_id in self._pending_keys:
             raise ValueError(f"request id {request.req_id!r} is already in use")
@@ -510,6 +546,8 @@ class EngineCore:
         if isinstance(item, msg.ExecutorEvent):
             if item.kind in (PULLED, PULL_FAILED):
                 self._on_pull_event(item)
+            elif item.kind == POOL_FETCHED:
+                self._on_fetch_event(item)
             else:
                 self.eplb.on_event(item.rank, item.kind, item.detail)
             return
@@ -630,15 +668,20 @@ class EngineCore:
             if all(sched.is_empty for sched in scheds):
                 break
             # blocks freed while scheduling are stored before this step's forward can overwrite them
-            control = {**self.eplb.step_control(time.time()), **self._take_pool_stores(), **self._take_kv_pulls()}
+            control = {**self.eplb.step_control(time.time()), **self._take_block_moves()}
             self.executors.send(msg.StepBatch(per_dp=scheds, control=control))
             for queue, sched in zip(self.in_flight, scheds):
                 queue.append(sched)
         if self.dead_error is None and (self.eplb.has_pending_control
-                                        or any(s.pool_store_queue or s.kv_pull_queue for s in self.schedulers)):
+                                        or any(s.pool_store_queue or s.pool_fetch_queue or s.kv_pull_queue
+                                               for s in self.schedulers)):
             # no step carried it: send the control on its own (ranks apply it without a forward)
-            control = {**self.eplb.idle_control(), **self._take_pool_stores(), **self._take_kv_pulls()}
+            control = {**self.eplb.idle_control(), **self._take_block_moves()}
             self.executors.send(msg.StepBatch(per_dp=[], control=control))
+
+    def _take_block_moves(self) -> dict:
+        """Control for the ranks' background block moves: pool stores and fetches, KV pulls."""
+        return {**self._take_pool_stores(), **self._take_pool_fetches(), **self._take_kv_pulls()}
 
     def _stats(self) -> msg.EngineStats:
         parts = [s.stats() for s in self.schedulers]

@@ -34,9 +34,6 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # already in the cache (prefix-cache hit, or fetched from the pool)
     num_prompt_tokens: int  # the original prompt length (penalties use output tokens only)
-    # context caching: [position in block_ids, pool key] of blocks to fetch from the pool before the
-    # forward; tokens of a block that cannot be fetched are computed instead, in the same step
-    populate: list[list] = field(default_factory=list)
 
 
 @dataclass

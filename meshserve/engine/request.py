@@ -87,12 +87,12 @@ class Request:
         self.pool_key_root: str | None = None  # what block 0's key chains from (set when the pool is used)
         self.num_pool_hit_blocks = 0
         self.num_pool_stored_blocks = 0  # leading prompt blocks known to be in the pool (hit or stored)
-        self.populate_positions: list[int] = []  # block-table positions the next step fetches from the pool
+        self.num_fetching_blocks = 0  # trailing blocks of its table being fetched from the pool (in `_receiving`)
         # disaggregated prefill/decode: "producer" (prefill TE) or "consumer" (decode TE), and for a consumer
         # the prefill TE's kv_transfer_params until its blocks arrive
         self.kv_transfer_role: str | None = None
         self.kv_source: dict | None = None
-        self.kv_pull_aborted = False  # aborted while its blocks were being pulled: freed once the pull ends
+        self.kv_pull_aborted = False  # aborted while its blocks were being written: freed once the writes end
         # explicit context caching: the named cache whose pinned blocks lead this prompt; with a ttl, this
         # request creates it (its prompt's full blocks are pinned once computed, and the ttl is cleared)
         self.context_cache_id: str | None = None

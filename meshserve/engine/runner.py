@@ -16,6 +16,7 @@ import torch
 
 from meshserve.config import EngineConfig
 from meshserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepBatch
+from meshserve.engine.pool_fetch import RankPoolFetches, write_block_into
 from meshserve.engine.sampler import Sampler, SamplingRow
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.generation_config import eos_token_ids
@@ -90,6 +91,11 @@ class ModelRunner:
             self.kv_caches = self.kv_transfer.kv_caches
         else:
             self.kv_caches = self.layout.allocate(self.num_blocks, self.block_size, self.device)
+        # context caching: pool blocks populate the KV cache in the background
+        self.pool_fetches = RankPoolFetches(
+            self.pool, config.pool_namespace, self.parallel.attn_tp_rank, self.parallel.attn_tp_size,
+            self._block_nbytes(), write_block_into(self.kv_caches, self.block_size, self.layout.entry_shape,
+                                                   self.layout.dtype))
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token)
@@ -125,6 +131,8 @@ class ModelRunner:
         stores = control.get("pool_store", {}).get(self.parallel.dp_rank)
         if stores:
             self._store_blocks(stores)
+        for order in control.get("pool_fetch", {}).get(self.parallel.dp_rank, ()):
+            self.pool_fetches.start(order)
         pulls = control.get("kv_pull", {}).get(self.parallel.dp_rank)
         if pulls:
             if self.kv_transfer is None:
@@ -158,8 +166,8 @@ class ModelRunner:
 
     @property
     def background_busy(self) -> bool:
-        return self._eplb_phase in ("prefetching", "loading") or (self.kv_transfer is not None
-                                                                    and self.kv_transfer.busy)
+        return (self._eplb_phase in ("prefetching", "loading") or self.pool_fetches.busy
+                or (self.kv_transfer is not None and self.kv_transfer.busy))
 
     @property
     def kv_region(self) -> dict | None:
@@ -172,7 +180,7 @@ class ModelRunner:
     def poll_background(self) -> list[tuple[str, str]]:
         """(kind, detail) of background work that finished since the last call."""
         events = self.kv_transfer.poll() if self.kv_transfer is not None else []
-        return events + self._poll_eplb()
+        return events + self.pool_fetches.poll() + self._poll_eplb()
 
     def _poll_eplb(self) -> list[tuple[str, str]]:
         if self._eplb_phase not in ("prefetching", "loading"):
@@ -246,7 +254,7 @@ class ModelRunner:
             if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
                 self._idle_forward()
             return ModelRunnerOutput(step_id=sched.step_id)
-        num_tokens = self._populate(sched)
+        num_tokens = sched.num_scheduled_tokens
         # decodes (one token) first: the attention kernels expect that layout
         order = sorted(num_tokens.items(), key=lambda kv: kv[1] != 1)
         input_ids: list[int] = []
@@ -313,7 +321,7 @@ class ModelRunner:
         return self.layout.bytes_per_token * self.block_size
 
     def _store_blocks(self, stores: list) -> None:
-        """Copy full prompt blocks to the pool (the bytes are taken now; sending runs in the background)."""
+        """Copy full blocks to the pool (the bytes are taken now; sending runs in the background)."""
         if self.pool is None:
             return
         values = {}
@@ -322,52 +330,6 @@ class ModelRunner:
             values[rank_key(key, self.parallel.attn_tp_rank, self.parallel.attn_tp_size)] = \
                 block.view(torch.uint8).numpy().tobytes()
         self.pool.put_async(self.config.pool_namespace, values)
-
-    def _populate(self, sched: SchedulerOutput) -> dict[str, int]:
-        """Fetch the pool blocks new requests were promised; returns the tokens to run per request.
-
-        A block the pool no longer has (evicted, server down) is computed instead, from that block on,
-        in this same step: the miss costs compute, never the request. The ranks of an attention TP
-        group agree on the first miss so that they all run the same tokens."""
-        num_tokens = dict(sched.num_scheduled_tokens)
-        wanted = [new for new in sched.new_reqs if new.populate]
-        if not wanted:
-            return num_tokens
-        tp_rank, tp_size = self.parallel.attn_tp_rank, self.parallel.attn_tp_size
-        keys = [rank_key(key, tp_rank, tp_size) for new in wanted for _, key in new.populate]
-        found = self.pool.get(self.config.pool_namespace, keys) if self.pool is not None else {}
-        first_missing = []
-        for new in wanted:
-            state = self.requests[new.req_id]
-            missing = None
-            for pos, key in new.populate:
-                data = found.get(rank_key(key, tp_rank, tp_size))
-                if data is None or len(data) != self._block_nbytes():
-                    missing = pos
-                    break
-                self._write_block(state.block_ids[pos], data)
-            first_missing.append(missing if missing is not None else -1)
-        if tp_size > 1:  # the group recomputes from the earliest miss any of its ranks saw
-            agreed = torch.tensor([m if m >= 0 else 1 << 30 for m in first_missing], dtype=torch.int64,
-                                  device=self.device)
-            self.parallel.attn_all_reduce_min(agreed)
-            first_missing = [m if m < 1 << 30 else -1 for m in agreed.tolist()]
-        for new, missing in zip(wanted, first_missing):
-            if missing < 0:
-                continue
-            state = self.requests[new.req_id]
-            start = missing * self.block_size
-            num_tokens[new.req_id] += state.num_computed_tokens - start
-            state.num_computed_tokens = start
-            logger.warning("request %s: the pool misses block %d on; computing from token %d", new.req_id, missing,
-                        start)
-        return num_tokens
-
-    def _write_block(self, block_id: int, data) -> None:
-        block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype)
-        block = block.view(len(self.kv_caches), self.block_size, *self.layout.entry_shape)
-        for layer, kv in enumerate(self.kv_caches):
-            kv[block_id].copy_(block[layer])
 
     def _idle_forward(self) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -145,11 +145,15 @@ class Scheduler:
         self.pool_hit_tokens = 0  # prompt tokens fetched from the pool instead of computed
         self.pool_store_decode_blocks = False  # store full blocks of generated tokens too
         self.pool_min_fetch_blocks = 1  # shorter pool matches are computed instead (FetchCostModel)
+        # populate orders not yet sent: {"req_id", "blocks": [[block_id, key], ...]}; the request waits in
+        # `_receiving` while its ranks fetch them in the background (deepserve RTC populate)
+        self.pool_fetch_queue: list[dict] = []
         # disaggregated prefill/decode (xdeepserve §5.1)
         # prefill TE: blocks of handed-off requests, held until the decode TE has pulled them: req_id -> hold
         self.kv_holds: dict[str, _KVHold] = {}
         self.kv_hold_timeout_s = 300.0
-        # decode TE: requests whose blocks are allocated and being pulled, and the pull orders not yet sent
+        # requests whose blocks are allocated and being written in the background (a decode TE's pull from a
+        # prefill TE, or a populate from the memory pool), and the pull orders not yet sent
         self._receiving: dict[str, Request] = {}
         self.kv_pull_queue: list[dict] = []
         self.num_kv_pulled = 0
@@ -272,34 +276,86 @@ class Scheduler:
             num_pool = max(0, req.num_pool_hit_blocks - num_local)
             if num_pool < self.pool_min_fetch_blocks:
                 num_pool = 0  # too short to pay for a round trip to the pool: computed instead
-            num_hit = (num_local + num_pool) * self.config.block_size
+            if num_pool:
+                if not self._start_pool_fetch(req, hit_blocks, num_pool, plan, preempted_now):
+                    break
+                continue
+            num_hit = num_local * self.config.block_size
             remaining = len(tokens) - num_hit
             # a resumed request longer than the whole budget is chunked regardless, or it would starve
             may_chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
             if remaining > plan.budget and not may_chunk:
                 break
             num_new = min(remaining, plan.budget)
-            self.rtc.acquire(hit_blocks)
-            req.block_ids = list(hit_blocks)
-            if not self._allocate(req, num_hit + num_new, plan, preempted_now):
-                self.rtc.free(req.block_ids)
-                req.block_ids = []
+            if not self._take_blocks(req, hit_blocks, num_hit + num_new, plan, preempted_now):
                 break
-            if self.rtc.enable_prefix_caching:
-                self.rtc.record_prefix_lookup(len(tokens), num_local * self.config.block_size)
-            self._waiting.remove(req)  # victims of this request may now stand before it
-            req.num_computed_tokens = num_hit
-            # fetched blocks hold KV only once their step has run
-            req.num_kv_ready_tokens = num_local * self.config.block_size
+            req.num_computed_tokens = req.num_kv_ready_tokens = num_hit
             req.num_inserted_blocks = num_local
-            req.populate_positions = list(range(num_local, num_local + num_pool))
-            self.pool_hit_tokens += num_pool * self.config.block_size
             if not req.ever_scheduled:
                 req.num_cached_tokens = num_hit
                 req.ever_scheduled = True
             req.status = RequestStatus.RUNNING
             self._running.append(req)
             plan.add(req, num_new)
+
+    def _take_blocks(self, req: Request, hit_blocks: list[int], num_tokens: int, plan: _StepPlan,
+                     preempted_now: set[str]) -> bool:
+        """Take a waiting request's cached blocks and grow its table to `num_tokens`, and move it off the
+        waiting queue; False (nothing taken) when the blocks cannot be had."""
+        self.rtc.acquire(hit_blocks)
+        req.block_ids = list(hit_blocks)
+        if not self._allocate(req, num_tokens, plan, preempted_now):
+            self.rtc.free(req.block_ids)
+            req.block_ids = []
+            return False
+        if self.rtc.enable_prefix_caching:
+            self.rtc.record_prefix_lookup(req.num_tokens, len(hit_blocks) * self.config.block_size)
+        self._waiting.remove(req)  # victims of this request may now stand before it
+        return True
+
+    # ------------------------------------------------------------ context caching: populate from the pool
+    def _start_pool_fetch(self, req: Request, hit_blocks: list[int], num_pool: int, plan: _StepPlan,
+                          preempted_now: set[str]) -> bool:
+        """Allocate blocks for the pool's part of the prefix and order them fetched in the background
+        (deepserve RTC populate); the request is scheduled once they are in (`on_pool_fetched`), and the
+        TE keeps stepping its other requests meanwhile. False when the blocks cannot be had yet."""
+        num_local = len(hit_blocks)
+        if not self._take_blocks(req, hit_blocks, (num_local + num_pool) * self.config.block_size, plan,
+                                 preempted_now):
+            return False
+        req.num_fetching_blocks = num_pool
+        self._receiving[req.req_id] = req
+        positions = range(num_local, num_local + num_pool)
+        self.pool_fetch_queue.append({"req_id": req.req_id, "blocks": [
+            [req.block_ids[pos], req.pool_block_keys[pos]] for pos in positions]})
+        return True
+
+    def on_pool_fetched(self, req_id: str, num_fetched: int) -> None:
+        """Every rank of this DP group has written the first `num_fetched` ordered blocks (all of them
+        unless the pool lost some): the request computes the rest of its prompt from there."""
+        req = self._receiving.pop(req_id, None)
+        if req is None:
+            return
+        if req.kv_pull_aborted:  # the abort already answered the caller; the blocks were being written until now
+            self.rtc.free(req.block_ids)
+            req.block_ids = []
+            return
+        num_ordered, req.num_fetching_blocks = req.num_fetching_blocks, 0
+        num_fetched = max(0, min(num_fetched, num_ordered))
+        num_local = len(req.block_ids) - num_ordered
+        if num_fetched < num_ordered:
+            logger.warning("request %s: the pool misses block %d on; computing from token %d", req_id,
+                           num_local + num_fetched, (num_local + num_fetched) * self.config.block_size)
+        num_ready = (num_local + num_fetched) * self.config.block_size
+        self.pool_hit_tokens += num_fetched * self.config.block_size
+        if not req.ever_scheduled:
+            req.num_cached_tokens = num_ready
+            req.ever_scheduled = True
+        req.num_computed_tokens = req.num_kv_ready_tokens = num_ready
+        req.num_inserted_blocks = num_local
+        self._cache_full_blocks(req, num_ready)  # the fetched blocks are local prefix-cache hits from now on
+        req.status = RequestStatus.RUNNING
+        self._running.append(req)
 
     def _allocate(self, req: Request, num_tokens: int, plan: _StepPlan, preempted_now: set[str]) -> bool:
         """Grow req's block table to hold num_tokens, preempting lower-ranked running requests
@@ -369,9 +425,7 @@ class Scheduler:
                     block_ids=list(req.block_ids),
                     num_computed_tokens=entry.num_computed_before,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    populate=[[pos, req.pool_block_keys[pos]] for pos in req.populate_positions],
                 ))
-                req.populate_positions = []
                 req.in_executor = True
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens = entry.num_computed_before + entry.num_tokens

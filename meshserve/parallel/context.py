@@ -164,12 +164,6 @@ class ParallelContext:
         dist.all_gather(parts, x.contiguous(), group=self.attn_tp_group)
         return torch.cat(parts, dim=-1)
 
-    def attn_all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
-        """Element-wise minimum over the attention TP group, in place."""
-        if self.attn_tp_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.attn_tp_group)
-        return x
-
     def attn_broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
         """The driver's tensor on every rank of the attention TP group, in place."""
         if self.attn_tp_size > 1:

@@ -205,6 +205,33 @@ def load_multi(deployment: str) -> MultiDeployment:
     return MultiDeployment.load(deployment) if os.path.exists(deployment) else MultiDeployment.preset(deployment)
 
 
+def check_pd_layouts(tes: list[TESpec], configs: list[EngineConfig]) -> None:
+    """Refuse P/D groups whose prefill and decode attention TP differ on a model without MLA.
+
+    With MLA every attention TP rank holds the whole latent cache, so any layout can pull from any other
+    (cloudmatrix-infer §4.3.3); with GQA each TP rank holds its share of the KV heads, and a decode rank
+    would need parts from several prefill ranks."""
+    from meshserve.models.loader import load_hf_config
+
+    layouts: dict[str, set[tuple[int, str]]] = {}
+    for spec, config in zip(tes, configs):
+        if spec.role != "colocated":
+            layouts.setdefault(spec.group, set()).add((config.strategy.attn_tp, config.model))
+    for group, pairs in sorted(layouts.items()):
+        if len({tp for tp, _ in pairs}) < 2:
+            continue
+        for model in sorted({model for _, model in pairs}):
+            try:
+                mla = load_hf_config(model).get("kv_lora_rank") is not None
+            except (FileNotFoundError, ValueError):
+                continue  # the TE reports a missing model itself, in one line
+            if not mla:
+                tps = ", ".join(str(tp) for tp in sorted({tp for tp, _ in pairs}))
+                raise ConfigError(f"group {group!r}: prefill and decode TEs use attention TP {tps}, but {model} "
+                                  f"has no MLA latent cache; with GQA the KV heads are split by TP rank, so "
+                                  f"prefill and decode need the same attention TP")
+
+
 # ---------------------------------------------------------------------- local launcher
 def launch_tes(tes: list[TESpec], default_model: str, register_addrs: list[str], overrides: dict[str, Any],
                log_level: int, host: str = "127.0.0.1") -> list[subprocess.Popen]:
@@ -217,10 +244,12 @@ def launch_tes(tes: list[TESpec], default_model: str, register_addrs: list[str],
                                                  if k != "te_name"}).world_size for spec in tes)
     # one core is left to the TEs' masters and the job executor, which run beside the ranks
     threads = max(1, ((os.cpu_count() or 1) - 1) // max(1, total_ranks))
+    configs = [EngineConfig(model=spec.model or default_model,  # validated before any start
+                            **{"num_threads": threads, **spec.engine, **overrides, "te_name": spec.name})
+               for spec in tes]
+    check_pd_layouts(tes, configs)
     procs = []
-    for spec in tes:
-        settings = {"num_threads": threads, **spec.engine, **overrides, "te_name": spec.name}
-        config = EngineConfig(model=spec.model or default_model, **settings)  # validated before any start
+    for spec, config in zip(tes, configs):
         procs.append(launch_module("meshserve.platform.te_server", config=config.to_dict(), role=spec.role,
                                    group=spec.group, listen=f"tcp://{host}:0", register=list(register_addrs),
                                    log_level=log_level, watch_parent=True))

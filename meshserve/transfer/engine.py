@@ -1,8 +1,10 @@
 """TransferEngine: moves KV blocks between regions of this engine and linked peers.
 
 A region is a KV cache: one tensor per layer shaped [num_blocks, block_size, *entry]. Transfers
-are pulls: the engine holding the destination initiates and reads the source blocks, either by
-memcpy from a peer's shared-memory region (same host) or over TCP from the peer's block server.
+are pulls: the engine holding the destination initiates and reads the source blocks, by memcpy
+from a peer's shared-memory region (same host, "shm"), over TCP from the peer's block server
+("tcp"), or with torch.distributed send/recv in a 2-rank group per linked pair ("dist": Gloo
+between CPU regions, NCCL between CUDA regions; see `dist.py`).
 Transfers run on worker threads; results arrive on a completion queue (`poll`) and per handle
 (`status`, `wait`).
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from meshserve.transfer import dist as dist_mod
 from meshserve.transfer import shm as shm_mod
 from meshserve.transfer import tcp as tcp_mod
 from meshserve.transfer.shm import ShmKVRegion, dtype_from_str, dtype_to_str
@@ -32,6 +35,15 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def _gpu_id(device: torch.device) -> str | None:
+    """The UUID of the GPU behind a CUDA device (None for other devices)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else f"cuda:{index}"
 
 
 class TransferStatus(str, Enum):
@@ -50,10 +62,13 @@ class RegionDescriptor:
     host_id: str
     tcp_address: tuple[str, int] | None = None
     shm: list[dict[str, Any]] | None = None  # per layer {"shm_name", "shape", "dtype"} when in shared memory
+    device: str = "cpu"  # device type of the layer tensors ("cpu", "cuda")
+    device_id: str | None = None  # which GPU holds them (its UUID), to never pair two ranks of one GPU in NCCL
 
     @property
     def backends(self) -> list[str]:
-        return [b for b, ok in (("shm", self.shm is not None), ("tcp", self.tcp_address is not None)) if ok]
+        tcp = self.tcp_address is not None
+        return [b for b, ok in (("shm", self.shm is not None), ("tcp", tcp), ("dist", tcp)) if ok]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +78,8 @@ class RegionDescriptor:
             "host_id": self.host_id,
             "tcp_address": list(self.tcp_address) if self.tcp_address else None,
             "shm": [dict(s) for s in self.shm] if self.shm is not None else None,
+            "device": self.device,
+            "device_id": self.device_id,
         }
 
     @classmethod
@@ -76,6 +93,8 @@ class RegionDescriptor:
                 host_id=str(d["host_id"]),
                 tcp_address=(str(addr[0]), int(addr[1])) if addr else None,
                 shm=[dict(s) for s in d["shm"]] if d.get("shm") is not None else None,
+                device=str(d.get("device") or "cpu"),  # descriptors from before devices were recorded are CPU
+                device_id=str(d["device_id"]) if d.get("device_id") is not None else None,
             )
         except (KeyError, TypeError, IndexError) as e:
             raise ValueError(f"malformed region descriptor: {e!r}") from e
@@ -109,7 +128,7 @@ class Completion:
 @dataclass
 class _Peer:
     name: str
-    backend: str  # "shm" or "tcp"
+    backend: str  # "shm", "tcp" or "dist"
     regions: dict[str, RegionDescriptor] = field(default_factory=dict)
     attached: dict[str, ShmKVRegion] = field(default_factory=dict)
 
@@ -150,6 +169,7 @@ class TransferEngine:
         if not 0 < chunk_size <= tcp_mod.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_size must be in (0, {tcp_mod.MAX_CHUNK_BYTES}], got {chunk_size}")
         self.name = name
+        self.host = host
         self.host_id = host_id()
         self.force_tcp = force_tcp
         self.chunk_size = chunk_size
@@ -164,7 +184,14 @@ class TransferEngine:
         self._ids = itertools.count(1)
         self._workers = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"transfer-{name}")
         self._closed = False
-        self.server = tcp_mod.TcpBlockServer(self._region_tensors, self._describe_all, host=host, io_timeout=io_timeout) if serve_tcp else None
+        self._dist = dist_mod.DistPuller(host, io_timeout)
+        # serves "dist" pulls of this engine's regions, through the TCP server (None without one)
+        self.dist_source = dist_mod.DistSource(self._region_tensors, host, io_timeout) if serve_tcp and dist_mod.available() else None
+        self.server = (
+            tcp_mod.TcpBlockServer(self._region_tensors, self._describe_all, host=host, io_timeout=io_timeout,
+                                   extra_ops=self.dist_source.handlers() if self.dist_source else None)
+            if serve_tcp else None
+        )
 
     # ------------------------------------------------------------------ regions
     @property
@@ -194,7 +221,7 @@ class TransferEngine:
         """Expose `tensors` (one per layer, [num_blocks, block_size, *entry]) as `region_name`.
 
         Layers that live in shared memory this process allocated are reachable by peers on
-        this host through shm; every region is reachable through the TCP server.
+        this host through shm; every region is reachable through the TCP server and "dist".
         """
         self._check_open()
         if not region_name:
@@ -207,6 +234,8 @@ class TransferEngine:
                 raise ValueError(f"layer {i} of region {region_name!r} must be a tensor [num_blocks, block_size, *entry]")
             if t.shape[0] != tensors[0].shape[0]:
                 raise ValueError(f"layer {i} of region {region_name!r} has {t.shape[0]} blocks, layer 0 has {tensors[0].shape[0]}")
+            if t.device != tensors[0].device:
+                raise ValueError(f"layer {i} of region {region_name!r} is on {t.device}, layer 0 on {tensors[0].device}")
         specs = [shm_mod.shm_spec_of(t) for t in tensors]
         with self._lock:
             if region_name in self._regions:
@@ -218,6 +247,8 @@ class TransferEngine:
                 host_id=self.host_id,
                 tcp_address=self.tcp_address,
                 shm=[s.to_dict() for s in specs] if all(s is not None for s in specs) else None,
+                device=tensors[0].device.type,
+                device_id=_gpu_id(tensors[0].device),
             )
             self._regions[region_name] = tensors
             self._descriptors[region_name] = desc
@@ -246,17 +277,19 @@ class TransferEngine:
         descriptor_or_address: RegionDescriptor | dict[str, Any] | str | tuple[str, int],
         backend: str | None = None,
     ) -> str:
-        """Make a peer's regions reachable; returns the backend chosen ("shm" or "tcp").
+        """Make a peer's regions reachable; returns the backend chosen ("shm", "tcp" or "dist").
 
         Pass a region descriptor (object or dict), or the peer's TCP address to fetch all of its
-        descriptors. Shared memory is used when the peer is on this host and its region is in
-        shm, unless `backend="tcp"` or the engine was built with `force_tcp`.
+        descriptors. With `backend=None`, shared memory is used when the peer is on this host and
+        its region is in shm, else TCP, which `force_tcp` always picks. "dist" must be asked for:
+        NCCL when this engine's regions and the peer's are on different GPUs, else Gloo; it
+        connects lazily, on the first transfer from the peer.
         """
         self._check_open()
         if peer_name == self.name:
             raise ValueError(f"engine {self.name!r} cannot link to itself; use engine=None in BlockRef")
-        if backend not in (None, "shm", "tcp"):
-            raise ValueError(f"backend must be 'shm', 'tcp' or None, got {backend!r}")
+        if backend not in (None, "shm", "tcp", "dist"):
+            raise ValueError(f"backend must be 'shm', 'tcp', 'dist' or None, got {backend!r}")
         if isinstance(descriptor_or_address, RegionDescriptor):
             descriptors = [descriptor_or_address]
         elif isinstance(descriptor_or_address, dict):
@@ -274,26 +307,48 @@ class TransferEngine:
         for d in descriptors:
             if chosen == "shm" and (d.shm is None or d.host_id != self.host_id):
                 raise ValueError(f"region {d.region!r} of {peer_name!r} is not in shared memory on this host")
-            if chosen == "tcp" and d.tcp_address is None:
+            if chosen in ("tcp", "dist") and d.tcp_address is None:
                 raise ValueError(f"region {d.region!r} of {peer_name!r} has no TCP address")
+        if chosen == "dist":
+            if not dist_mod.available():
+                raise ValueError("the dist backend needs torch.distributed with Gloo, which this torch build lacks")
+            if len({d.tcp_address for d in descriptors}) > 1:
+                raise ValueError(f"regions of {peer_name!r} name different TCP servers")
+            # NCCL between distinct GPUs; anything else goes through CPU tensors over Gloo
+            group_backend = "nccl" if self._gpu_pair(descriptors) and dist_mod.nccl_usable() else "gloo"
+            with self._lock:
+                local_device = next((ts[0].device for ts in self._regions.values()), None)
         with self._lock:
             peer = self._peers.get(peer_name)
             if peer is not None and peer.backend != chosen:
                 raise ValueError(f"peer {peer_name!r} is already linked over {peer.backend}, not {chosen}")
             if peer is None:
                 peer = self._peers[peer_name] = _Peer(peer_name, chosen)
+        if chosen == "dist" and descriptors:
+            self._dist.add(peer_name, descriptors[0].tcp_address, group_backend, local_device)
         for d in descriptors:
             if chosen == "shm" and d.region not in peer.attached:
                 peer.attached[d.region] = shm_mod.attach_shm_kv_cache(d.shm)
             peer.regions[d.region] = d
         return chosen
 
+    def _gpu_pair(self, descriptors: list[RegionDescriptor]) -> bool:
+        """The peer's regions and this engine's are all on GPUs, never the same GPU (which NCCL refuses)."""
+        with self._lock:
+            mine = list(self._descriptors.values())
+        return (bool(mine) and bool(descriptors) and all(d.device == "cuda" and d.tcp_address for d in descriptors)
+                and all(m.device == "cuda" for m in mine)
+                and not any(d.device_id == m.device_id and d.host_id == m.host_id for d in descriptors for m in mine))
+
     def unlink(self, peer_name: str) -> None:
+        """Forget a peer: unmap its shm regions, or drop its "dist" group (telling the peer, best effort)."""
         with self._lock:
             peer = self._peers.pop(peer_name, None)
         if peer is not None:
             for region in peer.attached.values():
                 region.close()
+            if peer.backend == "dist":
+                self._dist.remove(peer_name)
 
     # ------------------------------------------------------------------ transfers
     def transfer(self, src: BlockRef, dst: BlockRef, layers: list[int] | None = None) -> TransferHandle:
@@ -348,6 +403,8 @@ class TransferEngine:
         shapes = [(tuple(layer["shape"]), dtype_from_str(layer["dtype"])) for layer in desc.layers]
         if peer.backend == "shm":
             return shapes, self._read_local(peer.attached[src.region].tensors)
+        if peer.backend == "dist":
+            return shapes, self._dist.reader(peer.name, src.region, shapes)
         return shapes, self._read_tcp(desc, shapes)
 
     # A source reader is prepare(block_ids, layer_ids) -> read(layer, device) -> blocks tensor.
@@ -450,6 +507,8 @@ class TransferEngine:
             self._finish(Completion(hid, TransferStatus.FAILED, 0, "transfer engine closed before the transfer ran"))
         for peer in list(self._peers):
             self.unlink(peer)
+        if self.dist_source is not None:
+            self.dist_source.close()
         with self._lock:
             self._regions.clear()
             self._descriptors.clear()

@@ -1,8 +1,10 @@
 """Block reads over TCP: a server thread per engine and a pulling client.
 
-Wire format (all integers big-endian):
+Wire format (all integers big-endian), one request per connection:
   request : u32 length + JSON {"op": "read", "region", "layers", "block_ids", "chunk_size"}
             or {"op": "describe"} (the server's region descriptors)
+            or an op its owner added (`extra_ops`); the transfer engine adds the torch.distributed
+            backend's "store", "dist_link", "dist_read" and "dist_unlink" (see `dist.py`)
   reply   : u32 length + JSON header {"ok": bool, "error"?, "nbytes"?, "regions"?}
   payload : for a read, chunks of u32 length + u32 zlib.crc32 + bytes, until "nbytes" have come;
             each layer's selected blocks are sent in order, a chunk never spans two layers.
@@ -27,6 +29,8 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 
 # (chunk_index, payload) -> payload actually sent; a test hook to corrupt or stall the stream.
 ChunkFaultHook = Callable[[int, bytes], bytes]
+# (connection, request) -> None: serves one request of an added op, replying on the connection itself.
+OpHandler = Callable[[socket.socket, dict[str, Any]], None]
 
 
 class TransferError(RuntimeError):
@@ -48,12 +52,12 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
-def _send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
+def send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
     data = json.dumps(obj).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_json(sock: socket.socket, what: str) -> dict[str, Any]:
+def recv_json(sock: socket.socket, what: str) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, what))
     if n > MAX_HEADER_BYTES:
         raise TransferError(f"{what} of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
@@ -69,7 +73,8 @@ class TcpBlockServer:
     """Serves block reads of an engine's registered regions on one listening socket.
 
     `regions(name)` returns the layer tensors of a region (KeyError if unknown);
-    `describe()` returns the region descriptors a peer may link to.
+    `describe()` returns the region descriptors a peer may link to;
+    `extra_ops` maps further op names to their handlers.
     """
 
     def __init__(
@@ -79,9 +84,11 @@ class TcpBlockServer:
         host: str = "127.0.0.1",
         port: int = 0,
         io_timeout: float = 10.0,
+        extra_ops: dict[str, OpHandler] | None = None,
     ):
         self._regions = regions
         self._describe = describe
+        self._extra_ops = dict(extra_ops or {})
         self.io_timeout = io_timeout
         self.fault_hook: ChunkFaultHook | None = None
         self._listener = socket.create_server((host, port))
@@ -108,14 +115,16 @@ class TcpBlockServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            request = _recv_json(conn, "request")
+            request = recv_json(conn, "request")
             op = request.get("op")
             if op == "describe":
-                _send_json(conn, {"ok": True, "regions": self._describe()})
+                send_json(conn, {"ok": True, "regions": self._describe()})
             elif op == "read":
                 self._serve_read(conn, request)
+            elif op in self._extra_ops:
+                self._extra_ops[op](conn, request)
             else:
-                _send_json(conn, {"ok": False, "error": f"unknown op {op!r}"})
+                send_json(conn, {"ok": False, "error": f"unknown op {op!r}"})
         except (OSError, TransferError, ValueError):
             pass  # the client sees the broken connection and fails its transfer
         finally:
@@ -130,9 +139,9 @@ class TcpBlockServer:
             if not 0 < chunk_size <= MAX_CHUNK_BYTES:
                 raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_BYTES}], got {chunk_size}")
         except (KeyError, ValueError, IndexError, TypeError) as e:
-            _send_json(conn, {"ok": False, "error": str(e.args[0]) if e.args else repr(e)})
+            send_json(conn, {"ok": False, "error": str(e.args[0]) if e.args else repr(e)})
             return
-        _send_json(conn, {"ok": True, "nbytes": sum(len(v) for v in layers_data)})
+        send_json(conn, {"ok": True, "nbytes": sum(len(v) for v in layers_data)})
         chunk_index = 0
         for view in layers_data:
             for off in range(0, len(view), chunk_size):
@@ -146,20 +155,7 @@ class TcpBlockServer:
                 chunk_index += 1
 
     def _select(self, request: dict[str, Any]) -> list[memoryview]:
-        tensors = self._regions(str(request["region"]))
-        block_ids = [int(b) for b in request["block_ids"]]
-        layers = [int(layer) for layer in request["layers"]]
-        out = []
-        for layer in layers:
-            if not 0 <= layer < len(tensors):
-                raise IndexError(f"layer {layer} out of range for region {request['region']!r} with {len(tensors)} layers")
-            t = tensors[layer]
-            bad = [b for b in block_ids if not 0 <= b < t.shape[0]]
-            if bad:
-                raise IndexError(f"block ids {bad} out of range for region {request['region']!r} with {t.shape[0]} blocks")
-            index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
-            out.append(_as_bytes_view(t.index_select(0, index)))
-        return out
+        return [_as_bytes_view(blocks) for blocks in select_blocks(self._regions, request)]
 
     def stop(self) -> None:
         self._stop.set()
@@ -174,6 +170,27 @@ class TcpBlockServer:
                 pass
 
 
+def select_blocks(regions: Callable[[str], list[torch.Tensor]], request: dict[str, Any]) -> list[torch.Tensor]:
+    """Per requested layer, the requested blocks of `request["region"]` (a copy, on the region's device).
+
+    Raises KeyError, IndexError, ValueError or TypeError on a bad region, layer or block id.
+    """
+    tensors = regions(str(request["region"]))
+    block_ids = [int(b) for b in request["block_ids"]]
+    layers = [int(layer) for layer in request["layers"]]
+    out = []
+    for layer in layers:
+        if not 0 <= layer < len(tensors):
+            raise IndexError(f"layer {layer} out of range for region {request['region']!r} with {len(tensors)} layers")
+        t = tensors[layer]
+        bad = [b for b in block_ids if not 0 <= b < t.shape[0]]
+        if bad:
+            raise IndexError(f"block ids {bad} out of range for region {request['region']!r} with {t.shape[0]} blocks")
+        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        out.append(t.index_select(0, index))
+    return out
+
+
 def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
     try:
         sock = socket.create_connection(tuple(address), timeout=timeout)
@@ -183,16 +200,21 @@ def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
     return sock
 
 
-def describe_remote(address: tuple[str, int], timeout: float = 10.0) -> list[dict[str, Any]]:
-    """The region descriptors a remote engine's server publishes."""
+def request(address: tuple[str, int], message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """One request and its JSON reply (not checked for "ok"); TransferError if the exchange fails."""
     with _connect(address, timeout) as sock:
         try:
-            _send_json(sock, {"op": "describe"})
-            reply = _recv_json(sock, "describe reply")
+            send_json(sock, message)
+            return recv_json(sock, f"{message.get('op')} reply")
         except socket.timeout as e:
             raise TransferError(f"timed out after {timeout}s waiting for {address[0]}:{address[1]}") from e
         except OSError as e:
             raise TransferError(f"connection to {address[0]}:{address[1]} failed: {e}") from e
+
+
+def describe_remote(address: tuple[str, int], timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The region descriptors a remote engine's server publishes."""
+    reply = request(address, {"op": "describe"}, timeout)
     if not reply.get("ok"):
         raise TransferError(f"peer refused describe: {reply.get('error')}")
     return reply["regions"]
@@ -211,11 +233,11 @@ def read_blocks(
     where = f"{address[0]}:{address[1]}"
     with _connect(address, timeout) as sock:
         try:
-            _send_json(
+            send_json(
                 sock,
                 {"op": "read", "region": region, "layers": layers, "block_ids": block_ids, "chunk_size": chunk_size},
             )
-            reply = _recv_json(sock, "read reply")
+            reply = recv_json(sock, "read reply")
             if not reply.get("ok"):
                 raise TransferError(f"peer {where} refused read of region {region!r}: {reply.get('error')}")
             if int(reply["nbytes"]) != expected_nbytes:

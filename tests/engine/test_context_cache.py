@@ -2,19 +2,26 @@
 
 A prefix computed by one TE is a pool hit for another (fresh) TE; outputs are identical with the
 cache off, with blocks from the local RTC and with blocks from the pool; a pool that goes away
-costs hits, never requests.
+costs hits, never requests; pool blocks populate in the background while the TE keeps stepping.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
+import time
 
 import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from meshserve.config import EngineConfig
+from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.models.factory import make_model
 from meshserve.pool.context_keys import block_keys, model_identity, rank_key
+from meshserve.pool.controller import run_controller
 from meshserve.pool.sdk import PoolClient
+from meshserve.pool.server import PoolServer
 from tests.pool.pool_processes import free_address, pool_processes, start_pool, stop, wait_until
 
 BLOCK = 8
@@ -102,7 +109,7 @@ def _check_pool_loss(controller, server, tmp_path):
 
 def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, tmp_path):
     """Attention TP2 stores one part per rank. When rank 1's part of a block is gone although rank 0's
-    is there (the master probes rank 0's), both ranks recompute from that block on, in the same step."""
+    is there (the master probes rank 0's), both ranks compute from that block on."""
     controller, _ = pool
     model_dir = make_model("qwen3_moe", "tiny", tmp_path / "model", seed=8)
     prompts = _prompts()[3:]
@@ -114,9 +121,10 @@ def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, t
         wait_until(lambda: all(client.exists("tp2", [rank_key(k, r, 2) for k in keys for r in (0, 1)])), 30,
                    "both ranks' blocks to reach the pool")
         assert all(client.delete("tp2", [rank_key(k, 1, 2) for k in keys[3:]]))
-    outs, cached, _ = _generate(model_dir, prompts, **tp2)
+    outs, cached, stats = _generate(model_dir, prompts, **tp2)
     assert outs == reference
-    assert cached[0] == len(keys) * BLOCK  # promised by the probe; blocks 3.. were computed instead
+    # the probe promised every block; both ranks wrote blocks 0-2 and computed from block 3 on
+    assert cached[0] == stats.pool_hit_tokens == 3 * BLOCK
 
 
 def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
@@ -189,3 +197,109 @@ def test_short_pool_matches_are_computed_when_fetching_costs_more(pool, tmp_path
         stats = llm.get_stats()
     assert [o.token_ids for o in outs] == reference
     assert stats.pool_hit_tokens == 0
+
+
+class _GetGatedPoolServer(PoolServer):
+    """A real pool server whose gets wait at a gate while `hold` is set: a slow pool, on demand."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hold, self.release = threading.Event(), threading.Event()
+        self.gets_held = 0
+
+    def _get(self, request):
+        if self.hold.is_set():
+            self.gets_held += 1
+            self.release.wait(10.0)
+        return super()._get(request)
+
+
+@contextlib.contextmanager
+def _gated_pool():
+    """An in-process controller and one gated server; yields (controller address, server)."""
+    controller, stop = free_address(), threading.Event()
+    threads = [threading.Thread(target=run_controller, args=(controller, 60.0, 16, stop), daemon=True)]
+    server = _GetGatedPoolServer("gated", free_address(), controller, 64 << 20, heartbeat_s=0.2)
+    threads.append(threading.Thread(target=server.serve, daemon=True))
+    for thread in threads:
+        thread.start()
+    try:
+        with PoolClient(controller, timeout_s=2.0) as client:
+            wait_until(lambda: client.view() is not None and len(client.view().servers) == 1, 30,
+                       "the pool server to join")
+        yield controller, server
+    finally:
+        server.release.set()
+        server.stop()
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert not any(thread.is_alive() for thread in threads)
+
+
+def test_pool_blocks_populate_in_the_background_while_other_requests_decode(tmp_path):
+    """deepserve RTC populate: while the pool holds back a request's blocks, the TE keeps decoding
+    another request; the waiting request runs once its blocks are in, from the pool's KV."""
+    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=3)
+    prompt = _prompts()[3]
+    reference, _, _ = _generate(model_dir, [prompt], enable_prefix_caching=False)
+    with _gated_pool() as (controller, server):
+        _generate(model_dir, [prompt], pool_controller=controller, pool_namespace="async")
+        keys = block_keys(prompt[:-1], BLOCK, model_identity(str(model_dir), "float32"), "async")
+        with PoolClient(controller, timeout_s=2.0) as client:
+            wait_until(lambda: all(client.exists("async", [rank_key(k, 0, 1) for k in keys])), 30,
+                       "the first TE's blocks to reach the pool")
+        engine = AsyncEngineClient(EngineConfig(model=str(model_dir), pool_controller=controller,
+                                                pool_namespace="async", **ENGINE))
+        try:
+            decoded, fetched = asyncio.run(_decode_while_fetching(engine, server, prompt))
+        finally:
+            engine.shutdown()
+    assert decoded >= 3, "the other request made no progress while the pool fetch was held"
+    assert fetched.token_ids == reference[0]
+    assert fetched.num_cached_tokens == len(keys) * BLOCK  # every prompt block came from the pool
+
+
+async def _decode_while_fetching(engine: AsyncEngineClient, server: _GetGatedPoolServer, prompt: list[int]):
+    """Tokens the decoding request produced while the other request's pool get was held, and the other
+    request's final output."""
+    produced: list[int] = []
+
+    async def decode() -> None:  # a prompt shorter than a block: nothing to look up in the pool
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        async for out in engine.generate(None, [5, 6, 7], params, "decoding"):
+            produced[:] = out.token_ids
+            if len(produced) >= 400:
+                return
+
+    async def until(predicate, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.01)
+
+    async def fetch():
+        final = None
+        async for out in engine.generate(None, prompt, GREEDY, "fetching"):
+            final = out
+        return final
+
+    decoding = asyncio.create_task(decode())
+    try:
+        await until(lambda: len(produced) >= 2, 60, "the decoding request's first tokens")
+        server.hold.set()
+        fetching = asyncio.create_task(fetch())
+        await until(lambda: server.gets_held >= 1, 20, "the fetch to reach the pool server")
+        before = len(produced)
+        # the runner's pool client waits 5 s per call: release well within it, so the blocks are hits
+        await until(lambda: len(produced) >= before + 3 or decoding.done(), 3, "decode steps during the fetch")
+        decoded = len(produced) - before
+        assert not fetching.done()
+        server.release.set()
+        fetched = await asyncio.wait_for(fetching, 60)
+    finally:
+        server.release.set()
+        decoding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await decoding
+    return decoded, fetched

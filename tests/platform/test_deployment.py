@@ -78,3 +78,26 @@ def test_cli_reports_a_bad_preset_in_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown deployment preset" in lines[0]
+
+
+@pytest.mark.parametrize("arch,refused", [("qwen3_moe", True), ("deepseek_v3", False)])
+def test_pd_groups_with_different_attention_tp_need_mla(tmp_path, arch, refused):
+    """GQA splits KV heads by TP rank, so prefill and decode must match; MLA ranks hold the whole latent cache."""
+    from meshserve.config import EngineConfig
+    from meshserve.models.factory import make_model
+    from meshserve.platform.deployment import check_pd_layouts
+
+    model = str(make_model(arch, "tiny", tmp_path / arch, seed=0))
+    deployment = MultiDeployment.from_dict({"te_groups": [
+        {"group": "pd", "role": "prefill", "parallel": "attn=TP2+DP1 moe=TP2+EP1"},
+        {"group": "pd", "role": "decode"},
+        {"group": "same", "role": "prefill"}, {"group": "same", "role": "decode"}]})
+    tes = deployment.tes()
+    configs = [EngineConfig(model=model, **t.engine) for t in tes]
+    if refused:
+        with pytest.raises(ConfigError, match="group 'pd'.*attention TP 1, 2.*same attention TP"):
+            check_pd_layouts(tes, configs)
+    else:
+        check_pd_layouts(tes, configs)
+    same = [i for i, t in enumerate(tes) if t.group == "same"]
+    check_pd_layouts([tes[i] for i in same], [configs[i] for i in same])  # equal layouts always pair

@@ -122,13 +122,14 @@ def names(procs: dict, role: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- must show 1: same outputs as colocated
-# each arch covers every preset; both backends serve 1p1d, and the others alternate between them
+# each arch covers every preset; shm and tcp both serve 1p1d, the other layouts use shm or dist
+# (torch.distributed send/recv, Gloo between these CPU ranks)
 PD_CASES = [
     ("deepseek_v3", "1p1d", ("shm", "tcp")),
     ("deepseek_v3", "2p1d", ("shm",)),
-    ("deepseek_v3", "1p2d", ("tcp",)),
+    ("deepseek_v3", "1p2d", ("dist",)),
     ("qwen3_moe", "1p1d", ("shm", "tcp")),
-    ("qwen3_moe", "2p1d", ("tcp",)),
+    ("qwen3_moe", "2p1d", ("dist",)),
     ("qwen3_moe", "1p2d", ("shm",)),
 ]
 

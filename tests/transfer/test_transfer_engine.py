@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 
 import msgpack
 import pytest
@@ -73,19 +74,24 @@ def prefill_main(conn, name: str, use_shm: bool, midway) -> None:
                 bad_chunk = cmd[1]
                 engine.server.fault_hook = lambda i, p: bytes([p[0] ^ 0xFF]) + p[1:] if i == bad_chunk else p
             elif cmd[0] == "stall":
-                stall_chunk = cmd[1]
+                stall_at = cmd[1]  # a TCP chunk index, or the position of a layer in a dist read
                 release = threading.Event()  # a fresh gate: an earlier "heal" set the old one
 
-                def stall(i, p):
-                    if i == stall_chunk:
+                def stall(i, payload):
+                    if i == stall_at:
                         midway.set()
                         release.wait(WAIT_S)
-                    return p
+                    return payload
 
                 engine.server.fault_hook = stall
+                engine.dist_source.fault_hook = stall
             elif cmd[0] == "heal":
                 engine.server.fault_hook = None
+                engine.dist_source.fault_hook = None
                 release.set()
+            elif cmd[0] == "dist_links":
+                conn.send({"open": engine.dist_source.link_count, "made": engine.dist_source.links_made})
+                continue
             elif cmd[0] == "close":
                 break
             conn.send("ok")
@@ -202,15 +208,15 @@ def check_pull(result, region, src_ids, dst_ids, layer_steps):
     assert {c["handle_id"]: c for c in result["polled"]} == {c["handle_id"]: c for c in result["waited"]}
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", ["shm", "tcp", "dist"])
 @pytest.mark.parametrize("region", ["mla", "gqa"])
 @pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "layerwise"])
 def test_pull_is_bit_exact(cluster, backend, region, by_layer):
     children, info = cluster
     decode = children["decode"]
     decode.ask("unlink", "prefill")
-    # Linking by descriptor picks shm on one host; tcp is forced. Either way the source is the same.
-    assert decode.ask("link", "prefill", info["descriptors"], None if backend == "shm" else "tcp") == backend
+    # Linking by descriptor picks shm on one host; tcp and dist are forced. Either way the source is the same.
+    assert decode.ask("link", "prefill", info["descriptors"], None if backend == "shm" else backend) == backend
     n_layers = SHAPES[region][0]
     steps = [[layer] for layer in range(n_layers)] if by_layer else [None]
     src_ids, dst_ids = [4, 0, 2], [1, 7, 3]
@@ -236,19 +242,24 @@ def test_corrupted_chunk_fails_checksum_then_recovers(cluster):
     check_pull(result, "mla", [0, 1, 2], [0, 1, 2], [None])
 
 
-def test_stalled_server_times_out_instead_of_hanging(cluster):
+@pytest.mark.parametrize("backend", ["tcp", "dist"])
+def test_stalled_server_times_out_instead_of_hanging(cluster, backend):
     children, info = cluster
     prefill, decode = children["prefill"], children["decode"]
     decode.ask("unlink", "prefill")
-    decode.ask("link", "prefill", info["address"], "tcp")
+    decode.ask("link", "prefill", info["address"], backend)
     try:
-        assert prefill.ask("stall", 1) == "ok"
+        assert prefill.ask("stall", 1) == "ok"  # chunk 1 over tcp, layer 1 of 2 over dist
         result = decode.ask("pull", "prefill", "gqa", [5], [0], [None])
         (done,) = result["waited"]
         assert done["status"] == "FAILED"
-        assert f"timed out after {IO_TIMEOUT_S}s" in done["error"]
+        timed_out = f"timed out after {IO_TIMEOUT_S}s" if backend == "tcp" else f"Timed out waiting {IO_TIMEOUT_S * 1000:.0f}ms"
+        assert timed_out in done["error"], done["error"]
     finally:
         prefill.ask("heal")
+    # the stalled source recovers: a fresh pull (over a fresh group, for dist) succeeds
+    result = decode.ask("pull", "prefill", "gqa", [5], [0], [None])
+    check_pull(result, "gqa", [5], [0], [None])
 
 
 def test_killed_server_fails_transfer_and_healthy_peer_still_serves(cluster):
@@ -277,6 +288,61 @@ def test_killed_server_fails_transfer_and_healthy_peer_still_serves(cluster):
     decode.ask("link", "prefill", info["address"], "tcp")
     result = decode.ask("pull", "prefill", "mla", [0, 1, 2, 3], [4, 5, 6, 7], [None])
     check_pull(result, "mla", [0, 1, 2, 3], [4, 5, 6, 7], [None])
+
+
+def test_killed_dist_peer_fails_transfer_and_healthy_peer_still_serves(cluster):
+    children, info = cluster
+    decode = children["decode"]
+    midway = mp.get_context("spawn").Event()
+    victim = Child(prefill_main, "victim", False, midway)
+    try:
+        victim_info = victim.recv()
+        assert decode.ask("link", "victim", victim_info["descriptors"], "dist") == "dist"
+        assert victim.ask("stall", 1) == "ok"  # layer 0 of 3 arrives, then the victim stops sending
+        decode.conn.send(("pull", "victim", "mla", [0, 1, 2, 3], [4, 5, 6, 7], [None]))
+        assert midway.wait(WAIT_S), "victim never reached the middle of the dist read"
+        victim.proc.kill()
+        victim.proc.join(timeout=5)
+        killed_at = time.monotonic()
+        result = decode.recv(WAIT_S)
+        assert time.monotonic() - killed_at < IO_TIMEOUT_S + 1.0  # the io timeout bounds the wait at worst
+        (done,) = result["waited"]
+        assert done["status"] == "FAILED" and done["nbytes"] == 0
+        assert done["error"].startswith("TransferError: dist pull of region 'mla' from peer 'victim' at 127.0.0.1:"), done
+        assert result["polled"] == result["waited"]
+        assert all(not t.any() for t in result["layers"])  # nothing landed from the half-sent read
+        # The broken link was dropped: the next pull tries to link again and is refused at once.
+        result = decode.ask("pull", "victim", "mla", [0], [0], [None])
+        (done,) = result["waited"]
+        assert done["status"] == "FAILED" and "peer 'victim'" in done["error"] and "cannot connect" in done["error"]
+    finally:
+        victim.stop()
+        decode.ask("unlink", "victim")
+    decode.ask("unlink", "prefill")
+    assert decode.ask("link", "prefill", info["descriptors"], "dist") == "dist"
+    result = decode.ask("pull", "prefill", "mla", [0, 1, 2, 3], [4, 5, 6, 7], [None])
+    check_pull(result, "mla", [0, 1, 2, 3], [4, 5, 6, 7], [None])
+
+
+def test_dist_pulls_reuse_one_group_until_unlinked(cluster):
+    children, info = cluster
+    prefill, decode = children["prefill"], children["decode"]
+    decode.ask("unlink", "prefill")
+    assert all(RegionDescriptor.from_dict(d).backends == ["shm", "tcp", "dist"] for d in info["descriptors"])
+    made = prefill.ask("dist_links")["made"]
+    assert prefill.ask("dist_links") == {"open": 0, "made": made}  # unlink dropped the source's side too
+    assert decode.ask("link", "prefill", info["address"], "dist") == "dist"
+    assert prefill.ask("dist_links") == {"open": 0, "made": made}  # linking is lazy: no group yet
+    for src_ids, dst_ids, steps in (([1], [2], [None]), ([3, 4], [0, 5], [[1], [0]]), ([5, 0, 2], [7, 6, 1], [None])):
+        result = decode.ask("pull", "prefill", "gqa", src_ids, dst_ids, steps)
+        check_pull(result, "gqa", src_ids, dst_ids, steps)
+        assert prefill.ask("dist_links") == {"open": 1, "made": made + 1}  # one group serves every pull
+    decode.ask("unlink", "prefill")
+    assert prefill.ask("dist_links") == {"open": 0, "made": made + 1}
+    assert decode.ask("link", "prefill", info["address"], "dist") == "dist"
+    result = decode.ask("pull", "prefill", "mla", [2], [3], [None])
+    check_pull(result, "mla", [2], [3], [None])
+    assert prefill.ask("dist_links") == {"open": 1, "made": made + 2}
 
 
 def test_owner_close_unlinks_shm_segments():
@@ -326,6 +392,23 @@ def test_local_transfer_and_descriptor_round_trip(engine):
     desc = engine.descriptor("src")
     assert RegionDescriptor.from_dict(msgpack.unpackb(msgpack.packb(desc.to_dict()))) == desc
     assert desc.backends == ["shm"]
+    assert desc.device == "cpu" and desc.device_id is None
+    older = {k: v for k, v in desc.to_dict().items() if k not in ("device", "device_id")}
+    assert RegionDescriptor.from_dict(older) == desc  # descriptors without a device are CPU regions
+
+
+def test_auto_link_picks_tcp_for_a_remote_peer_and_dist_only_when_asked(engine):
+    engine.allocate_region("kv", 1, 4, BLOCK_SIZE, (8,), torch.float32)
+    peer = {**engine.descriptor("kv").to_dict(), "engine": "gpu-peer", "host_id": "elsewhere", "shm": None,
+            "tcp_address": ["127.0.0.1", 9], "device": "cuda", "device_id": "GPU-peer"}
+    assert engine.link("gpu-peer", peer) == "tcp"  # this engine's region is on the CPU: no NCCL pair
+    engine.unlink("gpu-peer")
+    assert engine.link("gpu-peer", peer, backend="dist") == "dist"  # forced: a Gloo group, built on first pull
+    engine.unlink("gpu-peer")
+    with pytest.raises(ValueError, match="no TCP address"):
+        engine.link("gpu-peer", {**peer, "tcp_address": None}, backend="dist")
+    with pytest.raises(ValueError, match="backend must be"):
+        engine.link("gpu-peer", peer, backend="nccl")
 
 
 def test_bad_requests_raise_clear_errors(engine):
