@@ -25,8 +25,8 @@ ENGINE_FLAGS = {
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `pd` and `routing` to the `bench`
-    subcommand's subparsers."""
+    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `pd` and `routing` to the
+    `bench` subcommand's subparsers."""
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
     from meshserve.bench.parallel import add_parallel_arguments, parallel_main
@@ -52,6 +52,11 @@ def register_bench_commands(subparsers) -> None:
     cache = subparsers.add_parser("cache", help="caching cluster: pool bandwidth vs memory copy, model start-up time")
     add_cache_arguments(cache)
     cache.set_defaults(func=cache_main)
+    from meshserve.bench.transfer import add_transfer_arguments, transfer_main
+    transfer = subparsers.add_parser(
+        "transfer", help="KV block pulls between two processes per transfer backend (shm, tcp, dist) vs memcpy")
+    add_transfer_arguments(transfer)
+    transfer.set_defaults(func=transfer_main)
     from meshserve.bench.pd import add_pd_arguments
     from meshserve.bench.routing import add_routing_arguments
 
