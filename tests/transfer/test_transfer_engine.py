@@ -401,7 +401,7 @@ def test_auto_link_picks_tcp_for_a_remote_peer_and_dist_only_when_asked(engine):
     engine.allocate_region("kv", 1, 4, BLOCK_SIZE, (8,), torch.float32)
     peer = {**engine.descriptor("kv").to_dict(), "engine": "gpu-peer", "host_id": "elsewhere", "shm": None,
             "tcp_address": ["127.0.0.1", 9], "device": "cuda", "device_id": "GPU-peer"}
-    assert engine.link("gpu-peer", peer) == "tcp"  # this engine's region is on the CPU: no NCCL pair
+    assert engine.link("gpu-peer", peer) == "tcp"  # a peer on another host: TCP unless dist is asked for
     engine.unlink("gpu-peer")
     assert engine.link("gpu-peer", peer, backend="dist") == "dist"  # forced: a Gloo group, built on first pull
     engine.unlink("gpu-peer")
