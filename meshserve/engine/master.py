@@ -173,9 +173,8 @@ class _FetchProgress:
     """A populate from the memory pool: the DP group's ranks that reported, the fewest blocks one wrote."""
 
     group: int
-    num_ordered: int
+    num_fetched: int  # the blocks ordered, lowered by each rank's report
     ranks: set = dataclasses.field(default_factory=set)
-    num_fetched: int | None = None
 
 
 @dataclasses.dataclass
@@ -478,8 +477,7 @@ class EngineCore:
             return
         progress.ranks.add(event.rank)
         # the ranks of a TP group compute the same tokens: all start after the fewest blocks any one wrote
-        progress.num_fetched = min(int(written), progress.num_ordered if progress.num_fetched is None
-                                   else progress.num_fetched)
+        progress.num_fetched = min(progress.num_fetched, int(written))
         if len(progress.ranks) < self.config.strategy.attn_tp:
             return
         del self._fetches[req_id]
