@@ -25,8 +25,8 @@ ENGINE_FLAGS = {
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `pd` and `routing` to the
-    `bench` subcommand's subparsers."""
+    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd` and
+    `routing` to the `bench` subcommand's subparsers."""
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
     from meshserve.bench.parallel import add_parallel_arguments, parallel_main
@@ -57,6 +57,12 @@ def register_bench_commands(subparsers) -> None:
         "transfer", help="KV block pulls between two processes per transfer backend (shm, tcp, dist) vs memcpy")
     add_transfer_arguments(transfer)
     transfer.set_defaults(func=transfer_main)
+    from meshserve.bench.decode_step import add_decode_step_arguments, decode_step_main
+    decode_step = subparsers.add_parser(
+        "decode-step", help="one decode step, native CPU kernels vs the torch path: ms per step, speedup, "
+                            "where the time goes")
+    add_decode_step_arguments(decode_step)
+    decode_step.set_defaults(func=decode_step_main)
     from meshserve.bench.pd import add_pd_arguments
     from meshserve.bench.routing import add_routing_arguments
 

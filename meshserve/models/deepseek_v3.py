@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.models.base import AttentionMetadata, CausalLM, KVCacheLayout
+from meshserve.models.layers import cpu_kernels
+from meshserve.models.layers.linear import attach_packed, linear
 from meshserve.models.layers.mla import (
     MLABatchPlan,
     MultiHeadLatentAttention,
@@ -159,6 +161,11 @@ def grouped_topk(
     best groups may contribute experts. The weights are the unbiased scores of the
     chosen experts. Returns (weights float32 [T, K], expert ids int64 [T, K]).
     """
+    if (router_logits.device.type == "cpu" and router_logits.dtype == torch.float32
+            and correction_bias.dtype == torch.float32 and router_logits.shape[0] and cpu_kernels.enabled()
+            and (n_group == 1 or topk_group == n_group or router_logits.shape[1] // n_group >= 2)):
+        return cpu_kernels.grouped_topk(router_logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                                        routed_scaling_factor)
     scores = router_logits.sigmoid()
     scores_for_choice = scores + correction_bias
     if 1 < n_group and topk_group < n_group:
@@ -267,8 +274,12 @@ class DeepseekV3MoE(torch.nn.Module):
             return "shared_experts." + self.shared_experts.load_hf_weight(name[len("shared_experts."):], tensor)
         raise KeyError(f"unexpected MoE weight {name!r}")
 
+    def pack_weights(self) -> int:
+        """Prepack the router for oneDNN (see linear.py); the experts and shared experts pack themselves."""
+        return int(attach_packed(self.gate_weight))
+
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        router_logits = F.linear(hidden_states.float(), self.gate_weight)
+        router_logits = linear(hidden_states.float(), self.gate_weight)
         return grouped_topk(router_logits, self.e_score_correction_bias, self.top_k, self.n_group,
                             self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, grouped_topk
-from meshserve.models.layers import mla
+from meshserve.models.layers import cpu_kernels, mla
 from meshserve.models.layers.mla import MLABatchPlan
 from meshserve.models.loader import load_model
 from tests.models.paged_harness import PagedHarness
@@ -32,6 +32,9 @@ CASES = {
     "no_q_lora": dict(q_lora_rank=None, attention_bias=True, rope_interleave=False),
     "yarn": dict(rope_parameters=YARN),
     "group_limited": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2),
+    # latent and value dims in whole 32-column blocks: decode absorption runs through the native
+    # grouped_linear too (the cases above absorb with bmm and only attend natively)
+    "native_shapes": dict(kv_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=32),
 }
 
 
@@ -97,6 +100,9 @@ def test_prefill_and_decode_match_hf(case):
     name, path, hf = case
     model = load_model(path)
     assert isinstance(model, DeepseekV3ForCausalLM)
+    # only the native_shapes case absorbs through the native grouped_linear
+    absorbs_natively = [layer.self_attn._absorbed_packed is not None for layer in model.layers]
+    assert absorbs_natively == [name == "native_shapes"] * len(model.layers)
     tokens, logits = generate(PagedHarness(model), prompts(BASE["vocab_size"]), DECODE_STEPS)
     for seq_tokens, seq_logits in zip(tokens, logits):
         ref = hf_logits(hf, seq_tokens)
@@ -141,15 +147,24 @@ def test_absorbed_decode_equals_unabsorbed_attention(case, monkeypatch):
             return [layer.self_attn(hidden, cos, sin, plan, cache.clone())
                     for layer, cache in zip(model.layers, harness.kv_caches)]
 
-    absorbed = attention_outputs(3)
+    native_calls = []
+    native_decode = cpu_kernels.mla_decode
+    monkeypatch.setattr(cpu_kernels, "mla_decode", lambda *args: native_calls.append(1) or native_decode(*args))
+    absorbed = attention_outputs(3)  # the native kernel reads the paged cache
+    assert len(native_calls) == len(model.layers)
     unabsorbed = attention_outputs(0)
-    # decode attention in chunks of two sequences (the last chunk shorter) reuses one gather buffer
-    monkeypatch.setattr(mla, "decode_chunk_size", lambda padded_len, kv_cache: 2)
-    chunked = attention_outputs(3)
-    for a, u, c in zip(absorbed, unabsorbed, chunked):
+    with cpu_kernels.disabled():  # the torch path gathers the latent
+        torch_path = attention_outputs(3)
+        # decode attention in chunks of two sequences (the last chunk shorter) reuses one gather buffer
+        monkeypatch.setattr(mla, "decode_chunk_size", lambda padded_len, kv_cache: 2)
+        chunked = attention_outputs(3)
+    assert len(native_calls) == len(model.layers)
+    for a, u, t, c in zip(absorbed, unabsorbed, torch_path, chunked):
         assert a.abs().max() > 0.1
         assert (a - u).abs().max().item() <= 1e-5
-        assert (c - a).abs().max().item() <= 1e-6
+        assert (t - a).abs().max().item() <= 1e-5
+        assert (t - u).abs().max().item() <= 1e-5
+        assert (c - t).abs().max().item() <= 1e-6
 
 
 def test_yarn_case_changes_softmax_scale(tmp_path):

@@ -1,9 +1,11 @@
-"""Linear layers with weights prepacked for oneDNN on CPU.
+"""Linear layers with weights prepacked once for a fast CPU kernel.
 
 PyTorch's default CPU matmul for fp32 (MKL sgemm) reaches about half of this
-machine's matmul rate, and far less at the small row counts of decode; oneDNN
-with the weight reordered once into its blocked layout runs 2-3x faster. On
-other devices, or where oneDNN is missing, `linear` is plain `F.linear`.
+machine's matmul rate, and far less at the small row counts of decode. Weights are
+packed once at load: for the native kernel (cpu_kernels.py: 32-column blocks,
+register-tiled, its work shared between threads as they come free) where it
+applies, else into oneDNN's blocked layout, which runs 2-3x faster than MKL. On
+other devices, or where neither applies, `linear` is plain `F.linear`.
 """
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from meshserve.models.layers import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 _PACKED_ATTR = "_onednn_packed"
+_NATIVE_ATTR = "_native_packed"
 
 
 @functools.cache
@@ -42,14 +47,41 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the prepacked weight when there is one (passed, or attached by `pack_linears`)."""
+    """F.linear, through the prepacked weight when there is one: passed (oneDNN's), or attached by
+    `pack_linears` (the native kernel's, else oneDNN's)."""
     if packed is None:
-        packed = getattr(weight, _PACKED_ATTR, None)
+        native = getattr(weight, _NATIVE_ATTR, None)
+        if native is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() \
+                and cpu_kernels.enabled():
+            return _native_linear(x, weight, bias, native)
+        packed = _onednn_packed(weight)
     if packed is None or x.device.type != "cpu" or x.numel() == 0:
         return F.linear(x, weight, bias)
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), weight, bias, packed).view(*x.shape[:-1], weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   native: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], 1, weight.shape[0])
+    cpu_kernels.grouped_linear(rows.unsqueeze(1), native, out)
+    out = out.view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out.add_(bias)
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's oneDNN copy; made on first use where the native kernel's was packed instead (the
+    torch path asked for under `cpu_kernels.disabled()`)."""
+    packed = getattr(weight, _PACKED_ATTR, None)
+    if packed is None and getattr(weight, _NATIVE_ATTR, None) is not None:
+        packed = pack_weight(weight)
+        if packed is not None:
+            setattr(weight, _PACKED_ATTR, packed)
+    return packed
 
 
 class Linear(torch.nn.Linear):
@@ -60,6 +92,11 @@ class Linear(torch.nn.Linear):
 
 
 def attach_packed(weight: torch.Tensor) -> bool:
+    """Pack a [out, in] weight for `linear`: for the native CPU kernel where it applies (float32 on CPU,
+    a multiple of 32 outputs), else for oneDNN. False where neither applies."""
+    if weight.dim() == 2 and cpu_kernels.packable(weight) and cpu_kernels.enabled():
+        setattr(weight, _NATIVE_ATTR, cpu_kernels.pack_weight(weight.detach().unsqueeze(0)))
+        return True
     packed = pack_weight(weight)
     if packed is None:
         return False

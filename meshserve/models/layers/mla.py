@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.models.base import AttentionMetadata
+from meshserve.models.layers import cpu_kernels
 from meshserve.models.layers.linear import Linear
 from meshserve.models.layers.norm import RMSNorm
 from meshserve.models.layers.paged import gather_sequence, length_mask, write_to_cache
-from meshserve.models.layers.rope import apply_rotary, yarn_factor, yarn_get_mscale
+from meshserve.models.layers.rope import apply_rotary_, yarn_factor, yarn_get_mscale
 from meshserve.models.layers.tensor_parallel import attention_tp_part, row_parallel_linear
 from meshserve.parallel.context import ParallelContext
 
@@ -55,6 +56,7 @@ class MLABatchPlan:
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_block_index: torch.Tensor  # int64 [num_decodes * blocks]: each decode sequence's blocks, flattened
+    decode_seq_lens: torch.Tensor | None  # int64 [num_decodes]
     decode_padded_len: int  # blocks * block_size: the decode latent is gathered whole blocks at a time
     decode_bias: torch.Tensor | None  # [num_decodes, 1, decode_padded_len]: 0 inside a sequence, -inf past it
     prefills: tuple[PrefillSpan, ...]
@@ -68,7 +70,7 @@ class MLABatchPlan:
         if qsl[num_decodes] != num_decodes:
             raise ValueError("the first num_decodes sequences must have exactly one new token each")
         block_tables = attn.block_tables.to(device)
-        decode_bias = None
+        decode_bias = lens = None
         num_blocks = 0
         if num_decodes:
             num_blocks = -(-max(attn.seq_lens[:num_decodes]) // attn.block_size)
@@ -97,6 +99,7 @@ class MLABatchPlan:
             slot_mapping=attn.slot_mapping.to(device),
             num_decodes=num_decodes,
             decode_block_index=block_tables[:num_decodes, :num_blocks].reshape(-1),
+            decode_seq_lens=lens,
             decode_padded_len=num_blocks * attn.block_size,
             decode_bias=decode_bias,
             prefills=tuple(prefills),
@@ -196,6 +199,7 @@ class MultiHeadLatentAttention(torch.nn.Module):
                              persistent=False)
         self.register_buffer("w_uv", torch.zeros(num_heads, kv_lora_rank, v_head_dim, dtype=dtype),
                              persistent=False)
+        self._absorbed_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV for the native kernel
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -232,6 +236,20 @@ class MultiHeadLatentAttention(torch.nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk.copy_(w[:, : self.qk_nope_head_dim])
         self.w_uv.copy_(w[:, self.qk_nope_head_dim:].transpose(1, 2))
+        if self._absorbed_packed is not None:
+            self.pack_weights()
+
+    def pack_weights(self) -> int:
+        """Pack W_UK and W_UV for the native CPU decode kernels (fp32 on CPU); 0 where they do not apply.
+        The projections themselves are Linear modules, packed on their own."""
+        self._absorbed_packed = None
+        if (self.w_uk.device.type == "cpu" and self.w_uk.dtype == torch.float32 and cpu_kernels.enabled()
+                and self.kv_lora_rank % cpu_kernels.BLOCK_COLUMNS == 0
+                and self.v_head_dim % cpu_kernels.BLOCK_COLUMNS == 0):
+            self._absorbed_packed = (cpu_kernels.pack_weight(self.w_uk.transpose(1, 2)),
+                                     cpu_kernels.pack_weight(self.w_uv.transpose(1, 2)))
+            return 2
+        return 0
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -244,8 +262,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
         q = q_in if self.q_b_proj is None else self.q_b_proj(self.q_a_layernorm(q_in))
         q = q.view(num_tokens, self.num_heads, self.qk_head_dim)
         nope = self.qk_nope_head_dim
-        q[..., nope:] = apply_rotary(q[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1), self.rope_interleave)
-        k_pe = apply_rotary(k_pe, cos, sin, self.rope_interleave)
+        apply_rotary_(q[..., nope:], cos, sin, self.rope_interleave)
+        apply_rotary_(k_pe, cos, sin, self.rope_interleave)
         write_to_cache(kv_cache, plan.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1))
 
         outputs = []
@@ -263,22 +281,49 @@ class MultiHeadLatentAttention(torch.nn.Module):
 
     def _decode_absorbed(self, q: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [B, heads, qk_head_dim] (one token per sequence) -> [B, heads * v_head_dim]."""
-        batch = q.shape[0]
-        nope = self.qk_nope_head_dim
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk)  # [heads, B, c]
-        q_full = torch.cat((q_latent.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, heads, c + rope]
-        o_latent = q.new_empty(batch, self.num_heads, self.kv_lora_rank)
+        batch, nope, c = q.shape[0], self.qk_nope_head_dim, self.kv_lora_rank
+        native = self._native_decode(q, kv_cache)
+        packed = self._absorbed_packed if native else None
+        if packed is not None:  # absorption products through the native kernel, written in place
+            q_full = q.new_empty(batch, self.num_heads, c + self.qk_rope_head_dim)
+            cpu_kernels.grouped_linear(q[..., :nope], packed[0], q_full[..., :c])
+            q_full[..., c:] = q[..., nope:]
+        else:
+            q_latent = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk)  # [heads, B, c]
+            q_full = torch.cat((q_latent.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, heads, c + rope]
+        if native:  # attention read straight from the paged cache
+            blocks = plan.decode_padded_len // kv_cache.shape[1]
+            o_latent = cpu_kernels.mla_decode(q_full, kv_cache, plan.decode_block_index.view(batch, blocks),
+                                              plan.decode_seq_lens, self.softmax_scale, c)
+        else:
+            o_latent = self._decode_latent_gathered(q_full, plan, kv_cache)
+        if packed is not None:
+            out = q.new_empty(batch, self.num_heads, self.v_head_dim)
+            cpu_kernels.grouped_linear(o_latent, packed[1], out)
+            return out.view(batch, self.num_heads * self.v_head_dim)
+        out = torch.bmm(o_latent.transpose(0, 1), self.w_uv)  # [heads, B, v]
+        return out.transpose(0, 1).reshape(batch, self.num_heads * self.v_head_dim)
+
+    def _native_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the native CPU kernel takes this decode's attention: fp32 query and cache on CPU, a latent
+        of whole vectors, and the kernels on."""
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and kv_cache.is_contiguous() and self.kv_lora_rank % 16 == 0 and cpu_kernels.enabled())
+
+    def _decode_latent_gathered(self, q_full: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The torch path: P·c [B, heads, c] with the latent gathered chunk by chunk into contiguous copies."""
+        batch = q_full.shape[0]
+        o_latent = q_full.new_empty(batch, self.num_heads, self.kv_lora_rank)
         step = decode_chunk_size(plan.decode_padded_len, kv_cache)
         for first in range(0, batch, step):
             last = min(first + step, batch)
-            latent = plan.gather_decode_latent(kv_cache, first, last).to(q.dtype)  # [b, L, c + rope]
+            latent = plan.gather_decode_latent(kv_cache, first, last).to(q_full.dtype)  # [b, L, c + rope]
             # q_latent·c + q_pe·k_pe is one product because the entry stores [c, k_pe] side by side
             scores = torch.baddbmm(plan.decode_bias[first:last], q_full[first:last], latent.transpose(1, 2),
                                    alpha=self.softmax_scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_full.dtype)
             torch.bmm(probs, latent[..., : self.kv_lora_rank], out=o_latent[first:last])
-        out = torch.bmm(o_latent.transpose(0, 1), self.w_uv)  # [heads, B, v]
-        return out.transpose(0, 1).reshape(batch, self.num_heads * self.v_head_dim)
+        return o_latent
 
     def _prefill_unabsorbed(self, q: torch.Tensor, span: PrefillSpan, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [Q, heads, qk_head_dim] of one sequence -> [Q, heads * v_head_dim]."""

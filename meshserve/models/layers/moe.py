@@ -2,13 +2,15 @@
 
 Tokens are grouped by expert (one stable sort of the flattened top-k ids) and
 each active expert runs one matmul pair over its contiguous slice: no per-token
-Python loop and no dense mask over all experts.
+Python loop and no dense mask over all experts. On CPU the native kernel
+(cpu_kernels.py) runs every expert of the layer in one parallel region.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from meshserve.models.layers import cpu_kernels
 from meshserve.models.layers.linear import linear, pack_weight
 
 
@@ -20,9 +22,13 @@ def fused_experts(
     w2: torch.Tensor,  # [E_local, H, I]
     first_expert: int = 0,  # global id of local expert 0 (expert parallelism keeps a slice)
     packed: tuple[list, list] | None = None,  # per-expert oneDNN weights of w13 and w2 (see linear.py)
+    native: tuple[torch.Tensor, torch.Tensor] | None = None,  # w13 and w2 packed for the native CPU kernel
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
+    if native is not None and hidden_states.dtype == torch.float32 and cpu_kernels.enabled():
+        return cpu_kernels.moe_forward(hidden_states.contiguous(), topk_ids, topk_weights.float(), first_expert,
+                                       *native)
     out = torch.zeros_like(hidden_states)
     if num_tokens == 0:
         return out
@@ -35,9 +41,19 @@ def fused_experts(
         sorted_ids = sorted_ids[local]
     if order.numel() == 0:
         return out
-    counts = torch.bincount(sorted_ids, minlength=num_local).tolist()
+    counts = torch.bincount(sorted_ids, minlength=num_local)
     token_idx = order // top_k
     xs = hidden_states.index_select(0, token_idx)
+    ys = _experts_per_matmul(xs, counts.tolist(), w13, w2, packed)
+    weights = topk_weights.reshape(-1).index_select(0, order).to(ys.dtype)
+    ys.mul_(weights.unsqueeze(1))
+    out.index_add_(0, token_idx, ys)
+    return out
+
+
+def _experts_per_matmul(xs: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
+                        packed: tuple[list, list] | None) -> torch.Tensor:
+    """The torch path: one matmul pair per active expert over its rows of xs (grouped by expert)."""
     ys = torch.empty_like(xs)
     intermediate = w2.shape[2]
     start = 0
@@ -54,10 +70,7 @@ def fused_experts(
             act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
             ys[start:end] = linear(act, w2[expert], packed=packed[1][expert])
         start = end
-    weights = topk_weights.reshape(-1).index_select(0, order).to(ys.dtype)
-    ys.mul_(weights.unsqueeze(1))
-    out.index_add_(0, token_idx, ys)
-    return out
+    return ys
 
 
 class FusedMoEWeights(torch.nn.Module):
@@ -120,7 +133,9 @@ class FusedMoEWeights(torch.nn.Module):
         if redundant_slots:  # empty slots are never routed to; zeros keep them free of garbage
             self.w13.data[num_local_experts:].zero_()
             self.w2.data[num_local_experts:].zero_()
-        self._packed: tuple[list, list] | None = None
+        self._packed: tuple[list, list] | None = None  # oneDNN copies (torch path)
+        self._native: tuple[torch.Tensor, torch.Tensor] | None = None  # native-kernel copies
+        self._pack_requested = False
 
     def owns_expert(self, expert_id: int) -> bool:
         """Whether expert_id is one of the primaries held here (what the checkpoint loader fills)."""
@@ -171,6 +186,9 @@ class FusedMoEWeights(torch.nn.Module):
                              f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
         self.w13.data[slot].copy_(w13)
         self.w2.data[slot].copy_(w2)
+        if self._native is not None:
+            self._native[0][slot].copy_(cpu_kernels.pack_weight(self.w13[slot]))
+            self._native[1][slot].copy_(cpu_kernels.pack_weight(self.w2[slot]))
         if self._packed is not None:  # swap in the slot's new blocked copies (list items: atomic)
             self._packed[0][slot] = pack_weight(self.w13[slot])
             self._packed[1][slot] = pack_weight(self.w2[slot])
@@ -183,15 +201,28 @@ class FusedMoEWeights(torch.nn.Module):
         self.slot_experts[slot] = -1
 
     def pack_weights(self) -> int:
-        """Prepack each slot's matrices for oneDNN (see linear.py); 0 where that does not apply."""
-        w13 = [pack_weight(self.w13[e]) for e in range(self.num_slots)]
-        if any(p is None for p in w13):
-            self._packed = None
-            return 0
-        self._packed = (w13, [pack_weight(self.w2[e]) for e in range(self.num_slots)])
-        return 2 * self.num_slots
+        """Prepack the slots for the native CPU kernel, or else each slot's matrices for oneDNN (see
+        linear.py); 0 where neither applies. With the native kernel the oneDNN copies are made only
+        if the torch path is asked for (`cpu_kernels.disabled()`)."""
+        self._pack_requested = True
+        self._native = None
+        if (cpu_kernels.packable(self.w13) and self.local_intermediate_size % cpu_kernels.BLOCK_COLUMNS == 0
+                and cpu_kernels.packable(self.w2) and cpu_kernels.enabled()):
+            self._native = (cpu_kernels.pack_weight(self.w13), cpu_kernels.pack_weight(self.w2))
+            return 2
+        return 2 * self.num_slots if self._onednn_packs() is not None else 0
+
+    def _onednn_packs(self) -> tuple[list, list] | None:
+        if self._packed is None and self._pack_requested:
+            w13 = [pack_weight(self.w13[e]) for e in range(self.num_slots)]
+            if all(p is not None for p in w13):
+                self._packed = (w13, [pack_weight(self.w2[e]) for e in range(self.num_slots)])
+        return self._packed
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Top-k weighted output over the held slots (a partial sum under MoE TP); ids are global slot ids."""
+        if self._native is not None and cpu_kernels.enabled():
+            return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
+                                 native=self._native)
         return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
-                             self._packed)
+                             self._onednn_packs())

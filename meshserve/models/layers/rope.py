@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from meshserve.models.layers import cpu_kernels
+
 
 def standardize_rope_parameters(hf_config: dict) -> dict:
     """One rope dict from either `rope_parameters` or legacy `rope_theta` / `rope_scaling`."""
@@ -100,6 +102,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """In place: x = apply_rotary(x, cos, sin) for x [T, R] or [T, H, R] and cos/sin [T, R/2]; returns x."""
+    if (x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(-1) == 1
+            and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.enabled()):
+        return cpu_kernels.rotary_(x, cos, sin, interleaved)  # one op instead of eight small ones
+    if x.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x.copy_(apply_rotary(x, cos, sin, interleaved))
 
 
 class RotaryEmbedding(torch.nn.Module):

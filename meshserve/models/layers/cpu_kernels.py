@@ -1,0 +1,155 @@
+"""Native CPU kernels for the decode hot spots (csrc/cpu_kernels.cpp).
+
+At decode batch sizes each routed expert sees a few rows, where a library GEMM call
+spends more on set-up and thread hand-off than on streaming its weight; absorbed MLA
+decode attention through library ops must first gather the paged latent into a
+contiguous copy; and norms, RoPE and routing are each a handful of tiny ops. Here a
+MoE layer's routed experts (grouping, matmuls, weighted combine) are one op, MLA
+decode attention reads the paged cache directly with an online softmax, and the
+absorption products, RMSNorm, RoPE and DeepSeek-V3 routing are one op each.
+
+They are compiled on first use with the machine's C++ compiler through
+`torch.utils.cpp_extension` (for this CPU: `-march=native`) and cached in
+`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); later processes load
+the cached library. Where the build fails, or `MESHSERVE_CPU_KERNELS=0` is set, the
+torch path runs instead (same results up to float rounding).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_EXTENSION_NAME = "meshserve_cpu_kernels"
+BLOCK_COLUMNS = 32  # columns per packed weight block (two 16-float vectors)
+
+_override = threading.local()
+
+
+def _extension_name() -> str:
+    """The build's name, per CPU model and feature set: a build for another CPU (a cache directory shared
+    between machines) would stop on an illegal instruction, so it is never reused."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
+        fingerprint = "".join(sorted(set(lines)))
+    except OSError:
+        fingerprint = platform.processor()
+    digest = hashlib.sha1(f"{platform.machine()}|{fingerprint}".encode()).hexdigest()[:12]
+    return f"{_EXTENSION_NAME}_{digest}"
+
+
+@functools.cache
+def _build() -> bool:
+    """Compile (or load the cached build of) the extension once per process; False where that fails."""
+    if os.environ.get("MESHSERVE_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        import ninja  # the build tool cpp_extension drives; pinned, so its binary may sit outside PATH
+        from torch.utils import cpp_extension
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        logger.info("loading native CPU kernels (the first run compiles them, about 15 s)")
+        cpp_extension.load(
+            name=_extension_name(), sources=[str(_SOURCE)], is_python_module=False, verbose=False,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        return hasattr(torch.ops.meshserve_cpu, "moe_experts")
+    except Exception as exc:  # no compiler, no headers: the torch path still serves
+        logger.warning("native CPU kernels unavailable, using the torch path: %s", str(exc).splitlines()[0])
+        return False
+
+
+def _require() -> None:
+    if not _build():
+        raise RuntimeError("the native CPU kernels are not available here (see the warning logged when loading)")
+
+
+def enabled() -> bool:
+    """Whether the native kernels serve this thread's forwards (built, and not switched off)."""
+    if getattr(_override, "off", False):
+        return False
+    return _build()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the torch path in this thread (side-by-side comparisons in tests and benchmarks)."""
+    previous = getattr(_override, "off", False)
+    _override.off = True
+    try:
+        yield
+    finally:
+        _override.off = previous
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether a [..., out, in] weight fits the kernels' packed layout."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.shape[-2] % BLOCK_COLUMNS == 0)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[..., out, in] -> [..., out / 32, in, 32]: each block of 32 output columns streams row by row."""
+    *lead, out_features, in_features = weight.shape
+    blocks = weight.reshape(*lead, out_features // BLOCK_COLUMNS, BLOCK_COLUMNS, in_features)
+    return blocks.transpose(-1, -2).contiguous()
+
+
+def moe_experts(xs: torch.Tensor, offsets: torch.Tensor, w13_packed: torch.Tensor,
+                w2_packed: torch.Tensor) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) W_2^T for rows grouped by expert (expert e: rows offsets[e]:offsets[e+1])."""
+    _require()
+    return torch.ops.meshserve_cpu.moe_experts(xs, offsets, w13_packed, w2_packed)
+
+
+def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_slot: int,
+                w13_packed: torch.Tensor, w2_packed: torch.Tensor) -> torch.Tensor:
+    """One MoE layer's routed experts: sum_k w[t, k] * expert_{ids[t, k]}(hidden[t]) over the slots held here
+    ([first_slot, first_slot + E)); grouping by expert, the expert matmuls and the weighted combine in one op."""
+    _require()
+    return torch.ops.meshserve_cpu.moe_forward(hidden, topk_ids, topk_weights, first_slot, w13_packed, w2_packed)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (float32, contiguous)."""
+    _require()
+    return torch.ops.meshserve_cpu.rms_norm(x, weight, eps)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE in place on x [T, R] or [T, H, R] (rows may be strided) with cos/sin [T, R/2]; returns x."""
+    _require()
+    torch.ops.meshserve_cpu.rotary_(x, cos, sin, interleaved)
+    return x
+
+
+def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing of float32 logits [T, E] (as `deepseek_v3.grouped_topk`): (weights, int64 ids)."""
+    _require()
+    return torch.ops.meshserve_cpu.grouped_topk(logits, bias, top_k, n_group, topk_group, norm_topk_prob,
+                                                routed_scaling_factor)
+
+
+def grouped_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[m, g] = x[m, g] W_g^T for every group g (x [M, G, K], out [M, G, N]; rows may be strided)."""
+    _require()
+    torch.ops.meshserve_cpu.grouped_linear(x, w_packed, out)
+    return out
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """softmax(scale * q·entry) · latent over each sequence's paged cache entries: [B, heads, kv_lora_rank]."""
+    _require()
+    return torch.ops.meshserve_cpu.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank)
