@@ -216,11 +216,15 @@ class EngineCore:
             raise
         self.max_model_len = config.max_model_len or max_position_embeddings(config.model)
         self.kv_events = None
+        self.kv_events_addr = ""  # where routers subscribe: the endpoint as bound
         self._kv_event_seq = 0
         if config.kv_events_endpoint:
             self.kv_events = self.ctx.socket(zmq.PUB)
             self.kv_events.setsockopt(zmq.LINGER, 0)
             self.kv_events.bind(config.kv_events_endpoint)
+            # a wildcard port ("tcp://host:*") is chosen by the bind itself, so no other process can take
+            # it between choosing and binding
+            self.kv_events_addr = self.kv_events.getsockopt_string(zmq.LAST_ENDPOINT)
         self.rtcs: list[RelationalTensorCache] = []
         self.schedulers: list[Scheduler] = []
         # disaggregated prefill/decode: each DP group's ranks' KV regions, and pulls awaiting their ranks
@@ -616,7 +620,7 @@ class EngineCore:
     def _heartbeat(self) -> msg.TEHeartbeat:
         strategy = self.config.strategy
         return msg.TEHeartbeat(name=self.config.te_name, role=self.role, group=self.group,
-                               input_addr=self.link.listen_addr, kv_events_addr=self.config.kv_events_endpoint or "",
+                               input_addr=self.link.listen_addr, kv_events_addr=self.kv_events_addr,
                                model=self.config.served_model_name or self.config.model,
                                max_model_len=self.max_model_len, block_size=self.config.block_size,
                                attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),

@@ -26,7 +26,6 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     from meshserve.config import EngineConfig
     from meshserve.engine.client_links import JobExecutorLinks
     from meshserve.engine.master import EngineCore
-    from meshserve.engine.processes import free_tcp_port
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s te[{config.get('te_name', 'te')}] %(levelname)s "
                                                 f"%(message)s", force=True)
@@ -37,7 +36,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     host = listen.removeprefix("tcp://").rsplit(":", 1)[0]
     if not config.get("kv_events_endpoint"):
         events_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
-        config["kv_events_endpoint"] = f"tcp://{events_host}:{free_tcp_port(events_host)}"
+        config["kv_events_endpoint"] = f"tcp://{events_host}:*"  # the master binds a port of its choosing
     engine_config = EngineConfig.from_dict(config)
     ctx = zmq.Context()
     link = JobExecutorLinks(ctx, listen, register, advertise_host=engine_config.master_addr)
