@@ -1,12 +1,15 @@
-// Native CPU kernels for the two decode hot spots that library ops serve poorly:
+// Native CPU kernels for the decode hot spots that library ops serve poorly:
 //
-// * moe_experts: the routed experts of one MoE layer. At decode batch sizes each
-//   expert sees a handful of rows, where a library GEMM call costs more in set-up
-//   and thread hand-off than in streaming its weight. Here one parallel region per
-//   stage covers every (expert, column block) pair, and the per-row work is a
+// * moe_forward / moe_experts: the routed experts of one MoE layer. At decode batch
+//   sizes each expert sees a handful of rows, where a library GEMM call costs more in
+//   set-up and thread hand-off than in streaming its weight. Here one parallel region
+//   per stage covers every (expert, column block) pair, and the per-row work is a
 //   register-tiled broadcast-FMA over a weight packed column-block-major.
+//   moe_forward adds the grouping by expert and the weighted combine.
+// * grouped_linear: the same tiles for linear layers and MLA's per-head absorption.
 // * mla_decode: absorbed MLA decode attention read straight from the paged latent
 //   cache, with an online softmax, so the latent is read once and never gathered.
+// * rms_norm, rotary_, grouped_topk: one op each instead of several small ones.
 //
 // Written with GCC vector extensions (16 floats: one AVX-512 register) and built on
 // the machine that runs it (-march=native), so the same source compiles anywhere.
