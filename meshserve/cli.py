@@ -9,6 +9,7 @@ import typing
 
 from meshserve.config import ConfigError, EngineConfig
 from meshserve.engine.core_client import EngineStartupError
+from meshserve.utils import cluster_auth
 
 _ENGINE_ARG_SKIP = {"model", "startup_timeout_s"}
 
@@ -128,13 +129,21 @@ def _make_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description="Serve Mixture-of-Experts language models.")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--cluster-secret-file", dest="cluster_secret_file", default=None, metavar="PATH",
+                        help="the cluster secret every internal TCP socket authenticates with (default: "
+                             "$MESHSERVE_CLUSTER_SECRET, else $MESHSERVE_CLUSTER_SECRET_FILE, else "
+                             "~/.cache/meshserve/cluster_secret, created on first use); started processes inherit it")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", default=None,
                        help="HF-format model directory (default: the tiny deepseek_v3 model, created on first use)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; beyond loopback an API key is required (see --api-key)")
     serve.add_argument("--port", type=int, default=8000)
+    from meshserve.platform.server_options import add_server_arguments
+
+    add_server_arguments(serve)
     add_deployment_arguments(serve)
     serve.add_argument("--routing", default=None,
                        help="with a multi-TE deployment: the job executor's routing policy (round_robin, load, "
@@ -201,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if args.cluster_secret_file:
+            cluster_auth.use_secret_file(args.cluster_secret_file)
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError, ValueError, EngineStartupError) as exc:
         print(f"meshserve: error: {exc}", file=sys.stderr)

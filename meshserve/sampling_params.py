@@ -1,12 +1,30 @@
-"""Per-request sampling settings, in the shape vLLM users know."""
+"""Per-request sampling settings, in the shape vLLM users know.
+
+`SamplingParams` checks everything it can without the model when it is built
+(types, ranges, 64-bit integers, finite floats), so a bad value fails as a
+`SamplingParamsError` where it enters and never reaches msgpack or a sampler;
+`verify(vocab_size)` adds the checks that need the model's vocabulary.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the API maps this to HTTP 400."""
+    """A sampling parameter is out of range; the API maps this to HTTP 400.
+
+    `param` names the offending field (as the OpenAI error's `param`) when one does.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -33,42 +51,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = -1
+        self.stop = _as_list(self.stop or [], "stop")
+        self.stop_token_ids = _as_list(self.stop_token_ids or [], "stop_token_ids")
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise SamplingParamsError(msg)
+        """Raise SamplingParamsError for any value no model could accept."""
+        _check_types(self)
+        _check_ranges(self)
 
-        if self.n < 1:
-            bad(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            bad(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+    def verify(self, vocab_size: int) -> None:
+        """Raise SamplingParamsError unless every token id is in the model's vocabulary [0, vocab_size)."""
+        for index, token_id in enumerate(self.stop_token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise SamplingParamsError(
+                    f"stop_token_ids[{index}] = {token_id} is outside the vocabulary [0, {vocab_size}).",
+                    param=f"stop_token_ids[{index}]")
 
     @property
     def greedy(self) -> bool:
@@ -78,5 +78,86 @@ class SamplingParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, data: Any) -> "SamplingParams":
+        """The params a peer sent; anything malformed is a SamplingParamsError, never a TypeError."""
+        if not isinstance(data, dict):
+            raise SamplingParamsError(f"sampling params must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise SamplingParamsError(f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
         return cls(**data)
+
+
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _as_list(value: Any, name: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise SamplingParamsError(f"{name} must be a list, got {type(value).__name__}", param=name)
+    return list(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int64(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise SamplingParamsError(f"{name} must be an integer, got {type(value).__name__}", param=name)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise SamplingParamsError(f"{name} must fit in a signed 64-bit integer, got {value}", param=name)
+
+
+def _check_types(params: SamplingParams) -> None:
+    for name in _INT_FIELDS:
+        _check_int64(name, getattr(params, name))
+    for name in _OPTIONAL_INT_FIELDS:
+        if getattr(params, name) is not None:
+            _check_int64(name, getattr(params, name))
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+            raise SamplingParamsError(f"{name} must be a finite number, got {value!r}", param=name)
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(params, name), bool):
+            raise SamplingParamsError(f"{name} must be a boolean", param=name)
+    if not all(isinstance(s, str) for s in params.stop):
+        raise SamplingParamsError("stop must be a list of strings", param="stop")
+    for index, token_id in enumerate(params.stop_token_ids):
+        _check_int64(f"stop_token_ids[{index}]", token_id)
+        if token_id < 0:
+            raise SamplingParamsError(f"stop_token_ids[{index}] must be non-negative, got {token_id}",
+                                      param=f"stop_token_ids[{index}]")
+
+
+def _check_ranges(p: SamplingParams) -> None:
+    checks = [
+        (p.n >= 1, "n", f"n must be at least 1, got {p.n}"),
+        (p.temperature >= 0, "temperature", f"temperature must be non-negative, got {p.temperature}"),
+        (0.0 < p.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {p.top_p}"),
+        (p.top_k >= -1, "top_k", f"top_k must be -1 (disabled) or positive, got {p.top_k}"),
+        (0.0 <= p.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {p.min_p}"),
+        (-2.0 <= p.presence_penalty <= 2.0, "presence_penalty",
+         f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
+        (-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty",
+         f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
+        (p.repetition_penalty > 0, "repetition_penalty",
+         f"repetition_penalty must be positive, got {p.repetition_penalty}"),
+        (p.max_tokens is None or p.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {p.max_tokens}"),
+        (p.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {p.min_tokens}"),
+        (p.max_tokens is None or p.min_tokens <= p.max_tokens, "min_tokens",
+         f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
+         f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
+        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+         f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
+        # each of the n samples draws with seed + its index (output_processor.child_params)
+        (p.seed is None or p.seed + p.n - 1 <= INT64_MAX, "seed",
+         f"seed + n - 1 must fit in a signed 64-bit integer, got seed {p.seed} with n {p.n}"),
+    ]
+    for ok, param, message in checks:
+        if not ok:
+            raise SamplingParamsError(message, param=param)

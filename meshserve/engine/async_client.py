@@ -2,6 +2,7 @@
 
 A reader thread receives the master's messages and hands them to the event
 loop; all request state (the output processor) lives on the loop's thread.
+The client is healthy only while the master runs and that reader is alive.
 """
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ class AsyncEngineClient:
         self.engine.shutdown()
 
     def _read_forever(self) -> None:
+        try:
+            self._read_messages()
+        except Exception as exc:  # noqa: BLE001 - without its reader nothing reaches a request: say so
+            logger.exception("the engine reader failed")
+            self._post(self._on_dead, f"the engine reader failed: {type(exc).__name__}: {exc}")
+
+    def _read_messages(self) -> None:
         while not self._stop.is_set():
             item = self.engine.recv(500)
             if item is None:
@@ -83,16 +91,11 @@ class AsyncEngineClient:
         if isinstance(item, msg.EngineOutputs):
             now = time.time()
             for delta in item.deltas:
-                if delta.error_type in ADMISSION_ERRORS:
-                    parent = self._parent_of(delta.req_id)
-                    if parent is not None:
-                        self._send_aborts(self.processor.abort(parent))
-                        self._queues[parent].put_nowait(ADMISSION_ERRORS[delta.error_type](delta.error))
-                    continue
-                out, to_abort = self.processor.process(delta, now)
-                self._send_aborts(to_abort)
-                if out is not None and out.request_id in self._queues:
-                    self._queues[out.request_id].put_nowait(out)
+                try:
+                    self._on_delta(delta, now)
+                except Exception as exc:  # noqa: BLE001 - one request's output must not lose the others'
+                    logger.exception("processing the output of request %s failed", delta.req_id)
+                    self._fail_request(delta.req_id, exc)
         elif isinstance(item, msg.EngineStats):
             waiters, self._stats_waiters = self._stats_waiters, []
             for fut in waiters:
@@ -104,6 +107,22 @@ class AsyncEngineClient:
                 fut.set_result(item)
         elif isinstance(item, msg.EngineError):
             self._on_dead(item.message)
+
+    def _on_delta(self, delta: msg.RequestDelta, now: float) -> None:
+        if delta.error_type in ADMISSION_ERRORS:
+            self._fail_request(delta.req_id, ADMISSION_ERRORS[delta.error_type](delta.error))
+            return
+        out, to_abort = self.processor.process(delta, now)
+        self._send_aborts(to_abort)
+        if out is not None and out.request_id in self._queues:
+            self._queues[out.request_id].put_nowait(out)
+
+    def _fail_request(self, child_id: str, error: Exception) -> None:
+        """End the caller's request (all its samples) with `error`."""
+        parent = self._parent_of(child_id)
+        if parent is not None:
+            self._send_aborts(self.processor.abort(parent))
+            self._queues[parent].put_nowait(error)
 
     def _parent_of(self, child_id: str) -> str | None:
         if child_id in self._queues:
@@ -136,13 +155,17 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ API
     @property
     def healthy(self) -> bool:
-        return self._dead_error is None and self.engine.alive
+        return self.dead_error is None
 
     @property
     def dead_error(self) -> str | None:
-        if self._dead_error is None and not self.engine.alive:
+        if self._dead_error is not None:
+            return self._dead_error
+        if not self.engine.alive:
             return "engine process is not running"
-        return self._dead_error
+        if self._reader is not None and not self._reader.is_alive() and not self._stop.is_set():
+            return "the engine reader thread has stopped"
+        return None
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, context_cache_id: str | None = None,
@@ -181,8 +204,8 @@ class AsyncEngineClient:
 
     async def get_stats(self) -> msg.EngineStats:
         self._ensure_started()
-        if self._dead_error is not None:
-            return msg.EngineStats(healthy=False, error=self._dead_error)
+        if self.dead_error is not None:
+            return msg.EngineStats(healthy=False, error=self.dead_error)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
         self.engine.send(msg.StatsQuery())
@@ -194,8 +217,8 @@ class AsyncEngineClient:
     async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> msg.AdminReply:
         """An operator command to the engine's master (e.g. "eplb.status"); raises EngineDeadError."""
         self._ensure_started()
-        if self._dead_error is not None:
-            raise EngineDeadError(self._dead_error)
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
         query_id = next(self._admin_ids)
         fut = asyncio.get_running_loop().create_future()
         self._admin_waiters[query_id] = fut

@@ -17,6 +17,7 @@ from typing import Callable
 import zmq
 
 from meshserve.engine import messages as msg
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,10 @@ class JobExecutorLinks:
                  advertise_host: str = "127.0.0.1") -> None:
         self.ctx = ctx
         self.inbox = ctx.socket(zmq.PULL)
+        # a larger frame closes its sender's connection before it is buffered whole
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, msg.MAX_INBOX_BYTES)
         host, _, port = listen_addr.removeprefix("tcp://").rpartition(":")
+        cluster_auth.server(self.inbox)  # only holders of the cluster secret may send this TE anything
         self.inbox.bind(f"tcp://{host}:{'*' if port in ('0', '') else port}")
         bound_port = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         # the address peers use: a wildcard bind is announced under this host's reachable name
@@ -73,6 +77,7 @@ class JobExecutorLinks:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 500)
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            cluster_auth.client(sock, addr)
             sock.connect(addr)
             self._peers[addr] = sock
         return sock

@@ -19,6 +19,8 @@ from meshserve.engine.processes import launch_module, stop_process
 
 logger = logging.getLogger(__name__)
 
+_OUTPUTS = "engine-outputs"  # the client's receiving socket, as dropped frames name it
+
 
 class EngineStartupError(RuntimeError):
     pass
@@ -51,7 +53,7 @@ class EngineCoreClient:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.from_master.poll(200):
-                item = msg.decode(self.from_master.recv())
+                item = msg.recv_message(self.from_master, _OUTPUTS)
                 if isinstance(item, msg.EngineReady):
                     return item
                 if isinstance(item, msg.EngineError):
@@ -80,9 +82,10 @@ class EngineCoreClient:
                                      context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s))
 
     def recv(self, timeout_ms: int) -> object | None:
-        """The next message from the master, or None after `timeout_ms`."""
+        """The next message from the master, or None after `timeout_ms` (or for a frame that was
+        not a message: it is dropped, logged and counted)."""
         if self.from_master.poll(timeout_ms):
-            return msg.decode(self.from_master.recv())
+            return msg.recv_message(self.from_master, _OUTPUTS)
         return None
 
     def shutdown(self) -> None:

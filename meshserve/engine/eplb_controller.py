@@ -153,7 +153,7 @@ class EplbController:
         else:
             try:
                 new = ExpertPlacement.from_dict(placement)
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:
                 raise EplbError(f"bad placement: {exc}") from None
         if new.shape != self.shape:
             raise EplbError(f"placement is for {new.shape}, the engine has {self.shape}")

@@ -23,6 +23,7 @@ import zmq
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
 from meshserve.engine.remote_ranks import PeerMonitor, enable_heartbeats
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,14 @@ def init_distributed(config: EngineConfig, rank: int, init_method: str | None) -
     import datetime
 
     import torch
-    import torch.distributed as dist
+
+    from meshserve.parallel.topology import init_world
 
     backend = config.dist_backend or ("nccl" if config.device.startswith("cuda") else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=config.startup_timeout_s))
+    # the rendezvous store listens on the master address only (torch's tcp:// store binds every interface)
+    init_world(backend, init_method, rank, world, timeout=datetime.timedelta(seconds=config.startup_timeout_s))
 
 
 class ExecutorJoinError(RuntimeError):
@@ -60,7 +62,7 @@ def join_engine(engine_addr: str, rank: int, timeout_s: float, log_level: int = 
 
 def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.ExecutorHandshake:
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
+    sock = cluster_auth.client(ctx.socket(zmq.DEALER), engine_addr)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         try:
@@ -69,11 +71,19 @@ def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.ExecutorHan
             raise ExecutorJoinError(f"cannot connect to the engine at {engine_addr}: {exc}") from None
         sock.send(msg.encode(msg.ExecutorHandshake(rank=rank)))
         if not sock.poll(int(timeout_s * 1000)):
-            raise ExecutorJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s")
-        reply = msg.decode(sock.recv())
+            refused = cluster_auth.handshake(engine_addr, 1.0) is cluster_auth.Handshake.REFUSED
+            raise ExecutorJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s" + (
+                ": it refuses this host's cluster secret" if refused else ""))
+        data = sock.recv()
     finally:
         sock.close(0)
         ctx.term()
+    try:
+        reply = msg.decode(data)
+    except msg.MessageError as exc:
+        raise ExecutorJoinError(f"the engine at {engine_addr} answered with a bad message: {exc}") from None
+    if not isinstance(reply, msg.ExecutorHandshake):
+        raise ExecutorJoinError(f"the engine at {engine_addr} answered with {type(reply).__name__}")
     if reply.error is not None:
         raise ExecutorJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
     return reply
@@ -102,8 +112,9 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
     else:
         master_link = None
         master_gone = _parent_gone()
+    cluster_auth.client(work, work_addr)
     work.connect(work_addr)
-    results = ctx.socket(zmq.PUSH)
+    results = cluster_auth.client(ctx.socket(zmq.PUSH), result_addr)
     results.setsockopt(zmq.LINGER, 2000)
     results.connect(result_addr)
     try:
@@ -125,7 +136,7 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
                                                   kv_bytes_per_token=runner.layout.bytes_per_token,
                                                   moe_layers=runner.moe_layers,
                                                   num_logical_experts=runner.num_logical_experts,
-                                                  kv_region=runner.kv_region)))
+                                                  kv_region=runner.kv_region, vocab_size=runner.vocab_size)))
         poller = zmq.Poller()
         poller.register(work, zmq.POLLIN)
         while True:
@@ -137,10 +148,14 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
                     logger.warning("master is gone; exiting")
                     return
                 continue
-            item = msg.decode(work.recv())
+            item = msg.recv_message(work, "executor-work")
             if isinstance(item, msg.Shutdown):
                 logger.info("shutting down")
                 return
+            if not isinstance(item, msg.StepBatch):
+                if item is not None:
+                    msg.drop_frame("executor-work", f"unexpected {type(item).__name__}")
+                continue
             out = runner.run_batch(item)
             if out is not None:
                 results.send(msg.encode(out))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from meshserve.engine import messages as msg
 from meshserve.engine.client_links import ClientLink, JobExecutorLinks
 from meshserve.engine.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
 from meshserve.engine.eplb_controller import EplbController, EplbError
-from meshserve.engine.errors import QueueFullError, RequestTooLongError
+from meshserve.engine.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from meshserve.engine.processes import free_tcp_port, launch_module, module_arguments, stop_process
 from meshserve.engine.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.engine.request import Request
@@ -37,13 +38,25 @@ from meshserve.engine.kv_transfer import PULL_FAILED, PULLED
 from meshserve.engine.pool_fetch import POOL_FETCHED
 from meshserve.pool.context_keys import block_keys, key_root, model_identity, rank_key
 from meshserve.pool.fetch_cost import FetchCostModel
-from meshserve.sampling_params import SamplingParams
+from meshserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from meshserve.transfer.pd_mapping import source_prefill_tp_rank
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
+_INBOX, _RESULTS = "te-inbox", "executor-results"  # the master's receiving sockets, as dropped frames name them
+_MAX_REQUEST_ID_CHARS = 256
+_MAX_ID_LIST = 1024  # eos and stop token ids of one request
+_RESULT_TYPES = (msg.ModelRunnerOutput, msg.ExecutorFailure, msg.ExecutorEvent)
 _DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
+    """InvalidRequestError unless every id is in the vocabulary [0, vocab_size)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise InvalidRequestError(f"{what} token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 class ExecutorGroup:
@@ -88,6 +101,7 @@ class ExecutorGroup:
             addr = f"ipc://{self._ipc_dir}/{name}"
             sock.bind(addr)
             return addr
+        cluster_auth.server(sock)  # remote ranks must hold the cluster secret
         port = sock.bind_to_random_port(f"tcp://{self._tcp_host}")
         return f"tcp://{self._tcp_host}:{port}"
 
@@ -104,7 +118,7 @@ class ExecutorGroup:
         ready: dict[int, msg.ExecutorReady] = {}
         while time.monotonic() < deadline:
             if self.results.poll(200):
-                item = msg.decode(self.results.recv())
+                item = msg.recv_message(self.results, _RESULTS)
                 if isinstance(item, msg.ExecutorReady):
                     ready[item.rank] = item
                     if len(ready) == self.world_size:
@@ -215,12 +229,14 @@ class EngineCore:
             self.executors.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
             raise
         self.max_model_len = config.max_model_len or max_position_embeddings(config.model)
+        self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
         self.kv_events = None
         self.kv_events_addr = ""  # where routers subscribe: the endpoint as bound
         self._kv_event_seq = 0
         if config.kv_events_endpoint:
             self.kv_events = self.ctx.socket(zmq.PUB)
             self.kv_events.setsockopt(zmq.LINGER, 0)
+            cluster_auth.server(self.kv_events, config.kv_events_endpoint)  # cached prompts are users' data
             self.kv_events.bind(config.kv_events_endpoint)
             # a wildcard port ("tcp://host:*") is chosen by the bind itself, so no other process can take
             # it between choosing and binding
@@ -271,7 +287,7 @@ class EngineCore:
         if isinstance(link, ClientLink):
             self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
                                        kv_bytes_per_token=ready[0].kv_bytes_per_token,
-                                       max_model_len=self.max_model_len))
+                                       max_model_len=self.max_model_len, vocab_size=self.vocab_size))
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
 
@@ -302,20 +318,39 @@ class EngineCore:
 
     # ------------------------------------------------------------------ client messages
     def _on_client(self, item) -> None:
-        if isinstance(item, msg.AddRequest):
-            self._add_request(item)
-        elif isinstance(item, msg.AbortRequests):
-            self._abort(item.req_ids)
-        elif isinstance(item, msg.ReleaseKV):
-            for req_id in item.req_ids:
-                for scheduler in self.schedulers:
-                    scheduler.release_kv(req_id)
-        elif isinstance(item, msg.StatsQuery):
-            self._send(self._stats(), item.reply_to)
-        elif isinstance(item, msg.AdminRequest):
-            self._send(self._admin(item), item.reply_to)
-        elif isinstance(item, msg.Shutdown):
-            self.running = False
+        """One message from the inbox; whatever it holds, the loop goes on."""
+        handler = self._CLIENT_HANDLERS.get(type(item))
+        if handler is None:
+            msg.drop_frame(_INBOX, f"a {type(item).__name__} is not a message for a TE")
+            return
+        try:
+            handler(self, item)
+        except Exception as exc:  # noqa: BLE001 - one message must never end the TE
+            logger.exception("handling a %s failed", type(item).__name__)
+            if isinstance(item, msg.AddRequest):
+                self._reject(item, exc)
+
+    def _on_abort(self, item: msg.AbortRequests) -> None:
+        self._abort(item.req_ids)
+
+    def _on_release_kv(self, item: msg.ReleaseKV) -> None:
+        for req_id in item.req_ids:
+            for scheduler in self.schedulers:
+                scheduler.release_kv(req_id)
+
+    def _on_stats_query(self, item: msg.StatsQuery) -> None:
+        self._send(self._stats(), item.reply_to)
+
+    def _on_admin(self, item: msg.AdminRequest) -> None:
+        try:
+            reply = self._admin(item)
+        except Exception as exc:  # noqa: BLE001 - a failing operator command is refused, never fatal
+            logger.exception("admin operation %r failed", item.op)
+            reply = msg.AdminReply(query_id=item.query_id, ok=False, error=f"{item.op} failed: {exc}")
+        self._send(reply, item.reply_to)
+
+    def _on_shutdown(self, item: msg.Shutdown) -> None:
+        self.running = False
 
     def _admin(self, item: msg.AdminRequest) -> msg.AdminReply:
         try:
@@ -349,22 +384,49 @@ class EngineCore:
             return msg.AdminReply(query_id=item.query_id, ok=False, error=str(exc))
         return msg.AdminReply(query_id=item.query_id, data=data)
 
-    def _add_request(self, item: msg.AddRequest) -> None:
+    def _reject(self, item: msg.AddRequest, error: Exception) -> None:
+        """Refuse one request: its caller gets an error delta naming the error's class."""
         if item.reply_to:
             self.reply_of[item.req_id] = item.reply_to
+        self._send_deltas([msg.RequestDelta(req_id=item.req_id, new_token_ids=[], finish_reason="error",
+                                            error=str(error), error_type=type(error).__name__,
+                                            num_prompt_tokens=len(item.prompt_token_ids))])
 
-        def reject(error: Exception) -> None:
-            self._send_deltas([msg.RequestDelta(req_id=item.req_id, new_token_ids=[], finish_reason="error",
-                                                error=str(error), error_type=type(error).__name__,
-                                                num_prompt_tokens=len(item.prompt_token_ids))])
+    def _check_add_request(self, item: msg.AddRequest) -> SamplingParams:
+        """The request's sampling settings, once every field is within what this model takes
+        (InvalidRequestError or SamplingParamsError otherwise): a bad request is refused here, alone."""
+        if not item.req_id or len(item.req_id) > _MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(f"a request id must have 1 to {_MAX_REQUEST_ID_CHARS} characters")
+        if not item.prompt_token_ids:
+            raise InvalidRequestError("the prompt has no tokens")
+        if len(item.eos_token_ids) > _MAX_ID_LIST:
+            raise InvalidRequestError(f"more than {_MAX_ID_LIST} eos token ids")
+        for what, token_ids in (("prompt", item.prompt_token_ids), ("eos", item.eos_token_ids),
+                                ("output", item.output_token_ids)):
+            check_token_ids(token_ids, self.vocab_size, what)
+        if not INT64_MIN <= item.priority <= INT64_MAX:
+            raise InvalidRequestError(f"priority must fit in a signed 64-bit integer, got {item.priority}")
+        params = SamplingParams.from_dict(item.sampling_params)
+        if len(params.stop_token_ids) > _MAX_ID_LIST:
+            raise SamplingParamsError(f"more than {_MAX_ID_LIST} stop token ids", param="stop_token_ids")
+        params.verify(self.vocab_size)
+        return params
 
+    def _add_request(self, item: msg.AddRequest) -> None:
         if self.dead_error is not None:
-            reject(RuntimeError(f"engine is dead: {self.dead_error}"))
+            self._reject(item, RuntimeError(f"engine is dead: {self.dead_error}"))
             return
         try:
+            params = self._check_add_request(item)
+        except ValueError as exc:  # InvalidRequestError, SamplingParamsError
+            self._reject(item, exc)
+            return
+        if item.reply_to:
+            self.reply_of[item.req_id] = item.reply_to
+        reject = functools.partial(self._reject, item)
+        try:
             request = Request(req_id=item.req_id, prompt_token_ids=item.prompt_token_ids,
-                              sampling_params=SamplingParams.from_dict(item.sampling_params),
-                              arrival_time=item.arrival_time, priority=item.priority,
+                              sampling_params=params, arrival_time=item.arrival_time, priority=item.priority,
                               eos_token_ids=item.eos_token_ids)
             self._set_context_cache(request, item)
             if request.context_cache_ttl_s is not None and not any(
@@ -422,6 +484,9 @@ class EngineCore:
             self.schedulers[0].add_request(request)
         else:
             self._enqueue(request)
+
+    _CLIENT_HANDLERS = {msg.AddRequest: _add_request, msg.AbortRequests: _on_abort, msg.ReleaseKV: _on_release_kv,
+                        msg.StatsQuery: _on_stats_query, msg.AdminRequest: _on_admin, msg.Shutdown: _on_shutdown}
 
     # ------------------------------------------------------------------ context caching (memory pool)
     def _start_pool_lookup(self, request: Request) -> bool:
@@ -539,6 +604,30 @@ class EngineCore:
         self.pending = [r for r in self.pending if r.req_id not in taken]
 
     # ------------------------------------------------------------------ executors
+    def _take_result(self, item) -> None:
+        """One message from the executors: a frame that is not one is dropped; a failure to handle
+        a real one is the engine's fault (its state may be half updated): the engine fails, the
+        master lives on to say so."""
+        if item is None:
+            return
+        if not isinstance(item, _RESULT_TYPES):
+            msg.drop_frame(_RESULTS, f"a {type(item).__name__} is not an executor's message")
+            return
+        if isinstance(item, msg.ModelRunnerOutput) and not self._expected_output(item):
+            return
+        try:
+            self._on_result(item)
+        except Exception as exc:  # noqa: BLE001 - reported through the engine's health, not a dead master
+            logger.exception("handling a %s failed", type(item).__name__)
+            self._fail(f"the master failed on an executor's {type(item).__name__}: {exc}")
+
+    def _expected_output(self, item: msg.ModelRunnerOutput) -> bool:
+        """Whether a step output names a DP group with a step in flight (else it is dropped)."""
+        if not 0 <= item.dp_rank < self.dp_size or (self.dead_error is None and not self.in_flight[item.dp_rank]):
+            msg.drop_frame(_RESULTS, f"step output of DP group {item.dp_rank} with no step in flight")
+            return False
+        return True
+
     def _on_result(self, item) -> None:
         if isinstance(item, msg.ExecutorFailure):
             self._fail(self.executors.explain(item))
@@ -702,6 +791,7 @@ class EngineCore:
             kv_transfer_holds=sum(p.kv_transfer_holds for p in parts),
             kv_pulled=sum(p.kv_pulled for p in parts),
             kv_pull_recomputed=sum(p.kv_pull_recomputed for p in parts),
+            dropped_frames=msg.dropped_frames(),
             healthy=self.dead_error is None,
             error=self.dead_error,
         )
@@ -721,10 +811,12 @@ class EngineCore:
                 events = dict(poller.poll(timeout_ms))
                 if self.executors.results in events:
                     while self.executors.results.poll(0):
-                        self._on_result(msg.decode(self.executors.results.recv()))
+                        self._take_result(msg.recv_message(self.executors.results, _RESULTS))
                 if self.inbox in events:
                     while self.inbox.poll(0):
-                        self._on_client(msg.decode(self.inbox.recv()))
+                        item = msg.recv_message(self.inbox, _INBOX, msg.MAX_INBOX_BYTES)
+                        if item is not None:
+                            self._on_client(item)
                 self._check_peers()
                 now = time.time()
                 self.eplb.tick(now)
@@ -770,6 +862,7 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         ctx = zmq.Context.instance()
         out = ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 2000)
+        cluster_auth.client(out, output_addr)
         out.connect(output_addr)
         out.send(msg.encode(msg.EngineError(message=f"engine start-up failed: {exc}", fatal=True)))
         out.close()

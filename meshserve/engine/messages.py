@@ -1,7 +1,10 @@
 """Messages across the engine's process boundaries, encoded with msgpack.
 
 One dataclass per message; `encode` / `decode` turn them into msgpack bytes
-tagged with the class name (no pickle crosses a process boundary).
+tagged with the class name (no pickle crosses a process boundary). `decode`
+checks a frame against the dataclass it names (size, known type, known fields,
+field types) and raises `MessageError` otherwise; receivers drop such a frame
+with one log line and a count (`drop_frame`, `dropped_frames`) and go on.
 
 Boundaries:
   client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery, AdminRequest, ReleaseKV
@@ -16,11 +19,19 @@ Boundaries:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
+import msgspec.inspect as mi
+import zmq
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- master -> executor
@@ -86,6 +97,9 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     # req_id -> [chosen_logprob, [[token, logprob], ...top alternatives]] when requested
     logprobs: dict[str, list] = field(default_factory=dict)
+    # req_id -> why that request failed on the executor (e.g. its sampler raised); the step's other
+    # requests are unharmed, and the executor no longer runs the failed ones
+    failed: dict[str, str] = field(default_factory=dict)
     execute_seconds: float = 0.0
 
 
@@ -98,6 +112,7 @@ class ExecutorReady:
     kv_region: dict[str, Any] | None = None
     moe_layers: list[int] = field(default_factory=list)  # decoder-layer indices of the MoE layers
     num_logical_experts: int = 0  # routed experts per MoE layer
+    vocab_size: int = 0  # token ids the model takes and samples: [0, vocab_size)
 
 
 @dataclass
@@ -204,6 +219,8 @@ class EngineStats:
     kv_transfer_holds: int = 0  # requests whose KV blocks wait for a decode TE to pull them
     kv_pulled: int = 0  # requests whose prompt KV came from a prefill TE
     kv_pull_recomputed: int = 0  # ... of which the pull failed and the prompt was computed here instead
+    # bad frames the TE's master dropped, per receiving socket (e.g. "te-inbox", "executor-results")
+    dropped_frames: dict[str, int] = field(default_factory=dict)
     healthy: bool = True
     error: str | None = None
 
@@ -214,6 +231,7 @@ class EngineReady:
     block_size: int
     kv_bytes_per_token: int
     max_model_len: int
+    vocab_size: int = 0  # token ids the model takes: [0, vocab_size)
 
 
 @dataclass
@@ -291,13 +309,6 @@ _MESSAGE_TYPES = {
         KVCacheEvents, Shutdown, ExecutorEvent, AdminRequest, AdminReply, ReleaseKV, TEHeartbeat,
     )
 }
-_NESTED = {
-    ("SchedulerOutput", "new_reqs"): NewRequestData,
-    ("SchedulerOutput", "cached_reqs"): CachedRequestData,
-    ("StepBatch", "per_dp"): SchedulerOutput,
-    ("EngineOutputs", "deltas"): RequestDelta,
-}
-_NESTED_ONE = {("TEHeartbeat", "stats"): EngineStats}
 
 
 def _to_plain(obj: Any) -> Any:
@@ -314,16 +325,102 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb([type(msg).__name__, _to_plain(msg)], use_bin_type=True)
 
 
-def _build(cls: type, fields: dict[str, Any]) -> Any:
-    for (owner, attr), sub in _NESTED.items():
-        if owner == cls.__name__ and attr in fields:
-            fields[attr] = [_build(sub, x) for x in fields[attr]]
-    for (owner, attr), sub in _NESTED_ONE.items():
-        if owner == cls.__name__ and isinstance(fields.get(attr), dict):
-            fields[attr] = _build(sub, fields[attr])
-    return cls(**fields)
+# ---------------------------------------------------------------- decoding and validation
+class MessageError(ValueError):
+    """A frame that is not a valid message: its receiver logs it, counts it and drops it."""
 
 
-def decode(data: bytes) -> Any:
-    name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return _build(_MESSAGE_TYPES[name], fields)
+# the largest frame any internal socket takes: far above the largest legitimate message (a step
+# whose new requests carry long prompts, a prefix-cache snapshot), far below what hurts the host
+MAX_MESSAGE_BYTES = 256 * 2**20
+# a TE's input socket takes requests from other hosts: one prompt of a million tokens still fits
+MAX_INBOX_BYTES = 64 * 2**20
+
+
+def _shape(info: mi.Type) -> tuple | None:
+    """Where a type holds dataclasses: their field names (to refuse unknown fields) and nested shapes."""
+    if isinstance(info, mi.DataclassType):
+        nested = {f.name: sub for f in info.fields if (sub := _shape(f.type)) is not None}
+        return ("object", frozenset(f.name for f in info.fields), nested)
+    if isinstance(info, mi.ListType):
+        sub = _shape(info.item_type)
+        return None if sub is None else ("list", sub)
+    if isinstance(info, mi.UnionType):  # `X | None`
+        return next((sub for t in info.types if (sub := _shape(t)) is not None), None)
+    return None
+
+
+def _check_fields(value: Any, shape: tuple, owner: str) -> None:
+    """MessageError for a field no dataclass of `shape` has (this runs on every step: keep it lean)."""
+    if shape[0] == "list":
+        if isinstance(value, list):
+            for item in value:
+                _check_fields(item, shape[1], owner)
+        return
+    if not isinstance(value, dict):
+        return  # the conversion names the wrong type
+    _, names, nested = shape
+    if not names.issuperset(value):
+        unknown = sorted(str(k) for k in value if k not in names)
+        raise MessageError(f"unknown field(s) {', '.join(unknown[:5])} (in {owner})")
+    for name, sub in nested.items():
+        child = value.get(name)
+        if child is not None:
+            _check_fields(child, sub, name)
+
+
+_SHAPES = {name: _shape(mi.type_info(cls)) for name, cls in _MESSAGE_TYPES.items()}
+
+
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+    """The message in `data`; MessageError for an oversized, malformed or unknown frame, or for fields
+    of the wrong type (checked against the dataclass annotations, nested messages included)."""
+    if len(data) > max_bytes:
+        raise MessageError(f"a frame of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        decoded = msgspec.msgpack.decode(data)
+    except Exception as exc:  # noqa: BLE001 - bad bytes must only ever be a MessageError
+        raise MessageError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(decoded, list) and len(decoded) == 2 and isinstance(decoded[0], str)
+            and isinstance(decoded[1], dict)):
+        raise MessageError("not a [message type, fields] pair")
+    name, fields = decoded
+    cls = _MESSAGE_TYPES.get(name)
+    if cls is None:
+        raise MessageError(f"unknown message type {name[:64]!r}")
+    _check_fields(fields, _SHAPES[name], name)
+    try:
+        return msgspec.convert(fields, cls)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:  # __post_init__ checks raise the latter
+        raise MessageError(f"bad {name}: {exc}") from None
+
+
+# ---------------------------------------------------------------- dropped frames
+_dropped_lock = threading.Lock()
+_dropped: collections.Counter = collections.Counter()
+
+
+def drop_frame(socket_name: str, error: Exception | str) -> None:
+    """Count a frame a receiver dropped and say why (the first ten per socket, then every thousandth,
+    so a flood of bad frames cannot flood the log)."""
+    with _dropped_lock:
+        _dropped[socket_name] += 1
+        count = _dropped[socket_name]
+    if count <= 10 or count % 1000 == 0:
+        logger.warning("dropped a bad frame on %s (%d so far): %s", socket_name, count, error)
+
+
+def dropped_frames() -> dict[str, int]:
+    """Frames this process dropped, per receiving socket."""
+    with _dropped_lock:
+        return dict(_dropped)
+
+
+def recv_message(sock: zmq.Socket, socket_name: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any | None:
+    """Receive one frame and decode it; a bad frame is dropped (logged, counted) and gives None."""
+    data = sock.recv()
+    try:
+        return decode(data, max_bytes)
+    except MessageError as exc:
+        drop_frame(socket_name, exc)
+        return None

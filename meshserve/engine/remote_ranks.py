@@ -16,9 +16,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from meshserve.config import EngineConfig
 from meshserve.engine import messages as msg
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
+_MAX_HANDSHAKE_BYTES = 2**16  # a handshake names one rank; anything larger is not one
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 10000  # a peer silent this long after a ping counts as gone
 
@@ -74,6 +76,8 @@ class RemoteRanks:
         self.joined: set[int] = set()
         self.handshakes = ctx.socket(zmq.ROUTER)
         self.handshakes.setsockopt(zmq.LINGER, 0)
+        self.handshakes.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDSHAKE_BYTES)
+        cluster_auth.server(self.handshakes, self.endpoint)  # a rank must hold the cluster secret to join
         try:
             self.handshakes.bind(self.endpoint)
         except zmq.ZMQError as exc:
@@ -86,6 +90,7 @@ class RemoteRanks:
         while self.handshakes.poll(0):
             frames = self.handshakes.recv_multipart()
             if len(frames) != 2:
+                msg.drop_frame("executor-handshakes", f"{len(frames)} frames, expected 2")
                 continue  # not a DEALER speaking our protocol; nothing to answer
             identity, payload = frames
             try:
@@ -93,7 +98,8 @@ class RemoteRanks:
                 if not isinstance(hello, msg.ExecutorHandshake):
                     raise TypeError(type(hello).__name__)
                 reply = self._assign(hello.rank)
-            except Exception:  # noqa: BLE001 - a stranger's bytes must not stop the master
+            except Exception as exc:  # noqa: BLE001 - a stranger's bytes must not stop the master
+                msg.drop_frame("executor-handshakes", exc)
                 reply = msg.ExecutorHandshake(rank=-1, error="expected an ExecutorHandshake message")
             self.handshakes.send_multipart([identity, msg.encode(reply)])
 

@@ -4,6 +4,11 @@ It keeps, per request, the token ids it has seen or sampled, the block table and
 the sampling state, so the master only sends what changed each step. Decode
 inputs come from the runner's own last sampled token; this is what lets the
 master schedule step n+1 before step n has returned.
+
+A request whose settings make it fail here (its sampler raises, its token ids
+lie outside the vocabulary) fails alone: it is reported in
+`ModelRunnerOutput.failed`, this rank stops running it at once (a step already
+queued for it skips it), and the step's other requests go on.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ import torch
 from meshserve.config import EngineConfig
 from meshserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepBatch
 from meshserve.engine.pool_fetch import RankPoolFetches, write_block_into
-from meshserve.engine.sampler import Sampler, SamplingRow
+from meshserve.engine.sampler import (FAILED_TOKEN, Sampler, SamplerOutput, SamplingRow, describe_error,
+                                      is_process_fault, make_generator)
 from meshserve.models.base import AttentionMetadata
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
@@ -100,8 +106,11 @@ class ModelRunner:
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token)
         self.eos_token_ids = eos_token_ids(config.model)
+        self.vocab_size = int(self.hf_config["vocab_size"])
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        # requests that failed on this rank; steps skip them until the master says to drop them
+        self.failed_ids: set[str] = set()
         self.expert_balancer = getattr(self.model, "expert_balancer", None)
         if config.eplb_placement:
             self._apply_initial_placement(config.eplb_placement)
@@ -202,10 +211,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ state updates
     def _add(self, new: NewRequestData) -> None:
+        if new.token_ids and (min(new.token_ids) < 0 or max(new.token_ids) >= self.vocab_size):
+            bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         params = SamplingParams.from_dict(new.sampling_params)
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+            generator = make_generator(params.seed, self.device)  # on the logits' device, as the sampler needs
         self.requests[new.req_id] = RequestState(
             req_id=new.req_id,
             token_ids=list(new.token_ids),
@@ -220,17 +232,30 @@ class ModelRunner:
             # resumed after preemption: advance the generator past the tokens already sampled
             # so a seeded request stays reproducible
             for _ in range(len(new.token_ids) - new.num_prompt_tokens):
-                torch.empty(1).exponential_(generator=generator)
+                torch.empty(1, device=self.device).exponential_(generator=generator)
 
-    def _apply(self, sched: SchedulerOutput) -> None:
+    def _apply(self, sched: SchedulerOutput) -> dict[str, str]:
+        """Take the step's request changes; the new requests that could not be taken on, and why."""
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.failed_ids.discard(req_id)
+        failed = {}
         for new in sched.new_reqs:
-            self._add(new)
+            try:
+                self._add(new)
+            except Exception as exc:  # noqa: BLE001 - one request's settings fail that request alone
+                if is_process_fault(exc):
+                    raise
+                failed[new.req_id] = describe_error(exc)
+                self.failed_ids.add(new.req_id)
+                logger.warning("request %s failed: %s", new.req_id, failed[new.req_id])
         for cached in sched.cached_reqs:
+            if cached.req_id in self.failed_ids:
+                continue
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        return failed
 
     # ------------------------------------------------------------------ one step
     def run_batch(self, batch: StepBatch) -> ModelRunnerOutput | None:
@@ -249,12 +274,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        self._apply(sched)
-        if sched.is_empty:
+        failed = self._apply(sched)
+        # every rank of the DP group skips the same failed requests, so the group stays in lockstep
+        num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}
+        if not num_tokens:
             if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
                 self._idle_forward()
-            return ModelRunnerOutput(step_id=sched.step_id)
-        num_tokens = sched.num_scheduled_tokens
+            return ModelRunnerOutput(step_id=sched.step_id, failed=failed)
         # decodes (one token) first: the attention kernels expect that layout
         order = sorted(num_tokens.items(), key=lambda kv: kv[1] != 1)
         input_ids: list[int] = []
@@ -283,7 +309,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, attn, self.kv_caches)
-        out = ModelRunnerOutput(step_id=sched.step_id)
+        out = ModelRunnerOutput(step_id=sched.step_id, failed=failed)
         if sample_rows:
             index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, index))
@@ -293,8 +319,11 @@ class ModelRunner:
                             eos_token_ids=self.eos_token_ids)
                 for s in sample_states
             ]
-            token_ids, logprobs = self._sample(logits, rows)
-            for state, token, lp in zip(sample_states, token_ids, logprobs):
+            sampled = self._sample(logits, rows)
+            for i, (state, token, lp) in enumerate(zip(sample_states, sampled.token_ids, sampled.logprobs)):
+                if i in sampled.failed:
+                    self._fail_request(state.req_id, sampled.failed[i], out)
+                    continue
                 state.token_ids.append(token)
                 out.sampled[state.req_id] = token
                 if lp is not None:
@@ -302,19 +331,29 @@ class ModelRunner:
         out.execute_seconds = time.perf_counter() - t0
         return out
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list]:
-        """Sample on the driver; the other ranks of its attention TP group receive the tokens."""
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample on the driver; the other ranks of its attention TP group receive the tokens, a failed
+        row's as FAILED_TOKEN (so every rank fails the same requests)."""
         if self.parallel.attn_tp_size == 1:
-            sampled = self.sampler(logits, rows)
-            return [int(t) for t in sampled.token_ids], list(sampled.logprobs)
+            return self.sampler.sample_isolating(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        logprobs: list = [None] * len(rows)
+        sampled = SamplerOutput(token_ids=[], logprobs=[None] * len(rows))
         if self.parallel.is_driver:
-            sampled = self.sampler(logits, rows)
+            sampled = self.sampler.sample_isolating(logits, rows)
             tokens.copy_(torch.as_tensor([int(t) for t in sampled.token_ids], dtype=torch.int64))
-            logprobs = list(sampled.logprobs)
         self.parallel.attn_broadcast_from_driver(tokens)
-        return tokens.tolist(), logprobs
+        sampled.token_ids = tokens.tolist()
+        if not self.parallel.is_driver:
+            sampled.failed = {i: "sampling failed on the driver rank" for i, t in enumerate(sampled.token_ids)
+                              if t == FAILED_TOKEN}
+        return sampled
+
+    def _fail_request(self, req_id: str, error: str, out: ModelRunnerOutput) -> None:
+        """Stop running a request that failed here; the master finishes it with the error."""
+        logger.warning("request %s failed: %s", req_id, error)
+        self.requests.pop(req_id, None)
+        self.failed_ids.add(req_id)
+        out.failed[req_id] = error
 
     # ------------------------------------------------------------------ context caching (memory pool)
     def _block_nbytes(self) -> int:

@@ -5,16 +5,25 @@ frequency/presence penalties; then greedy rows take the argmax and the other
 rows go through temperature, top-k, top-p and min-p before drawing a token.
 Every step is a tensor operation over the whole batch (or over the rows that
 need it); Python loops run over rows only, never over the vocabulary.
+
+`Sampler.sample_isolating` keeps one request's failure in that request: when
+the batch raises, it samples row by row and fails only the rows that raise.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from meshserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 _NEG_INF = float("-inf")
+FAILED_TOKEN = -1  # the token id of a row whose sampling failed (see SamplerOutput.failed)
+# error texts of a broken device or collective: the process itself is at fault, not one request
+_DEVICE_FAULT_MARKS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "NCCL")
 
 
 @dataclass
@@ -34,6 +43,23 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: [chosen_logprob, [[token_id, logprob], ...top alternatives]] or None
     logprobs: list[list | None]
+    # row index -> why sampling that row failed (its token id is FAILED_TOKEN); sample_isolating only
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+def is_process_fault(exc: BaseException) -> bool:
+    """Whether an error is the device's or the process's (out of memory, a CUDA or NCCL error) rather
+    than one request's: only such errors may end an executor."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or (
+            accelerator_error is not None and isinstance(exc, accelerator_error)):
+        return True
+    text = str(exc)
+    return any(mark in text for mark in _DEVICE_FAULT_MARKS)
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -76,6 +102,36 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, wanted, token_ids, rows)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def sample_isolating(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample the batch; if that raises for a reason other than a process fault, sample each row
+        on its own and fail only the rows that raise. Seeded rows are rewound first, so every other
+        row gets the very token it would have got in a batch without the failing ones."""
+        states = [row.generator.get_state() if row.generator is not None else None for row in rows]
+        try:
+            return self(logits, rows)
+        except Exception as exc:  # noqa: BLE001 - one request's settings must not end the executor
+            if is_process_fault(exc):
+                raise
+            logger.warning("sampling a batch of %d rows failed (%s); sampling them one by one",
+                           len(rows), describe_error(exc))
+        for row, state in zip(rows, states):
+            if state is not None:
+                row.generator.set_state(state)
+        out = SamplerOutput(token_ids=[], logprobs=[])
+        for i, row in enumerate(rows):
+            try:
+                one = self(logits[i:i + 1], [row])
+            except Exception as exc:  # noqa: BLE001 - see above
+                if is_process_fault(exc):
+                    raise
+                out.token_ids.append(FAILED_TOKEN)
+                out.logprobs.append(None)
+                out.failed[i] = describe_error(exc)
+                continue
+            out.token_ids.append(int(one.token_ids[0]))
+            out.logprobs.append(one.logprobs[0])
+        return out
 
 
 # ---------------------------------------------------------------- checks

@@ -18,6 +18,7 @@ Works on token ids and block ids only; the executor owns every tensor.
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import time
 from collections.abc import Iterable
@@ -92,6 +93,7 @@ class _ContextCachePin:
 
     token_ids: list[int]  # the tokens of the pinned full blocks, to check a request's prompt really starts with them
     deadline: float
+    num_blocks: int = 0
 
 
 # named context caches may pin at most this share of a DP group's KV blocks: the rest keeps serving requests
@@ -160,6 +162,9 @@ class Scheduler:
         self.num_kv_pull_recomputed = 0
         # explicit context caching (deepserve MatchByID): cache id -> its pinned prompt blocks' tokens and expiry
         self.context_caches: dict[str, _ContextCachePin] = {}
+        # kept as the caches come and go, so admission and expiry cost O(log n), not a scan of every cache
+        self._num_pinned = 0
+        self._pin_deadlines: list[tuple[float, str]] = []  # heap; an entry whose pin is gone or renewed is skipped
 
     # ------------------------------------------------------------ queue
     @property
@@ -518,6 +523,9 @@ class Scheduler:
             req = self._requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != incarnation:
                 continue  # finished, aborted or preempted while the step was in flight
+            if req_id in out.failed:  # its settings made the executor fail it; the step's others go on
+                deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=out.failed[req_id]))
+                continue
             req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready)
             if req.context_cache_ttl_s is not None:
                 self._pin_context_cache(req)  # before the token: a request that finishes now frees its blocks
@@ -676,7 +684,7 @@ class Scheduler:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(self.rtc.match_by_id(cache_id) or ()) for cache_id in self.context_caches)
+        return self._num_pinned
 
     def can_pin(self, num_blocks: int) -> bool:
         """Whether named context caches may pin `num_blocks` more blocks here."""
@@ -694,16 +702,19 @@ class Scheduler:
             req.context_cache_ttl_s = None
             return
         self.rtc.register_id(req.context_cache_id, req.block_ids[:num_full])  # one reference each: never evicted
-        self.context_caches[req.context_cache_id] = _ContextCachePin(
-            token_ids=list(req.prompt_token_ids[:num_full * bs]),
-            deadline=time.monotonic() + req.context_cache_ttl_s)
+        pin = _ContextCachePin(token_ids=list(req.prompt_token_ids[:num_full * bs]),
+                               deadline=time.monotonic() + req.context_cache_ttl_s, num_blocks=num_full)
+        self._forget_pin(req.context_cache_id)
+        self.context_caches[req.context_cache_id] = pin
+        self._num_pinned += num_full
+        heapq.heappush(self._pin_deadlines, (pin.deadline, req.context_cache_id))
         req.context_cache_ttl_s = None
         logger.debug("context cache %s: %d blocks pinned", req.context_cache_id, num_full)
 
     def drop_context_cache(self, cache_id: str) -> bool:
         """Unpin a named cache (deleted or expired), and stop a request still creating it from pinning;
         False when this scheduler knew nothing of it."""
-        known = self.context_caches.pop(cache_id, None) is not None
+        known = self._forget_pin(cache_id)
         known = self.rtc.unregister_id(cache_id) or known
         for req in self._requests.values():
             if req.context_cache_id == cache_id and req.context_cache_ttl_s is not None:
@@ -714,10 +725,20 @@ class Scheduler:
     def expire_context_caches(self, now: float | None = None) -> list[str]:
         """Unpin the named caches whose ttl has passed."""
         now = time.monotonic() if now is None else now
-        expired = [cache_id for cache_id, pin in self.context_caches.items() if pin.deadline <= now]
-        for cache_id in expired:
-            self.drop_context_cache(cache_id)
+        expired = []
+        while self._pin_deadlines and self._pin_deadlines[0][0] <= now:
+            deadline, cache_id = heapq.heappop(self._pin_deadlines)
+            pin = self.context_caches.get(cache_id)
+            if pin is not None and pin.deadline == deadline:
+                self.drop_context_cache(cache_id)
+                expired.append(cache_id)
         return expired
+
+    def _forget_pin(self, cache_id: str) -> bool:
+        pin = self.context_caches.pop(cache_id, None)
+        if pin is not None:
+            self._num_pinned -= pin.num_blocks
+        return pin is not None
 
     def check_fits(self, req: Request) -> None:
         """Raise RequestTooLongError when `req` could never run here (used before a request is queued)."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import load_placement_file
+
+ADMIN_KEY_ENV = "MESHSERVE_ADMIN_KEY"  # the server reads the same variable (meshserve/platform/server_options.py)
 
 _PROGRESS_EVERY_S = 10.0
 
@@ -22,11 +25,13 @@ class AdminError(RuntimeError):
     """The server refused or could not be reached; printed as one line."""
 
 
-def _request(method: str, url: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
+def _request(method: str, url: str, path: str, body: dict | None = None, timeout_s: float = 60.0,
+             admin_key: str | None = None) -> dict:
     import httpx
 
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
     try:
-        response = httpx.request(method, url.rstrip("/") + path, json=body, timeout=timeout_s)
+        response = httpx.request(method, url.rstrip("/") + path, json=body, timeout=timeout_s, headers=headers)
     except httpx.HTTPError as exc:
         raise AdminError(f"cannot reach {url}: {exc}") from None
     try:
@@ -39,6 +44,12 @@ def _request(method: str, url: str, path: str, body: dict | None = None, timeout
     return data
 
 
+def _add_admin_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
+                        help=f"the server's admin key (default: ${ADMIN_KEY_ENV}; prefer the variable, a flag "
+                             "shows in the process list)")
+
+
 def add_admin_commands(commands) -> None:
     """Register `record`, `status` and `rebalance` on the `eplb` sub-command's subparsers."""
     record = commands.add_parser("record", help="record a running server's expert load into a load file")
@@ -46,10 +57,12 @@ def add_admin_commands(commands) -> None:
     record.add_argument("--duration", type=float, default=60.0,
                         help="seconds to keep recording before the file is written (default 60)")
     record.add_argument("--out", required=True, help="load file to write (JSON, meshserve/moe/load_record.py)")
+    _add_admin_key_argument(record)
     record.set_defaults(func=record_main)
 
     status = commands.add_parser("status", help="a running server's expert placement and reconfiguration state")
     status.add_argument("--url", required=True)
+    _add_admin_key_argument(status)
     status.set_defaults(func=status_main)
 
     rebalance = commands.add_parser("rebalance", help="reconfigure a running server's expert placement live")
@@ -59,6 +72,7 @@ def add_admin_commands(commands) -> None:
                                 "its recorded load")
     rebalance.add_argument("--wait", type=float, default=120.0,
                            help="seconds to wait for the reconfiguration to finish (0: do not wait)")
+    _add_admin_key_argument(rebalance)
     rebalance.set_defaults(func=rebalance_main)
 
 
@@ -72,7 +86,8 @@ def record_main(args: argparse.Namespace) -> int:
         if args.duration < 0:
             raise ValueError(f"--duration must be >= 0, got {args.duration}")
         started = time.time()
-        _request("GET", args.url, "/admin/eplb/status")  # fail now, not after the wait, if it is unreachable
+        # fail now, not after the wait, if it is unreachable (or refuses the key)
+        _request("GET", args.url, "/admin/eplb/status", admin_key=args.admin_key)
         deadline = time.monotonic() + args.duration
         next_log = time.monotonic() + _PROGRESS_EVERY_S
         while time.monotonic() < deadline:
@@ -81,7 +96,7 @@ def record_main(args: argparse.Namespace) -> int:
                 print(f"recording: {time.monotonic() - deadline + args.duration:.0f}/{args.duration:.0f} s",
                       file=sys.stderr)
                 next_log += _PROGRESS_EVERY_S
-        data = _request("GET", args.url, "/admin/eplb/load")
+        data = _request("GET", args.url, "/admin/eplb/load", admin_key=args.admin_key)
         record = ExpertLoadRecord.from_dict(data)
         # keep the slices of the recording window (the server keeps a longer history)
         keep = [i for i, t in enumerate(record.slice_start_times) if t + record.slice_seconds > started]
@@ -98,7 +113,7 @@ def record_main(args: argparse.Namespace) -> int:
 
 def status_main(args: argparse.Namespace) -> int:
     try:
-        status = _request("GET", args.url, "/admin/eplb/status")
+        status = _request("GET", args.url, "/admin/eplb/status", admin_key=args.admin_key)
     except AdminError as exc:
         return _fail("status", exc)
     placement = status.pop("placement", None)
@@ -115,13 +130,13 @@ def rebalance_main(args: argparse.Namespace) -> int:
         body = {}
         if args.placement:
             body["placement"] = load_placement_file(args.placement).to_dict()
-        status = _request("POST", args.url, "/admin/eplb/rebalance", body)
+        status = _request("POST", args.url, "/admin/eplb/rebalance", body, admin_key=args.admin_key)
         deadline = time.monotonic() + args.wait
         while args.wait > 0 and status["phase"] != "idle":
             if time.monotonic() > deadline:
                 raise AdminError(f"still in phase {status['phase']} after {args.wait:.0f} s")
             time.sleep(0.2)
-            status = _request("GET", args.url, "/admin/eplb/status")
+            status = _request("GET", args.url, "/admin/eplb/status", admin_key=args.admin_key)
         if status.get("last_error"):
             raise AdminError(f"reconfiguration failed: {status['last_error']}")
     except (AdminError, ValueError) as exc:

@@ -122,11 +122,29 @@ class ExpertPlacement:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExpertPlacement":
+        """A placement as `to_dict` writes it; ValueError for anything else (it may come from a client)."""
         if not isinstance(data, dict) or data.get("format") != "meshserve-expert-placement/1":
             raise ValueError("not a meshserve expert placement (format meshserve-expert-placement/1)")
-        shape = PlacementShape(int(data["num_logical"]), int(data["num_ranks"]), int(data["redundant_per_rank"]),
-                               int(data.get("slots_per_rank", 0)))
-        return cls(shape, {int(layer): [int(e) for e in slots] for layer, slots in data["layers"].items()})
+        missing = [key for key in ("num_logical", "num_ranks", "redundant_per_rank", "layers") if key not in data]
+        if missing:
+            raise ValueError(f"placement is missing {', '.join(missing)}")
+        shape = PlacementShape(*(_whole_number(data.get(key, 0), key) for key in
+                                 ("num_logical", "num_ranks", "redundant_per_rank", "slots_per_rank")))
+        layers = data["layers"]
+        if not isinstance(layers, dict) or not all(isinstance(slots, list) for slots in layers.values()):
+            raise ValueError("layers must map each layer index to its list of slots")
+        return cls(shape, {_whole_number(layer, "a layer index"): [_whole_number(e, f"layer {layer}'s slot")
+                                                                   for e in slots]
+                           for layer, slots in layers.items()})
+
+
+def _whole_number(value: object, what: str) -> int:
+    """An integer of a placement (JSON object keys are strings of digits); never a float, inf or bool."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.removeprefix("-").isdigit():
+        return int(value)
+    raise ValueError(f"{what} must be an integer, got {value!r}"[:200])
 
 
 def load_placement_file(path: str) -> ExpertPlacement:

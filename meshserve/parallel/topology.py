@@ -1,19 +1,23 @@
-"""Nodes x ranks layout of a world, its intra-/inter-node process groups, and a local launcher.
+"""Nodes x ranks layout of a world, its intra-/inter-node process groups, the world's rendezvous, and
+a local launcher.
 
 Rank r lives on node r // ranks_per_node with local rank r % ranks_per_node. The
 intra-node group of a node holds its ranks; the inter-node group of a local rank
 holds the ranks with that local rank on every node (MixServe's TP and EP groups).
 On one machine the "nodes" are just a grouping of local processes: the groups are
 real torch.distributed groups all the same.
+
+`init_world` joins a world through a TCPStore whose server (rank 0) listens on the master address
+only: torch's own `tcp://` and `env://` rendezvous start it on every interface.
 """
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
@@ -85,6 +89,34 @@ def build_groups(topology: Topology) -> TopologyGroups:
                           intra, inter)
 
 
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The world's TCPStore at host:port; rank 0 runs its server, listening on `host` alone (it binds the
+    socket itself and hands it to the store, which then owns it)."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=max(128, world_size))
+    try:
+        store = dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=listener.fileno(),
+                              use_libuv=True)
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
+
+
+def init_world(backend: str, init_method: str, rank: int, world_size: int,
+               timeout: timedelta | None = None) -> None:
+    """`dist.init_process_group` for a `tcp://HOST:PORT` rendezvous whose store listens on HOST only."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    if not init_method.startswith("tcp://") or not host or not port.isdigit():
+        raise ValueError(f"init_method must be tcp://HOST:PORT, got {init_method!r}")
+    timeout = timeout or dist.default_pg_timeout
+    store = rendezvous_store(host.strip("[]"), int(port), rank, world_size, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -92,9 +124,7 @@ def free_port() -> int:
 
 
 def _local_worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    init_world(backend, f"tcp://127.0.0.1:{port}", rank, world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:

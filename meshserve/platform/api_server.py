@@ -2,12 +2,17 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /v1/models/{id}, POST /v1/context_caches, GET|DELETE /v1/context_caches/{id},
-GET /health, GET /metrics.
+GET /v1/context_caches (admin), GET /health, GET /metrics, /admin/eplb/*.
+
+Every request first passes `RequestGuard` (meshserve/platform/http_guard.py): keys, content
+type, body size and read timeout. Tokenizing and chat templating run on one worker thread,
+never on the event loop; prompts longer than `max_prompt_chars` are refused before it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -15,30 +20,44 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from meshserve.engine.errors import EngineDeadError
 from meshserve.engine.messages import EngineStats
+from meshserve.moe.placement import EMPTY as EMPTY_SLOT, ExpertPlacement
 from meshserve.platform.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
 from meshserve.outputs import RequestOutput
 from meshserve.platform.context_caches import (
-    DEFAULT_TTL_S, ContextCache, ContextCacheNotFound, ContextCacheStore, new_cache_id,
+    DEFAULT_TTL_S, ContextCache, ContextCacheLimits, ContextCacheNotFound, ContextCacheQuotaExceeded,
+    ContextCacheStore, new_cache_id,
 )
 from meshserve.platform.errors import APIError, bad_request, from_exception, install_error_handlers, model_not_found
-from meshserve.platform.generation import ClientDisconnected, EnginePrompt, GenerationRun, unless_disconnected
+from meshserve.platform.generation import (
+    ClientDisconnected, EnginePrompt, GenerationRun, ServerStopping, unless_disconnected,
+)
+from meshserve.platform.http_guard import PRINCIPAL_SCOPE_KEY, Principal, RequestGuard, protocol_for
 from meshserve.platform.metrics import ServerMetrics
-from meshserve.platform.protocol import ChatCompletionRequest, CompletionRequest, ContextCacheCreateRequest, usage
+from meshserve.platform.chat_prompt import ChatTemplateError, encode_chat
+from meshserve.platform.protocol import (
+    EPLB_REBALANCE_OPENAPI, ChatCompletionRequest, CompletionRequest, ContextCacheCreateRequest,
+    openapi_request_body, usage,
+)
 from meshserve.platform.renderers import ChatRenderer, CompletionRenderer, Renderer
+from meshserve.platform.server_options import PROMPT_CHARS_PER_TOKEN, ServerOptions, check_bind
 from meshserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
+T = TypeVar("T")
 _MAX_REQUEST_ID_HEADER_LEN = 128
+# after the grace period: time for the streams still running to send their error event and [DONE]
+_STREAM_END_MARGIN_S = 5.0
 # what a client that closed its connection gets logged with (nginx's convention; nobody receives it)
 _CLIENT_CLOSED_STATUS = 499
 
@@ -93,6 +112,41 @@ def _generation_failed(error: str) -> APIError:
     return APIError(500, f"The request failed during generation: {error}")
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; retry on another replica or after the restart.",
+                    code="server_shutting_down")
+
+
+def _principal(raw: Request) -> Principal:
+    """Who sent the request (the guard sets it; an app served without the guard sees one local client)."""
+    return raw.scope.get(PRINCIPAL_SCOPE_KEY) or Principal("client:local")
+
+
+_BoundedInt = Annotated[int, Field(strict=True, ge=0, le=1 << 20)]
+_Slot = Annotated[int, Field(strict=True, ge=EMPTY_SLOT, le=1 << 20)]  # a logical expert id, or empty
+_LayerKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,6}$")]
+
+
+class ExpertPlacementBody(BaseModel):
+    """An expert placement as `meshserve eplb plan --out` writes it (meshserve/moe/placement.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["meshserve-expert-placement/1"]
+    num_logical: Annotated[int, Field(strict=True, ge=1, le=1 << 20)]
+    num_ranks: Annotated[int, Field(strict=True, ge=1, le=1 << 16)]
+    redundant_per_rank: _BoundedInt
+    slots_per_rank: _BoundedInt | None = None
+    layers: dict[_LayerKey, list[_Slot]] = Field(min_length=1)
+    replicas: dict[_LayerKey, list[list[_BoundedInt]]] | None = None
+
+
+class EplbRebalanceRequest(BaseModel):
+    """`{}` (the server plans from its recorded load) or `{"placement": ...}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    placement: ExpertPlacementBody | None = None
+
+
 def _context_cache_not_found(exc: ContextCacheNotFound, param: str | None) -> APIError:
     if exc.expired:
         expired_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(exc.expired_at))
@@ -106,30 +160,41 @@ class OpenAIServing:
     """The request handlers, bound to one engine and one served model name."""
 
     def __init__(self, engine: EngineClientProtocol, model_name: str, metrics: ServerMetrics,
-                 max_queue_hint: int | None) -> None:
+                 max_queue_hint: int | None, options: ServerOptions = ServerOptions()) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.max_queue_hint = max_queue_hint
+        self.options = options
         self.created = int(time.time())
         self._active_ids: set[str] = set()
-        self.context_caches = ContextCacheStore()
+        self.max_prompt_chars = options.max_prompt_chars or engine.max_model_len * PROMPT_CHARS_PER_TOKEN
+        self.context_caches = ContextCacheStore(limits=ContextCacheLimits(
+            max_ttl_s=options.max_context_cache_ttl, caches_per_owner=options.context_caches_per_key,
+            tokens_per_owner=options.context_cache_tokens_per_key or engine.max_model_len,
+            total_caches=options.context_caches_total))
+        # one thread: a fast tokenizer must not be used from two threads at once ("Already borrowed")
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        # set when a shutdown's grace period is over: the streams still running end with an error event
+        self.stopping = asyncio.Event()
 
     # ---------------------------------------------------------------- endpoints
     async def completions(self, raw: Request) -> Response:
         arrival = time.monotonic()
         req = self._parse(CompletionRequest, await raw.body())
         self._check_model_and_engine(req.model)
-        cache = self._context_cache(req.context_cache_id, "prompt", "/v1/completions")
+        cache = self._context_cache(req.context_cache_id, "prompt", "/v1/completions", _principal(raw))
         prefix = cache.token_ids if cache is not None else []
         prompts, own_texts = [], []
+        self._check_prompt_chars(sum(len(p) for p in req.prompt if isinstance(p, str)), "prompt")
         for prompt in req.prompt:
             if isinstance(prompt, str):
                 # after a cached prefix the text continues it: no second set of special tokens
-                text, token_ids = prompt, self._encode(prompt, add_special_tokens=cache is None)
+                text, token_ids = prompt, await self._encode(prompt, add_special_tokens=cache is None)
             else:
                 text, token_ids = None, self._checked_token_ids(prompt)
-            own_texts.append(text if text is not None else self.engine.tokenizer.decode(token_ids))
+            own_texts.append(text if text is not None else await self._tokenizing(self.engine.tokenizer.decode,
+                                                                                   token_ids))
             token_ids = prefix + token_ids
             max_tokens = self._max_tokens(len(token_ids), req.max_tokens, "prompt")
             prompts.append(EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs),
@@ -144,12 +209,13 @@ class OpenAIServing:
         arrival = time.monotonic()
         req = self._parse(ChatCompletionRequest, await raw.body())
         self._check_model_and_engine(req.model)
-        cache = self._context_cache(req.context_cache_id, "messages", "/v1/chat/completions")
+        cache = self._context_cache(req.context_cache_id, "messages", "/v1/chat/completions", _principal(raw))
         cached_messages = cache.messages if cache is not None else []
+        messages = [m.for_template() for m in req.messages]
+        self._check_message_chars(messages)
         # the cached conversation first, rendered together with the new messages
-        text = self._render_chat(cached_messages + [m.for_template() for m in req.messages])
-        # the template already wrote the special tokens (BOS, role markers)
-        token_ids = self._encode(text, add_special_tokens=False)
+        # the template writes the control tokens (BOS, role markers); message contents stay plain text
+        text, token_ids = await self._tokenizing(self._render_chat, cached_messages + messages)
         if not token_ids:
             raise bad_request("The messages render to an empty prompt.", param="messages")
         max_tokens = self._max_tokens(len(token_ids), req.requested_max_tokens, "messages")
@@ -164,19 +230,8 @@ class OpenAIServing:
         arrival, created = time.monotonic(), time.time()
         req = self._parse(ContextCacheCreateRequest, await raw.body())
         self._check_model_and_engine(req.model)
-        ttl_s = float(req.ttl_seconds) if req.ttl_seconds is not None else DEFAULT_TTL_S
-        messages = None
-        if req.messages is not None:
-            messages, param = [m.for_template() for m in req.messages], "messages"
-            # no generation prompt: the conversation goes on with the messages of the requests that use it
-            text = self._render_chat(messages, add_generation_prompt=False)
-            token_ids = self._encode(text, add_special_tokens=False)
-        elif isinstance(req.prompt, str):
-            text, param = req.prompt, "prompt"
-            token_ids = self._encode(text, add_special_tokens=True)
-        else:
-            text, param = None, "prompt"
-            token_ids = self._checked_token_ids(req.prompt)
+        ttl_s = self._context_cache_ttl(req.ttl_seconds)
+        text, token_ids, messages, param = await self._context_cache_prefix(req)
         if not token_ids:
             raise bad_request(f"The {param} renders to an empty prefix.", param=param)
         limit = self.engine.max_model_len
@@ -184,7 +239,11 @@ class OpenAIServing:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {param} is "
                               f"{len(token_ids)} tokens, which leaves no room after the cached prefix.",
                               param=param, code="context_length_exceeded")
-        cache_id = new_cache_id()
+        cache_id, owner = new_cache_id(), _principal(raw).owner
+        try:  # the quota counts this cache from now on, so concurrent creations cannot overshoot it
+            self.context_caches.reserve(cache_id, owner, len(token_ids))
+        except ContextCacheQuotaExceeded as exc:
+            raise APIError(429, f"Context cache quota exceeded: {exc}.", code="context_cache_quota_exceeded") from None
         # one token: the engine computes the prompt's KV and pins its full blocks under the id
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         run = GenerationRun(self.engine, [EnginePrompt(text, token_ids, params, cache_id, ttl_s)], cache_id, 0,
@@ -193,6 +252,7 @@ class OpenAIServing:
             await unless_disconnected(raw, run.start())
             await unless_disconnected(raw, self._collect(run))
         except BaseException as exc:
+            self.context_caches.release(cache_id)
             await self._unpin_context_cache(cache_id)  # in case the engine pinned it before the failure
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=_CLIENT_CLOSED_STATUS)
@@ -200,22 +260,59 @@ class OpenAIServing:
         finally:
             await run.close()
         cache = self.context_caches.add(cache_id, self.model_name, len(token_ids), ttl_s, created=created,
-                                        token_ids=token_ids if messages is None else None, messages=messages)
+                                        owner=owner, token_ids=token_ids if messages is None else None,
+                                        messages=messages)
         return JSONResponse(cache.to_dict())
 
-    def retrieve_context_cache(self, cache_id: str) -> dict[str, Any]:
-        try:
-            return self.context_caches.get(cache_id).to_dict()
-        except ContextCacheNotFound as exc:
-            raise _context_cache_not_found(exc, None) from None
+    def _context_cache_ttl(self, requested: float | None) -> float:
+        """The ttl asked for, refused beyond the operator's ceiling; absent, the default (within the ceiling)."""
+        ceiling = self.context_caches.limits.max_ttl_s
+        if requested is None:
+            return min(DEFAULT_TTL_S, ceiling)
+        if requested > ceiling:
+            raise bad_request(f"ttl_seconds may be at most {ceiling:g} on this server, got {requested:g}.",
+                              param="ttl_seconds")
+        return float(requested)
 
-    async def delete_context_cache(self, cache_id: str) -> dict[str, Any]:
+    async def _context_cache_prefix(self, req: ContextCacheCreateRequest) -> tuple[
+            str | None, list[int], list[dict[str, str]] | None, str]:
+        """(text, token ids, messages, the parameter that gave them) of the prefix to cache."""
+        if req.messages is not None:
+            messages = [m.for_template() for m in req.messages]
+            self._check_message_chars(messages)
+            # no generation prompt: the conversation goes on with the messages of the requests that use it
+            text, token_ids = await self._tokenizing(self._render_chat, messages, False)
+            return text, token_ids, messages, "messages"
+        if isinstance(req.prompt, str):
+            self._check_prompt_chars(len(req.prompt), "prompt")
+            return req.prompt, await self._encode(req.prompt, add_special_tokens=True), None, "prompt"
+        return None, self._checked_token_ids(req.prompt), None, "prompt"
+
+    def retrieve_context_cache(self, raw: Request, cache_id: str) -> dict[str, Any]:
+        return self._owned_context_cache(cache_id, _principal(raw), None).to_dict()
+
+    async def delete_context_cache(self, raw: Request, cache_id: str) -> dict[str, Any]:
+        self._owned_context_cache(cache_id, _principal(raw), None)
         try:
             self.context_caches.delete(cache_id)
         except ContextCacheNotFound as exc:
             raise _context_cache_not_found(exc, None) from None
         await self._unpin_context_cache(cache_id)
         return {"id": cache_id, "object": "context_cache.deleted", "deleted": True}
+
+    def list_context_caches(self) -> dict[str, Any]:
+        """Every live cache with its owner (the admin's view: the ids give access to the cached prefixes)."""
+        return {"object": "list", "data": [c.to_dict(with_owner=True) for c in self.context_caches.list()]}
+
+    def _owned_context_cache(self, cache_id: str, principal: Principal, param: str | None) -> ContextCache:
+        """The live cache, if `principal` created it (or is the admin); another owner's reads as unknown."""
+        try:
+            cache = self.context_caches.get(cache_id)
+        except ContextCacheNotFound as exc:
+            raise _context_cache_not_found(exc, param) from None
+        if not principal.is_admin and cache.owner != principal.owner:
+            raise _context_cache_not_found(ContextCacheNotFound(cache_id), param)
+        return cache
 
     async def _unpin_context_cache(self, cache_id: str) -> None:
         """Free the engine's pinned blocks now (they would go at expiry anyway, so a failure is only logged)."""
@@ -228,14 +325,12 @@ class OpenAIServing:
         except Exception as exc:
             logger.warning("could not unpin context cache %s: %s", cache_id, exc)
 
-    def _context_cache(self, cache_id: str | None, kind: str, endpoint: str) -> ContextCache | None:
-        """The live cache a request names, checked for this model and this endpoint; None without an id."""
+    def _context_cache(self, cache_id: str | None, kind: str, endpoint: str,
+                       principal: Principal) -> ContextCache | None:
+        """The live cache a request names, checked for its owner, this model and this endpoint; None without an id."""
         if cache_id is None:
             return None
-        try:
-            cache = self.context_caches.get(cache_id)
-        except ContextCacheNotFound as exc:
-            raise _context_cache_not_found(exc, "context_cache_id") from None
+        cache = self._owned_context_cache(cache_id, principal, "context_cache_id")
         if cache.model != self.model_name:
             raise bad_request(f"The context cache `{cache_id}` belongs to model `{cache.model}`.",
                               param="context_cache_id")
@@ -254,10 +349,13 @@ class OpenAIServing:
         return self._model_card()
 
     def health(self) -> Response:
+        # a deployment's job executor also says what can be routed now and what is missing
+        detail = self.engine.health() if callable(getattr(self.engine, "health", None)) else {}
         if self.engine.healthy:
-            return JSONResponse({"status": "ok"})
-        return APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
-                        code="engine_dead").to_response()
+            return JSONResponse({"status": "ok", **detail})
+        error = APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
+                         code="engine_dead")
+        return JSONResponse({**detail, **error.to_dict()}, status_code=503)
 
     async def admin(self, op: str, args: dict | None = None) -> dict[str, Any]:
         """An operator command's result; a refused command is a 400 with the engine's reason."""
@@ -277,6 +375,29 @@ class OpenAIServing:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
+    async def eplb_rebalance(self, raw: Request) -> dict[str, Any]:
+        """Start a live expert reconfiguration; the body is validated here, before the engine sees it."""
+        body = await raw.body()
+        if not body.strip():
+            return await self.admin("eplb.rebalance", {})
+        try:
+            req = EplbRebalanceRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise APIError(400, f"bad placement request: {from_exception(exc).message}") from None
+        if req.placement is None:
+            return await self.admin("eplb.rebalance", {})
+        placement = req.placement.model_dump(exclude_none=True)
+        try:  # the placement's own checks (shape, slot counts, expert ids) before the engine sees it
+            ExpertPlacement.from_dict(placement)
+        except ValueError as exc:
+            raise APIError(400, f"bad placement: {exc}") from None
+        return await self.admin("eplb.rebalance", {"placement": placement})
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The server stopped accepting: running requests get `grace_s`, then what still runs is ended."""
+        logger.info("shutting down: %d running request(s) get %g s to finish", len(self._active_ids), grace_s)
+        asyncio.get_running_loop().call_later(grace_s, self.stopping.set)
+
     async def answer(self, work: Awaitable[Response]) -> Response:
         """`work`'s response, or the OpenAI error JSON for whatever it raised."""
         try:
@@ -287,6 +408,8 @@ class OpenAIServing:
     # ---------------------------------------------------------------- generation
     async def _generate(self, raw: Request, request_id: str, prompts: list[EnginePrompt], priority: int,
                         stream: bool, renderer: Renderer, arrival: float) -> Response:
+        if self.stopping.is_set():
+            raise _shutting_down()
         if request_id in self._active_ids:
             raise bad_request(f"Request id {request_id!r} is already in use by a running request.")
         policy = raw.headers.get(ROUTING_HEADER)
@@ -296,7 +419,7 @@ class OpenAIServing:
                                   f"expected one of {', '.join(POLICIES)}.")
             REQUEST_ROUTING_POLICY.set(policy)
         run = GenerationRun(self.engine, prompts, request_id, priority,
-                            [self.metrics.track(arrival) for _ in prompts])
+                            [self.metrics.track(arrival) for _ in prompts], stopping=self.stopping)
         self._active_ids.add(request_id)
 
         async def release() -> None:
@@ -320,9 +443,12 @@ class OpenAIServing:
 
     @staticmethod
     async def _collect(run: GenerationRun) -> None:
-        async for _, output in run.outputs():
-            if output.error is not None:
-                raise _generation_failed(output.error)
+        try:
+            async for _, output in run.outputs():
+                if output.error is not None:
+                    raise _generation_failed(output.error)
+        except ServerStopping:
+            raise _shutting_down() from None
 
     async def _stream_events(self, run: GenerationRun, renderer: Renderer) -> AsyncIterator[str]:
         for chunk in renderer.opening_chunks():
@@ -339,16 +465,18 @@ class OpenAIServing:
             else:
                 if renderer.include_usage:
                     yield _sse(renderer.usage_chunk(usage(*run.usage_counts())))
+        except ServerStopping:  # the shutdown grace period is over: end the stream properly, never cut it
+            yield _sse(_shutting_down().to_dict())
         except Exception as exc:  # the status line is already sent: report in-band
             yield _sse(from_exception(exc, max_queue_hint=self.max_queue_hint).to_dict())
         yield _SSE_DONE
 
     # ---------------------------------------------------------------- request checks
-    @staticmethod
-    def _parse(model: type[RequestModel], body: bytes) -> RequestModel:
+    def _parse(self, model: type[RequestModel], body: bytes) -> RequestModel:
         if not body.strip():
             raise bad_request("The request body is empty; expected a JSON object.")
-        return model.model_validate_json(body)
+        # token ids (prompts, stop_token_ids) are checked against the model's vocabulary
+        return model.model_validate_json(body, context={"vocab_size": len(self.engine.tokenizer)})
 
     def _check_model_and_engine(self, model: str) -> None:
         if model != self.model_name:
@@ -356,8 +484,24 @@ class OpenAIServing:
         if not self.engine.healthy:
             raise EngineDeadError(self.engine.dead_error or "the engine is not running")
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(await self._tokenizing(self.engine.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+
+    async def _tokenizing(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args)` on the tokenizer thread: a long prompt must not stall every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a text no model context could hold before spending time on tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(f"The {param} is {num_chars} characters; this server tokenizes at most "
+                              f"{self.max_prompt_chars} (the model's context is {self.engine.max_model_len} "
+                              "tokens).", param=param, code="context_length_exceeded")
+
+    def _check_message_chars(self, messages: list[dict[str, Any]]) -> None:
+        self._check_prompt_chars(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)),
+                                 "messages")
 
     def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
         vocab_size = len(self.engine.tokenizer)
@@ -367,13 +511,14 @@ class OpenAIServing:
                               param="prompt")
         return list(token_ids)
 
-    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def _render_chat(self, messages: list[dict[str, str]],
+                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation."""
         try:
-            return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                             tokenize=False)
-        except Exception as exc:  # no template, or the template rejects the conversation
-            raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
-                              param="messages") from exc
+            prompt = encode_chat(self.engine.tokenizer, messages, add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        return prompt.text, prompt.token_ids
 
     def _max_tokens(self, prompt_len: int, requested: int | None, prompt_name: str) -> int:
         """The completion budget; absent, it is whatever context the prompt leaves."""
@@ -409,34 +554,41 @@ class OpenAIServing:
 
 
 def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = None,
-              max_queue_hint: int | None = None) -> FastAPI:
+              max_queue_hint: int | None = None, options: ServerOptions = ServerOptions()) -> FastAPI:
     """The API app for `engine`. `served_model_name` (default: engine.model_name) is the only `model` accepted;
-    `max_queue_hint`, when known, is quoted in the 503 a full waiting queue produces."""
-    serving = OpenAIServing(engine, served_model_name or engine.model_name, ServerMetrics(), max_queue_hint)
+    `max_queue_hint`, when known, is quoted in the 503 a full waiting queue produces; `options` sets keys,
+    limits and quotas."""
+    metrics = ServerMetrics()
+    serving = OpenAIServing(engine, served_model_name or engine.model_name, metrics, max_queue_hint, options)
     app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
     app.state.serving = serving
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, options=options, on_reject=metrics.count_rejected)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_request_body(CompletionRequest, serving.model_name))
     async def create_completion(raw: Request) -> Response:
         return await serving.answer(serving.completions(raw))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_request_body(ChatCompletionRequest, serving.model_name))
     async def create_chat_completion(raw: Request) -> Response:
         return await serving.answer(serving.chat_completions(raw))
 
     # explicit context caching (deepserve MatchByID)
-    @app.post("/v1/context_caches")
+    @app.post("/v1/context_caches", openapi_extra=openapi_request_body(ContextCacheCreateRequest, serving.model_name))
     async def create_context_cache(raw: Request) -> Response:
         return await serving.answer(serving.create_context_cache(raw))
 
+    @app.get("/v1/context_caches")  # the admin's listing (RequestGuard requires the admin key)
+    async def list_context_caches() -> dict[str, Any]:
+        return serving.list_context_caches()
+
     @app.get("/v1/context_caches/{cache_id}")
-    async def retrieve_context_cache(cache_id: str) -> dict[str, Any]:
-        return serving.retrieve_context_cache(cache_id)
+    async def retrieve_context_cache(raw: Request, cache_id: str) -> dict[str, Any]:
+        return serving.retrieve_context_cache(raw, cache_id)
 
     @app.delete("/v1/context_caches/{cache_id}")
-    async def delete_context_cache(cache_id: str) -> dict[str, Any]:
-        return await serving.delete_context_cache(cache_id)
+    async def delete_context_cache(raw: Request, cache_id: str) -> dict[str, Any]:
+        return await serving.delete_context_cache(raw, cache_id)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -463,28 +615,28 @@ def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = N
     async def eplb_status() -> dict[str, Any]:
         return await serving.admin("eplb.status")
 
-    @app.post("/admin/eplb/rebalance")
+    @app.post("/admin/eplb/rebalance", openapi_extra=EPLB_REBALANCE_OPENAPI)
     async def eplb_rebalance(raw: Request) -> dict[str, Any]:
-        body = await raw.body()
-        args = {}
-        if body.strip():
-            try:
-                args = json.loads(body)
-            except json.JSONDecodeError as exc:
-                raise APIError(400, f"body is not JSON: {exc}") from None
-            if not isinstance(args, dict) or set(args) - {"placement"}:
-                raise APIError(400, 'body must be {} or {"placement": <placement JSON>}')
-        return await serving.admin("eplb.rebalance", args)
+        return await serving.eplb_rebalance(raw)
 
     return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server without re-raising SIGINT/SIGTERM after its graceful shutdown.
+    """uvicorn's server without re-raising SIGINT/SIGTERM after its graceful shutdown, telling the app
+    when shutdown begins.
 
     uvicorn re-delivers the signal once it has stopped, which would kill the process
     before the caller shuts the engine down; here `serve()` simply returns.
     """
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets=None) -> None:
+        self._on_shutdown()  # uvicorn stops accepting now; the app starts the streams' grace period
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -501,15 +653,20 @@ class _Server(uvicorn.Server):
 
 async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_level: str = "info", *,
                      served_model_name: str | None = None, max_queue_hint: int | None = None,
-                     graceful_shutdown_s: int = 5) -> None:
-    """Serve until SIGINT/SIGTERM (or `should_exit`); in-flight streams get `graceful_shutdown_s` to end."""
-    app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint)
+                     options: ServerOptions = ServerOptions()) -> None:
+    """Serve until SIGINT/SIGTERM (or `should_exit`); running requests get `options.shutdown_grace_s` to
+    end, then every stream still running ends with an error event and [DONE]."""
+    check_bind(host, options)
+    app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint, options=options)
     start = getattr(engine, "start", None)
     if start is not None:  # a job executor starts taking TE heartbeats on this loop now, not at the first request
         await start()
+    grace_s = options.shutdown_grace_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=graceful_shutdown_s)
-    await _Server(config).serve()
+                            http=protocol_for(options.header_timeout_s),
+                            limit_concurrency=options.max_connections,
+                            timeout_graceful_shutdown=grace_s + _STREAM_END_MARGIN_S)  # type: ignore[arg-type]
+    await _Server(config, on_shutdown=lambda: app.state.serving.begin_shutdown(grace_s)).serve()
 
 
 def run_server(engine: EngineClientProtocol, host: str, port: int, log_level: str = "info", **kwargs: Any) -> None:

@@ -19,7 +19,8 @@ A prefill TE and a decode TE of the same group form P/D pairs (full mesh: any pr
 group hands off to any decode TE of it). Presets: `colocated`, `colocatedN`, `MpNd` (e.g. `1p1d`,
 `2p1d`, `1p2d`) and sums of them joined by `+` (`colocated2+1p1d`). `meshserve serve --deployment
 FILE|PRESET` starts every TE as its own processes on this machine (`meshserve te`), waits for them to
-register, and serves the OpenAI API through the job executor.
+register, and serves the OpenAI API through the job executor. Every TE and JE socket authenticates
+with the cluster secret (`meshserve.utils.cluster_auth`), which the started TEs inherit.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshserve.config import ConfigError, EngineConfig, read_deployment_yaml
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +250,8 @@ def launch_tes(tes: list[TESpec], default_model: str, register_addrs: list[str],
                             **{"num_threads": threads, **spec.engine, **overrides, "te_name": spec.name})
                for spec in tes]
     check_pd_layouts(tes, configs)
+    # the TEs inherit this process's secret (its file or environment); a bad one is reported once, here
+    cluster_auth.cluster_secret()
     procs = []
     for spec, config in zip(tes, configs):
         procs.append(launch_module("meshserve.platform.te_server", config=config.to_dict(), role=spec.role,

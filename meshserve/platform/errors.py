@@ -1,7 +1,9 @@
 """OpenAI-style error JSON, and which HTTP status each failure maps to.
 
 Every error the API returns has the body OpenAI clients parse:
-`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`.
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`, with
+OpenAI's error types (`invalid_request_error`, `authentication_error`,
+`permission_error`, `not_found_error`, `rate_limit_exceeded`, `server_error`).
 """
 from __future__ import annotations
 
@@ -14,18 +16,25 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshserve.engine.errors import EngineDeadError, QueueFullError, RequestTooLongError
+from meshserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
 from meshserve.sampling_params import SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_TYPES = {
-    400: "invalid_request_error",
-    404: "NotFoundError",
-    405: "invalid_request_error",
-    500: "server_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_exceeded",
     503: "service_unavailable_error",
 }
+
+
+def default_error_type(status_code: int) -> str:
+    """OpenAI's error type for a status: client errors are invalid requests, server errors server errors."""
+    if status_code in _DEFAULT_TYPES:
+        return _DEFAULT_TYPES[status_code]
+    return "server_error" if status_code >= 500 else "invalid_request_error"
 
 
 class APIError(Exception):
@@ -36,7 +45,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.error_type = error_type or _DEFAULT_TYPES.get(status_code, "invalid_request_error")
+        self.error_type = error_type or default_error_type(status_code)
         self.param = param
         self.code = code
 
@@ -78,9 +87,16 @@ def _describe(detail: dict[str, Any]) -> str:
     return f"Invalid value for '{loc}': {msg}." if loc else f"{msg}."
 
 
+# the names pydantic gives the members of a union in an error's location; no field is called so
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
 def _dotted(loc: tuple) -> str:
+    """`messages[1].content`, as OpenAI names a nested parameter (union member tags left out)."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and (part in _UNION_MEMBER_TAGS or "[" in part or "-" in part):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
@@ -91,9 +107,12 @@ def from_exception(exc: BaseException, *, max_queue_hint: int | None = None) -> 
         return exc
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
-    if isinstance(exc, (SamplingParamsError, RequestTooLongError)):
-        code = "context_length_exceeded" if isinstance(exc, RequestTooLongError) else None
-        return bad_request(str(exc), code=code)
+    if isinstance(exc, SamplingParamsError):
+        return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, RequestTooLongError):
+        return bad_request(str(exc), code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):  # the engine refused the request (e.g. a token id outside the vocabulary)
+        return bad_request(str(exc))
     if isinstance(exc, QueueFullError):
         limit = f" (at most {max_queue_hint} requests may wait)" if max_queue_hint else ""
         reason = str(exc) or "the waiting queue is full"
@@ -110,8 +129,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.to_response()
 
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).to_response(headers=getattr(exc, "headers", None))
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # OpenAI's words for an unknown route or method
+            message = f"Invalid URL ({request.method} {request.url.path}): {message}."
+        return APIError(exc.status_code, message).to_response(headers=getattr(exc, "headers", None))
 
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI would answer 422; OpenAI answers 400

@@ -31,9 +31,11 @@ def make_job_executor(model: str, host: str, register_port: int, policy: str, he
 
 def run_frontend(model: str, host: str, port: int, register_port: int, policy: str, heatmap: str | None,
                  predictor: str | None, served_model_name: str | None, max_queue_hint: int,
-                 log_level: int = logging.INFO) -> None:
-    """An extra frontend process (started by `meshserve serve --deployment`); serves until SIGTERM."""
+                 log_level: int = logging.INFO, server: dict | None = None) -> None:
+    """An extra frontend process (started by `meshserve serve --deployment`); serves until SIGTERM.
+    `server` holds the HTTP settings but the keys, which come from the environment."""
     from meshserve.platform.api_server import run_server
+    from meshserve.platform.server_options import server_options
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s frontend:{port} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
@@ -41,7 +43,8 @@ def run_frontend(model: str, host: str, port: int, register_port: int, policy: s
     try:
         logger.info("job executor on http://%s:%d, TEs register at %s", host, port, je.register_addr)
         run_server(je, host, port, log_level=logging.getLevelName(log_level).lower(),
-                   served_model_name=je.model_name, max_queue_hint=max_queue_hint)
+                   served_model_name=je.model_name, max_queue_hint=max_queue_hint,
+                   options=server_options(**(server or {})))
     finally:
         je.shutdown()
 

@@ -29,6 +29,10 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+class ServerStopping(Exception):
+    """The server's shutdown grace period ran out before this run finished."""
+
+
 @dataclass
 class EnginePrompt:
     text: str | None
@@ -62,8 +66,9 @@ async def _next_or_none(stream: AsyncIterator[RequestOutput]) -> RequestOutput |
 
 class GenerationRun:
     def __init__(self, engine: "EngineClientProtocol", prompts: list[EnginePrompt], request_id: str,
-                 priority: int, trackers: list[RequestTracker]) -> None:
+                 priority: int, trackers: list[RequestTracker], stopping: asyncio.Event | None = None) -> None:
         self._engine = engine
+        self._stopping = stopping
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self._requests = [
             _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority, **p.cache_kwargs()),
@@ -88,9 +93,22 @@ class GenerationRun:
                 raise task.exception()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as the engine produces them, across all prompts."""
+        """(prompt index, output) as the engine produces them, across all prompts; raises ServerStopping
+        once `stopping` is set."""
+        stop = asyncio.ensure_future(self._stopping.wait()) if self._stopping is not None else None
+        try:
+            async for item in self._outputs(stop):
+                yield item
+        finally:
+            if stop is not None:
+                stop.cancel()
+
+    async def _outputs(self, stop: asyncio.Future | None) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self._pending:
-            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            waiting = set(self._pending) if stop is None else {*self._pending, stop}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if stop is not None and stop in done:
+                raise ServerStopping()
             for task in sorted(done, key=self._pending.__getitem__):
                 index = self._pending.pop(task)
                 req = self._requests[index]

@@ -14,7 +14,10 @@ with the tokens so far (that TE pulls the prompt's KV if the prefill TE still ho
 it). A colocated job that was already streaming fails with a clear error.
 
 A reader thread receives everything (outputs, heartbeats, KV events) and hands it to the event loop;
-all job state lives on the loop's thread.
+all job state lives on the loop's thread. Every socket is authenticated (CurveZMQ with the cluster
+secret), and a frame that does not decode, or a message whose handling fails, is logged, counted and
+dropped: nothing a peer sends stops the reader. The JE is healthy only while its reader runs and a
+request of some kind can be routed (`health()` says which kinds can, and what the others miss).
 """
 from __future__ import annotations
 
@@ -36,13 +39,16 @@ from meshserve.engine.output_processor import OutputProcessor
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.outputs import RequestOutput
 from meshserve.platform.prompt_tree import GlobalPromptTree
-from meshserve.platform.routing import REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, RouteDecision, Router
+from meshserve.platform.routing import (REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, RouteDecision, RouteHealth,
+                                        Router, route_health)
 from meshserve.platform.te_registry import TERecord, TERegistry
 from meshserve.sampling_params import SamplingParams
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.2  # liveness and KV-sync checks
+_MAX_REGISTRATION_BYTES = 1 << 20  # a heartbeat is a few hundred bytes; a peer sending more is cut off
 
 
 class RouteUnavailableError(EngineDeadError):
@@ -86,11 +92,12 @@ class JobExecutor:
         self.router = Router(policy)
         self.max_attempts = max_attempts
         self.ctx = zmq.Context()
-        self.outputs = self.ctx.socket(zmq.PULL)  # every TE's outputs for jobs from this frontend
+        self.outputs = cluster_auth.server(self.ctx.socket(zmq.PULL))  # every TE's outputs for jobs from here
         self.outputs.setsockopt(zmq.RCVHWM, 0)
         out_port = self.outputs.bind_to_random_port(f"tcp://{host}")
         self.output_addr = f"tcp://{host}:{out_port}"
-        self.registrations = self.ctx.socket(zmq.PULL)  # TEs' heartbeats
+        self.registrations = cluster_auth.server(self.ctx.socket(zmq.PULL))  # TEs' heartbeats
+        self.registrations.setsockopt(zmq.MAXMSGSIZE, _MAX_REGISTRATION_BYTES)
         if register_port:
             self.registrations.bind(f"tcp://{host}:{register_port}")
             self.register_addr = f"tcp://{host}:{register_port}"
@@ -107,7 +114,9 @@ class JobExecutor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
+        self._reader_error: str | None = None  # why the reader thread ended, when it ended on its own
         self._last_tick = 0.0
+        self.bad_frames = 0  # frames dropped: undecodable, or their handling failed
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_started(self) -> None:
@@ -164,9 +173,9 @@ class JobExecutor:
                 alive()
             if self.registrations.poll(100):
                 while self.registrations.poll(0):
-                    item = msg.decode(self.registrations.recv())
+                    item = self._decode(self.registrations.recv(), "registration")
                     if isinstance(item, msg.TEHeartbeat):
-                        self._on_heartbeat(item, time.monotonic())
+                        self._guarded(self._on_heartbeat, item, time.monotonic())
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -178,22 +187,53 @@ class JobExecutor:
         self.ctx.term()
 
     def _read_forever(self, stop: threading.Event) -> None:
+        try:
+            self._read_until(stop)
+        except BaseException as exc:  # noqa: BLE001 - recorded: health must say the reader is gone
+            self._reader_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("job executor reader stopped; /health answers 503 from now on")
+
+    def _read_until(self, stop: threading.Event) -> None:
         poller = zmq.Poller()
         for sock in (self.outputs, self.registrations, self.registry.kv_events):
             poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
-            self.registry.apply_subscription_changes()
             try:
+                self.registry.apply_subscription_changes()
                 ready = dict(poller.poll(int(_TICK_S * 1000)))
-            except zmq.ZMQError:
+            except zmq.ContextTerminated:
                 return
             items = []
-            for sock in (self.registrations, self.outputs, self.registry.kv_events):
+            for sock, source in ((self.registrations, "registration"), (self.outputs, "output"),
+                                 (self.registry.kv_events, "KV event")):
                 if sock in ready:
                     while sock.poll(0):
-                        items.append(msg.decode(sock.recv()))
+                        item = self._decode(sock.recv(), source)
+                        if item is not None:
+                            items.append(item)
             if not self._post(self._on_items, items):
                 return
+
+    def _decode(self, frame: bytes, source: str):
+        """A message, or None for a frame that is not one (logged and counted, never fatal)."""
+        try:
+            return msg.decode(frame)
+        except Exception as exc:  # noqa: BLE001 - whatever a peer sends, the reader goes on
+            self._count_bad_frame(f"dropped a {len(frame)}-byte {source} frame that does not decode: {exc}")
+            return None
+
+    def _count_bad_frame(self, why: str, exc_info: bool = False) -> None:
+        self.bad_frames += 1
+        if self.bad_frames in (1, 10, 100) or self.bad_frames % 1000 == 0:  # a flood gets a few lines
+            logger.warning("%s (%d bad frame(s) so far)", why, self.bad_frames, exc_info=exc_info)
+
+    def _guarded(self, handler, *args) -> None:
+        try:
+            handler(*args)
+        except Exception as exc:  # noqa: BLE001 - one bad message must not stop the others
+            what = type(args[0]).__name__ if args else handler.__name__
+            self._count_bad_frame(f"dropped a {what} whose handling failed: {type(exc).__name__}: {exc}",
+                                  exc_info=True)
 
     def _post(self, handler, item) -> bool:
         try:
@@ -206,39 +246,46 @@ class JobExecutor:
     def _on_items(self, items: list) -> None:
         now = time.monotonic()
         for item in items:
-            if isinstance(item, msg.EngineOutputs):
-                for delta in item.deltas:
-                    self._on_delta(delta)
-            elif isinstance(item, msg.TEHeartbeat):
-                self._on_heartbeat(item, now)
-            elif isinstance(item, msg.KVCacheEvents):
-                if not self.registry.on_kv_events(item.engine, item):
-                    self._request_snapshot(self.registry.get(item.engine))
-            elif isinstance(item, msg.AdminReply):
-                self._on_admin_reply(item)
-            elif isinstance(item, msg.EngineStats):
-                pass  # stats come with heartbeats
-            elif isinstance(item, msg.EngineError):
-                record = self.registry.get(item.engine)
-                if record is not None:
-                    self._drop_te(record, f"it failed: {item.message}")
+            self._guarded(self._on_item, item, now)
         if now - self._last_tick >= _TICK_S:
             self._last_tick = now
-            for record in self.registry.expired(now):
-                self._drop_te(record, f"no heartbeat for {self.registry.timeout_s:.0f} s")
-            for record in self.registry.live():
-                if self.registry.needs_snapshot(record, now):
-                    self._request_snapshot(record)
+            self._guarded(self._tick, now)
+
+    def _on_item(self, item, now: float) -> None:
+        if isinstance(item, msg.EngineOutputs):
+            for delta in item.deltas:
+                self._guarded(self._on_delta, delta)
+        elif isinstance(item, msg.TEHeartbeat):
+            self._on_heartbeat(item, now)
+        elif isinstance(item, msg.KVCacheEvents):
+            if not self.registry.on_kv_events(item.engine, item):
+                self._request_snapshot(self.registry.get(item.engine))
+        elif isinstance(item, msg.AdminReply):
+            self._on_admin_reply(item)
+        elif isinstance(item, msg.EngineStats):
+            pass  # stats come with heartbeats
+        elif isinstance(item, msg.EngineError):
+            record = self.registry.get(item.engine)
+            if record is not None:
+                self._drop_te(record, f"it failed: {item.message}")
+
+    def _tick(self, now: float) -> None:
+        for record in self.registry.expired(now):
+            self._drop_te(record, f"no heartbeat for {self.registry.timeout_s:.0f} s")
+        for record in self.registry.live():
+            if self.registry.needs_snapshot(record, now):
+                self._request_snapshot(record)
 
     def _on_heartbeat(self, hb: msg.TEHeartbeat, now: float) -> None:
         if self.tree is None and not hb.leaving:
             self.tree = GlobalPromptTree(hb.block_size)
             self.registry.tree = self.tree
             self.router = Router(self.router.policy, tree=self.tree, heatmap=self._heatmap, predictor=self._predictor)
-        if hb.leaving:
+        if hb.leaving or not hb.stats.healthy:  # a failed TE that still heartbeats is not taken back
             record = self.registry.get(hb.name)
             if record is not None:
-                self._drop_te(record, "it is shutting down")
+                self._drop_te(record, "it is shutting down" if hb.leaving else
+                              f"it reports a failure: {hb.stats.error or 'unhealthy'}")
             return
         record, new = self.registry.on_heartbeat(hb, now)
         if new:
@@ -421,11 +468,31 @@ class JobExecutor:
 
     @property
     def healthy(self) -> bool:
-        return bool(self.registry.live())
+        return self.dead_error is None
 
     @property
     def dead_error(self) -> str | None:
-        return None if self.registry.live() else "no TE is registered with this job executor"
+        """Why no request can be served now: the reader thread died, or no kind of request can be routed."""
+        if self._reader_error is not None:
+            return f"the job executor's reader thread stopped ({self._reader_error})"
+        routes = self.route_health()
+        return None if routes.routable else "no request can be routed: " + "; ".join(routes.missing)
+
+    def route_health(self) -> RouteHealth:
+        """Which kinds of request can be routed now; a TE past its heartbeat timeout counts as gone."""
+        expired = {r.name for r in self.registry.expired(time.monotonic())}
+        views = [v for v in self.registry.views() if v.name not in expired]
+        known = {r.heartbeat.group: r.role for r in self.registry.tes.values()}
+        return route_health(views, known)
+
+    def health(self) -> dict:
+        """The body of the deployment's /health: ok or not, per kind of request what can be routed, and
+        what is missing."""
+        reader = "ok" if self._reader_error is None else f"stopped: {self._reader_error}"
+        routes = self.route_health()
+        ok = self._reader_error is None and routes.routable
+        return {"status": "ok" if ok else "unavailable", "reader": reader, **routes.to_dict(),
+                "bad_frames": self.bad_frames}
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, context_cache_id: str | None = None,

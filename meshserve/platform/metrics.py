@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from meshserve.engine.messages import EngineStats
+from meshserve.engine.messages import EngineStats, dropped_frames
 from meshserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,12 @@ class _EngineStatsCollector(Collector):
                                   s.prefix_cache_queries)
         yield CounterMetricFamily("meshserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   s.prefix_cache_hits)
+        # this process's sockets and the engine master's (its socket names differ from ours)
+        dropped = CounterMetricFamily("meshserve_dropped_frames", "Bad frames internal sockets dropped, by socket.",
+                                      labels=["socket"])
+        for socket_name, count in sorted({**s.dropped_frames, **dropped_frames()}.items()):
+            dropped.add_metric([socket_name], count)
+        yield dropped
 
 
 class ServerMetrics:
@@ -87,6 +93,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("meshserve_generation_tokens", "Tokens generated.", registry=self.registry)
         self.request_success = Counter("meshserve_request_success", "Completions finished as asked, by reason.",
                                        ["finish_reason"], registry=self.registry)
+        self.http_rejected = Counter("meshserve_http_rejected", "Requests turned away before a handler, by reason.",
+                                     ["reason"], registry=self.registry)
         self.token_rate = TokenRateWindow(rate_window_s)
         self._engine_stats = _EngineStatsCollector(self.token_rate)
         self.registry.register(self._engine_stats)
@@ -94,6 +102,9 @@ class ServerMetrics:
     def track(self, arrival_time: float) -> "RequestTracker":
         """A tracker for one engine request; `arrival_time` is on the time.monotonic() clock."""
         return RequestTracker(self, arrival_time)
+
+    def count_rejected(self, reason: str) -> None:
+        self.http_rejected.labels(reason=reason).inc()
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         self._engine_stats.stats = stats

@@ -2,25 +2,72 @@
 
 Requests are validated strictly, as OpenAI does: unknown fields, wrong JSON
 types and out-of-range values are rejected (the server answers 400), never
-silently coerced. Fields with OpenAI semantics the server does not implement
+silently coerced. Integers must fit in 64 bits, numbers must be finite, and
+token ids must be in the model's vocabulary (given as the validation context
+`{"vocab_size": N}`). Fields with OpenAI semantics the server does not implement
 (tools, logit_bias, suffix, ...) are accepted only at their neutral value, so a
 client never gets a different behaviour from the one it asked for.
+
+Each request model also describes itself for the OpenAPI schema
+(`openapi_request_body`), so generic tools can test the API.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import copy
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator,
+)
 
 from meshserve.outputs import PositionLogprobs
 from meshserve.platform.context_caches import MAX_TTL_S
-from meshserve.sampling_params import SamplingParams
+from meshserve.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
-MAX_LOGPROBS = 20  # SamplingParams' own bound
+MAX_N = 128
+# OpenAI's default for /v1/completions; chat generates until the context ends
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# bounds the schema can state exactly: its numbers are doubles, and 2**63 is one, 2**63 - 1 is not
+_INT64_END = INT64_MAX + 1
+
+
+def _integral(value: Any) -> Any:
+    """16.0 is the integer 16 (as in JSON Schema); 16.5, true and "16" stay what they are and are refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+# constraints before the validator, so that the schema states them
+Int64 = Annotated[int, Field(ge=INT64_MIN, lt=_INT64_END), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0, lt=_INT64_END), BeforeValidator(_integral)]
+TokenCount = Annotated[int, Field(ge=1, lt=_INT64_END), BeforeValidator(_integral)]
+
+# what the hand-written validators below accept, for the schema
+_TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1,
+                     "items": {"type": "integer", "minimum": 0, "exclusiveMaximum": _INT64_END}}
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    _TOKEN_IDS_SCHEMA,
+    {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEMA]}},
+]}
+_STOP_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}},
+    {"type": "null"},
+]}
+_TEXT_PART_SCHEMA = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]}
+# fields accepted only at their neutral value
+_EMPTY_OBJECT_SCHEMA = {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}
+_EMPTY_ARRAY_SCHEMA = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+_NULL_SCHEMA = {"type": "null"}
 
 
 class _StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and Infinity (JSON literals a careless client may send) are no numbers here
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_StrictModel):
@@ -31,28 +78,28 @@ class _SamplingRequest(_StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=128)
-    stop: Any = None
-    seed: int | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
+    seed: Int64 | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(_EMPTY_OBJECT_SCHEMA)] = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int | None = Field(None, ge=-1, lt=_INT64_END)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int = Field(0, ge=0, lt=_INT64_END)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     # explicit context caching: the named cache (POST /v1/context_caches) whose prefix comes first
     context_cache_id: str | None = None
 
@@ -67,6 +114,12 @@ class _SamplingRequest(_StrictModel):
         if any(v == "" for v in values):
             raise ValueError("stop strings must not be empty")
         return values
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_in_vocabulary(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        _check_vocabulary(value or [], info)
+        return value
 
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingRequest":
@@ -107,18 +160,35 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _check_vocabulary(token_ids: list[int], info: ValidationInfo) -> None:
+    """Every id in [0, vocab_size) when the caller gave the model's vocabulary size as context."""
+    vocab_size = (info.context or {}).get("vocab_size")
+    if vocab_size is None:
+        return
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 # ------------------------------------------------------------------ /v1/completions
 class CompletionRequest(_SamplingRequest):
     # one prompt (text or token ids) or a batch of them; normalised to a list
-    prompt: Any
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: TokenCount | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)
+    suffix: Annotated[str | None, WithJsonSchema(_NULL_SCHEMA)] = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_max_tokens(cls, value: int | None) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if value is None else value
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompts_as_list(cls, value: Any) -> list[str | list[int]]:
+    def _prompts_as_list(cls, value: Any, info: ValidationInfo) -> list[str | list[int]]:
+        value = _integral_items(value)
         if isinstance(value, str):
             prompts = [value]
         elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
@@ -132,6 +202,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("the prompt must not be empty")
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                _check_vocabulary(prompt, info)
         return prompts
 
     @model_validator(mode="after")
@@ -145,6 +218,13 @@ class CompletionRequest(_SamplingRequest):
         return self
 
 
+def _integral_items(value: Any) -> Any:
+    """A prompt with integral floats (1.0) read as token ids, at both list depths."""
+    if not isinstance(value, list):
+        return value
+    return [_integral_items(v) if isinstance(v, list) else _integral(v) for v in value]
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -153,7 +233,7 @@ def _is_token_id(value: Any) -> bool:
 class ChatMessage(_StrictModel):
     # "developer" is OpenAI's newer name for the system role
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)]
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -180,11 +260,11 @@ class ResponseFormat(_StrictModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_EMPTY_ARRAY_SCHEMA)] = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -210,17 +290,20 @@ class ContextCacheCreateRequest(_StrictModel):
     """A named prefix: a prompt (text or token ids, for /v1/completions) or chat messages (for chat)."""
 
     model: str
-    prompt: str | list[int] | None = None
+    prompt: Annotated[str | list[Int] | None, WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEMA, {"type": "null"}]})] = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    ttl_seconds: int | float | None = Field(None, gt=0, le=MAX_TTL_S)
+    ttl_seconds: float | None = Field(None, gt=0, le=MAX_TTL_S)
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_not_empty(cls, value: str | list[int] | None) -> str | list[int] | None:
+    def _prompt_not_empty(cls, value: str | list[int] | None, info: ValidationInfo) -> str | list[int] | None:
         if value is not None and len(value) == 0:
             raise ValueError("the prompt must not be empty")
-        if isinstance(value, list) and not all(_is_token_id(t) for t in value):
-            raise ValueError("must be a string or a list of token ids")
+        if isinstance(value, list):
+            if not all(_is_token_id(t) for t in value):
+                raise ValueError("must be a string or a list of token ids")
+            _check_vocabulary(value, info)
         return value
 
     @model_validator(mode="after")
@@ -228,6 +311,38 @@ class ContextCacheCreateRequest(_StrictModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         return self
+
+
+# ------------------------------------------------------------------ OpenAPI
+def openapi_request_body(model: type[BaseModel], served_model_name: str | None = None) -> dict[str, Any]:
+    """`openapi_extra` for a route whose JSON body `model` validates by hand: the body's schema, refs inlined.
+
+    With `served_model_name`, the `model` field lists the one name the server answers to (others get 404).
+    """
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+    if served_model_name is not None and "model" in schema.get("properties", {}):
+        schema["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _inline_refs(schema, definitions)}}}}
+
+
+# POST /admin/eplb/rebalance: {} (rebalance from the measured load) or an explicit placement
+EPLB_REBALANCE_OPENAPI = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
+    "type": "object", "additionalProperties": False,
+    "properties": {"placement": {"type": "object", "description": "an expert placement, as `meshserve eplb` writes"}},
+}}}}}
+
+
+def _inline_refs(node: Any, definitions: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_inline_refs(item, definitions) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:  # "#/$defs/Name": no model here refers to itself
+        target = copy.deepcopy(definitions[node["$ref"].rsplit("/", 1)[-1]])
+        return _inline_refs({**target, **{k: v for k, v in node.items() if k != "$ref"}}, definitions)
+    return {key: _inline_refs(value, definitions) for key, value in node.items()}
 
 
 # ------------------------------------------------------------------ response pieces

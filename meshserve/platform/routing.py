@@ -149,6 +149,46 @@ class _Candidates:
                    prefill_by_group)
 
 
+@dataclass(frozen=True)
+class RouteHealth:
+    """What can be routed now: the healthy colocated TEs and, per P/D group, its healthy prefill and
+    decode TEs (a pair needs one of each); `missing` names, per kind or group, the part that is not there."""
+
+    colocated: list[str]
+    pd_groups: dict[str, dict[str, list[str]]]  # group -> {"prefill": [...], "decode": [...]}
+    missing: list[str]
+
+    @property
+    def routable(self) -> bool:
+        return bool(self.colocated) or any(g["prefill"] and g["decode"] for g in self.pd_groups.values())
+
+    def to_dict(self) -> dict:
+        return {"colocated": {"routable": bool(self.colocated), "tes": self.colocated},
+                "disaggregated": {"routable": any(g["prefill"] and g["decode"] for g in self.pd_groups.values()),
+                                  "groups": self.pd_groups},
+                "missing": self.missing}
+
+
+def route_health(tes: Sequence[TEView], known_groups: dict[str, str] | None = None) -> RouteHealth:
+    """`tes`: the live TEs; `known_groups`: group -> role of every TE ever registered, so a group that
+    lost all its TEs of one role (or all of them) is reported as missing that part."""
+    healthy = [t for t in tes if t.healthy]
+    known = dict(known_groups or {})
+    for t in tes:
+        known.setdefault(t.group, t.role)
+    colocated = sorted(t.name for t in healthy if t.role == "colocated")
+    pd_groups = {group: {role: sorted(t.name for t in healthy if t.group == group and t.role == role)
+                         for role in ("prefill", "decode")}
+                 for group, role in sorted(known.items()) if role != "colocated"}
+    missing = [f"group {group}: no live {' and no live '.join(r for r in ('prefill', 'decode') if not tes_[r])} TE"
+               for group, tes_ in pd_groups.items() if not (tes_["prefill"] and tes_["decode"])]
+    if not colocated and any(role == "colocated" for role in known.values()):
+        missing.insert(0, "no live colocated TE")
+    if not known:
+        missing.append("no TE is registered")
+    return RouteHealth(colocated, pd_groups, missing)
+
+
 def _no_route_message(tes: Sequence[TEView]) -> str:
     if not tes:
         return "no TE is registered"

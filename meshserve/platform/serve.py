@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
+
+from meshserve.platform.server_options import ServerOptions, check_bind, server_options_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -19,14 +22,22 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
+def http_options(args: argparse.Namespace) -> ServerOptions:
+    """The HTTP server's settings, checked before any engine process starts (a refused bind fails fast)."""
+    options = server_options_from_args(args)
+    check_bind(args.host, options)
+    return options
+
+
 def serve(args: argparse.Namespace) -> int:
     from meshserve.cli import engine_config_from_args, resolve_deployment
     from meshserve.engine.async_client import AsyncEngineClient
     from meshserve.platform.api_server import run_server
     from meshserve.platform.deployment import is_multi_te
 
+    options = http_options(args)
     if args.deployment and is_multi_te(args.deployment):
-        return serve_deployment(args)
+        return serve_deployment(args, options)
     resolve_deployment(args)
     model = resolve_model(args.model)
     config = engine_config_from_args(args, model)  # before any process starts: bad settings fail fast
@@ -35,13 +46,13 @@ def serve(args: argparse.Namespace) -> int:
     try:
         logger.info("serving %s as %r on http://%s:%d", model, engine.model_name, args.host, args.port)
         run_server(engine, args.host, args.port, log_level=args.log_level, served_model_name=engine.model_name,
-                   max_queue_hint=config.max_waiting)
+                   max_queue_hint=config.max_waiting, options=options)
     finally:
         engine.shutdown()
     return 0
 
 
-def serve_deployment(args: argparse.Namespace) -> int:
+def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     """Several TEs (each its own processes) behind job executors and the OpenAI API: the first JE runs in
     this process on --port, further ones (`job_executors: N`) on the next ports, each its own process."""
     from meshserve.cli import _explicit_engine_kwargs
@@ -51,6 +62,8 @@ def serve_deployment(args: argparse.Namespace) -> int:
     from meshserve.platform.deployment import launch_tes, load_multi
     from meshserve.platform.frontend import make_job_executor
 
+    # the other frontends read the keys from their environment, never from their command line
+    os.environ.update(options.secrets_env)
     deployment = load_multi(args.deployment)
     model = resolve_model(args.model or deployment.model)
     overrides = _explicit_engine_kwargs(args)  # flags given explicitly apply to every TE
@@ -72,7 +85,7 @@ def serve_deployment(args: argparse.Namespace) -> int:
                                        port=args.port + i, register_port=register_port, policy=policy,
                                        heatmap=deployment.heatmap, predictor=deployment.predictor,
                                        served_model_name=served_name, max_queue_hint=max_queue,
-                                       log_level=log_level))
+                                       log_level=log_level, server=options.public_kwargs()))
             names.append(f"frontend on port {args.port + i}")
             register_addrs.append(f"tcp://{args.host}:{register_port}")
         tes = deployment.tes()
@@ -90,7 +103,7 @@ def serve_deployment(args: argparse.Namespace) -> int:
         logger.info("serving %s as %r on http://%s:%d through %d TE(s), routing %s", model, je.model_name,
                     args.host, args.port, len(tes), policy)
         run_server(je, args.host, args.port, log_level=args.log_level, served_model_name=je.model_name,
-                   max_queue_hint=max_queue)
+                   max_queue_hint=max_queue, options=options)
     except (TimeoutError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from None
     finally:

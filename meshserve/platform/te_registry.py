@@ -18,6 +18,7 @@ import zmq
 from meshserve.engine import messages as msg
 from meshserve.platform.prompt_tree import GlobalPromptTree
 from meshserve.platform.routing import LoadTracker, TELoad, TEView
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class TERegistry:
         self.loads = loads
         self.timeout_s = timeout_s
         self.tes: dict[str, TERecord] = {}
-        self.kv_events = ctx.socket(zmq.SUB)  # every TE's PUB; read on the JE's reader thread
+        self.kv_events = cluster_auth.client(ctx.socket(zmq.SUB))  # every TE's PUB; read on the JE's reader thread
         self.kv_events.setsockopt(zmq.SUBSCRIBE, b"")
         self._kv_event_sources: dict[str, str] = {}  # PUB address -> TE name
         # the SUB socket belongs to the reader thread: (dis)connections wait here until it applies them
@@ -76,6 +77,7 @@ class TERegistry:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            cluster_auth.client(sock, hb.input_addr)
             sock.connect(hb.input_addr)
             record = TERecord(hb.name, hb, sock, now)
             self.tes[hb.name] = record

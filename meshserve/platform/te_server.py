@@ -38,6 +38,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
         events_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
         config["kv_events_endpoint"] = f"tcp://{events_host}:*"  # the master binds a port of its choosing
     engine_config = EngineConfig.from_dict(config)
+    _warn_refusing_job_executors(register)
     ctx = zmq.Context()
     link = JobExecutorLinks(ctx, listen, register, advertise_host=engine_config.master_addr)
     ipc_dir = tempfile.mkdtemp(prefix="meshserve-te-")
@@ -60,6 +61,19 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
                                      engine_config.te_name, role, group, link.listen_addr, ", ".join(register) or
                                      "no job executor")
     core.run()
+
+
+def _warn_refusing_job_executors(register: list[str]) -> None:
+    """A JE keyed by another cluster secret drops this TE's heartbeats without a word: say so here."""
+    import zmq
+
+    from meshserve.utils import cluster_auth
+
+    for addr in register:
+        if cluster_auth.handshake(addr, 0.5, socket_type=zmq.PUSH) is cluster_auth.Handshake.REFUSED:
+            logging.getLogger(__name__).error(
+                "the job executor at %s refuses this TE: it does not share the cluster secret (set %s or %s "
+                "to the cluster's secret)", addr, cluster_auth.ENV_SECRET, cluster_auth.ENV_SECRET_FILE)
 
 
 def add_te_parser(subparsers) -> None:

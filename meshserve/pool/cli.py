@@ -3,11 +3,13 @@
   meshserve pool controller --bind tcp://127.0.0.1:PORT [--server-timeout S]
   meshserve pool server --controller ADDR --bind tcp://127.0.0.1:PORT --dram-gb X [--ssd-dir DIR --ssd-gb Y]
   meshserve pool stats --controller ADDR
-  meshserve pool namespace NAME --quota-gb X --controller ADDR
+  meshserve pool namespace NAME --quota-gb X --controller ADDR [--force]
   meshserve pool put-model DIR --controller ADDR [--model-id ID] [--chunk-mb 64] [--max-bytes N]
   meshserve pool models --controller ADDR [--evict ID[:VERSION]] [--prefetch ID[:VERSION]]
 
-Bad arguments print one line and exit with status 2.
+Bad arguments print one line and exit with status 2. Every socket is authenticated with the cluster
+secret (`meshserve.utils.cluster_auth`); a command whose controller refuses this process's secret, or
+does not answer, says so in one line and exits with status 1 (a refusal at once).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import NoReturn
 from meshserve.config import ConfigError
 from meshserve.pool.controller import DEFAULT_SERVER_TIMEOUT_S
 from meshserve.pool.hashring import DEFAULT_VIRTUAL_NODES
+from meshserve.utils import cluster_auth
 
 GB = 1 << 30
 
@@ -64,6 +67,8 @@ def add_pool_commands(subparsers) -> None:
                            help="quota over the whole pool")
     namespace.add_argument("--controller", required=True, help="the controller's tcp://HOST:PORT")
     namespace.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    namespace.add_argument("--force", action="store_true",
+                           help="allow a quota below the namespace's current use (the servers evict data down to it)")
     namespace.set_defaults(func=_namespace_main)
 
     put_model = commands.add_parser("put-model", help="store a model directory's weights in the pool (model cache)")
@@ -95,6 +100,20 @@ def check_address(flag: str, address: str) -> str:
     if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{flag} must be tcp://HOST:PORT, got {address!r}")
     return address
+
+
+def _controller_refusal(controller: str, timeout_s: float) -> str | None:
+    """A one-line error when the controller refuses this process's cluster secret (without it the call
+    would only time out); None otherwise: a controller that is not there is reported by the call itself."""
+    if cluster_auth.handshake(controller, min(timeout_s, 1.0)) is not cluster_auth.Handshake.REFUSED:
+        return None
+    return (f"the pool controller at {controller} refused this process: it does not share the cluster secret "
+            f"(set {cluster_auth.ENV_SECRET} or {cluster_auth.ENV_SECRET_FILE} to the cluster's secret)")
+
+
+def _fail(message: str) -> int:
+    print(f"meshserve: error: {message}", file=sys.stderr)
+    return 1
 
 
 def _positive(flag: str, value: float | None) -> float:
@@ -138,11 +157,13 @@ def _stats_main(args: argparse.Namespace) -> int:
     from meshserve.pool.sdk import PoolClient
 
     controller = check_address("--controller", args.controller)
-    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+    refusal = _controller_refusal(controller, _positive("--timeout", args.timeout))
+    if refusal:
+        return _fail(refusal)
+    with PoolClient(controller, timeout_s=args.timeout) as client:
         view = client.view()
         if view is None:
-            print(f"meshserve: error: the pool controller at {controller} does not answer", file=sys.stderr)
-            return 1
+            return _fail(f"the pool controller at {controller} does not answer")
         stats = client.stats()
     print(f"view version {view.version}: {len(view.servers)} servers")
     if view.quotas:
@@ -165,10 +186,12 @@ def _namespace_main(args: argparse.Namespace) -> int:
     controller = check_address("--controller", args.controller)
     if args.quota_gb < 0:
         raise ConfigError(f"--quota-gb must be >= 0, got {args.quota_gb}")
-    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
-        if not client.create_namespace(args.name, int(args.quota_gb * GB)):
-            print(f"meshserve: error: namespace {args.name!r} was not set (see the warning above)", file=sys.stderr)
-            return 1
+    refusal = _controller_refusal(controller, _positive("--timeout", args.timeout))
+    if refusal:
+        return _fail(refusal)
+    with PoolClient(controller, timeout_s=args.timeout) as client:
+        if not client.create_namespace(args.name, int(args.quota_gb * GB), force=args.force):
+            return _fail(f"namespace {args.name!r} was not set: {client.namespace_error}")
     print(f"namespace {args.name}: quota {_size(int(args.quota_gb * GB))}")
     return 0
 
@@ -207,7 +230,10 @@ def _put_model_main(args: argparse.Namespace) -> int:
         load_hf_config(args.model_dir)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+    refusal = _controller_refusal(controller, _positive("--timeout", args.timeout))
+    if refusal:
+        return _fail(refusal)
+    with PoolClient(controller, timeout_s=args.timeout) as client:
         view = client.view()
         if view is None or not view.servers:
             print(f"meshserve: error: the pool at {controller} has no live server (or its controller does not answer)",
@@ -228,7 +254,10 @@ def _models_main(args: argparse.Namespace) -> int:
     from meshserve.pool.sdk import PoolClient
 
     controller = check_address("--controller", args.controller)
-    with PoolClient(controller, timeout_s=_positive("--timeout", args.timeout)) as client:
+    refusal = _controller_refusal(controller, _positive("--timeout", args.timeout))
+    if refusal:
+        return _fail(refusal)
+    with PoolClient(controller, timeout_s=args.timeout) as client:
         if client.view() is None:
             print(f"meshserve: error: the pool controller at {controller} does not answer", file=sys.stderr)
             return 1

@@ -4,8 +4,11 @@ Servers Register once and then Heartbeat; each gets a RegisterReply with the cur
 and server count, so quota and membership changes reach them within one heartbeat. A server
 silent for `server_timeout_s` leaves the view and the view's version goes up; clients (the
 SDK) ask for the view with ViewQuery and route keys themselves on the hash ring it describes.
-State lives in memory: after a controller restart the servers register again on their next
-heartbeat (they get `accepted=False` for a heartbeat from an unknown id).
+Lowering a namespace's quota below what the servers hold of it evicts data, so it needs `force`.
+Only holders of the cluster secret reach the controller (CurveZMQ, `meshserve.utils.cluster_auth`);
+a frame that is not a pool message is logged, counted and dropped. State lives in memory: after a
+controller restart the servers register again on their next heartbeat (they get `accepted=False`
+for a heartbeat from an unknown id).
 
 Run: `meshserve pool controller --bind tcp://127.0.0.1:PORT`, or
 `python -m meshserve.pool.controller '{"bind": ...}'`.
@@ -24,6 +27,7 @@ import zmq
 
 from meshserve.pool import messages as m
 from meshserve.pool.hashring import DEFAULT_VIRTUAL_NODES
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,10 @@ class ControllerState:
                       servers={sid: e.address for sid, e in sorted(self.servers.items())},
                       virtual_nodes=self.virtual_nodes, quotas=dict(self.quotas))
 
+    def namespace_usage(self, namespace: str) -> int:
+        """Bytes of `namespace` the live servers held at their last heartbeats."""
+        return sum(entry.usage.get(namespace, 0) for entry in self.servers.values())
+
     def _register_reply(self) -> m.RegisterReply:
         return m.RegisterReply(accepted=True, quotas=dict(self.quotas), num_servers=len(self.servers))
 
@@ -111,6 +119,11 @@ class ControllerState:
         if msg.quota_bytes < 0:
             return m.NamespaceReply(req_id=msg.req_id, ok=False,
                                     error=f"quota must be >= 0 bytes, got {msg.quota_bytes}")
+        used = self.namespace_usage(msg.namespace)
+        if msg.quota_bytes < used and not msg.force:
+            return m.NamespaceReply(req_id=msg.req_id, ok=False, error=(
+                f"namespace {msg.namespace!r} holds {used} bytes now; a quota of {msg.quota_bytes} bytes would "
+                f"evict the rest; shrink it with force (`meshserve pool namespace ... --force`)"))
         self.quotas[msg.namespace] = msg.quota_bytes
         logger.info("pool namespace %s: quota %d bytes", msg.namespace, msg.quota_bytes)
         return m.NamespaceReply(req_id=msg.req_id, ok=True)
@@ -121,7 +134,7 @@ def run_controller(bind: str, server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
     """Serve the controller on a ROUTER socket at `bind` until `stop` is set (or forever)."""
     state = ControllerState(server_timeout_s, virtual_nodes)
     context = zmq.Context()
-    sock = context.socket(zmq.ROUTER)
+    sock = cluster_auth.server(context.socket(zmq.ROUTER), bind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(bind)
     logger.info("pool controller listening on %s (server timeout %.1f s)", bind, server_timeout_s)
@@ -134,9 +147,10 @@ def run_controller(bind: str, server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
                 continue
             identity, *frames = sock.recv_multipart()
             try:
-                reply = state.handle(m.decode(frames[0]))
+                reply = state.handle(m.decode(frames[0] if frames else b""))
             except Exception as exc:  # a malformed message must not stop the controller
-                logger.warning("pool controller: bad message (%s)", exc)
+                logger.warning("pool controller: dropped a bad message (%s; %d bad frame(s) so far)", exc,
+                               m.decode_errors)
                 continue
             if reply is not None:
                 sock.send_multipart([identity, m.encode(reply)])

@@ -15,10 +15,17 @@ DEALER sockets.
                              every Heartbeat, so servers follow quota and membership changes)
   client     -> controller : ViewQuery, CreateNamespace
   controller -> client     : View (live servers and their ring positions), NamespaceReply, Error
+
+Every socket is a CurveZMQ socket keyed by the cluster secret (`meshserve.utils.cluster_auth`). `decode`
+checks a frame's shape and every field's type against its class and raises `PoolMessageError` (a
+ValueError) for anything else; receivers log and count it (`decode_errors`) and go on.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +147,7 @@ class CreateNamespace:
     req_id: int
     namespace: str
     quota_bytes: int
+    force: bool = False  # allow a quota below the namespace's current use (servers then evict down to it)
 
 
 @dataclass
@@ -165,9 +173,68 @@ def encode(message: Any) -> bytes:
     return msgpack.packb([type(message).__name__, dataclasses.asdict(message)], use_bin_type=True)
 
 
+class PoolMessageError(ValueError):
+    """A frame that is not a well-formed pool message."""
+
+
+decode_errors = 0  # frames refused by `decode` in this process (a metric)
+
+
 def decode(data: bytes) -> Any:
-    name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    """The message in `data`; PoolMessageError when it is not msgpack, names no known type, or a field is
+    missing, unknown or of the wrong type."""
+    try:
+        return _decode(data)
+    except PoolMessageError:
+        global decode_errors
+        decode_errors += 1
+        raise
+
+
+def _decode(data: bytes) -> Any:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for bad bytes
+        raise PoolMessageError(f"not a msgpack frame ({type(exc).__name__})") from None
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], dict)):
+        raise PoolMessageError("a pool message is [type name, fields]")
+    name, fields = obj
     cls = _TYPES.get(name)
     if cls is None:
-        raise ValueError(f"unknown pool message {name!r}")
-    return cls(**fields)
+        raise PoolMessageError(f"unknown pool message {name[:64]!r}")
+    hints = _field_types(cls)
+    unknown = [k for k in fields if k not in hints]
+    if unknown:
+        raise PoolMessageError(f"{name}: unknown field(s) {', '.join(map(str, unknown))[:200]}")
+    for key, value in fields.items():
+        if not _conforms(value, hints[key]):
+            raise PoolMessageError(f"{name}.{key}: expected {hints[key]}, got {type(value).__name__}")
+    try:
+        return cls(**fields)
+    except TypeError as exc:  # a required field is missing
+        raise PoolMessageError(f"{name}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_conforms(k, args[0]) and _conforms(v, args[1])
+                                               for k, v in value.items())
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)

@@ -27,6 +27,7 @@ import zmq
 
 from meshserve.pool import messages as m
 from meshserve.pool.hashring import HashRing
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class PoolClient:
         self._closed = False
         # Everything below belongs to the I/O thread.
         self._context = zmq.Context()
-        self._controller = self._context.socket(zmq.DEALER)
+        self._controller = cluster_auth.client(self._context.socket(zmq.DEALER), controller_addr)
         self._controller.setsockopt(zmq.LINGER, 0)
         self._controller.connect(controller_addr)
         self._view: m.View | None = None
@@ -88,6 +89,7 @@ class PoolClient:
         self._view_query_at: float | None = None         # when the outstanding ViewQuery went out
         self._next_refresh = 0.0
         self._unhealthy: set[str] = set()                # servers (and "controller") in a warned incident
+        self.namespace_error: str | None = None          # why the last create_namespace was refused
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -129,10 +131,11 @@ class PoolClient:
         """The current view (fetched if there is none yet); None if the controller does not answer."""
         return self._wait(self._submit("view", "", []))
 
-    def create_namespace(self, namespace: str, quota_bytes: int) -> bool:
-        """Set (or change) a namespace's byte quota over the whole pool; False if refused or unanswered."""
+    def create_namespace(self, namespace: str, quota_bytes: int, force: bool = False) -> bool:
+        """Set (or change) a namespace's byte quota over the whole pool; False if refused or unanswered
+        (`namespace_error` then says why). A quota below the namespace's current use needs `force`."""
         future: Future = Future()
-        self._inbox.put(("namespace", namespace, quota_bytes, future))
+        self._inbox.put(("namespace", namespace, quota_bytes, force, future))
         self._wake()
         return self._wait(future)
 
@@ -315,6 +318,13 @@ class PoolClient:
         request = self._pending.pop(getattr(reply, "req_id", None), None)
         if request is None:
             return  # an answer that came after its deadline
+        try:
+            self._apply_server_reply(request, reply, frames)
+        except Exception as exc:  # a reply that does not match its request (e.g. fewer value frames than found)
+            logger.warning("pool client: dropped a malformed answer from a server (%s)", exc)
+            self._complete_part(request.call)
+
+    def _apply_server_reply(self, request: _ServerRequest, reply: Any, frames: list) -> None:
         if request.server_id in self._unhealthy:
             self._unhealthy.discard(request.server_id)
             logger.info("pool server %s answers again", request.server_id)
@@ -356,12 +366,14 @@ class PoolClient:
             self._next_refresh = time.monotonic() + self.view_refresh_s
             self._query_view()
 
-    def _send_create_namespace(self, namespace: str, quota_bytes: int, future: Future) -> None:
+    def _send_create_namespace(self, namespace: str, quota_bytes: int, force: bool, future: Future) -> None:
         req_id = next(self._req_ids)
         self._controller_calls[req_id] = future
         self._controller_deadlines[req_id] = time.monotonic() + self.timeout_s
+        self.namespace_error = f"the pool controller at {self.controller_addr} did not answer"
         try:
-            self._controller.send(m.encode(m.CreateNamespace(req_id, namespace, quota_bytes)), flags=zmq.NOBLOCK)
+            self._controller.send(m.encode(m.CreateNamespace(req_id, namespace, quota_bytes, force)),
+                                  flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # answered False at the deadline
 
@@ -370,7 +382,11 @@ class PoolClient:
             frames = self._controller.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.Again:
             return
-        reply = m.decode(frames[0])
+        try:
+            reply = m.decode(frames[0])
+        except m.PoolMessageError as exc:
+            logger.warning("pool client: dropped an undecodable answer from the controller (%s)", exc)
+            return
         if "controller" in self._unhealthy:
             self._unhealthy.discard("controller")
             logger.info("pool controller %s answers again", self.controller_addr)
@@ -386,6 +402,7 @@ class PoolClient:
             if future is not None:
                 if not reply.ok:
                     logger.warning("pool namespace refused: %s", reply.error)
+                self.namespace_error = None if reply.ok else reply.error
                 future.set_result(bool(reply.ok))
 
     def _apply_view(self, view: m.View, poller: zmq.Poller) -> None:
@@ -400,7 +417,7 @@ class PoolClient:
                 server.sock.close(0)
         for sid, address in view.servers.items():
             if sid not in self._servers:
-                sock = self._context.socket(zmq.DEALER)
+                sock = cluster_auth.client(self._context.socket(zmq.DEALER), address)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not connected
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -444,7 +461,7 @@ class PoolClient:
             if item[0] == "call":
                 _finish_unanswered(item[1])
             elif item[0] == "namespace":
-                item[3].set_result(False)
+                item[-1].set_result(False)
 
 
 def _empty_result(call: _Call) -> Any:

@@ -28,6 +28,7 @@ import zmq
 
 from meshserve.pool import messages as m
 from meshserve.pool.tiers import TieredStore
+from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class ControllerLink:
     def _connect(self) -> None:
         if self.socket is not None:
             self.socket.close(0)  # drops whatever queued for a controller that is not there
-        self.socket = self.context.socket(zmq.DEALER)
+        self.socket = cluster_auth.client(self.context.socket(zmq.DEALER), self.address)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.address)
 
@@ -77,7 +78,8 @@ class ControllerLink:
             if now - self._awaiting_since < self.reply_timeout_s:
                 return False
             if not self._silent_warned:
-                logger.warning("pool controller %s is not answering; serving on and retrying", self.address)
+                why = cluster_auth.probe(self.address, 0.5) or "it takes connections but does not answer"
+                logger.warning("pool controller is not answering (%s); serving on and retrying", why)
                 self._silent_warned = True
             self.registered = False
             self._awaiting_since = None
@@ -135,7 +137,7 @@ class PoolServer:
         self.server_id = server_id
         self.store = TieredStore(dram_bytes, ssd_dir, ssd_bytes)
         self.context = zmq.Context()
-        self.router = self.context.socket(zmq.ROUTER)
+        self.router = cluster_auth.server(self.context.socket(zmq.ROUTER), bind)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(bind)
         # where clients reach us: the bound endpoint (resolves port 0/`*`) unless told otherwise

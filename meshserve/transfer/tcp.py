@@ -9,10 +9,14 @@ Wire format (all integers big-endian), one request per connection:
   payload : for a read, chunks of u32 length + u32 zlib.crc32 + bytes, until "nbytes" have come;
             each layer's selected blocks are sent in order, a chunk never spans two layers.
 Every socket has a timeout, so a dead or stalled peer fails the read instead of hanging it.
+Every connection opens with the cluster-secret handshake (`cluster_auth.handshake_server` /
+`handshake_client`, one round trip): a peer that does not hold the secret is logged, counted and
+disconnected before it can send a request; the block data after it costs nothing extra.
 """
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import threading
@@ -20,6 +24,10 @@ import zlib
 from typing import Any, Callable
 
 import torch
+
+from meshserve.utils import cluster_auth
+
+logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _CHUNK = struct.Struct("!II")
@@ -89,6 +97,7 @@ class TcpBlockServer:
         self._regions = regions
         self._describe = describe
         self._extra_ops = dict(extra_ops or {})
+        self._secret = cluster_auth.cluster_secret()  # read once: a bad secret fails the engine's start
         self.io_timeout = io_timeout
         self.fault_hook: ChunkFaultHook | None = None
         self._listener = socket.create_server((host, port))
@@ -115,6 +124,8 @@ class TcpBlockServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if not cluster_auth.handshake_server(conn, self._secret):
+                return
             request = recv_json(conn, "request")
             op = request.get("op")
             if op == "describe":
@@ -127,6 +138,8 @@ class TcpBlockServer:
                 send_json(conn, {"ok": False, "error": f"unknown op {op!r}"})
         except (OSError, TransferError, ValueError):
             pass  # the client sees the broken connection and fails its transfer
+        except Exception as exc:  # noqa: BLE001 - a malformed request ends its connection, not the server
+            logger.warning("dropped a malformed transfer request: %s: %s", type(exc).__name__, exc)
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
@@ -197,6 +210,11 @@ def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
     except OSError as e:
         raise TransferError(f"cannot connect to {address[0]}:{address[1]}: {e}") from e
     sock.settimeout(timeout)
+    try:
+        cluster_auth.handshake_client(sock)
+    except (OSError, cluster_auth.ClusterAuthError) as e:
+        sock.close()
+        raise TransferError(f"{address[0]}:{address[1]}: {e}") from e
     return sock
 
 

@@ -78,7 +78,8 @@ def test_record_plan_rebalance_status(server, tmp_path):
 def test_admin_errors_are_openai_error_json(server):
     bad = httpx.post(f"{server}/admin/eplb/rebalance", json={"placement": {"format": "nope"}})
     assert bad.status_code == 400 and "bad placement" in bad.json()["error"]["message"]
-    junk = httpx.post(f"{server}/admin/eplb/rebalance", content=b"{not json")
+    junk = httpx.post(f"{server}/admin/eplb/rebalance", content=b"{not json",
+                      headers={"Content-Type": "application/json"})
     assert junk.status_code == 400 and junk.json()["error"]["type"] == "invalid_request_error"
     refused = _cli("eplb", "rebalance", "--url", "http://127.0.0.1:9", "--wait", "0")
     assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1

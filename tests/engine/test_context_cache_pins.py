@@ -151,3 +151,17 @@ def test_caches_pin_at_most_half_of_the_pool():
     create(sched, ex, cache_id="ctxc-over", prompt=prompt_of(6, 4 * BS))  # admitted before the others pinned
     assert "ctxc-over" not in sched.context_caches and sched.rtc.match_by_id("ctxc-over") is None
     assert sched.num_pinned_blocks == FULL_BLOCKS
+
+
+def test_expiry_drops_exactly_the_caches_past_their_deadline_and_keeps_the_pinned_count():
+    sched, ex = make_scheduler(num_blocks=64), FakeExecutor()
+    for i, ttl_s in enumerate((5.0, 50.0, 10.0)):
+        create(sched, ex, cache_id=f"ctxc-{i}", ttl_s=ttl_s, prompt=prompt_of(20 + i, 2 * BS))
+    assert sched.num_pinned_blocks == 6
+    sched.drop_context_cache("ctxc-2")  # deleted before its deadline: its heap entry is stale
+    assert sched.num_pinned_blocks == 4
+    deadline_0 = sched.context_caches["ctxc-0"].deadline
+    assert sched.expire_context_caches(now=deadline_0 - 1e-3) == []
+    assert sched.expire_context_caches(now=deadline_0 + 20.0) == ["ctxc-0"]  # ctxc-2 is not reported twice
+    assert sorted(sched.context_caches) == ["ctxc-1"] and sched.num_pinned_blocks == 2
+    assert sched.rtc.match_by_id("ctxc-0") is None and len(sched.rtc.match_by_id("ctxc-1")) == 2

@@ -21,6 +21,7 @@ from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.engine.errors import EngineDeadError
 from meshserve.models.factory import make_model
 from meshserve.platform.api_server import build_app
+from meshserve.utils import cluster_auth
 
 LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
 
@@ -104,7 +105,7 @@ def _free_port() -> int:
 def test_prefix_cache_events_are_published(model_dir):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
+    sub = cluster_auth.client(ctx.socket(zmq.SUB))  # the TE's events carry users' prompts: keyed by the secret
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     prompt = list(range(100, 140))  # 40 tokens: 5 full blocks of 8

@@ -25,6 +25,7 @@ from meshserve.engine.errors import EngineDeadError
 from meshserve.engine.processes import launch_module, stop_process
 from meshserve.engine.remote_ranks import RemoteRanks
 from meshserve.models.factory import make_model
+from meshserve.utils import cluster_auth
 
 PARALLEL = "attn=TP1+DP2 moe=TP1+EP2"
 ENGINE_ARGS = dict(max_num_batched_tokens=64, block_size=8, max_num_seqs=8, num_kv_blocks=128)
@@ -168,7 +169,7 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
     works = [ctx.socket(zmq.PUSH) for _ in range(2)]
     addrs = [f"tcp://127.0.0.1:{w.bind_to_random_port('tcp://127.0.0.1')}" for w in works]
     ranks = RemoteRanks(ctx, config, works, addrs, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
-    peer = ctx.socket(zmq.DEALER)
+    peer = cluster_auth.client(ctx.socket(zmq.DEALER))
     peer.connect(ranks.endpoint)
     rank_work = ctx.socket(zmq.PULL)
 

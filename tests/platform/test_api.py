@@ -201,7 +201,7 @@ def test_models_lists_the_served_model(client):
     assert body["data"][0]["object"] == "model"
     assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
-    assert_openai_error(client.get("/v1/models/other"), 404, "NotFoundError")
+    assert_openai_error(client.get("/v1/models/other"), 404, "not_found_error")
 
 
 def test_served_model_name_replaces_the_engine_name(engine):
@@ -209,7 +209,7 @@ def test_served_model_name_replaces_the_engine_name(engine):
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["alias"]
         ok = c.post("/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["model"] == "alias"
-        assert_openai_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}), 404, "NotFoundError")
+        assert_openai_error(c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}), 404, "not_found_error")
 
 
 def test_health_follows_the_engine(client, engine):
@@ -244,9 +244,13 @@ def test_completion_that_ends_on_its_own_finishes_with_stop(client):
     assert body["usage"]["completion_tokens"] == len(REPLIES[0])
 
 
-def test_omitted_max_tokens_defaults_to_the_remaining_context(client, engine):
+def test_omitted_max_tokens_defaults_to_openais_16(client, engine):
     client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello"})
-    assert engine.calls[0]["params"].max_tokens == MAX_MODEL_LEN - len("Hello")
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": None})
+    assert [call["params"].max_tokens for call in engine.calls] == [16, 16]
+    # chat keeps generating until the context ends
+    client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert engine.calls[2]["params"].max_tokens == MAX_MODEL_LEN - len(engine.calls[2]["prompt_token_ids"])
 
 
 def test_batch_of_prompts_with_n_gives_one_choice_per_prompt_and_sample(client, engine):
@@ -480,7 +484,8 @@ BAD_COMPLETION_BODIES = {
 
 @pytest.mark.parametrize("body", BAD_COMPLETION_BODIES.values(), ids=BAD_COMPLETION_BODIES.keys())
 def test_bad_completion_requests_are_400(client, engine, body):
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kwargs = ({"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes)
+              else {"json": body})
     assert_openai_error(client.post("/v1/completions", **kwargs), 400)
     assert engine.calls == []
 
@@ -522,7 +527,7 @@ def test_validation_errors_name_the_parameter(client):
 def test_unknown_model_is_404(client, engine):
     for path, extra in [("/v1/completions", {"prompt": "Hi"}),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
-        error = assert_openai_error(client.post(path, json={"model": "gpt-9", **extra}), 404, "NotFoundError")
+        error = assert_openai_error(client.post(path, json={"model": "gpt-9", **extra}), 404, "not_found_error")
         assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
     assert engine.calls == []
 
@@ -591,7 +596,7 @@ def test_failure_mid_stream_is_an_error_event_then_done(client, engine):
 
 
 def test_unknown_route_and_wrong_method_use_error_json(client):
-    assert_openai_error(client.get("/v1/nothing"), 404, "NotFoundError")
+    assert_openai_error(client.get("/v1/nothing"), 404, "not_found_error")
     assert_openai_error(client.get("/v1/completions"), 405)
 
 

@@ -24,6 +24,7 @@ from meshserve.platform.deployment import MultiDeployment
 from meshserve.platform.job_executor import JobExecutor
 from meshserve.platform.routing import REQUEST_ROUTING_POLICY
 from meshserve.sampling_params import SamplingParams
+from meshserve.utils import cluster_auth
 from tests.platform.deployment_processes import generate_all, kill_te, running_deployment, token_ids
 
 pytestmark = pytest.mark.timeout(300)
@@ -352,14 +353,14 @@ class FakeTE:
     """A TE as the JE sees it: heartbeats out, requests in (no engine behind it)."""
 
     def __init__(self, ctx: zmq.Context, je: JobExecutor, name: str, role: str, group: str, kv_usage: float = 0.0):
-        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox = cluster_auth.server(ctx.socket(zmq.PULL))
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
         self.heartbeat = msg.TEHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
                                          kv_events_addr="", model="m", max_model_len=4096, block_size=BLOCK_SIZE,
                                          attn_tp=1, attn_dp=1, stats=msg.EngineStats(kv_usage=kv_usage))
-        self.to_je = ctx.socket(zmq.PUSH)
+        self.to_je = cluster_auth.client(ctx.socket(zmq.PUSH))
         self.to_je.connect(je.register_addr)
-        self.outputs = ctx.socket(zmq.PUSH)
+        self.outputs = cluster_auth.client(ctx.socket(zmq.PUSH))
         self.outputs.connect(je.output_addr)
 
     def beat(self, leaving: bool = False) -> None:

@@ -4,6 +4,7 @@ import zmq
 from meshserve.cli import main
 from meshserve.pool import messages as m
 from meshserve.pool.controller import ControllerState
+from meshserve.utils import cluster_auth
 from tests.pool.pool_processes import free_address, pool_processes, start_pool, wait_until
 
 
@@ -78,7 +79,7 @@ def test_controller_process_over_zmq(tmp_path):
     socks = []
 
     def dealer():
-        sock = context.socket(zmq.DEALER)
+        sock = cluster_auth.client(context.socket(zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         socks.append(sock)

@@ -16,6 +16,7 @@ from meshserve.pool import messages as m
 from meshserve.pool.controller import run_controller
 from meshserve.pool.hashring import HashRing
 from meshserve.pool.sdk import PoolClient
+from meshserve.utils import cluster_auth
 from tests.pool.pool_processes import free_address, pool_processes, start_pool, wait_until
 
 SDK_LOGGER = "meshserve.pool.sdk"
@@ -135,11 +136,11 @@ def test_a_silent_server_yields_misses_and_one_warning(controller_thread, caplog
     """A server that takes requests and never answers: calls return at the timeout with misses."""
     caplog.set_level(logging.WARNING, logger=SDK_LOGGER)
     context = zmq.Context()
-    silent = context.socket(zmq.ROUTER)
+    silent = cluster_auth.server(context.socket(zmq.ROUTER))
     silent.setsockopt(zmq.LINGER, 0)
     silent_address = free_address()
     silent.bind(silent_address)
-    link = context.socket(zmq.DEALER)
+    link = cluster_auth.client(context.socket(zmq.DEALER))
     link.setsockopt(zmq.LINGER, 0)
     link.connect(controller_thread)
     try:

@@ -12,6 +12,7 @@ import zmq
 
 from meshserve.engine.processes import free_tcp_port, launch_module, stop_process
 from meshserve.pool import messages as m
+from meshserve.utils import cluster_auth
 
 TIMEOUT_S = 15.0
 
@@ -32,7 +33,7 @@ class StubController:
 
     def _serve(self) -> None:
         context = zmq.Context()
-        sock = context.socket(zmq.ROUTER)
+        sock = cluster_auth.server(context.socket(zmq.ROUTER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
         self._ready.set()
@@ -70,7 +71,7 @@ class StubController:
 class Client:
     def __init__(self, address: str):
         self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
+        self.sock = cluster_auth.client(self.context.socket(zmq.DEALER))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
 

@@ -1,0 +1,1 @@
+"""Helpers every process uses that depend on nothing else of meshserve (process launching, cluster auth)."""
