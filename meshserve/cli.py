@@ -12,6 +12,27 @@ from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import cluster_auth
 
 _ENGINE_ARG_SKIP = {"model", "startup_timeout_s"}
+_GIVEN_ENGINE_FLAGS = "_given_engine_flags"  # the namespace attribute naming the engine flags on the command line
+
+
+def _note_given(namespace: argparse.Namespace, dest: str) -> None:
+    given = getattr(namespace, _GIVEN_ENGINE_FLAGS, set())
+    given.add(dest)
+    setattr(namespace, _GIVEN_ENGINE_FLAGS, given)
+
+
+class _StoreGiven(argparse.Action):
+    """Store the value and remember the flag was given: a flag equal to its default still overrides a file."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        _note_given(namespace, self.dest)
+
+
+class _BooleanGiven(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +46,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
         if base is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(flag, dest=f.name, action=_BooleanGiven, default=f.default)
         else:
-            group.add_argument(flag, dest=f.name, type=base, default=f.default, help=f"default: {f.default}")
+            group.add_argument(flag, dest=f.name, action=_StoreGiven, type=base, default=f.default,
+                               help=f"default: {f.default}")
 
 
 def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,15 +65,10 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _explicit_engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig fields whose flag differs from the field's default (given on the command line)."""
-    kwargs = {}
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _ENGINE_ARG_SKIP or not hasattr(args, f.name):
-            continue
-        value = getattr(args, f.name)
-        if value != f.default:
-            kwargs[f.name] = value
-    return kwargs
+    """EngineConfig fields whose flag was given on the command line (whatever its value)."""
+    given = getattr(args, _GIVEN_ENGINE_FLAGS, set())
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name in given and f.name not in _ENGINE_ARG_SKIP}
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:

@@ -44,7 +44,6 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the chosen token
-    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -89,7 +88,7 @@ class SamplingParams:
 
 
 _INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -152,8 +151,6 @@ def _check_ranges(p: SamplingParams) -> None:
          f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})"),
         (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
          f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
-        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
-         f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
         # each of the n samples draws with seed + its index (output_processor.child_params)
         (p.seed is None or p.seed + p.n - 1 <= INT64_MAX, "seed",
          f"seed + n - 1 must fit in a signed 64-bit integer, got seed {p.seed} with n {p.n}"),
