@@ -25,6 +25,22 @@ def log_tail(log_path: Path, lines: int = 40) -> str:
     return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    """Return once `base`/health answers 200; fail the test if the server exits or stays unhealthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with code {proc.returncode}:\n{log_tail(log_path)}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not healthy after {timeout_s} s:\n{log_tail(log_path)}")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_server(serve_args: list[str], log_path: Path, startup_timeout_s: float) -> Iterator[str]:
     """`meshserve serve <serve_args>` on a free loopback port; yields its base URL once /health is 200."""
@@ -35,18 +51,7 @@ def running_server(serve_args: list[str], log_path: Path, startup_timeout_s: flo
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with code {proc.returncode}:\n{log_tail(log_path)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {startup_timeout_s} s:\n{log_tail(log_path)}")
-            time.sleep(0.2)
+        wait_healthy(base, proc, log_path, startup_timeout_s)
         yield base
     finally:
         stop_server(proc)

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from meshserve.models.factory import make_model
-from tests.e2e.server_process import free_port, log_tail
+from tests.e2e.server_process import free_port, wait_healthy
 
 STARTUP_TIMEOUT_S = 120
 STEADY_S = 2.0  # stream timed before each big POST
@@ -52,7 +52,7 @@ def server(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base, proc, log_path)
+        wait_healthy(base, proc, log_path, STARTUP_TIMEOUT_S)
         yield base, proc
     finally:
         if proc.poll() is None:
@@ -62,21 +62,6 @@ def server(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen, log_path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with code {proc.returncode}:\n{log_tail(log_path)}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log_tail(log_path)}")
-        time.sleep(0.2)
 
 
 def _model(base: str) -> str:
