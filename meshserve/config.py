@@ -8,7 +8,7 @@ from typing import Any
 from meshserve.parallel.strategy import ParallelStrategy, StrategyError, parse_strategy
 
 
-DEFAULT_ENGINE_PORT = 29600  # where a master with remote ranks listens for them (`meshserve executor`)
+DEFAULT_ENGINE_PORT = 29600  # where a master with remote ranks listens for them (`meshserve worker`)
 
 
 class ConfigError(ValueError):
@@ -67,7 +67,7 @@ class EngineConfig:
     dist_backend: str | None = None  # torch.distributed backend; default gloo on CPU, nccl on CUDA
     num_threads: int | None = None  # torch threads per executor; default: the cores divided among the ranks
     # ranks on other hosts: the master starts ranks 0..local_ranks-1 itself; each other rank is started on
-    # its host with `meshserve executor --engine tcp://MASTER_ADDR:ENGINE_PORT --rank R`
+    # its host with `meshserve worker --engine tcp://MASTER_ADDR:ENGINE_PORT --rank R`
     local_ranks: int | None = None  # default: all of them (every rank on this host)
     master_addr: str = "127.0.0.1"  # this host's address as the other hosts reach it (MASTER_ADDR)
     engine_port: int = DEFAULT_ENGINE_PORT  # with remote ranks: where they connect to the master
@@ -134,7 +134,7 @@ class EngineConfig:
 
     @property
     def num_local_ranks(self) -> int:
-        """Ranks the master starts on its own host; the rest join with `meshserve executor`."""
+        """Ranks the master starts on its own host; the rest join with `meshserve worker`."""
         return self.world_size if self.local_ranks is None else self.local_ranks
 
     @classmethod

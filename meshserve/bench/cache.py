@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from meshserve.bench import report
+from meshserve.utils import report
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_REUSE_RATES = "0,12.5,50,90"
@@ -85,7 +85,7 @@ class LocalPool:
     """A controller and servers started with `meshserve pool ...` on free loopback ports."""
 
     def __init__(self, servers: int, dram_gb: float, log_dir: Path, ssd: bool = False, server_timeout_s: float = 3.0):
-        from meshserve.engine.processes import free_tcp_port
+        from meshserve.utils.processes import free_tcp_port
 
         self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.log_dir = log_dir
@@ -103,7 +103,7 @@ class LocalPool:
 
     def _start(self, args: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"pool-{len(self.procs)}.log", "a") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "pool", *args],
+            proc = subprocess.Popen([sys.executable, "-m", "meshserve.entrypoints.cli", "pool", *args],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc
@@ -135,7 +135,7 @@ class LocalPool:
         return client
 
     def close(self) -> None:
-        from meshserve.engine.processes import stop_process
+        from meshserve.utils.processes import stop_process
 
         for proc in self.procs:
             proc.terminate()
@@ -239,7 +239,7 @@ def model_startup(args: argparse.Namespace) -> dict:
     import torch
 
     from meshserve.models.loader import load_model, safetensors_files
-    from meshserve.pool.model_cache import model_version, put_model, prefetch_model
+    from meshserve.worker.model_cache import model_version, pool_weights, prefetch_model, put_model
 
     model_dir = _model_dir(args)
     files = safetensors_files(model_dir)
@@ -277,9 +277,9 @@ def model_startup(args: argparse.Namespace) -> dict:
             put_model(client, model_dir)
             result["put_model_s"] = time.perf_counter() - start
             prefetch_model(client, model_dir.resolve().name, model_version(model_dir))
-            result["pool_warm_s"] = timed_load(pool=client)
+            result["pool_warm_s"] = timed_load(read_weights=pool_weights(client, model_dir))
             # the same parameters as from disk: a benchmark of a wrong load would be worthless
-            a, b = load_model(model_dir), load_model(model_dir, pool=client)
+            a, b = load_model(model_dir), load_model(model_dir, read_weights=pool_weights(client, model_dir))
             result["identical"] = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     result["pool_vs_disk_warm"] = result["pool_warm_s"] / result["disk_warm_s"]
     print(f"model start-up ({model_bytes / GB:.2f} GiB): pool warm {result['pool_warm_s']:.2f} s, disk warm "

@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.workload import WorkloadError, parse_range
 
 ENGINE_FLAGS = {

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.deployment_load import one_line_errors
-from meshserve.models.base import AttentionMetadata
+from meshserve.layers.metadata import AttentionMetadata
 
 PROG = "meshserve bench decode-step"
 NATIVE, TORCH = "native", "torch"
@@ -131,7 +131,7 @@ class DecodeBench:
 
     def __init__(self, settings: DecodeStepSettings):
         from meshserve.config import EngineConfig
-        from meshserve.engine.runner import ModelRunner
+        from meshserve.worker.model_runner import ModelRunner
         from meshserve.models.loader import load_hf_config
 
         self.settings = settings
@@ -189,7 +189,7 @@ class DecodeBench:
 
 
 def _on_path(path: str, fn: Callable[[], object]) -> object:
-    from meshserve.models.layers import cpu_kernels
+    from meshserve.layers import cpu_kernels
 
     if path == NATIVE:
         return fn()
@@ -244,7 +244,7 @@ def profile_step(bench: DecodeBench, path: str) -> dict:
 
 
 def run_decode_step_benchmark(settings: DecodeStepSettings) -> dict:
-    from meshserve.models.layers import cpu_kernels
+    from meshserve.layers import cpu_kernels
 
     if not cpu_kernels.enabled():
         raise DecodeStepError("the native CPU kernels are not available here (the build failed, "

@@ -1,7 +1,7 @@
 """Load a multi-TE deployment through an in-process job executor, for profiling and benchmarks.
 
 `started_deployment` starts the TEs of a deployment (each as its own processes, as `meshserve serve
---deployment` does) and yields the JobExecutor they registered with; `run_fixed_rate` sends requests at
+--deployment` does) and yields the Router they registered with; `run_fixed_rate` sends requests at
 a fixed rate through it and times each one (TTFT, TPOT, JCT), failures recorded, never raised. Requests
 use token-id prompts, greedy sampling and ignore_eos, so each produces exactly its output length.
 """
@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, NoReturn, Sequence
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.workload import WorkloadRequest
 
 # a TE busy on a shared core may miss heartbeats for a while; benchmarks measure load, not failover
@@ -57,16 +57,16 @@ class RequestTiming:
 def started_deployment(model: str, deployment, engine: dict | None = None, policy: str = "round_robin",
                        heatmap=None, predictor=None, startup_timeout_s: float = 300.0,
                        log_level: int = logging.WARNING) -> Iterator[Any]:
-    """Start `deployment` (a MultiDeployment or a preset name) and yield its JobExecutor; every TE is
+    """Start `deployment` (a MultiDeployment or a preset name) and yield its Router; every TE is
     stopped on exit. `engine` settings apply to every TE; without num_threads the cores are divided
     among all the TEs' ranks."""
-    from meshserve.engine.processes import stop_process
-    from meshserve.platform.deployment import MultiDeployment, launch_tes
-    from meshserve.platform.job_executor import JobExecutor
+    from meshserve.utils.processes import stop_process
+    from meshserve.router.deployment import MultiDeployment, launch_tes
+    from meshserve.router.router import Router
 
     if isinstance(deployment, str):
         deployment = MultiDeployment.preset(deployment)
-    je = JobExecutor(model, policy=policy, heatmap=heatmap, predictor=predictor,
+    je = Router(model, policy=policy, heatmap=heatmap, predictor=predictor,
                      heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     tes = deployment.tes()
     procs = []
@@ -95,8 +95,8 @@ async def run_fixed_rate(je, requests: Sequence[WorkloadRequest], rate: float, p
     """Send `requests` evenly spaced at `rate` per second (inf: all at once) and time each; `policy`
     routes them (the JE's own when None). Requests unfinished after `timeout_s` are aborted and recorded
     as failed."""
-    from meshserve.platform.routing import REQUEST_ROUTING_POLICY
-    from meshserve.sampling_params import SamplingParams
+    from meshserve.router.routing import REQUEST_ROUTING_POLICY
+    from meshserve.core.sampling_params import SamplingParams
 
     if not rate > 0:
         raise ValueError(f"rate must be positive, got {rate}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench import eplb_layer_time
 from meshserve.moe.balance import balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, MODES, plan_redundancy

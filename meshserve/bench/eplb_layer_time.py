@@ -38,14 +38,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.moe.balance import balancedness
 from meshserve.moe.eplb import plan_redundancy
 from meshserve.moe.placement import EMPTY, PlacementShape
 from meshserve.moe.slots import SlotMap
 from meshserve.moe.synthetic_load import zipf_exponent
 from meshserve.parallel.context import ParallelContext
-from meshserve.parallel.moe_runtime import MoERuntime
+from meshserve.moe.runtime import MoERuntime
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
 

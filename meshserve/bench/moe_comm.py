@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshserve.parallel.moe_comm import (
+from meshserve.moe.comm import (
     EPDispatcher,
     HybridMoEComm,
     moe_layer_reference,

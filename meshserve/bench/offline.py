@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
 
 # Warm-up and roofline prompts come from their own seeds, so they never repeat the timed workload's.
@@ -90,7 +90,7 @@ def _throughput(elapsed: float, prompt_tokens: int, output_tokens: int) -> dict[
 
 def run_meshserve(llm, workload: Sequence[WorkloadRequest], progress: bool) -> tuple[dict[str, Any], list[list[int]]]:
     """Greedy, EOS ignored, each request's own max_tokens; returns the throughput record and the tokens."""
-    from meshserve.sampling_params import SamplingParams
+    from meshserve.core.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
@@ -201,8 +201,8 @@ def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
 def _run_engine_phase(options: OfflineOptions, hf_config: dict[str, Any], workload: Sequence[WorkloadRequest],
                       excluded: set[int], machine: dict[str, Any] | None):
     """Start the engine, run the workload, measure decode at batch B, and always shut the engine down."""
-    from meshserve.llm import LLM
-    from meshserve.sampling_params import SamplingParams
+    from meshserve.engine.llm import LLM
+    from meshserve.core.sampling_params import SamplingParams
 
     vocab_size = int(hf_config["vocab_size"])
     if options.progress:
@@ -232,7 +232,7 @@ def _run_engine_phase(options: OfflineOptions, hf_config: dict[str, Any], worklo
 def _measure_roofline(options: OfflineOptions, hf_config: dict[str, Any], excluded: set[int],
                       machine: dict[str, Any]) -> dict[str, Any]:
     from meshserve.bench.roofline import measure_decode_throughput
-    from meshserve.llm import LLM
+    from meshserve.engine.llm import LLM
 
     batch, context = _roofline_shape(options)
     if options.progress:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.offline import WARMUP_SEED_OFFSET, compare_greedy
 from meshserve.bench.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, parse_range, special_token_ids
@@ -120,14 +120,14 @@ def log(message: str) -> None:
 
 def _start_engine(model_dir: str, engine_args: dict[str, Any]):
     """The engine of one layout (a seam for tests)."""
-    from meshserve.llm import LLM
+    from meshserve.engine.llm import LLM
 
     return LLM(model=model_dir, **engine_args)
 
 
 def run_workload_once(llm, workload: Sequence[WorkloadRequest]) -> tuple[dict[str, Any], list[list[int]]]:
     """One timed pass of the workload: output tokens/s, mean TTFT and mean TPOT, and the greedy tokens."""
-    from meshserve.sampling_params import SamplingParams
+    from meshserve.core.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in workload]
     start = time.perf_counter()
@@ -287,11 +287,11 @@ def predict(hf_config: dict[str, Any], cluster, analyzer_wl, strategies: Sequenc
 
 def load_or_calibrate_cluster(options: ParallelBenchOptions, hf_config: dict[str, Any], batch: int, input_len: int):
     """(Cluster, record of where it came from): the --cluster file, or a quick calibration written beside the JSON."""
-    from meshserve.parallel.plan_cli import load_cluster_file
+    from meshserve.parallel.cluster_file import load_cluster_file
 
     if options.cluster_path:
         return load_cluster_file(options.cluster_path), {"source": "file", "path": options.cluster_path}
-    from meshserve.parallel import calibrate as cal
+    from meshserve.bench import calibrate as cal
 
     # Matmul shapes of this model's routed experts: a decode step and a prefill chunk of the workload.
     hidden, expert = int(hf_config["hidden_size"]), 2 * int(hf_config["moe_intermediate_size"])
@@ -560,7 +560,7 @@ def _options_from_args(args: argparse.Namespace) -> ParallelBenchOptions:
         repeats=args.repeats, seed=args.seed, cluster_path=args.cluster, engine_args=engine_args,
         layout_timeout_s=args.layout_timeout, progress=args.progress)
     if args.cluster:
-        from meshserve.parallel.plan_cli import load_cluster_file
+        from meshserve.parallel.cluster_file import load_cluster_file
 
         cluster = load_cluster_file(args.cluster)
         if cluster.world_size != args.world:

@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import sys
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.deployment_load import (add_engine_flags, check_model_dir, counter_deltas, engine_settings, log,
                                              model_max_len, one_line_errors, run_fixed_rate, started_deployment,
                                              summarize_timings, te_counters, vocabulary, warm_up)
@@ -66,7 +66,7 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pd_main(args: argparse.Namespace) -> int:
     from meshserve.config import ConfigError
-    from meshserve.platform.deployment import load_multi
+    from meshserve.router.deployment import load_multi
 
     try:
         if args.requests < 1:

@@ -333,8 +333,8 @@ def measure_matmul_rate(
     The machine's rate is the best kernel available to the process: `torch.mm`, the prepacked oneDNN
     linear and the native kernel (the two the engine itself uses on CPU) are timed, and the fastest counts.
     """
-    from meshserve.models.layers import cpu_kernels
-    from meshserve.models.layers.linear import linear, pack_weight
+    from meshserve.layers import cpu_kernels
+    from meshserve.layers.linear import linear, pack_weight
 
     device = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -399,7 +399,7 @@ def measure_decode_throughput(
     repeat uses fresh prompts, so a prefix cache cannot help.
     """
     from meshserve.bench.workload import make_offline_workload
-    from meshserve.sampling_params import SamplingParams
+    from meshserve.core.sampling_params import SamplingParams
 
     if batch < 1 or context_len < 1 or decode_tokens < 1 or repeats < 1:
         raise ValueError("batch, context_len, decode_tokens and repeats must all be at least 1")

@@ -28,7 +28,7 @@ import statistics
 import sys
 from typing import Sequence
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.deployment_load import (add_engine_flags, check_model_dir, counter_deltas, engine_settings, log,
                                              model_max_len, one_line_errors, run_fixed_rate, started_deployment,
                                              summarize_timings, te_counters, vocabulary, warm_up)
@@ -48,7 +48,7 @@ class MaxTokensPredictor:
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshserve.platform.routing import POLICIES
+    from meshserve.router.routing import POLICIES
 
     one_line_errors(parser, "meshserve bench routing")
     parser.add_argument("--model", default=None, help="HF-format model directory (default: the tiny default model)")
@@ -80,8 +80,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 
 def routing_main(args: argparse.Namespace) -> int:
     from meshserve.config import ConfigError
-    from meshserve.platform.deployment import load_multi
-    from meshserve.platform.routing import POLICIES
+    from meshserve.router.deployment import load_multi
+    from meshserve.router.routing import POLICIES
 
     try:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -125,13 +125,13 @@ def _routing_inputs(heatmap_path: str | None, predictor_path: str | None):
     heatmap = predictor = None
     predictor_name = None
     if heatmap_path:
-        from meshserve.platform.pd_heatmap import PDHeatmap
+        from meshserve.router.pd_heatmap import PDHeatmap
 
         heatmap = PDHeatmap.load(heatmap_path)
         # the router reads the heatmap only with a predictor
         predictor, predictor_name = MaxTokensPredictor(), "max_tokens (exact: ignore_eos)"
     if predictor_path:
-        from meshserve.platform.length_predictor import LengthPredictor
+        from meshserve.router.length_predictor import LengthPredictor
 
         predictor, predictor_name = LengthPredictor.load(predictor_path), predictor_path
     return heatmap, predictor, predictor_name

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.workload import WorkloadRequest
 
 TIME_LIMIT_ERROR = "benchmark time limit reached"

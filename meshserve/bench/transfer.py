@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from meshserve.bench import report
+from meshserve.utils import report
 from meshserve.bench.deployment_load import one_line_errors
 from meshserve.transfer import BlockRef, TransferEngine, TransferStatus
 from meshserve.transfer import dist as dist_mod

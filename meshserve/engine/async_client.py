@@ -15,14 +15,14 @@ import time
 from collections.abc import AsyncIterator
 
 from meshserve.config import EngineConfig
-from meshserve.engine import messages as msg
+from meshserve.core import messages as msg
 from meshserve.engine.core_client import EngineCoreClient
 from meshserve.engine.detokenizer import load_tokenizer
-from meshserve.engine.errors import ADMISSION_ERRORS, EngineDeadError
+from meshserve.core.errors import ADMISSION_ERRORS, EngineDeadError
 from meshserve.engine.output_processor import OutputProcessor
 from meshserve.models.generation_config import eos_token_ids
-from meshserve.outputs import RequestOutput
-from meshserve.sampling_params import SamplingParams
+from meshserve.engine.outputs import RequestOutput
+from meshserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

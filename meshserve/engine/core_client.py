@@ -13,9 +13,9 @@ import time
 import zmq
 
 from meshserve.config import EngineConfig
-from meshserve.engine import messages as msg
-from meshserve.engine.errors import EngineDeadError
-from meshserve.engine.processes import launch_module, stop_process
+from meshserve.core import messages as msg
+from meshserve.core.errors import EngineDeadError
+from meshserve.utils.processes import launch_module, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class EngineCoreClient:
         output_addr = f"ipc://{self.ipc_dir}/output"
         self.from_master.bind(output_addr)
         # a fresh interpreter (not multiprocessing): callers' scripts need no __main__ guard
-        self.proc = launch_module("meshserve.engine.master", config=config.to_dict(), input_addr=input_addr,
+        self.proc = launch_module("meshserve.core.master", config=config.to_dict(), input_addr=input_addr,
                                   output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level)
         self.closed = False
         try:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshserve.engine.detokenizer import IncrementalDetokenizer, as_decoder
-from meshserve.engine.messages import RequestDelta
-from meshserve.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprob
-from meshserve.sampling_params import SamplingParams
+from meshserve.core.messages import RequestDelta
+from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprob
+from meshserve.core.sampling_params import SamplingParams
 
 
 def child_request_id(request_id: str, index: int) -> str:

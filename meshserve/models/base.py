@@ -1,4 +1,4 @@
-"""The contract between the engine's runner and every model.
+"""The contract between the engine's runner and every model (batch layout: `meshserve.layers.metadata`).
 
 Tokens of a batch are flattened into one dimension (T tokens in all). Sequences
 appear in the order the runner lays them out: first the `num_decodes` decode
@@ -14,103 +14,11 @@ at `cache.view(-1, *entry_shape)[s]`, with `s = block_id * block_size + offset`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
-from meshserve.models.layers.tensor_parallel import Shard, attention_tp_shard
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What one token occupies in one layer's cache."""
-
-    num_layers: int
-    entry_shape: tuple[int, ...]  # MLA: (kv_lora_rank + qk_rope_head_dim,); GQA: (2, num_kv_heads, head_dim)
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        n = 1
-        for d in self.entry_shape:
-            n *= d
-        return n * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
-
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        return [
-            torch.zeros((num_blocks, block_size, *self.entry_shape), dtype=self.dtype, device=device)
-            for _ in range(self.num_layers)
-        ]
-
-
-@dataclass
-class AttentionMetadata:
-    """Where each new token's K/V goes and which cached tokens each sequence attends to."""
-
-    num_decodes: int  # the first `num_decodes` sequences have exactly one new token
-    query_start_loc: list[int]  # len num_seqs + 1: new tokens of seq i are [query_start_loc[i], query_start_loc[i+1])
-    seq_lens: list[int]  # tokens in context after this step (cached before + new), per sequence
-    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with 0
-    slot_mapping: torch.Tensor  # int64 [T]: flat cache slot that receives each new token's K/V
-    block_size: int
-    # Optional tensors the runner precomputes for the decode fast path (same content as above).
-    seq_lens_tensor: torch.Tensor | None = None  # int64 [num_seqs]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    def query_len(self, i: int) -> int:
-        return self.query_start_loc[i + 1] - self.query_start_loc[i]
-
-    def context_len(self, i: int) -> int:
-        """Tokens of sequence i that were cached before this step."""
-        return self.seq_lens[i] - self.query_len(i)
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-        block_size: int,
-        num_decodes: int | None = None,
-        device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
-        """Build metadata from plain lists (runner and tests share this)."""
-        if num_decodes is None:
-            num_decodes = 0
-            for q in query_lens:
-                if q != 1:
-                    break
-                num_decodes += 1
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        max_blocks = max((len(b) for b in block_tables), default=1) or 1
-        bt = torch.zeros((len(block_tables), max_blocks), dtype=torch.int64)
-        for i, blocks in enumerate(block_tables):
-            if blocks:
-                bt[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        slots: list[int] = []
-        for i, (c, q) in enumerate(zip(context_lens, query_lens)):
-            for pos in range(c, c + q):
-                slots.append(block_tables[i][pos // block_size] * block_size + pos % block_size)
-        return cls(
-            num_decodes=num_decodes,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=bt.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_size=block_size,
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        )
-
-    @classmethod
-    def empty(cls, device: torch.device | str = "cpu", block_size: int = 1) -> "AttentionMetadata":
-        """A step with no sequences: an idle DP group runs it to join the other groups' MoE collectives."""
-        return cls.build([], [], [], block_size, num_decodes=0, device=device)
+from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
+from meshserve.layers.tensor_parallel import Shard, attention_tp_shard
 
 
 class CausalLM(torch.nn.Module):

@@ -20,19 +20,20 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from meshserve.models.base import AttentionMetadata, CausalLM, KVCacheLayout
-from meshserve.models.layers import cpu_kernels
-from meshserve.models.layers.linear import attach_packed, linear
-from meshserve.models.layers.mla import (
+from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
+from meshserve.models.base import CausalLM
+from meshserve.layers import cpu_kernels
+from meshserve.layers.linear import attach_packed, linear
+from meshserve.layers.mla import (
     MLABatchPlan,
     MultiHeadLatentAttention,
     copy_checked,
     mla_softmax_scale,
     uninitialized_linear,
 )
-from meshserve.models.layers.norm import RMSNorm
-from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
-from meshserve.models.layers.tensor_parallel import (
+from meshserve.layers.norm import RMSNorm
+from meshserve.layers.rope import RotaryEmbedding, standardize_rope_parameters
+from meshserve.layers.tensor_parallel import (
     VocabParallelEmbedding,
     attention_tp_part,
     row_parallel_linear,
@@ -40,7 +41,7 @@ from meshserve.models.layers.tensor_parallel import (
 )
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.parallel.context import ParallelContext
-from meshserve.parallel.moe_runtime import MoERuntime
+from meshserve.moe.runtime import MoERuntime
 
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

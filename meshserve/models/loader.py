@@ -5,32 +5,28 @@ the model plus one tensor. `name_filter` is asked about each tensor name before 
 which lets a tensor/expert-parallel rank read only the tensors it keeps; of a tensor split over ranks
 only this rank's piece is read (safetensors slices).
 
-With `pool` (a `meshserve.pool.sdk.PoolClient`), tensors come from the memory pool's model cache
-instead (`meshserve pool put-model DIR`; see meshserve/pool/model_cache.py): the model id is
-`pool_model_id` or the directory's name, the version the directory's content hash, and any tensor
-the pool misses is read from disk. A runner that wants this calls
-`load_model(model_dir, ..., pool=PoolClient(controller_addr, timeout_s=10.0))`.
+`read_weights` replaces the checkpoint files as the source: called as `read_weights(wanted, shard_of)`,
+it yields (name, tensor or this rank's piece). The worker passes the memory pool's model cache this
+way (`meshserve.worker.model_cache.iter_pool_tensors`), so the model code never imports the pool.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from meshserve.models.base import CausalLM
-from meshserve.models.checkpoint_files import safetensors_files
-from meshserve.models.layers.linear import pack_linears
-from meshserve.models.layers.tensor_parallel import Shard
+from meshserve.utils.checkpoint_files import safetensors_files
+from meshserve.layers.linear import pack_linears
+from meshserve.layers.tensor_parallel import Shard
 from meshserve.models.registry import model_class
 from meshserve.parallel.context import ParallelContext
 
-if TYPE_CHECKING:
-    from meshserve.pool.sdk import PoolClient
-
+# a source of checkpoint tensors: (wanted(name) -> bool, shard_of(name) -> Shard | None) -> (name, tensor)...
+WeightsReader = Callable[[Callable[[str], bool], Callable[[str], "Shard | None"]], Iterable[tuple[str, torch.Tensor]]]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -95,11 +91,11 @@ def shard_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                name_filter: Callable[[str], bool] | None = None, parallel: ParallelContext | None = None,
-               pool: PoolClient | None = None, pool_model_id: str | None = None) -> CausalLM:
+               read_weights: WeightsReader | None = None) -> CausalLM:
     """Build the registered model for config.json's `model_type` and fill every parameter from the checkpoint.
 
     With `parallel`, the model is this rank's part of the strategy and only that part is read.
-    With `pool`, the checkpoint is read from the pool's model cache, falling back to disk per tensor.
+    With `read_weights`, the tensors come from it instead of the checkpoint files.
     """
     config = load_hf_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
@@ -110,12 +106,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     def wanted(name: str) -> bool:
         return model.wants_weight(name) and (name_filter is None or name_filter(name))
 
-    if pool is None:
+    if read_weights is None:
         weights = iter_safetensors(model_dir, wanted, model.weight_shard)
     else:
-        from meshserve.pool.model_cache import iter_pool_tensors
-
-        weights = iter_pool_tensors(pool, model_dir, pool_model_id, wanted, model.weight_shard)
+        weights = read_weights(wanted, model.weight_shard)
     loaded = model.load_weights(weights)
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
     if missing:

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshserve.models.base import AttentionMetadata, CausalLM, KVCacheLayout
-from meshserve.models.layers.attention import PagedGQAAttention
-from meshserve.models.layers.linear import attach_packed, linear
-from meshserve.models.layers.norm import RMSNorm
-from meshserve.models.layers.rope import RotaryEmbedding, standardize_rope_parameters
-from meshserve.models.layers.tensor_parallel import (
+from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
+from meshserve.models.base import CausalLM
+from meshserve.layers.attention import PagedGQAAttention
+from meshserve.layers.linear import attach_packed, linear
+from meshserve.layers.norm import RMSNorm
+from meshserve.layers.rope import RotaryEmbedding, standardize_rope_parameters
+from meshserve.layers.tensor_parallel import (
     VocabParallelEmbedding,
     attention_tp_part,
     row_parallel_linear,

@@ -16,12 +16,12 @@ import re
 
 import torch
 
-from meshserve.models.layers.moe import FusedMoEWeights
-from meshserve.models.layers.tensor_parallel import Shard
+from meshserve.layers.moe import FusedMoEWeights
+from meshserve.layers.tensor_parallel import Shard
 from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, require
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.parallel.context import ParallelContext
-from meshserve.parallel.moe_runtime import MoERuntime
+from meshserve.moe.runtime import MoERuntime
 
 # per-expert tensors as transformers writes them, and the packed form some checkpoints keep
 _EXPERT_WEIGHT = re.compile(

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from meshserve.models.layers.moe import FusedMoEWeights
+from meshserve.layers.moe import FusedMoEWeights
 from meshserve.moe.expert_checkpoint import ExpertCheckpoint
 from meshserve.moe.placement import EMPTY, ExpertPlacement
 from meshserve.moe.recorder import ExpertLoadCounter

@@ -14,7 +14,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from meshserve.models.checkpoint_files import content_version
+from meshserve.utils.checkpoint_files import content_version
 
 _TOKEN = struct.Struct("<I")
 

@@ -160,7 +160,7 @@ def run_controller(bind: str, server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
 
 
 def main(argv: list[str]) -> None:
-    from meshserve.engine.processes import module_arguments
+    from meshserve.utils.processes import module_arguments
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -289,6 +289,6 @@ def run_server(server_id: str, bind: str, controller: str | None, dram_bytes: in
 if __name__ == "__main__":
     import sys
 
-    from meshserve.engine.processes import module_arguments
+    from meshserve.utils.processes import module_arguments
 
     run_server(**module_arguments(sys.argv))

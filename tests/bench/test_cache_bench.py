@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from meshserve.bench.cache import parse_size
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 from meshserve.models.factory import make_model
 
 

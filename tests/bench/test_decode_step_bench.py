@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 
 pytestmark = pytest.mark.timeout(120)  # the first use in a fresh cache may also compile the kernels
 
@@ -19,7 +19,7 @@ def _positive(value) -> bool:
 
 
 def test_decode_step_bench_times_both_paths(tmp_path, capsys, monkeypatch):
-    from meshserve.models.layers import cpu_kernels
+    from meshserve.layers import cpu_kernels
 
     if not cpu_kernels.enabled():
         pytest.fail("the native CPU kernels did not build: the benchmark has nothing to compare")
@@ -99,7 +99,7 @@ def test_decode_step_bench_parse_errors_are_one_line(tmp_path, capsys, argv, nee
 
 
 def test_decode_step_bench_fails_without_the_kernels(tmp_path, capsys, monkeypatch):
-    from meshserve.models.layers import cpu_kernels
+    from meshserve.layers import cpu_kernels
 
     monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path / "cache"))  # were a model made, it would land here
     monkeypatch.setattr(cpu_kernels, "enabled", lambda: False)

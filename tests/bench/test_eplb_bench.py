@@ -5,7 +5,7 @@ import torch
 
 from meshserve.bench import eplb_layer_time
 from meshserve.bench.eplb import claim_check, parse_int_list
-from meshserve.cli import main as meshserve_main
+from meshserve.entrypoints.cli import main as meshserve_main
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import PlacementShape
 from meshserve.moe.slots import SlotMap

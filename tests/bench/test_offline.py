@@ -117,7 +117,7 @@ def test_bench_offline_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args,
 
 def test_bench_commands_register_under_the_main_cli():
     from meshserve.bench.cli import offline_command, serve_command
-    from meshserve.cli import build_parser
+    from meshserve.entrypoints.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["bench", "serve", "--url", "http://127.0.0.1:1", "--rate", "2", "--requests", "3",

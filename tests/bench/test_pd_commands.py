@@ -8,10 +8,10 @@ import math
 import pytest
 
 from meshserve.bench.mixed_workload import LONG_OUTPUT, LONG_PROMPT, Mix, make_mixed_workload
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 from meshserve.models.factory import make_model
-from meshserve.platform.pd_heatmap import PDHeatmap
-from meshserve.platform.routing import POLICIES
+from meshserve.router.pd_heatmap import PDHeatmap
+from meshserve.router.routing import POLICIES
 
 ENGINE = ["--num-kv-blocks", "128", "--max-num-seqs", "16"]
 
@@ -162,7 +162,7 @@ def test_mixed_workload_runs_share_shapes_but_no_tokens():
 
 
 def test_heatmap_bins_surround_the_measured_points():
-    from meshserve.platform.profile_pd import bin_edges
+    from meshserve.entrypoints.profile_pd import bin_edges
 
     assert bin_edges([64, 256, 1024]) == [0.0, 128.0, 512.0, 2048.0]
     assert bin_edges([0.25, 1.0]) == [0.0, 0.5, 2.0]

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from meshserve.bench import report
+from meshserve.utils import report
 
 
 def test_percentile_interpolates_between_ranks():

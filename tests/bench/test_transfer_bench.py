@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 

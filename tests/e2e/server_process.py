@@ -45,7 +45,7 @@ def wait_healthy(base: str, proc: subprocess.Popen, log_path: Path, timeout_s: f
 def running_server(serve_args: list[str], log_path: Path, startup_timeout_s: float) -> Iterator[str]:
     """`meshserve serve <serve_args>` on a free loopback port; yields its base URL once /health is 200."""
     port = free_port()
-    command = [sys.executable, "-m", "meshserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "meshserve.entrypoints.cli", "serve", *serve_args, "--host", "127.0.0.1",
                "--port", str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

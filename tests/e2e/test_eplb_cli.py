@@ -18,7 +18,7 @@ STARTUP_TIMEOUT_S = 90
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshserve.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "meshserve.entrypoints.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -43,7 +43,7 @@ def server(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
     model_dir = make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny-dsv3", seed=3)
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     port = free_port()
-    command = [sys.executable, "-m", "meshserve.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(port), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S),
                # one torch thread: with two on two shared cores, any other process stalls the step at
                # OpenMP's barrier, and the test would time the machine rather than the server

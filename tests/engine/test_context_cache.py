@@ -129,7 +129,7 @@ def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, t
 
 def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
     """With the model in the pool, a TE starts from a directory holding no weights at all."""
-    from meshserve.pool import model_cache
+    from meshserve.worker import model_cache
 
     controller, _ = pool
     model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=9)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.engine import messages as msg
-from meshserve.engine.master import EngineCore
-from meshserve.engine.request import Request
-from meshserve.engine.rtc import RelationalTensorCache
+from meshserve.core import messages as msg
+from meshserve.core.master import EngineCore
+from meshserve.core.request import Request
+from meshserve.core.kv_cache_manager import KVCacheManager
 from tests.engine.test_scheduler import (
     BS, FakeExecutor, expected_outputs, make_request, make_scheduler, prompt_of, run_sync,
 )
@@ -43,10 +43,10 @@ def use(sched, ex, req_id: str, suffix: list[int], cache_id: str | None = CACHE,
 def test_creation_pins_the_prompts_full_blocks():
     sched, ex = make_scheduler(num_blocks=32), FakeExecutor()
     create(sched, ex)
-    pinned = sched.rtc.match_by_id(CACHE)
+    pinned = sched.kv_manager.match_by_id(CACHE)
     assert len(pinned) == FULL_BLOCKS
-    assert all(sched.rtc.ref_count(b) == 1 for b in pinned)  # the id's own reference: the request is gone
-    assert sched.rtc.num_evictable_blocks == 0  # pinned cached blocks are not evictable
+    assert all(sched.kv_manager.ref_count(b) == 1 for b in pinned)  # the id's own reference: the request is gone
+    assert sched.kv_manager.num_evictable_blocks == 0  # pinned cached blocks are not evictable
     assert sched.context_caches[CACHE].token_ids == PREFIX[:FULL_BLOCKS * BS]
 
 
@@ -74,7 +74,7 @@ def test_a_prompt_that_is_exactly_the_prefix_still_computes_its_last_token():
     prefix = prompt_of(4, 3 * BS)  # a whole number of blocks
     sched, ex = make_scheduler(num_blocks=32, prefix_caching=False), FakeExecutor()
     create(sched, ex, prompt=prefix)
-    assert len(sched.rtc.match_by_id(CACHE)) == 3
+    assert len(sched.kv_manager.match_by_id(CACHE)) == 3
     assert use(sched, ex, "same", [], prefix=prefix).num_cached_tokens == 2 * BS
 
 
@@ -95,14 +95,14 @@ def test_delete_and_expiry_unpin():
     sched, ex = make_scheduler(num_blocks=32, prefix_caching=False), FakeExecutor()
     create(sched, ex)
     create(sched, ex, cache_id="ctxc-short", ttl_s=5.0, prompt=prompt_of(5, 3 * BS))
-    assert sched.rtc.usage == (FULL_BLOCKS + 3) / 32
+    assert sched.kv_manager.usage == (FULL_BLOCKS + 3) / 32
     assert sched.drop_context_cache(CACHE) is True
     assert sched.drop_context_cache(CACHE) is False
-    assert sched.rtc.match_by_id(CACHE) is None
+    assert sched.kv_manager.match_by_id(CACHE) is None
     assert use(sched, ex, "after-delete", [7]).num_cached_tokens == 0
     assert sched.expire_context_caches() == []  # not yet
     assert sched.expire_context_caches(now=float("inf")) == ["ctxc-short"]
-    assert sched.context_caches == {} and sched.rtc.usage == 0.0
+    assert sched.context_caches == {} and sched.kv_manager.usage == 0.0
 
 
 def test_deleting_a_cache_while_it_is_being_created_leaves_nothing_pinned():
@@ -114,19 +114,19 @@ def test_deleting_a_cache_while_it_is_being_created_leaves_nothing_pinned():
     sched.update_from_output(out, ex.execute(out))
     assert sched.drop_context_cache(CACHE) is True
     run_sync(sched, ex)
-    assert sched.rtc.match_by_id(CACHE) is None and CACHE not in sched.context_caches
-    assert sched.rtc.usage == 0.0
+    assert sched.kv_manager.match_by_id(CACHE) is None and CACHE not in sched.context_caches
+    assert sched.kv_manager.usage == 0.0
 
 
 def test_rtc_id_pins_hold_against_allocation():
-    rtc = RelationalTensorCache(4, BS)
-    blocks = rtc.alloc_blocks(2)
-    rtc.insert_prefix(list(range(2 * BS)), blocks, 2)
-    rtc.register_id(CACHE, blocks)
-    rtc.free(blocks)  # the request is done; the id still holds them
-    assert rtc.alloc_blocks(3) is None  # only 2 free blocks: the pinned ones cannot be evicted
-    assert rtc.unregister_id(CACHE) is True
-    assert len(rtc.alloc_blocks(4)) == 4  # unpinned, they are evictable again
+    kv_manager = KVCacheManager(4, BS)
+    blocks = kv_manager.alloc_blocks(2)
+    kv_manager.insert_prefix(list(range(2 * BS)), blocks, 2)
+    kv_manager.register_id(CACHE, blocks)
+    kv_manager.free(blocks)  # the request is done; the id still holds them
+    assert kv_manager.alloc_blocks(3) is None  # only 2 free blocks: the pinned ones cannot be evicted
+    assert kv_manager.unregister_id(CACHE) is True
+    assert len(kv_manager.alloc_blocks(4)) == 4  # unpinned, they are evictable again
 
 
 def test_add_request_carries_the_cache_fields_and_checks_them():
@@ -149,7 +149,7 @@ def test_caches_pin_at_most_half_of_the_pool():
     create(sched, ex)  # 5 of the 8 blocks named caches may hold
     assert sched.can_pin(3) and not sched.can_pin(4)
     create(sched, ex, cache_id="ctxc-over", prompt=prompt_of(6, 4 * BS))  # admitted before the others pinned
-    assert "ctxc-over" not in sched.context_caches and sched.rtc.match_by_id("ctxc-over") is None
+    assert "ctxc-over" not in sched.context_caches and sched.kv_manager.match_by_id("ctxc-over") is None
     assert sched.num_pinned_blocks == FULL_BLOCKS
 
 
@@ -164,4 +164,4 @@ def test_expiry_drops_exactly_the_caches_past_their_deadline_and_keeps_the_pinne
     assert sched.expire_context_caches(now=deadline_0 - 1e-3) == []
     assert sched.expire_context_caches(now=deadline_0 + 20.0) == ["ctxc-0"]  # ctxc-2 is not reported twice
     assert sorted(sched.context_caches) == ["ctxc-1"] and sched.num_pinned_blocks == 2
-    assert sched.rtc.match_by_id("ctxc-0") is None and len(sched.rtc.match_by_id("ctxc-1")) == 2
+    assert sched.kv_manager.match_by_id("ctxc-0") is None and len(sched.kv_manager.match_by_id("ctxc-1")) == 2

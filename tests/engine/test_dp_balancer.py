@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.engine.dp_balancer import DPGroupLoad, PendingRequest, place_batch, place_request
-from meshserve.engine.request import Request
-from meshserve.engine.rtc import RelationalTensorCache
-from meshserve.engine.scheduler import Scheduler, SchedulerConfig
-from meshserve.sampling_params import SamplingParams
+from meshserve.core.dp_balancer import DPGroupLoad, PendingRequest, place_batch, place_request
+from meshserve.core.request import Request
+from meshserve.core.kv_cache_manager import KVCacheManager
+from meshserve.core.scheduler import Scheduler, SchedulerConfig
+from meshserve.core.sampling_params import SamplingParams
 
 BS = 16
 
@@ -62,8 +62,8 @@ def test_mismatched_hit_counts_are_rejected():
 
 
 def test_scheduler_reports_its_load():
-    rtc = RelationalTensorCache(64, BS)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=BS, max_model_len=1024), rtc)
+    kv_manager = KVCacheManager(64, BS)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, block_size=BS, max_model_len=1024), kv_manager)
     scheduler.add_request(Request("a", list(range(40)), SamplingParams(max_tokens=24), arrival_time=0.0))
     scheduler.add_request(Request("b", list(range(8)), SamplingParams(max_tokens=None), arrival_time=1.0))
     before = scheduler.dp_load(default_output_tokens=100)

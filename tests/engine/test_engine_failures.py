@@ -16,11 +16,11 @@ import zmq
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.engine import messages as msg
+from meshserve.core import messages as msg
 from meshserve.engine.async_client import AsyncEngineClient
-from meshserve.engine.errors import EngineDeadError
+from meshserve.core.errors import EngineDeadError
 from meshserve.models.factory import make_model
-from meshserve.platform.api_server import build_app
+from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.utils import cluster_auth
 
 LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
@@ -36,7 +36,7 @@ def _executor_pid(master_pid: int) -> int:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for child in psutil.Process(master_pid).children():
-            if "meshserve.engine.executor" in " ".join(child.cmdline()):
+            if "meshserve.worker.worker" in " ".join(child.cmdline()):
                 return child.pid
         time.sleep(0.1)
     raise AssertionError("no executor process found")

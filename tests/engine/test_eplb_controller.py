@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.engine.eplb_controller import EplbController, EplbError
+from meshserve.core.eplb_controller import EplbController, EplbError
 from meshserve.moe.placement import ExpertPlacement, PlacementShape
 
 SHAPE = PlacementShape(num_logical=8, num_ranks=2, redundant_per_rank=1)

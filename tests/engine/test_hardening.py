@@ -22,16 +22,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 from meshserve import LLM
 from meshserve.config import EngineConfig
-from meshserve.engine import messages as msg
+from meshserve.core import messages as msg
 from meshserve.engine.async_client import AsyncEngineClient
-from meshserve.engine.client_links import JobExecutorLinks
-from meshserve.engine.master import EngineCore
-from meshserve.engine.messages import NewRequestData, SchedulerOutput
-from meshserve.engine.runner import ModelRunner
-from meshserve.engine.sampler import FAILED_TOKEN, Sampler, SamplingRow
+from meshserve.core.client_links import RouterLinks
+from meshserve.core.master import EngineCore
+from meshserve.core.messages import NewRequestData, SchedulerOutput
+from meshserve.worker.model_runner import ModelRunner
+from meshserve.worker.sampler import FAILED_TOKEN, Sampler, SamplingRow
 from meshserve.models.factory import make_model
 from meshserve.moe.placement import ExpertPlacement
-from meshserve.sampling_params import SamplingParams, SamplingParamsError
+from meshserve.core.sampling_params import SamplingParams, SamplingParamsError
 from meshserve.utils import cluster_auth
 from tests.engine.test_scheduler import FakeExecutor, make_request, make_scheduler, prompt_of
 
@@ -61,7 +61,7 @@ class _TE:
         self.config = EngineConfig(model=model, kv_cache_memory_gb=0.05, **engine_args)
         self.ctx = zmq.Context()
         self.ipc_dir = tempfile.mkdtemp(prefix="meshserve-test-te-")
-        link = JobExecutorLinks(self.ctx, "tcp://127.0.0.1:0", [])
+        link = RouterLinks(self.ctx, "tcp://127.0.0.1:0", [])
         self.core = EngineCore(self.config, self.ctx, link, self.ipc_dir, watch_parent=False)
         self.thread = threading.Thread(target=self.core.run, name="te-master", daemon=True)
         self.thread.start()
@@ -354,7 +354,7 @@ def test_decode_round_trips_nested_messages():
         cached_reqs=[msg.CachedRequestData("q", [4], 9)], num_scheduled_tokens={"r": 2, "q": 1})],
         control={"pool_store": {0: [[1, "key"]]}})
     assert msg.decode(msg.encode(batch)) == batch
-    beat = msg.TEHeartbeat(name="te", role="colocated", group="g", input_addr="tcp://h:1", kv_events_addr="",
+    beat = msg.EngineHeartbeat(name="te", role="colocated", group="g", input_addr="tcp://h:1", kv_events_addr="",
                            model="m", max_model_len=64, block_size=8, attn_tp=1, attn_dp=1,
                            stats=msg.EngineStats(dropped_frames={"te-inbox": 2}))
     assert msg.decode(msg.encode(beat)) == beat

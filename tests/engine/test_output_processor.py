@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.engine.messages import RequestDelta
+from meshserve.core.messages import RequestDelta
 from meshserve.engine.output_processor import OutputProcessor
-from meshserve.sampling_params import SamplingParams
+from meshserve.core.sampling_params import SamplingParams
 from tests.engine.byte_level_bpe import byte_level_bpe, encode
 
 PROMPT = "Tell me: "

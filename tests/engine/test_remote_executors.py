@@ -1,5 +1,5 @@
 """A TE spanning "hosts": the master starts rank 0 and rank 1 joins on its own with
-`meshserve executor --engine tcp://HOST:PORT --rank 1` (loopback here, as another host would).
+`meshserve worker --engine tcp://HOST:PORT --rank 1` (loopback here, as another host would).
 
 One world serves every case that leaves it healthy (same greedy tokens as the single-rank
 engine, refused ranks); killing the remote rank comes last and ends it.
@@ -20,10 +20,10 @@ import zmq
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.engine import messages as msg
-from meshserve.engine.errors import EngineDeadError
-from meshserve.engine.processes import launch_module, stop_process
-from meshserve.engine.remote_ranks import RemoteRanks
+from meshserve.core import messages as msg
+from meshserve.core.errors import EngineDeadError
+from meshserve.utils.processes import launch_module, stop_process
+from meshserve.core.remote_ranks import RemoteRanks
 from meshserve.models.factory import make_model
 from meshserve.utils import cluster_auth
 
@@ -40,7 +40,7 @@ def _free_port() -> int:
 
 
 def _executor_command(port: int, rank: int) -> list[str]:
-    return [sys.executable, "-m", "meshserve.cli", "--log-level", "warning", "executor",
+    return [sys.executable, "-m", "meshserve.entrypoints.cli", "--log-level", "warning", "worker",
             "--engine", f"tcp://127.0.0.1:{port}", "--rank", str(rank), "--timeout", "60"]
 
 
@@ -146,14 +146,14 @@ def test_start_up_fails_naming_a_remote_rank_that_never_joins(model_dir, tmp_pat
     to_master, from_master = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     to_master.bind(f"ipc://{tmp_path}/input")
     from_master.bind(f"ipc://{tmp_path}/output")
-    master = launch_module("meshserve.engine.master", config=config.to_dict(), input_addr=f"ipc://{tmp_path}/input",
+    master = launch_module("meshserve.core.master", config=config.to_dict(), input_addr=f"ipc://{tmp_path}/input",
                            output_addr=f"ipc://{tmp_path}/output", ipc_dir=str(tmp_path), log_level=logging.CRITICAL)
     try:
         assert from_master.poll(30_000), "the master said nothing"
         error = msg.decode(from_master.recv())
         assert isinstance(error, msg.EngineError)
         assert "remote executor rank(s) [1] did not join within 3s" in error.message
-        assert f"meshserve executor --engine tcp://127.0.0.1:{config.engine_port} --rank R" in error.message
+        assert f"meshserve worker --engine tcp://127.0.0.1:{config.engine_port} --rank R" in error.message
         assert master.wait(30) == 1  # it stopped its own rank 0 and exited
     finally:
         stop_process(master, grace_s=5)
@@ -173,7 +173,7 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
     peer.connect(ranks.endpoint)
     rank_work = ctx.socket(zmq.PULL)
 
-    def ask(payload: bytes) -> msg.ExecutorHandshake:
+    def ask(payload: bytes) -> msg.WorkerHandshake:
         peer.send(payload)
         for _ in range(100):  # bounded: 5 s
             ranks.answer_handshakes()
@@ -182,10 +182,10 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
         raise AssertionError("no answer")
 
     try:
-        assert ask(b"not msgpack").error == "expected an ExecutorHandshake message"
-        assert ask(msg.encode(msg.Shutdown())).error == "expected an ExecutorHandshake message"
+        assert ask(b"not msgpack").error == "expected an WorkerHandshake message"
+        assert ask(msg.encode(msg.Shutdown())).error == "expected an WorkerHandshake message"
         assert ranks.missing() == [1]
-        joined = ask(msg.encode(msg.ExecutorHandshake(rank=1)))
+        joined = ask(msg.encode(msg.WorkerHandshake(rank=1)))
         assert joined.error is None and joined.work_addr == addrs[1] and joined.dist_init_method == "tcp://127.0.0.1:2"
         assert EngineConfig.from_dict(joined.config) == config
         assert ranks.missing() == []

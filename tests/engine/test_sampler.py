@@ -6,8 +6,8 @@ import torch
 
 import math
 
-from meshserve.engine.sampler import Sampler, SamplingRow, make_generator, process_logits, sampling_logits
-from meshserve.sampling_params import SamplingParams
+from meshserve.worker.sampler import Sampler, SamplingRow, make_generator, process_logits, sampling_logits
+from meshserve.core.sampling_params import SamplingParams
 
 VOCAB = 32
 

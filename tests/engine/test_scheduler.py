@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from meshserve.engine.errors import QueueFullError, RequestTooLongError
-from meshserve.engine.messages import AddRequest, ModelRunnerOutput, RequestDelta, SchedulerOutput
-from meshserve.engine.request import Request, RequestStatus
-from meshserve.engine.rtc import RelationalTensorCache
-from meshserve.engine.scheduler import Scheduler, SchedulerConfig
-from meshserve.sampling_params import SamplingParams
+from meshserve.core.errors import QueueFullError, RequestTooLongError
+from meshserve.core.messages import AddRequest, ModelRunnerOutput, RequestDelta, SchedulerOutput
+from meshserve.core.request import Request, RequestStatus
+from meshserve.core.kv_cache_manager import KVCacheManager
+from meshserve.core.scheduler import Scheduler, SchedulerConfig
+from meshserve.core.sampling_params import SamplingParams
 
 BS = 4
 VOCAB = 997
@@ -107,7 +107,7 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int | None = 8, pri
 
 def make_scheduler(num_blocks: int = 64, prefix_caching: bool = True, **cfg) -> Scheduler:
     config = SchedulerConfig(block_size=BS, **cfg)
-    return Scheduler(config, RelationalTensorCache(num_blocks, BS, enable_prefix_caching=prefix_caching))
+    return Scheduler(config, KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix_caching))
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
@@ -186,7 +186,7 @@ def test_mixed_workload_respects_budget_and_matches_oracle(runner):
     assert_all_match_oracle(reqs, run)
     assert max(s.total_num_scheduled_tokens for s in run.steps) == 12  # the budget is used, not exceeded
     assert max(len(s.num_scheduled_tokens) for s in run.steps) == 3
-    assert sched.rtc.usage == 0.0 and sched.num_running == sched.num_waiting == 0
+    assert sched.kv_manager.usage == 0.0 and sched.num_running == sched.num_waiting == 0
     # every token sampled by the executor became an output: none scheduled beyond max_tokens
     assert all(ex.samples[r.req_id] == r.sampling_params.max_tokens for r in reqs)
 
@@ -290,7 +290,7 @@ def test_preemption_when_blocks_run_out_and_resume(runner, prefix_caching):
     # the latest arrival is the one preempted first
     first_victim = next(n.req_id for _, n in ex.new_reqs_seen if sent[n.req_id] > 1)
     assert first_victim == "r2"
-    assert sched.rtc.usage == 0.0
+    assert sched.kv_manager.usage == 0.0
 
 
 def test_a_high_priority_arrival_preempts_a_low_priority_request():
@@ -335,7 +335,7 @@ def test_a_stale_step_does_not_touch_a_resumed_request():
     assert step3.num_scheduled_tokens == {"high": 1, "low": 31}
     sched.update_from_output(step1, out1)
     # low's new blocks are still being computed by step 3: they must not be offered as a prefix
-    assert sched.rtc.match_by_prefix(low.prompt_token_ids, record=False) == []
+    assert sched.kv_manager.match_by_prefix(low.prompt_token_ids, record=False) == []
     sched.update_from_output(step2, out2)
     sched.update_from_output(step3, out3)
     run = run_overlapped(sched, ex)
@@ -412,17 +412,17 @@ def test_abort_frees_blocks_and_tells_the_executor():
     sched.add_request(make_request("b", prompt_of(2, 9), max_tokens=8))
     step = sched.schedule()
     sched.update_from_output(step, ex.execute(step))
-    used = sched.rtc.usage
+    used = sched.kv_manager.usage
     sched.add_request(make_request("queued", prompt_of(3, 5)))
     deltas = sched.abort_requests(["a", "queued", "unknown"])
     assert [(d.req_id, d.finish_reason) for d in deltas] == [("a", "abort"), ("queued", "abort")]
-    assert sched.rtc.usage == pytest.approx(used / 2)
+    assert sched.kv_manager.usage == pytest.approx(used / 2)
     assert sched.num_running == 1 and sched.num_waiting == 0
     step = sched.schedule()
     assert step.finished_req_ids == ["a"] and list(step.num_scheduled_tokens) == ["b"]
     ex.execute(step)
     sched.abort_requests(["b"])
-    assert sched.rtc.usage == 0.0 and not sched.has_unfinished_requests()
+    assert sched.kv_manager.usage == 0.0 and not sched.has_unfinished_requests()
 
 
 def test_finished_req_ids_lists_each_dropped_request_once():
@@ -534,7 +534,7 @@ def test_a_missing_sample_fails_the_request():
     step = sched.schedule()
     (delta,) = sched.update_from_output(step, ModelRunnerOutput(step_id=step.step_id))
     assert delta.finish_reason == "error" and "no token" in delta.error
-    assert sched.rtc.usage == 0.0
+    assert sched.kv_manager.usage == 0.0
 
 
 def test_fail_all_finishes_everything_with_error():
@@ -545,7 +545,7 @@ def test_fail_all_finishes_everything_with_error():
     deltas = sched.fail_all("executor died")
     assert {d.req_id for d in deltas} == {"a", "b"}
     assert all(d.finish_reason == "error" and d.error == "executor died" for d in deltas)
-    assert not sched.has_unfinished_requests() and sched.rtc.usage == 0.0
+    assert not sched.has_unfinished_requests() and sched.kv_manager.usage == 0.0
 
 
 def test_stats():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from meshserve.engine.request import Request, RequestStatus
+from meshserve.core.request import Request, RequestStatus
 from tests.engine.test_scheduler import (
     BS,
     FakeExecutor,
@@ -80,7 +80,7 @@ def test_hand_off_holds_exactly_the_prompt_blocks_and_describes_them():
         assert params["num_tokens"] == n and params["num_cached_tokens"] == 0
         assert len(params["block_ids"]) == num_blocks
         assert p_sched.kv_holds["r"].block_ids == params["block_ids"]
-        assert p_sched.rtc.num_blocks - p_sched.rtc.num_available_blocks == num_blocks
+        assert p_sched.kv_manager.num_blocks - p_sched.kv_manager.num_available_blocks == num_blocks
         # the held blocks hold the prompt's KV (the fake executor's fingerprints)
         held_slots = [b * BS + i for b in params["block_ids"] for i in range(BS)][:n]
         assert all(slot in p_ex.kv for slot in held_slots)
@@ -106,7 +106,7 @@ def test_a_producer_that_finishes_with_its_first_token_hands_nothing_off():
     sched.add_request(producer("r", prompt_of(1, 6), max_tokens=1))
     run = run_sync(sched, ex)
     assert run.finish["r"].finish_reason == "length" and run.finish["r"].kv_transfer_params is None
-    assert not sched.kv_holds and sched.rtc.usage == 0.0
+    assert not sched.kv_holds and sched.kv_manager.usage == 0.0
 
 
 def test_a_prefix_hit_is_handed_off_with_its_cached_tokens():
@@ -119,16 +119,16 @@ def test_a_prefix_hit_is_handed_off_with_its_cached_tokens():
     shared = first.kv_transfer_params["block_ids"][:3]
     assert second.kv_transfer_params["block_ids"][:3] == shared
     assert sched.release_kv("a")
-    assert sched.rtc.num_blocks - sched.rtc.num_available_blocks == 4  # b's 4 blocks
-    assert sched.release_kv("b") and sched.rtc.num_available_blocks == sched.rtc.num_blocks
+    assert sched.kv_manager.num_blocks - sched.kv_manager.num_available_blocks == 4  # b's 4 blocks
+    assert sched.release_kv("b") and sched.kv_manager.num_available_blocks == sched.kv_manager.num_blocks
 
 
 def test_release_kv_frees_the_held_blocks_once():
     p_sched, _, _ = hand_off_one(prompt_of(1, 10))
     assert p_sched.release_kv("r") is True
-    assert p_sched.rtc.num_available_blocks == p_sched.rtc.num_blocks and not p_sched.kv_holds
+    assert p_sched.kv_manager.num_available_blocks == p_sched.kv_manager.num_blocks and not p_sched.kv_holds
     assert p_sched.release_kv("r") is False  # a second release (a duplicate ReleaseKV) is harmless
-    assert p_sched.rtc.num_available_blocks == p_sched.rtc.num_blocks
+    assert p_sched.kv_manager.num_available_blocks == p_sched.kv_manager.num_blocks
 
 
 def test_holds_nobody_pulls_expire():
@@ -138,13 +138,13 @@ def test_holds_nobody_pulls_expire():
     prefill(sched, ex, [producer("r", prompt_of(1, 10))])
     assert sched.expire_kv_holds(now=start + 1.0) == [] and "r" in sched.kv_holds
     assert sched.expire_kv_holds(now=time.monotonic() + 5.0) == ["r"]
-    assert not sched.kv_holds and sched.rtc.num_available_blocks == sched.rtc.num_blocks
+    assert not sched.kv_holds and sched.kv_manager.num_available_blocks == sched.kv_manager.num_blocks
 
 
 def test_aborting_a_handed_off_request_frees_its_hold():
     p_sched, _, _ = hand_off_one(prompt_of(1, 10))
     assert p_sched.abort_requests(["r"]) == []  # the caller heard of it through the decode TE, not here
-    assert not p_sched.kv_holds and p_sched.rtc.num_available_blocks == p_sched.rtc.num_blocks
+    assert not p_sched.kv_holds and p_sched.kv_manager.num_available_blocks == p_sched.kv_manager.num_blocks
 
 
 # ---------------------------------------------------------------- decode TE (consumer)
@@ -172,7 +172,7 @@ def test_pulled_request_decodes_from_the_transferred_kv():
     assert run.finish["r"].finish_reason == "length"
     stats = d_sched.stats()
     assert (stats.kv_pulled, stats.kv_pull_recomputed) == (1, 0)
-    assert d_sched.rtc.usage == 0.0
+    assert d_sched.kv_manager.usage == 0.0
 
 
 def test_a_failed_pull_recomputes_the_prompt_and_first_token():
@@ -192,7 +192,7 @@ def test_a_failed_pull_recomputes_the_prompt_and_first_token():
     assert delta.new_token_ids + outputs["r"] + run.outputs["r"] == expected_outputs(prompt, 5)
     stats = d_sched.stats()
     assert (stats.kv_pulled, stats.kv_pull_recomputed) == (1, 1)
-    assert d_sched.rtc.usage == 0.0
+    assert d_sched.kv_manager.usage == 0.0
 
 
 def test_a_pull_waits_for_free_blocks_and_starts_when_they_free_up():
@@ -232,7 +232,7 @@ def test_a_pull_waits_for_free_blocks_and_starts_when_they_free_up():
         assert hand_offs[f"r{i}"].new_token_ids + outputs[f"r{i}"] == expected_outputs(prompt, 6)
         assert finish[f"r{i}"].finish_reason == "length"
     assert d_sched.stats().num_preemptions == 0  # waiting, not thrashing
-    assert not p_sched.kv_holds and p_sched.rtc.usage == 0.0 and d_sched.rtc.usage == 0.0
+    assert not p_sched.kv_holds and p_sched.kv_manager.usage == 0.0 and d_sched.kv_manager.usage == 0.0
 
 
 def test_a_waiting_pull_does_not_preempt_running_requests():
@@ -254,15 +254,15 @@ def test_abort_while_receiving_frees_the_blocks_only_when_the_pull_ends():
     d_sched = make_scheduler(num_blocks=16)
     d_sched.add_request(consumer("r", prompt, delta.new_token_ids[0], delta.kv_transfer_params))
     d_sched.schedule()
-    used = d_sched.rtc.num_blocks - d_sched.rtc.num_available_blocks
+    used = d_sched.kv_manager.num_blocks - d_sched.kv_manager.num_available_blocks
     assert used == 3
     (aborted,) = d_sched.abort_requests(["r"])
     assert aborted.finish_reason == "abort"
     # the ranks may still be writing the blocks: they are not reused yet
-    assert d_sched.rtc.num_blocks - d_sched.rtc.num_available_blocks == used
+    assert d_sched.kv_manager.num_blocks - d_sched.kv_manager.num_available_blocks == used
     assert d_sched.get_request("r") is None
     d_sched.on_kv_pulled("r", ok=True)
-    assert d_sched.rtc.num_available_blocks == d_sched.rtc.num_blocks
+    assert d_sched.kv_manager.num_available_blocks == d_sched.kv_manager.num_blocks
     assert not d_sched.has_unfinished_requests()
     assert d_sched.schedule().is_empty and d_sched.stats().kv_pulled == 0
 

@@ -6,7 +6,7 @@ that starts from blocks that were not fetched fails the test.
 """
 from __future__ import annotations
 
-from meshserve.engine.request import Request
+from meshserve.core.request import Request
 from tests.engine.test_scheduler import (
     BS,
     FakeExecutor,
@@ -65,7 +65,7 @@ def test_a_pool_hit_waits_for_its_blocks_while_other_requests_step():
     assert outputs["fetching"] + run.outputs["fetching"] == expected_outputs(prompt, 6)
     assert run.finish["fetching"].num_cached_tokens == 3 * BS
     assert sched.pool_hit_tokens == 3 * BS
-    assert sched.rtc.num_available_blocks == sched.rtc.num_blocks  # everything freed (cached blocks are evictable)
+    assert sched.kv_manager.num_available_blocks == sched.kv_manager.num_blocks  # everything freed (cached blocks are evictable)
 
 
 def test_blocks_the_pool_lost_are_computed_from_the_first_miss():
@@ -112,13 +112,13 @@ def test_abort_while_fetching_frees_the_blocks_only_when_the_fetch_ends():
     sched = make_scheduler(num_blocks=16)
     sched.add_request(pool_request("r", prompt_of(6, 14), num_pool_blocks=3))
     sched.schedule()
-    assert sched.rtc.num_blocks - sched.rtc.num_available_blocks == 3
+    assert sched.kv_manager.num_blocks - sched.kv_manager.num_available_blocks == 3
     (aborted,) = sched.abort_requests(["r"])
     assert aborted.finish_reason == "abort" and sched.get_request("r") is None
     # the ranks may still be writing the blocks: they are not reused yet
-    assert sched.rtc.num_blocks - sched.rtc.num_available_blocks == 3
+    assert sched.kv_manager.num_blocks - sched.kv_manager.num_available_blocks == 3
     sched.on_pool_fetched("r", 3)
-    assert sched.rtc.num_available_blocks == sched.rtc.num_blocks
+    assert sched.kv_manager.num_available_blocks == sched.kv_manager.num_blocks
     assert not sched.has_unfinished_requests() and sched.pool_hit_tokens == 0
 
 

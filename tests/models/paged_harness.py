@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.models.base import AttentionMetadata
+from meshserve.layers.metadata import AttentionMetadata
 
 
 class PagedHarness:

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.models.deepseek_v3 import grouped_topk
-from meshserve.models.layers import cpu_kernels
-from meshserve.models.layers.linear import Linear, attach_packed, linear
-from meshserve.models.layers.mla import MultiHeadLatentAttention
-from meshserve.models.layers.moe import FusedMoEWeights, fused_experts
-from meshserve.models.layers.rope import apply_rotary, apply_rotary_
+from meshserve.layers import cpu_kernels
+from meshserve.layers.linear import Linear, attach_packed, linear
+from meshserve.layers.mla import MultiHeadLatentAttention
+from meshserve.layers.moe import FusedMoEWeights, fused_experts
+from meshserve.layers.rope import apply_rotary, apply_rotary_
 from meshserve.models.loader import load_model
 from tests.models.paged_harness import PagedHarness
 from tests.models.test_deepseek_v3 import make_checkpoint, prompts
@@ -308,8 +308,8 @@ def test_disabled_switches_only_this_thread_and_nests():
 SWITCHED_OFF_SCRIPT = textwrap.dedent("""
     import json
     import torch
-    from meshserve.models.layers import cpu_kernels
-    from meshserve.models.layers.moe import FusedMoEWeights, fused_experts
+    from meshserve.layers import cpu_kernels
+    from meshserve.layers.moe import FusedMoEWeights, fused_experts
 
     experts = FusedMoEWeights(4, 64, 32, torch.float32)
     g = torch.Generator().manual_seed(0)

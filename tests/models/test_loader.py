@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from meshserve.models import loader
-from meshserve.models.base import AttentionMetadata
-from meshserve.models.checkpoint_files import INDEX_FILE
+from meshserve.layers.metadata import AttentionMetadata
+from meshserve.utils.checkpoint_files import INDEX_FILE
 from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
 from meshserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from meshserve.models.registry import UnsupportedModelError

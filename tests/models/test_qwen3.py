@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from meshserve.models.base import AttentionMetadata
-from meshserve.models.layers.attention import PagedGQAAttention
-from meshserve.models.layers.paged import write_to_cache
+from meshserve.layers.metadata import AttentionMetadata
+from meshserve.layers.attention import PagedGQAAttention
+from meshserve.layers.paged import write_to_cache
 from meshserve.models.loader import load_model
 from meshserve.models.qwen3 import Qwen3ForCausalLM
 from meshserve.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseBlock

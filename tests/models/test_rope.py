@@ -10,7 +10,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     apply_rotary_pos_emb_interleave,
 )
 
-from meshserve.models.layers.rope import RotaryEmbedding, compute_inv_freq, standardize_rope_parameters
+from meshserve.layers.rope import RotaryEmbedding, compute_inv_freq, standardize_rope_parameters
 
 YARN_CONFIGS = {
     # (rotary dim, max_position_embeddings, rope parameters)

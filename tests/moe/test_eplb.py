@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from meshserve.cli import main as meshserve_main
+from meshserve.entrypoints.cli import main as meshserve_main
 from meshserve.moe.balance import balancedness, device_loads, per_slice_balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, MODES, free_slots, plan_placement, plan_redundancy
 from meshserve.moe.load_record import ExpertLoadRecord

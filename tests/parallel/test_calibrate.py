@@ -4,9 +4,9 @@ import math
 import pytest
 import yaml
 
-from meshserve.parallel import calibrate as cal
+from meshserve.bench import calibrate as cal
 from meshserve.parallel.analyzer import Link
-from meshserve.parallel.plan_cli import load_cluster_file, main
+from meshserve.entrypoints.plan import load_cluster_file, main
 from meshserve.parallel.strategy import ParallelStrategy
 
 # A tiny qwen3_moe config, so a laptop-sized calibrated cluster fits it.
@@ -122,7 +122,7 @@ def test_calibrate_rejects_a_directory_as_out(tmp_path, capsys):
 
 
 def test_meshserve_cli_dispatches_plan_calibrate(tmp_path, capsys):
-    from meshserve.cli import main as meshserve_main
+    from meshserve.entrypoints.cli import main as meshserve_main
 
     assert meshserve_main(["plan", "calibrate", "--repeats", "-1", "--out", str(tmp_path / "c.yaml")]) == 2
     assert "--repeats must be a positive integer" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshserve.parallel.moe_comm import (
+from meshserve.moe.comm import (
     EPDispatcher,
     HybridMoEComm,
     moe_layer_reference,

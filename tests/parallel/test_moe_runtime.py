@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshserve.models.layers.moe import FusedMoEWeights, fused_experts
+from meshserve.layers.moe import FusedMoEWeights, fused_experts
 from meshserve.parallel.context import ParallelContext
-from meshserve.parallel.moe_runtime import INT8_DISPATCH_MAX_ERROR, MoERuntime, chunk_sizes
+from meshserve.moe.runtime import INT8_DISPATCH_MAX_ERROR, MoERuntime, chunk_sizes
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
 

@@ -7,10 +7,10 @@ import logging
 import os
 import signal
 
-from meshserve.engine.processes import stop_process
-from meshserve.platform.deployment import MultiDeployment, launch_tes
-from meshserve.platform.job_executor import JobExecutor
-from meshserve.sampling_params import SamplingParams
+from meshserve.utils.processes import stop_process
+from meshserve.router.deployment import MultiDeployment, launch_tes
+from meshserve.router.router import Router
+from meshserve.core.sampling_params import SamplingParams
 
 
 @contextlib.contextmanager
@@ -19,7 +19,7 @@ def running_deployment(model: str, deployment: str | MultiDeployment, engine: di
     """Yields (job executors, {TE name: process}); every process is stopped on exit."""
     if isinstance(deployment, str):
         deployment = MultiDeployment.preset(deployment)
-    jes = [JobExecutor(model, heartbeat_timeout_s=je_kwargs.pop("heartbeat_timeout_s", 3.0), **je_kwargs)
+    jes = [Router(model, heartbeat_timeout_s=je_kwargs.pop("heartbeat_timeout_s", 3.0), **je_kwargs)
            for _ in range(num_jes)]
     tes = deployment.tes()
     procs = {}
@@ -51,10 +51,10 @@ def kill_te(proc) -> None:
     proc.wait(10)
 
 
-async def generate_all(je: JobExecutor, prompts: list[list[int]], max_tokens: int, policy: str | None = None,
+async def generate_all(je: Router, prompts: list[list[int]], max_tokens: int, policy: str | None = None,
                        ignore_eos: bool = True, timeout_s: float = 120.0) -> list:
     """Greedy outputs (the final RequestOutput) of every prompt, submitted together."""
-    from meshserve.platform.routing import REQUEST_ROUTING_POLICY
+    from meshserve.router.routing import REQUEST_ROUTING_POLICY
 
     if policy is not None:
         REQUEST_ROUTING_POLICY.set(policy)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from meshserve.engine.messages import AdminReply
+from meshserve.core.messages import AdminReply
 from tests.platform.test_api import FakeEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -87,8 +87,8 @@ def running_fake_server(options: dict, env: dict[str, str] | None = None,
 
 
 def main(argv: list[str]) -> None:
-    from meshserve.platform.api_server import run_server
-    from meshserve.platform.server_options import server_options
+    from meshserve.entrypoints.openai.api_server import run_server
+    from meshserve.entrypoints.openai.server_options import server_options
 
     engine = AdminFakeEngine()
     engine.token_delay_s = float(argv[3])

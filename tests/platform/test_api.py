@@ -24,11 +24,11 @@ from starlette.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from meshserve.engine.errors import EngineDeadError, QueueFullError, RequestTooLongError
-from meshserve.engine.messages import EngineStats
-from meshserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
-from meshserve.platform.api_server import build_app
-from meshserve.sampling_params import SamplingParams
+from meshserve.core.errors import EngineDeadError, QueueFullError, RequestTooLongError
+from meshserve.core.messages import EngineStats
+from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.core.sampling_params import SamplingParams
 
 MODEL = "fake-moe"
 MAX_MODEL_LEN = 128
@@ -757,7 +757,7 @@ def _free_port() -> int:
 
 _SERVER_SCRIPT = """
 import sys
-from meshserve.platform.api_server import run_server
+from meshserve.entrypoints.openai.api_server import run_server
 from tests.platform.test_api import FakeEngine
 run_server(FakeEngine(), "127.0.0.1", int(sys.argv[1]), log_level="warning")
 print("run_server returned", flush=True)

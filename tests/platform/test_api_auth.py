@@ -9,8 +9,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from meshserve.config import ConfigError
-from meshserve.platform.api_server import build_app
-from meshserve.platform.server_options import ADMIN_KEY_ENV, API_KEY_ENV, check_bind, server_options
+from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.entrypoints.openai.server_options import ADMIN_KEY_ENV, API_KEY_ENV, check_bind, server_options
 from tests.platform.fake_server import REPO_ROOT, AdminFakeEngine, running_fake_server
 from tests.platform.test_api import MODEL, REPLIES, assert_openai_error
 
@@ -110,7 +110,7 @@ def test_keys_come_from_the_environment_and_never_show_in_repr():
 
 def test_serve_refuses_to_start_beyond_loopback_without_a_key():
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, "-m", "meshserve.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
+    done = subprocess.run([sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
@@ -119,7 +119,7 @@ def test_serve_refuses_to_start_beyond_loopback_without_a_key():
 
 def _eplb_status(base: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), **env}
-    return subprocess.run([sys.executable, "-m", "meshserve.cli", "eplb", "status", "--url", base],
+    return subprocess.run([sys.executable, "-m", "meshserve.entrypoints.cli", "eplb", "status", "--url", base],
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=environ)
 
 

@@ -14,9 +14,9 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
 from meshserve.models import tokenizer_assets
-from meshserve.platform.api_server import build_app
-from meshserve.platform.chat_prompt import encode_chat
-from meshserve.platform.errors import APIError
+from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.entrypoints.openai.chat_prompt import encode_chat
+from meshserve.entrypoints.openai.errors import APIError
 from tests.platform.test_api import MODEL, REPLIES, FakeEngine, assert_openai_error
 
 CHAT = [{"role": "user", "content": "Hi"}]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.cli import build_parser, engine_config_from_args, resolve_deployment
+from meshserve.entrypoints.cli import build_parser, engine_config_from_args, resolve_deployment
 from meshserve.config import EngineConfig
 
 

@@ -20,10 +20,10 @@ import pytest
 from meshserve.config import EngineConfig
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.models.factory import make_model
-from meshserve.platform.api_server import build_app
-from meshserve.platform.context_caches import DEFAULT_TTL_S, ContextCacheNotFound, ContextCacheStore
-from meshserve.platform.routing import Router, TELoad, TEView
-from meshserve.sampling_params import SamplingParams
+from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.entrypoints.openai.context_caches import DEFAULT_TTL_S, ContextCacheNotFound, ContextCacheStore
+from meshserve.router.routing import Router, TELoad, TEView
+from meshserve.core.sampling_params import SamplingParams
 from tests.platform.deployment_processes import running_deployment
 
 MODEL = "tiny"

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from meshserve.config import ConfigError
-from meshserve.platform.deployment import MultiDeployment, is_multi_te, load_multi
+from meshserve.router.deployment import MultiDeployment, is_multi_te, load_multi
 
 
 def test_presets_expand_to_named_tes():
@@ -73,7 +73,7 @@ def test_bad_files_name_the_problem(tmp_path, text, message):
 
 
 def test_cli_reports_a_bad_preset_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "meshserve.cli", "serve", "--deployment", "3p", "--model",
+    proc = subprocess.run([sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--deployment", "3p", "--model",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -85,7 +85,7 @@ def test_pd_groups_with_different_attention_tp_need_mla(tmp_path, arch, refused)
     """GQA splits KV heads by TP rank, so prefill and decode must match; MLA ranks hold the whole latent cache."""
     from meshserve.config import EngineConfig
     from meshserve.models.factory import make_model
-    from meshserve.platform.deployment import check_pd_layouts
+    from meshserve.router.deployment import check_pd_layouts
 
     model = str(make_model(arch, "tiny", tmp_path / arch, seed=0))
     deployment = MultiDeployment.from_dict({"te_groups": [

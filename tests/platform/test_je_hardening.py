@@ -12,11 +12,11 @@ import pytest
 import zmq
 from starlette.testclient import TestClient
 
-from meshserve.engine import messages as msg
+from meshserve.core import messages as msg
 from meshserve.models.factory import make_model
-from meshserve.platform.api_server import build_app
-from meshserve.platform.job_executor import JobExecutor
-from meshserve.sampling_params import SamplingParams
+from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.router.router import Router
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.utils import cluster_auth
 from tests.platform.deployment_processes import running_deployment
 
@@ -34,11 +34,11 @@ def model(tmp_path_factory) -> str:
 class FakeTE:
     """What a JE sees of a TE: heartbeats and outputs from a socket keyed by `secret` (None: the cluster's)."""
 
-    def __init__(self, ctx: zmq.Context, je: JobExecutor, name: str, role: str, group: str,
+    def __init__(self, ctx: zmq.Context, je: Router, name: str, role: str, group: str,
                  secret: bytes | None = None) -> None:
         self.inbox = cluster_auth.server(ctx.socket(zmq.PULL), secret=secret)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
-        self.heartbeat = msg.TEHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
+        self.heartbeat = msg.EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
                                          kv_events_addr="", model="m", max_model_len=4096, block_size=16,
                                          attn_tp=1, attn_dp=1)
         self.to_je = cluster_auth.client(ctx.socket(zmq.PUSH), secret=secret)
@@ -55,7 +55,7 @@ class FakeTE:
 
 @contextlib.contextmanager
 def fake_tes(model: str, spec: list[tuple[str, str, str, bytes | None]]):
-    je = JobExecutor(model, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    je = Router(model, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     ctx = zmq.Context()
     try:
         yield je, {name: FakeTE(ctx, je, name, role, group, secret) for name, role, group, secret in spec}
@@ -64,7 +64,7 @@ def fake_tes(model: str, spec: list[tuple[str, str, str, bytes | None]]):
         je.shutdown()
 
 
-async def beat_until(je: JobExecutor, tes, predicate, timeout_s: float = 10.0) -> bool:
+async def beat_until(je: Router, tes, predicate, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for te in tes:
@@ -75,7 +75,7 @@ async def beat_until(je: JobExecutor, tes, predicate, timeout_s: float = 10.0) -
     return False
 
 
-def live(je: JobExecutor) -> set[str]:
+def live(je: Router) -> set[str]:
     return {r.name for r in je.registry.live()}
 
 
@@ -195,7 +195,7 @@ def test_a_process_without_the_secret_cannot_message_a_te(model):
 
 
 def test_route_health_names_the_missing_part_of_each_kind():
-    from meshserve.platform.routing import TELoad, TEView, route_health
+    from meshserve.router.routing import TELoad, TEView, route_health
 
     def view(name, role, group, healthy=True):
         return TEView(name=name, role=role, group=group, load=TELoad(), healthy=healthy)

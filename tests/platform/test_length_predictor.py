@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from meshserve.platform.length_predictor import LengthExample, LengthPredictor, bucket_of, hashed_ngrams
+from meshserve.router.length_predictor import LengthExample, LengthPredictor, bucket_of, hashed_ngrams
 
 BUCKET = 128
 # marker token -> the range its outputs fall in: buckets 0, 1 and 2

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from meshserve.engine.rtc import chain_block_hash
+from meshserve.core.kv_cache_manager import chain_block_hash
 from meshserve.models.factory import make_model
 from tests.platform.deployment_processes import generate_all, running_deployment
 

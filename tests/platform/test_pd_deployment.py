@@ -18,12 +18,12 @@ import time
 import pytest
 import zmq
 
-from meshserve.engine import messages as msg
+from meshserve.core import messages as msg
 from meshserve.models.factory import make_model
-from meshserve.platform.deployment import MultiDeployment
-from meshserve.platform.job_executor import JobExecutor
-from meshserve.platform.routing import REQUEST_ROUTING_POLICY
-from meshserve.sampling_params import SamplingParams
+from meshserve.router.deployment import MultiDeployment
+from meshserve.router.router import Router
+from meshserve.router.routing import REQUEST_ROUTING_POLICY
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.utils import cluster_auth
 from tests.platform.deployment_processes import generate_all, kill_te, running_deployment, token_ids
 
@@ -93,13 +93,13 @@ def deployment(*groups: list[dict]) -> MultiDeployment:
     return MultiDeployment.from_dict({"engine": ENGINE, "te_groups": [g for group in groups for g in group]})
 
 
-def stats(je: JobExecutor, te: str) -> dict:
+def stats(je: Router, te: str) -> dict:
     reply = asyncio.run(je.admin("stats", {"te": te}, timeout_s=10))
     assert reply.ok, reply.error
     return reply.data
 
 
-def wait_until_released(je: JobExecutor, prefill_tes: list[str], timeout_s: float = 10.0) -> None:
+def wait_until_released(je: Router, prefill_tes: list[str], timeout_s: float = 10.0) -> None:
     """Every prefill TE frees its held blocks once the decode TE pulled them (step 8)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -110,7 +110,7 @@ def wait_until_released(je: JobExecutor, prefill_tes: list[str], timeout_s: floa
         time.sleep(0.1)
 
 
-def assert_pulled_without_recompute(je: JobExecutor, decode_tes: list[str], expected_total: int) -> None:
+def assert_pulled_without_recompute(je: Router, decode_tes: list[str], expected_total: int) -> None:
     counters = {te: stats(je, te) for te in decode_tes}
     for te, s in counters.items():
         assert s["kv_pulled"] > 0, f"decode TE {te} pulled nothing: {s}"
@@ -275,7 +275,7 @@ def test_a_pull_from_a_dead_prefill_te_is_recomputed_on_the_decode_te(models, co
                 held["job"] = job
                 victim_handed_off.set()
             else:
-                JobExecutor._on_hand_off(je, job)
+                Router._on_hand_off(je, job)
 
         je._on_hand_off = hold_the_victim
 
@@ -306,7 +306,7 @@ def test_a_pull_from_a_dead_prefill_te_is_recomputed_on_the_decode_te(models, co
             for region in job.kv_params["regions"]:
                 wait_refused(region["tcp_address"])
             running_beside = [progress.get(f"bystander-{i}", 0) > 0 for i in range(len(BYSTANDERS))]
-            JobExecutor._on_hand_off(je, job)  # now the decode TE gets it: its pull must fail
+            Router._on_hand_off(je, job)  # now the decode TE gets it: its pull must fail
             results = await asyncio.wait_for(asyncio.gather(victim, *bystanders), 120)
             return results, running_beside
 
@@ -352,10 +352,10 @@ def test_requests_routed_to_a_dead_prefill_te_are_rerouted(models, colocated):
 class FakeTE:
     """A TE as the JE sees it: heartbeats out, requests in (no engine behind it)."""
 
-    def __init__(self, ctx: zmq.Context, je: JobExecutor, name: str, role: str, group: str, kv_usage: float = 0.0):
+    def __init__(self, ctx: zmq.Context, je: Router, name: str, role: str, group: str, kv_usage: float = 0.0):
         self.inbox = cluster_auth.server(ctx.socket(zmq.PULL))
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
-        self.heartbeat = msg.TEHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
+        self.heartbeat = msg.EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
                                          kv_events_addr="", model="m", max_model_len=4096, block_size=BLOCK_SIZE,
                                          attn_tp=1, attn_dp=1, stats=msg.EngineStats(kv_usage=kv_usage))
         self.to_je = cluster_auth.client(ctx.socket(zmq.PUSH))
@@ -397,7 +397,7 @@ class FakeTE:
 @contextlib.contextmanager
 def fake_deployment(model: str, spec: list[tuple[str, str, str, float]]):
     """A JE with fake TEs (name, role, group, KV usage its heartbeats report); yields (je, {name: FakeTE})."""
-    je = JobExecutor(model, heartbeat_timeout_s=30.0)
+    je = Router(model, heartbeat_timeout_s=30.0)
     ctx = zmq.Context()
     tes = {name: FakeTE(ctx, je, name, role, group, kv_usage) for name, role, group, kv_usage in spec}
     try:
@@ -409,7 +409,7 @@ def fake_deployment(model: str, spec: list[tuple[str, str, str, float]]):
         je.shutdown()
 
 
-async def start_and_hand_off(je: JobExecutor, tes: dict, prefill: str, decode: str):
+async def start_and_hand_off(je: Router, tes: dict, prefill: str, decode: str):
     """Register the fake TEs, submit one request (load-aware), let `prefill` hand it off; returns
     (the generate task, the hand-off params, the AddRequest `decode` got)."""
     await je.start()

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from meshserve.platform.pd_heatmap import PDHeatmap, measure_cell
+from meshserve.router.pd_heatmap import PDHeatmap, measure_cell
 
 PREFILL = [0, 512, 2048, 8192]  # 3 rows
 RATIO = [0, 0.25, 1, 4]  # 3 columns

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from meshserve.cli import build_parser, main
-from meshserve.platform.length_predictor import LengthExample, LengthPredictor
-from meshserve.platform.predictor_cli import bucket_histogram, report_path_for, split_examples, train_main
+from meshserve.entrypoints.cli import build_parser, main
+from meshserve.router.length_predictor import LengthExample, LengthPredictor
+from meshserve.entrypoints.predictor import bucket_histogram, report_path_for, split_examples, train_main
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshserve.engine import messages as msg
-from meshserve.engine.rtc import RelationalTensorCache, chain_block_hash
-from meshserve.platform.prompt_tree import GlobalPromptTree
+from meshserve.core import messages as msg
+from meshserve.core.kv_cache_manager import KVCacheManager, chain_block_hash
+from meshserve.router.prompt_tree import GlobalPromptTree
 
 BS = 4
 
@@ -24,22 +24,22 @@ class FakeTE:
 
     def __init__(self, name: str, dp_size: int = 1, num_blocks: int = 64) -> None:
         self.name = name
-        self.rtcs = [RelationalTensorCache(num_blocks=num_blocks, block_size=BS) for _ in range(dp_size)]
+        self.kv_managers = [KVCacheManager(num_blocks=num_blocks, block_size=BS) for _ in range(dp_size)]
         self.seq = 0
 
     def cache(self, toks: list[int], dp: int = 0) -> None:
-        rtc = self.rtcs[dp]
+        kv_manager = self.kv_managers[dp]
         n = len(toks) // BS
-        hit = rtc.match_by_prefix(toks, record=False)
-        rtc.acquire(hit)
-        blocks = hit + rtc.alloc_blocks(n - len(hit))
-        rtc.insert_prefix(toks, blocks, n)
-        rtc.free(blocks)
+        hit = kv_manager.match_by_prefix(toks, record=False)
+        kv_manager.acquire(hit)
+        blocks = hit + kv_manager.alloc_blocks(n - len(hit))
+        kv_manager.insert_prefix(toks, blocks, n)
+        kv_manager.free(blocks)
 
     def publish(self, dp: int = 0):
         """The drained events as a decoded KVCacheEvents, exactly as a subscriber receives it."""
         self.seq += 1
-        events = [{"type": type(e).__name__, **dataclasses.asdict(e)} for e in self.rtcs[dp].drain_events()]
+        events = [{"type": type(e).__name__, **dataclasses.asdict(e)} for e in self.kv_managers[dp].drain_events()]
         batch = msg.KVCacheEvents(seq=self.seq, timestamp=0.0, events=events, dp_rank=dp)
         return msg.decode(msg.encode(batch))
 
@@ -118,7 +118,7 @@ def test_all_blocks_cleared_forgets_that_dp_group_only():
     for batch in (a.publish(0), a.publish(1)):
         assert tree.apply("a", batch)
     tree.apply("b", b.publish())
-    a.rtcs[0].reset_prefix_cache()
+    a.kv_managers[0].reset_prefix_cache()
     assert tree.apply("a", a.publish(0))
     assert tree.match(tokens(0, 2)) == {"a": 4, "b": 8}  # dp 1 still holds the first block
     assert tree.blocks_held("a", 0) == set()
@@ -133,7 +133,7 @@ def test_two_dp_groups_report_the_best_group():
     assert tree.match(tokens(0, 3)) == {"a": 12}
     assert tree.holders(chain_block_hash(None, tokens(0, 1))) == {("a", 0), ("a", 1)}
     # the groups' caches are separate: dp 0 losing the block does not touch dp 1
-    a.rtcs[1].reset_prefix_cache()
+    a.kv_managers[1].reset_prefix_cache()
     tree.apply("a", a.publish(1))
     assert tree.match(tokens(0, 3)) == {"a": 4}
 
@@ -189,7 +189,7 @@ def test_snapshot_from_an_rtc_rebuilds_the_view_events_built():
     by_events.apply("a", a.publish(0))
     by_events.apply("a", a.publish(1))
     by_snapshot = GlobalPromptTree(BS)
-    by_snapshot.load_snapshot("a", a.seq, {dp: rtc.snapshot() for dp, rtc in enumerate(a.rtcs)})
+    by_snapshot.load_snapshot("a", a.seq, {dp: kv_manager.snapshot() for dp, kv_manager in enumerate(a.kv_managers)})
     assert by_snapshot.state() == by_events.state() and by_snapshot.num_blocks == 6
 
 
@@ -211,7 +211,7 @@ def test_two_replicas_fed_the_same_events_agree():
         te = rng.choice(tes)
         dp = rng.randrange(2)
         if rng.random() < 0.05:
-            te.rtcs[dp].reset_prefix_cache()
+            te.kv_managers[dp].reset_prefix_cache()
         else:
             head = rng.choice(prefixes)[: BS * rng.randint(1, 3)]
             te.cache(head + tokens(rng.randrange(50) * 10_000, rng.randint(0, 2)), dp)
@@ -223,7 +223,7 @@ def test_two_replicas_fed_the_same_events_agree():
     for p in prefixes:
         assert a.match(p) == b.match(p)
         # and the tree agrees with the TEs' own caches
-        want = {te.name: max(len(r.match_by_prefix(p, record=False)) * BS for r in te.rtcs) for te in tes}
+        want = {te.name: max(len(r.match_by_prefix(p, record=False)) * BS for r in te.kv_managers) for te in tes}
         assert a.match(p) == {k: v for k, v in want.items() if v}
 
 

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshserve.engine.rtc import chain_block_hash
-from meshserve.platform.prompt_tree import GlobalPromptTree
-from meshserve.platform.routing import (
+from meshserve.core.kv_cache_manager import chain_block_hash
+from meshserve.router.prompt_tree import GlobalPromptTree
+from meshserve.router.routing import (
     POLICIES,
     LoadTracker,
     NoRouteError,

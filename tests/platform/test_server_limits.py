@@ -15,11 +15,11 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from meshserve.platform.api_server import build_app
-from meshserve.platform.context_caches import (
+from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.entrypoints.openai.context_caches import (
     ContextCacheLimits, ContextCacheNotFound, ContextCacheQuotaExceeded, ContextCacheStore,
 )
-from meshserve.platform.server_options import server_options
+from meshserve.entrypoints.openai.server_options import server_options
 from tests.platform.fake_server import AdminFakeEngine, running_fake_server
 from tests.platform.test_api import MODEL, REPLIES, assert_openai_error, sse_events
 

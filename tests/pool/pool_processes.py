@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from meshserve.engine.processes import free_tcp_port, stop_process
+from meshserve.utils.processes import free_tcp_port, stop_process
 
 
 def free_address() -> str:
@@ -17,7 +17,7 @@ def free_address() -> str:
 
 def start_pool(args: list[str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "a") as log:
-        return subprocess.Popen([sys.executable, "-m", "meshserve.cli", "pool", *args],
+        return subprocess.Popen([sys.executable, "-m", "meshserve.entrypoints.cli", "pool", *args],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -1,7 +1,7 @@
 """The pool controller: membership, heartbeats, timeouts, view versions, namespace quotas."""
 import zmq
 
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 from meshserve.pool import messages as m
 from meshserve.pool.controller import ControllerState
 from meshserve.utils import cluster_auth

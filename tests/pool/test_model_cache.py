@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 from meshserve.models.factory import make_model
 from meshserve.models.loader import load_model
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
-from meshserve.pool import model_cache as mc
+from meshserve.worker import model_cache as mc
 from meshserve.pool.sdk import PoolClient
 from tests.pool.pool_processes import free_address, pool_processes, start_pool, stop, wait_until
 
@@ -49,7 +49,7 @@ def _shard_worker(rank: int, world_size: int, controller: str, disk_dir: str, po
     with PoolClient(controller, timeout_s=5.0) as pool:
         results = {}
         for label, model_dir in (("pool_only_equal", pool_only_dir), ("with_disk_equal", disk_dir)):
-            loaded = params(load_model(model_dir, parallel=ctx, pool=pool))
+            loaded = params(load_model(model_dir, parallel=ctx, read_weights=mc.pool_weights(pool, model_dir)))
             results[label] = loaded.keys() == from_disk.keys() and all(
                 torch.equal(t, from_disk[n]) for n, t in loaded.items())
     results["numel"] = sum(t.numel() for t in from_disk.values())
@@ -84,7 +84,7 @@ def test_put_load_shards_versions_eviction_and_failover(models, tmp_path, capsys
                 pool_only = mc.fetch_model_files(pool, model_id, tmp_path / f"{arch}-from-pool")
                 assert not list(pool_only.glob("*.safetensors"))
                 reference = load_model(models[arch])
-                assert_same_params(load_model(pool_only, pool=pool), reference)
+                assert_same_params(load_model(pool_only, read_weights=mc.pool_weights(pool, pool_only)), reference)
                 assert_same_params(load_model(models[arch], pool=pool), reference)
             # storing it again only stamps it as used
             assert put_model_cli(controller, models["qwen3_moe"]) == 0
@@ -113,8 +113,8 @@ def test_put_load_shards_versions_eviction_and_failover(models, tmp_path, capsys
             v1_dir = mc.fetch_model_files(pool, "tiny-model", tmp_path / "v1-from-pool", version=v1)
             ref_v1, ref_v2 = load_model(ds), load_model(retrained)
             assert any(not torch.equal(a, b) for a, b in zip(ref_v1.parameters(), ref_v2.parameters()))
-            assert_same_params(load_model(v2_dir, pool=pool), ref_v2)
-            assert_same_params(load_model(v1_dir, pool=pool), ref_v1)
+            assert_same_params(load_model(v2_dir, read_weights=mc.pool_weights(pool, v2_dir)), ref_v2)
+            assert_same_params(load_model(v1_dir, read_weights=mc.pool_weights(pool, v1_dir)), ref_v1)
 
             # ---- listing, and evicting one version as a whole
             assert main(["pool", "models", "--controller", controller]) == 0
@@ -143,14 +143,14 @@ def test_put_load_shards_versions_eviction_and_failover(models, tmp_path, capsys
 
             # ---- a killed pool server: the load still succeeds, its tensors come from disk
             stop(procs[1])
-            caplog.set_level(logging.INFO, logger="meshserve.pool.model_cache")
-            assert_same_params(load_model(ds, pool=pool), ref_v1)
+            caplog.set_level(logging.INFO, logger="meshserve.worker.model_cache")
+            assert_same_params(load_model(ds, read_weights=mc.pool_weights(pool, ds)), ref_v1)
             # half the chunks (or the manifest itself) were on the killed server
             assert any("came from disk" in r.getMessage() or "not in the pool; loading from disk" in r.getMessage()
                        for r in caplog.records)
             # a pool-only directory has nothing to fall back on: that fails, naming the tensor
             with pytest.raises(mc.ModelCacheError, match="from the pool"):
-                load_model(v1_dir, pool=pool)
+                load_model(v1_dir, read_weights=mc.pool_weights(pool, v1_dir))
 
 
 def test_bad_arguments_exit_with_one_line(models, tmp_path, capsys):

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 import zmq
 
-from meshserve.cli import main
+from meshserve.entrypoints.cli import main
 from meshserve.pool import messages as m
 from meshserve.pool.controller import run_controller
 from meshserve.pool.hashring import HashRing

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from meshserve.engine.processes import free_tcp_port, launch_module, stop_process
+from meshserve.utils.processes import free_tcp_port, launch_module, stop_process
 from meshserve.pool import messages as m
 from meshserve.utils import cluster_auth
 

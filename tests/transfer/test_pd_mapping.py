@@ -10,7 +10,7 @@ from itertools import product
 
 import pytest
 
-from meshserve.transfer.pd_mapping import source_prefill_tp_rank
+from meshserve.core.pd_mapping import source_prefill_tp_rank
 
 
 def sources(prefill_tp: int, decode_tp: int, decode_dp: int) -> dict[tuple[int, int], int]:

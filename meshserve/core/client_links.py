@@ -1,0 +1,129 @@
+"""How a TE master meets its clients.
+
+`ClientLink`: one client that started the TE (the offline `LLM`, `meshserve serve` with one TE): the
+client binds two IPC sockets and the master connects to them.
+
+`RouterLinks`: a TE in a deployment (`meshserve te`): the master binds its own input address, any
+number of job executors send to it, and each request's outputs go straight to the frontend address the
+request names (output short-circuiting). The TE announces itself to the job executors it was told about
+with a heartbeat that carries its registration and its load.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import zmq
+
+from meshserve.core import messages as msg
+from meshserve.utils import cluster_auth
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class ClientLink:
+    def __init__(self, ctx: zmq.Context, input_addr: str, output_addr: str) -> None:
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.connect(input_addr)
+        self.outbox = ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 2000)
+        self.outbox.connect(output_addr)
+        self.listen_addr = ""
+
+    def send(self, item, reply_to: str = "") -> None:
+        self.outbox.send(msg.encode(item))
+
+    def broadcast(self, item) -> None:
+        self.outbox.send(msg.encode(item))
+
+    def send_to(self, addr: str, item) -> None:
+        raise RuntimeError("a TE started by one client cannot reach other engines; run it with `meshserve te`")
+
+    def tick(self, now: float, heartbeat: Callable[[], msg.EngineHeartbeat]) -> None:
+        pass
+
+    def say_goodbye(self, heartbeat: msg.EngineHeartbeat) -> None:
+        pass
+
+    def close(self) -> None:
+        self.inbox.close(0)
+        self.outbox.close()
+
+
+class RouterLinks:
+    def __init__(self, ctx: zmq.Context, listen_addr: str, register_addrs: list[str],
+                 advertise_host: str = "127.0.0.1") -> None:
+        self.ctx = ctx
+        self.inbox = ctx.socket(zmq.PULL)
+        # a larger frame closes its sender's connection before it is buffered whole
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, msg.MAX_INBOX_BYTES)
+        host, _, port = listen_addr.removeprefix("tcp://").rpartition(":")
+        cluster_auth.server(self.inbox)  # only holders of the cluster secret may send this TE anything
+        self.inbox.bind(f"tcp://{host}:{'*' if port in ('0', '') else port}")
+        bound_port = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        # the address peers use: a wildcard bind is announced under this host's reachable name
+        self.listen_addr = f"tcp://{advertise_host if host in ('0.0.0.0', '*') else host}:{bound_port}"
+        self._peers: dict[str, zmq.Socket] = {}  # address -> PUSH socket (frontends, other TEs)
+        self._register = [self._peer(addr) for addr in register_addrs]
+        self._next_heartbeat = 0.0
+        self._dropped = 0
+
+    def _peer(self, addr: str) -> zmq.Socket:
+        sock = self._peers.get(addr)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 500)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            cluster_auth.client(sock, addr)
+            sock.connect(addr)
+            self._peers[addr] = sock
+        return sock
+
+    def send_to(self, addr: str, item) -> None:
+        """Never blocks: a peer that is gone (its queue full) loses the message, not the TE's loop."""
+        try:
+            self._peer(addr).send(msg.encode(item), zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped += 1
+            if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:
+                logger.warning("%d message(s) dropped: peer %s does not take them", self._dropped, addr)
+
+    def send(self, item, reply_to: str = "") -> None:
+        if reply_to:
+            self.send_to(reply_to, item)
+        else:
+            logger.warning("dropping %s: the request named no reply address", type(item).__name__)
+
+    def broadcast(self, item) -> None:
+        """To every frontend that sent requests and every job executor this TE registers with."""
+        for addr in list(self._peers):
+            self.send_to(addr, item)
+
+    def tick(self, now: float, heartbeat: Callable[[], msg.EngineHeartbeat]) -> None:
+        if now < self._next_heartbeat or not self._register:
+            return
+        self._next_heartbeat = now + HEARTBEAT_INTERVAL_S
+        data = msg.encode(heartbeat())
+        for sock in self._register:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a JE that is not there yet gets the next one
+
+    def say_goodbye(self, heartbeat: msg.EngineHeartbeat) -> None:
+        heartbeat.leaving = True
+        heartbeat.timestamp = time.time()
+        data = msg.encode(heartbeat)
+        for sock in self._register:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
+    def close(self) -> None:
+        self.inbox.close(0)
+        for sock in self._peers.values():
+            sock.close()

@@ -1,0 +1,135 @@
+"""Executor ranks on other hosts: how they join a TE and how each side notices the other is gone.
+
+A remote rank (`meshserve worker --engine tcp://MASTER_ADDR:ENGINE_PORT --rank R`) sends its
+rank number to the master's handshake socket and gets back the engine config and its
+addresses (`WorkerHandshake`); from then on it is an ordinary rank. It cannot be polled as
+a child process, so liveness is the TCP connection of its work socket: ZMTP heartbeats keep
+checking it while the rank computes (libzmq's I/O thread answers them, not Python), and a
+socket monitor reports the disconnect when the process, or its host, goes away.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from meshserve.config import EngineConfig
+from meshserve.core import messages as msg
+from meshserve.utils import cluster_auth
+
+logger = logging.getLogger(__name__)
+
+_MAX_HANDSHAKE_BYTES = 2**16  # a handshake names one rank; anything larger is not one
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 10000  # a peer silent this long after a ping counts as gone
+
+
+def enable_heartbeats(sock: zmq.Socket) -> None:
+    """Ping the peer over the connection, so a host that vanishes without closing it is noticed."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+
+
+class PeerMonitor:
+    """The one peer of a socket, watched through ZMQ monitor events: has it connected, is it gone."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.events = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected = False
+        self.lost = False
+
+    def update(self) -> bool:
+        """Take in the events so far; True once the peer has connected and then gone."""
+        while self.events.poll(0):
+            event = recv_monitor_message(self.events)["event"]
+            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.lost = True
+        return self.lost
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.events.close(0)
+
+
+def rank_range(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}..{last}"
+
+
+class RemoteRanks:
+    """The master's side: answers handshakes and watches the work connection of every remote rank."""
+
+    def __init__(self, ctx: zmq.Context, config: EngineConfig, works: list[zmq.Socket], work_addrs: list[str],
+                 result_addr: str, dist_init_method: str | None) -> None:
+        self.world_size = config.world_size
+        self.first = config.num_local_ranks
+        self.endpoint = f"tcp://{config.master_addr}:{config.engine_port}"
+        self.assignments = {
+            rank: msg.WorkerHandshake(rank=rank, config=config.to_dict(), work_addr=work_addrs[rank],
+                                        result_addr=result_addr, dist_init_method=dist_init_method)
+            for rank in range(self.first, self.world_size)}
+        # watch before the ranks can know the addresses, so no connection goes unseen
+        self.monitors = {rank: PeerMonitor(works[rank]) for rank in self.assignments}
+        self.joined: set[int] = set()
+        self.handshakes = ctx.socket(zmq.ROUTER)
+        self.handshakes.setsockopt(zmq.LINGER, 0)
+        self.handshakes.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDSHAKE_BYTES)
+        cluster_auth.server(self.handshakes, self.endpoint)  # a rank must hold the cluster secret to join
+        try:
+            self.handshakes.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise RuntimeError(f"cannot listen for remote executors on {self.endpoint}: {exc}") from None
+        logger.info("waiting for remote executor rank(s) %s on %s",
+                    rank_range(self.first, self.world_size - 1), self.endpoint)
+
+    def answer_handshakes(self) -> None:
+        while self.handshakes.poll(0):
+            frames = self.handshakes.recv_multipart()
+            if len(frames) != 2:
+                msg.drop_frame("executor-handshakes", f"{len(frames)} frames, expected 2")
+                continue  # not a DEALER speaking our protocol; nothing to answer
+            identity, payload = frames
+            try:
+                hello = msg.decode(payload)
+                if not isinstance(hello, msg.WorkerHandshake):
+                    raise TypeError(type(hello).__name__)
+                reply = self._assign(hello.rank)
+            except Exception as exc:  # noqa: BLE001 - a stranger's bytes must not stop the master
+                msg.drop_frame("executor-handshakes", exc)
+                reply = msg.WorkerHandshake(rank=-1, error="expected an WorkerHandshake message")
+            self.handshakes.send_multipart([identity, msg.encode(reply)])
+
+    def _assign(self, rank: int) -> msg.WorkerHandshake:
+        last = self.world_size - 1
+        if not isinstance(rank, int) or not 0 <= rank <= last:
+            error = f"rank {rank} is outside this engine's world of {self.world_size} ranks (0..{last})"
+        elif rank < self.first:
+            error = (f"rank {rank} is started by the engine itself; it expects remote rank(s) "
+                     f"{rank_range(self.first, last)}")
+        elif rank in self.joined:
+            error = f"rank {rank} has already joined this engine"
+        else:
+            self.joined.add(rank)
+            logger.info("remote executor rank %d joined", rank)
+            return self.assignments[rank]
+        logger.warning("refused a remote executor: %s", error)
+        return msg.WorkerHandshake(rank=rank, error=error)
+
+    def missing(self) -> list[int]:
+        """Remote ranks that have not joined yet."""
+        return sorted(set(self.assignments) - self.joined)
+
+    def lost_rank(self) -> int | None:
+        for rank, monitor in self.monitors.items():
+            if monitor.update():
+                return rank
+        return None
+
+    def close(self) -> None:
+        for monitor in self.monitors.values():
+            monitor.close()
+        self.handshakes.close(0)

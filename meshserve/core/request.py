@@ -1,0 +1,150 @@
+"""A request's state in the master: its tokens, its progress through the KV cache, its status."""
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from meshserve.core.messages import AddRequest
+from meshserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; recomputed when resumed
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+    # prefill TE: the prompt is computed and the first token sampled; a decode TE takes the request on
+    TRANSFERRED = "transferred"
+
+    @property
+    def is_finished(self) -> bool:
+        """Finished on this engine (a transferred request goes on in a decode TE)."""
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.TRANSFERRED: None,  # finished here, not for the caller
+}
+
+
+class Request:
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if not isinstance(req_id, str) or not req_id:
+            raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {req_id}: the prompt must contain at least one token")
+        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            raise ValueError(f"request {req_id}: prompt token ids must be non-negative integers")
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # lower runs first
+        self.eos_token_ids = list(eos_token_ids or [])
+
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None  # the token id that stopped it
+        self.error: str | None = None
+
+        # KV-cache progress (scheduler bookkeeping)
+        self.block_ids: list[int] = []
+        self.num_computed_tokens = 0  # advanced when a step is scheduled
+        self.num_cached_tokens = 0  # prefix-cache hit on the first schedule
+        # tokens sampled by scheduled steps whose output has not come back yet
+        self.num_output_placeholders = 0
+        self.pending_sample_steps: deque[int] = deque()  # step ids that owe this request a token
+        self.num_kv_ready_tokens = 0  # KV computed by steps that have returned
+        self.num_inserted_blocks = 0  # full blocks already offered to the prefix cache
+        self.num_blocks_sent = 0  # block ids the executor has been told about
+        self.in_executor = False  # the executor holds this request's token state
+        self.num_preemptions = 0
+        self.ever_scheduled = False
+        # context caching: pool keys of the prompt's full blocks, and how many leading ones the pool holds
+        self.pool_block_keys: list[str] = []
+        self.pool_key_root: str | None = None  # what block 0's key chains from (set when the pool is used)
+        self.num_pool_hit_blocks = 0
+        self.num_pool_stored_blocks = 0  # leading prompt blocks known to be in the pool (hit or stored)
+        self.num_fetching_blocks = 0  # trailing blocks of its table being fetched from the pool (in `_receiving`)
+        # disaggregated prefill/decode: "producer" (prefill TE) or "consumer" (decode TE), and for a consumer
+        # the prefill TE's kv_transfer_params until its blocks arrive
+        self.kv_transfer_role: str | None = None
+        self.kv_source: dict | None = None
+        self.kv_pull_aborted = False  # aborted while its blocks were being written: freed once the writes end
+        # explicit context caching: the named cache whose pinned blocks lead this prompt; with a ttl, this
+        # request creates it (its prompt's full blocks are pinned once computed, and the ttl is cleared)
+        self.context_cache_id: str | None = None
+        self.context_cache_ttl_s: float | None = None
+        self.arrival_seq = 0  # order of admission: breaks ties between equal arrival times
+        self.queue_key: tuple = ()  # position in the waiting queue
+
+    @classmethod
+    def from_message(cls, msg: AddRequest) -> "Request":
+        req = cls(
+            req_id=msg.req_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=SamplingParams.from_dict(msg.sampling_params),
+            arrival_time=msg.arrival_time,
+            priority=msg.priority,
+            eos_token_ids=msg.eos_token_ids,
+        )
+        req.context_cache_id = msg.context_cache_id
+        req.context_cache_ttl_s = msg.context_cache_ttl_s
+        return req
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the outputs known so far (not the placeholders). Do not mutate."""
+        return self._all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self._all_token_ids) + self.num_output_placeholders
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"outputs={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )

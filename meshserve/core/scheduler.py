@@ -1,0 +1,763 @@
+"""Iteration-level continuous batching over the Relational Tensor Cache.
+
+Each `schedule()` builds one step under a token budget: running requests first
+(a decode costs one token, an unfinished chunked prefill takes what the budget
+leaves), then waiting requests in priority order, FCFS within a priority, with
+their prefix-cache hits skipped. When blocks run out the lowest-priority,
+latest-arrived running request is preempted by recompute.
+
+Overlapped scheduling (deepserve §4.2, asynchronous execution): a step's
+progress is booked when it is scheduled, and a step that reaches the end of a
+request's known tokens owes it one sampled token, counted as a placeholder. The
+next `schedule()` may already feed that placeholder to the executor as the next
+decode input (the executor knows the sampled id); `update_from_output` swaps the
+placeholder for the real token.
+
+Works on token ids and block ids only; the executor owns every tensor.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from meshserve.core.dp_balancer import DPGroupLoad
+from meshserve.core.errors import QueueFullError, RequestTooLongError
+from meshserve.core.messages import (
+    CachedRequestData,
+    EngineStats,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestDelta,
+    SchedulerOutput,
+)
+from meshserve.core.request import Request, RequestStatus
+from meshserve.core.kv_cache_manager import KVCacheManager
+from meshserve.pool.context_keys import chain_block_keys
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+@dataclass
+class _Scheduled:
+    req: Request
+    num_tokens: int
+    num_computed_before: int
+
+
+@dataclass
+class _StepPlan:
+    """The step being built; entries can be withdrawn when their request is preempted."""
+
+    budget: int
+    entries: dict[str, _Scheduled] = field(default_factory=dict)
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        self.entries[req.req_id] = _Scheduled(req, num_tokens, req.num_computed_tokens)
+        self.budget -= num_tokens
+
+    def withdraw(self, req: Request) -> None:
+        entry = self.entries.pop(req.req_id, None)
+        if entry is not None:
+            self.budget += entry.num_tokens
+
+
+@dataclass
+class _KVHold:
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class _ContextCachePin:
+    """A named context cache's blocks, pinned in the RTC's id index until `deadline` (time.monotonic)."""
+
+    token_ids: list[int]  # the tokens of the pinned full blocks, to check a request's prompt really starts with them
+    deadline: float
+    num_blocks: int = 0
+
+
+# named context caches may pin at most this share of a DP group's KV blocks: the rest keeps serving requests
+MAX_PINNED_FRACTION = 0.5
+
+# a decode TE does not start a pull this close to the prefill TE's hold expiry: a pull finishes well
+# within it (the TCP backend's I/O timeout is 10 s), and blocks read after the expiry may be reused
+_PULL_MARGIN_S = 10.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _hold_expiring(source: dict) -> bool:
+    """Whether the prefill TE's hold on a consumer request's blocks ends before a pull started now would."""
+    expires = source.get("hold_expires_at")
+    if expires is None:
+        return False
+    margin = min(_PULL_MARGIN_S, 0.2 * float(source.get("hold_s", _PULL_MARGIN_S)))
+    return time.time() > float(expires) - margin
+
+
+def _queue_key(req: Request) -> tuple:
+    return req.queue_key
+
+
+def _victim_key(req: Request) -> tuple:
+    """Larger = preempted first: lowest priority (largest value), then latest arrival."""
+    return (req.priority, req.arrival_time, req.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        if config.block_size != kv_manager.block_size:
+            raise ValueError(f"scheduler block_size {config.block_size} != cache block_size {kv_manager.block_size}")
+        self.config = config
+        self.kv_manager = kv_manager
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._running: list[Request] = []
+        self._waiting: list[Request] = []  # sorted by queue_key
+        self._add_seq = 0
+        self._front_seq = 0  # preempted requests go to the front of their priority class
+        self._step_id = 0
+        # per in-flight step: req_id -> (incarnation, tokens whose KV the step completes)
+        self._step_progress: dict[int, dict[str, tuple[int, int]]] = {}
+        self._executor_must_drop: list[str] = []
+        self.num_preemptions = 0
+        # context caching: full prompt blocks whose KV is ready and not yet in the pool, [block_id, key]
+        self.pool_store_queue: list[list] = []
+        self.pool_hit_tokens = 0  # prompt tokens fetched from the pool instead of computed
+        self.pool_store_decode_blocks = False  # store full blocks of generated tokens too
+        self.pool_min_fetch_blocks = 1  # shorter pool matches are computed instead (FetchCostModel)
+        # populate orders not yet sent: {"req_id", "blocks": [[block_id, key], ...]}; the request waits in
+        # `_receiving` while its ranks fetch them in the background (deepserve RTC populate)
+        self.pool_fetch_queue: list[dict] = []
+        # disaggregated prefill/decode (xdeepserve §5.1)
+        # prefill TE: blocks of handed-off requests, held until the decode TE has pulled them: req_id -> hold
+        self.kv_holds: dict[str, _KVHold] = {}
+        self.kv_hold_timeout_s = 300.0
+        # requests whose blocks are allocated and being written in the background (a decode TE's pull from a
+        # prefill TE, or a populate from the memory pool), and the pull orders not yet sent
+        self._receiving: dict[str, Request] = {}
+        self.kv_pull_queue: list[dict] = []
+        self.num_kv_pulled = 0
+        self.num_kv_pull_recomputed = 0
+        # explicit context caching (deepserve MatchByID): cache id -> its pinned prompt blocks' tokens and expiry
+        self.context_caches: dict[str, _ContextCachePin] = {}
+        # kept as the caches come and go, so admission and expiry cost O(log n), not a scan of every cache
+        self._num_pinned = 0
+        self._pin_deadlines: list[tuple[float, str]] = []  # heap; an entry whose pin is gone or renewed is skipped
+
+    # ------------------------------------------------------------ queue
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting or self._receiving)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self._requests.get(req_id)
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self._requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.ever_scheduled:
+            raise ValueError(f"request {req.req_id!r} has already been scheduled; add a fresh Request")
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self._check_fits(req)
+        req.arrival_seq = self._add_seq
+        req.queue_key = (req.priority, 1, req.arrival_time, self._add_seq)
+        self._add_seq += 1
+        self._requests[req.req_id] = req
+        bisect.insort(self._waiting, req, key=_queue_key)
+
+    def _check_fits(self, req: Request) -> None:
+        cfg = self.config
+        prompt = req.num_prompt_tokens
+        max_tokens = req.sampling_params.max_tokens
+        min_new = max_tokens if max_tokens is not None else 1
+        if prompt + min_new > cfg.max_model_len:
+            wanted = f"max_tokens {max_tokens}" if max_tokens is not None else "at least 1 new token"
+            raise RequestTooLongError(
+                f"prompt of {prompt} tokens plus {wanted} exceeds the maximum context length "
+                f"of {cfg.max_model_len} tokens"
+            )
+        # the last sampled token never needs KV
+        blocks_needed = _cdiv(prompt + min_new - 1, cfg.block_size)
+        if blocks_needed > self.kv_manager.num_blocks:
+            raise RequestTooLongError(
+                f"prompt of {prompt} tokens plus {min_new} new tokens needs {blocks_needed} KV blocks of "
+                f"{cfg.block_size} tokens, but the KV cache has only {self.kv_manager.num_blocks} blocks"
+            )
+        if not cfg.enable_chunked_prefill and prompt > cfg.max_num_batched_tokens:
+            raise RequestTooLongError(
+                f"prompt of {prompt} tokens exceeds max_num_batched_tokens ({cfg.max_num_batched_tokens}) "
+                f"and chunked prefill is disabled"
+            )
+
+    def _max_total_tokens(self, req: Request) -> int:
+        """Length at which the request finishes with "length"."""
+        # the pool bounds requests without max_tokens: every token but the last needs a KV slot
+        cap = min(self.config.max_model_len, self.kv_manager.num_blocks * self.config.block_size + 1)
+        if req.sampling_params.max_tokens is not None:
+            cap = min(cap, req.num_prompt_tokens + req.sampling_params.max_tokens)
+        return cap
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        preempted_now: set[str] = set()
+        self._schedule_running(plan, preempted_now)
+        self._schedule_waiting(plan, preempted_now)
+        return self._finalize(plan)
+
+    def _schedule_running(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+        # in victim order, so a victim is always the current request or one not yet scheduled
+        self._running.sort(key=_victim_key)
+        for req in list(self._running):
+            if plan.budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier request of this loop
+            if req.num_tokens_with_placeholders >= self._max_total_tokens(req):
+                continue  # every token it may produce is already scheduled
+            if req.kv_transfer_role == "producer" and req.num_tokens_with_placeholders > req.num_prompt_tokens:
+                continue  # a prefill TE samples the first token only; the decode TE goes on
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
+            if num_new <= 0:
+                continue
+            if not self._allocate(req, req.num_computed_tokens + num_new, plan, preempted_now):
+                self._preempt(req, plan, preempted_now)
+                continue
+            plan.add(req, num_new)
+
+    def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+        while (self._waiting and plan.budget > 0
+               and len(self._running) + len(self._receiving) < self.config.max_num_seqs):
+            req = self._waiting[0]
+            if req.req_id in preempted_now:
+                break  # it just lost its blocks; resuming it in the same step would thrash
+            if req.kv_source is not None and _hold_expiring(req.kv_source):
+                # it waited for blocks (backpressure) until the prefill TE is about to free its KV: a pull
+                # could read blocks already reused by another request, so the prompt is computed here
+                logger.warning("request %s: the prefill TE's hold on its KV expires; computing the prompt here",
+                               req.req_id)
+                self.num_kv_pulled += 1
+                self.num_kv_pull_recomputed += 1
+                req.kv_source = None
+            if req.kv_source is not None:
+                if not self._start_kv_pull(req):
+                    break  # no free blocks: the pull waits (backpressure on the prefill TE), nothing is dropped
+                continue
+            tokens = req.all_token_ids
+            hit_blocks = self.match_cached_blocks(req)
+            num_local = len(hit_blocks)
+            # blocks the memory pool holds beyond the local hit are fetched, not computed
+            num_pool = max(0, req.num_pool_hit_blocks - num_local)
+            if num_pool < self.pool_min_fetch_blocks:
+                num_pool = 0  # too short to pay for a round trip to the pool: computed instead
+            if num_pool:
+                if not self._start_pool_fetch(req, hit_blocks, num_pool, plan, preempted_now):
+                    break
+                continue
+            num_hit = num_local * self.config.block_size
+            remaining = len(tokens) - num_hit
+            # a resumed request longer than the whole budget is chunked regardless, or it would starve
+            may_chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
+            if remaining > plan.budget and not may_chunk:
+                break
+            num_new = min(remaining, plan.budget)
+            if not self._take_blocks(req, hit_blocks, num_hit + num_new, plan, preempted_now):
+                break
+            req.num_computed_tokens = req.num_kv_ready_tokens = num_hit
+            req.num_inserted_blocks = num_local
+            if not req.ever_scheduled:
+                req.num_cached_tokens = num_hit
+                req.ever_scheduled = True
+            req.status = RequestStatus.RUNNING
+            self._running.append(req)
+            plan.add(req, num_new)
+
+    def _take_blocks(self, req: Request, hit_blocks: list[int], num_tokens: int, plan: _StepPlan,
+                     preempted_now: set[str]) -> bool:
+        """Take a waiting request's cached blocks and grow its table to `num_tokens`, and move it off the
+        waiting queue; False (nothing taken) when the blocks cannot be had."""
+        self.kv_manager.acquire(hit_blocks)
+        req.block_ids = list(hit_blocks)
+        if not self._allocate(req, num_tokens, plan, preempted_now):
+            self.kv_manager.free(req.block_ids)
+            req.block_ids = []
+            return False
+        if self.kv_manager.enable_prefix_caching:
+            self.kv_manager.record_prefix_lookup(req.num_tokens, len(hit_blocks) * self.config.block_size)
+        self._waiting.remove(req)  # victims of this request may now stand before it
+        return True
+
+    # ------------------------------------------------------------ context caching: populate from the pool
+    def _start_pool_fetch(self, req: Request, hit_blocks: list[int], num_pool: int, plan: _StepPlan,
+                          preempted_now: set[str]) -> bool:
+        """Allocate blocks for the pool's part of the prefix and order them fetched in the background
+        (deepserve RTC populate); the request is scheduled once they are in (`on_pool_fetched`), and the
+        TE keeps stepping its other requests meanwhile. False when the blocks cannot be had yet."""
+        num_local = len(hit_blocks)
+        if not self._take_blocks(req, hit_blocks, (num_local + num_pool) * self.config.block_size, plan,
+                                 preempted_now):
+            return False
+        req.num_fetching_blocks = num_pool
+        self._receiving[req.req_id] = req
+        positions = range(num_local, num_local + num_pool)
+        self.pool_fetch_queue.append({"req_id": req.req_id, "blocks": [
+            [req.block_ids[pos], req.pool_block_keys[pos]] for pos in positions]})
+        return True
+
+    def on_pool_fetched(self, req_id: str, num_fetched: int) -> None:
+        """Every rank of this DP group has written the first `num_fetched` ordered blocks (all of them
+        unless the pool lost some): the request computes the rest of its prompt from there."""
+        req = self._receiving.pop(req_id, None)
+        if req is None:
+            return
+        if req.kv_pull_aborted:  # the abort already answered the caller; the blocks were being written until now
+            self.kv_manager.free(req.block_ids)
+            req.block_ids = []
+            return
+        num_ordered, req.num_fetching_blocks = req.num_fetching_blocks, 0
+        num_fetched = max(0, min(num_fetched, num_ordered))
+        num_local = len(req.block_ids) - num_ordered
+        if num_fetched < num_ordered:
+            logger.warning("request %s: the pool misses block %d on; computing from token %d", req_id,
+                           num_local + num_fetched, (num_local + num_fetched) * self.config.block_size)
+        num_ready = (num_local + num_fetched) * self.config.block_size
+        self.pool_hit_tokens += num_fetched * self.config.block_size
+        if not req.ever_scheduled:
+            req.num_cached_tokens = num_ready
+            req.ever_scheduled = True
+        req.num_computed_tokens = req.num_kv_ready_tokens = num_ready
+        req.num_inserted_blocks = num_local
+        self._cache_full_blocks(req, num_ready)  # the fetched blocks are local prefix-cache hits from now on
+        req.status = RequestStatus.RUNNING
+        self._running.append(req)
+
+    def _allocate(self, req: Request, num_tokens: int, plan: _StepPlan, preempted_now: set[str]) -> bool:
+        """Grow req's block table to hold num_tokens, preempting lower-ranked running requests
+        while blocks are short. False when req itself ranks lowest (nothing is allocated)."""
+        need = _cdiv(num_tokens, self.config.block_size) - len(req.block_ids)
+        while need > 0:
+            blocks = self.kv_manager.alloc_blocks(need)
+            if blocks is not None:
+                req.block_ids.extend(blocks)
+                return True
+            candidates = [r for r in self._running if r is not req]
+            victim = max(candidates, key=_victim_key, default=None)
+            if victim is None or _victim_key(victim) < _victim_key(req):
+                return False
+            self._preempt(victim, plan, preempted_now)
+        return True
+
+    def _preempt(self, req: Request, plan: _StepPlan, preempted_now: set[str]) -> None:
+        plan.withdraw(req)
+        self._release(req, cache=True)
+        self._running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        preempted_now.add(req.req_id)
+        self._front_seq -= 1
+        req.queue_key = (req.priority, 0, self._front_seq, req.arrival_seq)
+        bisect.insort(self._waiting, req, key=_queue_key)
+        logger.debug("preempted %s (%d tokens) to free KV blocks", req.req_id, req.num_tokens)
+
+    def _release(self, req: Request, cache: bool) -> None:
+        """Give back req's blocks (computed full blocks to the prefix cache first) and forget
+        its progress; the executor is told to drop it."""
+        if cache:
+            self._cache_full_blocks(req, req.num_kv_ready_tokens)
+        if req.block_ids:
+            self.kv_manager.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_kv_ready_tokens = 0
+        req.num_inserted_blocks = 0
+        req.num_output_placeholders = 0
+        req.pending_sample_steps.clear()
+        req.num_blocks_sent = 0
+        if req.in_executor:
+            self._executor_must_drop.append(req.req_id)
+            req.in_executor = False
+
+    def _finalize(self, plan: _StepPlan) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id)
+        if not plan.entries:
+            return out  # the drop list waits for a step that reaches the executor
+        progress: dict[str, tuple[int, int]] = {}
+        for req_id, entry in plan.entries.items():
+            req = entry.req
+            if req.in_executor:
+                out.cached_reqs.append(CachedRequestData(
+                    req_id=req_id,
+                    new_block_ids=req.block_ids[req.num_blocks_sent:],
+                    num_computed_tokens=entry.num_computed_before,
+                ))
+            else:
+                out.new_reqs.append(NewRequestData(
+                    req_id=req_id,
+                    token_ids=list(req.all_token_ids),
+                    sampling_params=req.sampling_params.to_dict(),
+                    block_ids=list(req.block_ids),
+                    num_computed_tokens=entry.num_computed_before,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                ))
+                req.in_executor = True
+            req.num_blocks_sent = len(req.block_ids)
+            req.num_computed_tokens = entry.num_computed_before + entry.num_tokens
+            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+                req.num_output_placeholders += 1
+                req.pending_sample_steps.append(self._step_id)
+            out.num_scheduled_tokens[req_id] = entry.num_tokens
+            progress[req_id] = (req.num_preemptions, req.num_computed_tokens)
+        out.finished_req_ids = self._executor_must_drop
+        self._executor_must_drop = []
+        self._step_progress[self._step_id] = progress
+        return out
+
+    # ------------------------------------------------------------ disaggregated prefill/decode
+    def _start_kv_pull(self, req: Request) -> bool:
+        """Decode TE: allocate the request's blocks and order its prompt KV pulled from the prefill TE
+        (xdeepserve §5.1 step 6); False when the blocks are not free yet."""
+        source = req.kv_source
+        num_src_blocks = len(source["block_ids"])
+        blocks = self.kv_manager.alloc_blocks(max(num_src_blocks, _cdiv(req.num_tokens, self.config.block_size)))
+        if blocks is None:
+            return False
+        self._waiting.remove(req)
+        req.block_ids = blocks
+        req.ever_scheduled = True
+        self._receiving[req.req_id] = req
+        self.kv_pull_queue.append({"req_id": req.req_id, "dst_block_ids": blocks[:num_src_blocks],
+                                   "src_block_ids": list(source["block_ids"]), "source": source})
+        return True
+
+    def on_kv_pulled(self, req_id: str, ok: bool) -> None:
+        """Decode TE: every rank of this DP group has pulled (or failed to pull) the request's blocks.
+        A failed pull is recovered by computing the prompt here, in the blocks already allocated."""
+        req = self._receiving.pop(req_id, None)
+        if req is None:
+            return
+        if req.kv_pull_aborted:  # the abort already answered the caller; the blocks were being written until now
+            self.kv_manager.free(req.block_ids)
+            req.block_ids = []
+            return
+        num_pulled = int(req.kv_source["num_tokens"]) if ok else 0
+        self.num_kv_pulled += 1
+        self.num_kv_pull_recomputed += 0 if ok else 1
+        req.num_cached_tokens = int(req.kv_source.get("num_cached_tokens", 0))
+        req.kv_source = None  # from here on a plain running request (a preemption recomputes it)
+        req.num_computed_tokens = req.num_kv_ready_tokens = num_pulled
+        req.status = RequestStatus.RUNNING
+        self._running.append(req)
+
+    def _hand_off(self, req: Request) -> dict:
+        """Prefill TE: the first token is sampled; keep the prompt's blocks for the decode TE (the prefix
+        cache indexes them too) and forget the request (xdeepserve §5.1 step 3)."""
+        self._cache_full_blocks(req, req.num_kv_ready_tokens)
+        self._running.remove(req)
+        num_blocks = _cdiv(req.num_prompt_tokens, self.config.block_size)
+        held, extra = req.block_ids[:num_blocks], req.block_ids[num_blocks:]
+        self.kv_manager.free(extra)
+        self.kv_holds[req.req_id] = _KVHold(held, time.monotonic() + self.kv_hold_timeout_s)
+        req.block_ids = []
+        if req.in_executor:
+            self._executor_must_drop.append(req.req_id)
+            req.in_executor = False
+        req.status = RequestStatus.TRANSFERRED
+        del self._requests[req.req_id]
+        # the decode TE must pull before the hold expires (wall clock: it is compared on another host)
+        return {"block_ids": held, "num_tokens": req.num_prompt_tokens, "num_cached_tokens": req.num_cached_tokens,
+                "hold_s": self.kv_hold_timeout_s, "hold_expires_at": time.time() + self.kv_hold_timeout_s}
+
+    def release_kv(self, req_id: str) -> bool:
+        """Prefill TE: the decode TE has the blocks (or will never pull them): free them."""
+        hold = self.kv_holds.pop(req_id, None)
+        if hold is None:
+            return False
+        self.kv_manager.free(hold.block_ids)
+        return True
+
+    def expire_kv_holds(self, now: float | None = None) -> list[str]:
+        """Free holds no decode TE pulled within the timeout (it died, or the job was dropped)."""
+        now = time.monotonic() if now is None else now
+        expired = [req_id for req_id, hold in self.kv_holds.items() if hold.deadline <= now]
+        for req_id in expired:
+            self.release_kv(req_id)
+        return expired
+
+    # ------------------------------------------------------------ outputs
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
+        progress = self._step_progress.pop(sched.step_id, {})
+        deltas: list[RequestDelta] = []
+        for req_id, (incarnation, kv_ready) in progress.items():
+            req = self._requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != incarnation:
+                continue  # finished, aborted or preempted while the step was in flight
+            if req_id in out.failed:  # its settings made the executor fail it; the step's others go on
+                deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=out.failed[req_id]))
+                continue
+            req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready)
+            if req.context_cache_ttl_s is not None:
+                self._pin_context_cache(req)  # before the token: a request that finishes now frees its blocks
+            if req.pending_sample_steps and req.pending_sample_steps[0] == sched.step_id:
+                req.pending_sample_steps.popleft()
+                req.num_output_placeholders -= 1
+                token = out.sampled.get(req_id)
+                if token is None:
+                    message = f"the executor returned no token for request {req_id} in step {sched.step_id}"
+                    deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=message))
+                    continue
+                deltas.append(self._accept_token(req, token, out.logprobs.get(req_id)))
+            if not req.is_finished:
+                self._cache_full_blocks(req, req.num_kv_ready_tokens)
+        return deltas
+
+    def _accept_token(self, req: Request, token: int, logprobs: list | None) -> RequestDelta:
+        req.append_output_token(token)
+        params = req.sampling_params
+        status = None
+        may_stop = len(req.output_token_ids) >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and token in params.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_tokens >= self._max_total_tokens(req):
+            status = RequestStatus.FINISHED_LENGTH
+        delta = RequestDelta(
+            req_id=req.req_id,
+            new_token_ids=[token],
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if status is None and req.kv_transfer_role == "producer":
+            delta.kv_transfer_params = self._hand_off(req)
+            return delta
+        if status is not None:
+            if status is RequestStatus.FINISHED_STOPPED:
+                req.stop_reason = token
+            finish = self._finish(req, status)
+            delta.finish_reason = finish.finish_reason
+            delta.stop_reason = finish.stop_reason
+        return delta
+
+    def _cache_full_blocks(self, req: Request, num_kv_ready: int) -> None:
+        """Offer the full blocks whose KV is computed (and whose token ids are known) to the prefix cache,
+        and the prompt's to the memory pool."""
+        num_full = min(num_kv_ready, req.num_tokens) // self.config.block_size
+        if self.kv_manager.enable_prefix_caching and num_full > req.num_inserted_blocks:
+            self.kv_manager.insert_prefix(req.all_token_ids, req.block_ids, num_full)
+            req.num_inserted_blocks = num_full
+        # prompt blocks go to the memory pool too; decode blocks only when asked
+        if (self.pool_store_decode_blocks and req.pool_key_root is not None
+                and num_full > len(req.pool_block_keys)):
+            parent = req.pool_block_keys[-1] if req.pool_block_keys else req.pool_key_root
+            req.pool_block_keys += chain_block_keys(parent, req.all_token_ids, self.config.block_size,
+                                                    len(req.pool_block_keys), num_full - len(req.pool_block_keys))
+        num_store = min(num_full, len(req.pool_block_keys))
+        for pos in range(req.num_pool_stored_blocks, num_store):
+            self.pool_store_queue.append([req.block_ids[pos], req.pool_block_keys[pos]])
+        req.num_pool_stored_blocks = max(req.num_pool_stored_blocks, num_store)
+
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        self._release(req, cache=status is not RequestStatus.FINISHED_ERROR)
+        req.status = status
+        req.error = error
+        del self._requests[req.req_id]
+        return RequestDelta(
+            req_id=req.req_id,
+            new_token_ids=[],
+            finish_reason=status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
+        )
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[RequestDelta]:
+        """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
+        deltas = []
+        for req_id in req_ids:
+            self.release_kv(req_id)  # a prefill TE's hold: the job is gone, nobody will pull it
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            if req_id in self._receiving:  # its blocks are being written: free them once the pull ends
+                deltas.append(self._finish_receiving(req, RequestStatus.FINISHED_ABORTED))
+            else:
+                deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED))
+        return deltas
+
+    def _finish_receiving(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
+        req.kv_pull_aborted = True
+        req.status = status
+        del self._requests[req.req_id]
+        return RequestDelta(req_id=req.req_id, new_token_ids=[], finish_reason=status.finish_reason,
+                            num_prompt_tokens=req.num_prompt_tokens, error=error)
+
+    def fail_all(self, message: str) -> list[RequestDelta]:
+        """Finish every request with "error" (the executor failed)."""
+        deltas = [
+            self._finish(req, RequestStatus.FINISHED_ERROR, error=message)
+            for req in list(self._running) + list(self._waiting)
+        ]
+        deltas += [self._finish_receiving(req, RequestStatus.FINISHED_ERROR, error=message)
+                   for req in self._receiving.values() if not req.kv_pull_aborted]
+        self._step_progress.clear()
+        return deltas
+
+    def dp_load(self, default_output_tokens: int) -> DPGroupLoad:
+        """This scheduler's load as the DP balancer sees it (requests without max_tokens are
+        expected to produce `default_output_tokens`)."""
+        bs = self.config.block_size
+        reserved = pending = 0
+        for req in self._requests.values():
+            expected = req.num_prompt_tokens + (req.sampling_params.max_tokens or default_output_tokens)
+            reserved += max(0, _cdiv(min(expected, self.config.max_model_len), bs) - len(req.block_ids))
+            pending += max(0, req.num_prompt_tokens - req.num_computed_tokens)
+        return DPGroupLoad(num_requests=len(self._requests), max_num_seqs=self.config.max_num_seqs,
+                           num_blocks=self.kv_manager.num_blocks,
+                           num_used_blocks=self.kv_manager.num_blocks - self.kv_manager.num_available_blocks,
+                           reserved_blocks=reserved, pending_prefill_tokens=pending)
+
+    # ------------------------------------------------------------ explicit context caching (MatchByID)
+    def match_cached_blocks(self, req: Request) -> list[int]:
+        """The leading blocks whose KV this request can reuse (no reference taken): those of its named context
+        cache first, then whatever the prefix cache holds beyond them. At least the last token is computed: its
+        logits give the next token."""
+        tokens = req.all_token_ids
+        limit = len(tokens) - 1
+        prefix: list[int] = []
+        if self.kv_manager.enable_prefix_caching:
+            prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False)
+        pinned = self._match_context_cache(req.context_cache_id, tokens, limit)
+        # a block's KV depends only on the tokens up to it, so pinned and tree blocks of equal tokens mix freely
+        return pinned + prefix[len(pinned):]
+
+    def _match_context_cache(self, cache_id: str | None, tokens: list[int], limit: int) -> list[int]:
+        """The pinned blocks of `cache_id` that lead `tokens` (within `limit` tokens); none for an id this
+        engine does not know (it restarted, or another engine made it): prefix matching alone serves it."""
+        pin = self.context_caches.get(cache_id) if cache_id is not None else None
+        if pin is None:
+            return []
+        blocks = self.kv_manager.match_by_id(cache_id) or []
+        bs = self.config.block_size
+        n = 0
+        while (n < len(blocks) and (n + 1) * bs <= limit
+               and tokens[n * bs:(n + 1) * bs] == pin.token_ids[n * bs:(n + 1) * bs]):
+            n += 1
+        return blocks[:n]
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self._num_pinned
+
+    def can_pin(self, num_blocks: int) -> bool:
+        """Whether named context caches may pin `num_blocks` more blocks here."""
+        return self.num_pinned_blocks + num_blocks <= int(MAX_PINNED_FRACTION * self.kv_manager.num_blocks)
+
+    def _pin_context_cache(self, req: Request) -> None:
+        """Once a creating request's prompt KV is computed, pin its full prompt blocks under the cache id."""
+        bs = self.config.block_size
+        num_full = req.num_prompt_tokens // bs
+        if req.num_kv_ready_tokens < num_full * bs:
+            return
+        if not self.can_pin(num_full):  # others were pinned since its admission: it stays a plain prefix
+            logger.warning("context cache %s not pinned: named caches would hold over %.0f%% of the KV blocks",
+                           req.context_cache_id, 100 * MAX_PINNED_FRACTION)
+            req.context_cache_ttl_s = None
+            return
+        self.kv_manager.register_id(req.context_cache_id, req.block_ids[:num_full])  # one reference each: never evicted
+        pin = _ContextCachePin(token_ids=list(req.prompt_token_ids[:num_full * bs]),
+                               deadline=time.monotonic() + req.context_cache_ttl_s, num_blocks=num_full)
+        self._forget_pin(req.context_cache_id)
+        self.context_caches[req.context_cache_id] = pin
+        self._num_pinned += num_full
+        heapq.heappush(self._pin_deadlines, (pin.deadline, req.context_cache_id))
+        req.context_cache_ttl_s = None
+        logger.debug("context cache %s: %d blocks pinned", req.context_cache_id, num_full)
+
+    def drop_context_cache(self, cache_id: str) -> bool:
+        """Unpin a named cache (deleted or expired), and stop a request still creating it from pinning;
+        False when this scheduler knew nothing of it."""
+        known = self._forget_pin(cache_id)
+        known = self.kv_manager.unregister_id(cache_id) or known
+        for req in self._requests.values():
+            if req.context_cache_id == cache_id and req.context_cache_ttl_s is not None:
+                req.context_cache_ttl_s = None
+                known = True
+        return known
+
+    def expire_context_caches(self, now: float | None = None) -> list[str]:
+        """Unpin the named caches whose ttl has passed."""
+        now = time.monotonic() if now is None else now
+        expired = []
+        while self._pin_deadlines and self._pin_deadlines[0][0] <= now:
+            deadline, cache_id = heapq.heappop(self._pin_deadlines)
+            pin = self.context_caches.get(cache_id)
+            if pin is not None and pin.deadline == deadline:
+                self.drop_context_cache(cache_id)
+                expired.append(cache_id)
+        return expired
+
+    def _forget_pin(self, cache_id: str) -> bool:
+        pin = self.context_caches.pop(cache_id, None)
+        if pin is not None:
+            self._num_pinned -= pin.num_blocks
+        return pin is not None
+
+    def check_fits(self, req: Request) -> None:
+        """Raise RequestTooLongError when `req` could never run here (used before a request is queued)."""
+        self._check_fits(req)
+
+    def stats(self) -> EngineStats:
+        waiting_tokens = sum(r.num_tokens for r in self._waiting)
+        waiting_tokens += sum(max(0, r.num_tokens - r.num_computed_tokens) for r in self._running)
+        return EngineStats(
+            num_running=len(self._running) + len(self._receiving),
+            num_waiting=len(self._waiting),
+            waiting_tokens=waiting_tokens,
+            running_tokens=sum(r.num_tokens for r in self._running),
+            kv_transfer_holds=len(self.kv_holds),
+            kv_pulled=self.num_kv_pulled,
+            kv_pull_recomputed=self.num_kv_pull_recomputed,
+            kv_usage=self.kv_manager.usage,
+            num_kv_blocks=self.kv_manager.num_blocks,
+            prefix_cache_queries=self.kv_manager.prefix_queries,
+            prefix_cache_hits=self.kv_manager.prefix_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,178 @@
+"""Driving the engine for one API request: one engine request per prompt, merged into one stream.
+
+The run owns its engine requests until they finish: whatever way the HTTP side
+ends (client gone, server shutting down, an error), `close()` aborts the ones
+still running so the engine frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from meshserve.engine.outputs import CompletionOutput, RequestOutput
+from meshserve.entrypoints.openai.metrics import RequestTracker
+from meshserve.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from meshserve.entrypoints.openai.api_server import EngineClientProtocol
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+class ServerStopping(Exception):
+    """The server's shutdown grace period ran out before this run finished."""
+
+
+@dataclass
+class EnginePrompt:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    context_cache_id: str | None = None  # the named context cache leading token_ids
+    context_cache_ttl_s: float | None = None  # set: this prompt creates that cache
+
+    def cache_kwargs(self) -> dict:
+        """The engine's context-cache arguments, only when there are any (engines without them still work)."""
+        kwargs = {"context_cache_id": self.context_cache_id, "context_cache_ttl_s": self.context_cache_ttl_s}
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+
+@dataclass
+class _EngineRequest:
+    request_id: str
+    prompt: EnginePrompt
+    stream: AsyncIterator[RequestOutput]
+    tracker: RequestTracker
+    last: RequestOutput | None = None
+    done: bool = False
+
+
+async def _next_or_none(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+
+
+class GenerationRun:
+    def __init__(self, engine: "EngineClientProtocol", prompts: list[EnginePrompt], request_id: str,
+                 priority: int, trackers: list[RequestTracker], stopping: asyncio.Event | None = None) -> None:
+        self._engine = engine
+        self._stopping = stopping
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._requests = [
+            _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority, **p.cache_kwargs()),
+                           tracker)
+            for rid, p, tracker in zip(ids, prompts, trackers)
+        ]
+        self._pending: dict[asyncio.Task, int] = {}
+        # every choice's latest state, keyed by (prompt index, choice index within the prompt)
+        self.choices: dict[tuple[int, int], CompletionOutput] = {}
+
+    async def start(self) -> None:
+        """Submit every prompt and wait for its first output.
+
+        Admission failures (queue full, engine dead, too long) surface here, before
+        any response is sent, so they can still become an HTTP status.
+        """
+        for index in range(len(self._requests)):
+            self._schedule(index)
+        await asyncio.wait(self._pending, return_when=asyncio.FIRST_EXCEPTION)
+        for task in self._pending:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as the engine produces them, across all prompts; raises ServerStopping
+        once `stopping` is set."""
+        stop = asyncio.ensure_future(self._stopping.wait()) if self._stopping is not None else None
+        try:
+            async for item in self._outputs(stop):
+                yield item
+        finally:
+            if stop is not None:
+                stop.cancel()
+
+    async def _outputs(self, stop: asyncio.Future | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._pending:
+            waiting = set(self._pending) if stop is None else {*self._pending, stop}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if stop is not None and stop in done:
+                raise ServerStopping()
+            for task in sorted(done, key=self._pending.__getitem__):
+                index = self._pending.pop(task)
+                req = self._requests[index]
+                output = task.result()
+                if output is None:  # the engine ended the stream without a final output
+                    raise RuntimeError(f"the engine ended request {req.request_id} without finishing it")
+                req.tracker.observe(output)
+                req.last = output
+                for choice in output.outputs:
+                    self.choices[(index, choice.index)] = choice
+                if output.finished:
+                    req.done = True
+                else:
+                    self._schedule(index)
+                yield index, output
+
+    def _schedule(self, index: int) -> None:
+        task = asyncio.ensure_future(_next_or_none(self._requests[index].stream))
+        self._pending[task] = index
+
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens) over every prompt and choice."""
+        prompt = sum(len(r.prompt.token_ids) for r in self._requests)
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        cached = sum(r.last.num_cached_tokens for r in self._requests if r.last is not None)
+        return prompt, completion, cached
+
+    async def close(self) -> None:
+        """Abort what is still running and release the engine streams; safe to call more than once."""
+        with anyio.CancelScope(shield=True):
+            pending, self._pending = list(self._pending), {}
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(BaseException):
+                    await task
+            for req in self._requests:
+                with contextlib.suppress(Exception):
+                    await req.stream.aclose()
+                if not req.done:
+                    req.done = True
+                    await self._engine.abort(req.request_id)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (the request body must already be read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, or raise ClientDisconnected (cancelling it) if the client leaves first."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work_task, watcher):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+    if work_task.cancelled() or not work_task.done():
+        raise ClientDisconnected()
+    return work_task.result()

@@ -1,0 +1,154 @@
+"""Prometheus metrics of one API server: request latencies measured here, engine state mirrored at scrape time."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from meshserve.core.messages import EngineStats, dropped_frames
+from meshserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 600.0)
+# finish reasons of a request that completed as asked (not aborted, not failed)
+_SUCCESS_REASONS = ("stop", "length")
+STATS_TIMEOUT_S = 5.0
+
+
+class TokenRateWindow:
+    """Generated tokens per second over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, num_tokens: int, now: float) -> None:
+        self._events.append((now, num_tokens))
+        self._drop_before(now - self.window_s)
+
+    def rate(self, now: float) -> float:
+        self._drop_before(now - self.window_s)
+        return sum(n for _, n in self._events) / self.window_s
+
+    def _drop_before(self, horizon: float) -> None:
+        while self._events and self._events[0][0] < horizon:
+            self._events.popleft()
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters read from the latest engine stats snapshot (refreshed before each scrape)."""
+
+    def __init__(self, token_rate: TokenRateWindow) -> None:
+        self.stats = EngineStats()
+        self._token_rate = token_rate
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        yield GaugeMetricFamily("meshserve_num_requests_running", "Requests the engine is running.", s.num_running)
+        yield GaugeMetricFamily("meshserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield GaugeMetricFamily("meshserve_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", s.kv_usage)
+        yield GaugeMetricFamily("meshserve_prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache / tokens looked up, since start.", hit_rate)
+        yield GaugeMetricFamily("meshserve_generation_tokens_per_second",
+                                f"Generated tokens per second over the last {self._token_rate.window_s:g} s.",
+                                self._token_rate.rate(time.monotonic()))
+        yield CounterMetricFamily("meshserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache_queries)
+        yield CounterMetricFamily("meshserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  s.prefix_cache_hits)
+        # this process's sockets and the engine master's (its socket names differ from ours)
+        dropped = CounterMetricFamily("meshserve_dropped_frames", "Bad frames internal sockets dropped, by socket.",
+                                      labels=["socket"])
+        for socket_name, count in sorted({**s.dropped_frames, **dropped_frames()}.items()):
+            dropped.add_metric([socket_name], count)
+        yield dropped
+
+
+class ServerMetrics:
+    """All metrics of one app, in a registry of its own (several apps can live in one process)."""
+
+    def __init__(self, rate_window_s: float = 10.0) -> None:
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "meshserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.time_per_output_token = Histogram(
+            "meshserve_time_per_output_token_seconds", "Mean time between output tokens, per request.",
+            buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e_request_latency = Histogram(
+            "meshserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=_E2E_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("meshserve_prompt_tokens", "Prompt tokens prefilled.", registry=self.registry)
+        self.generation_tokens = Counter("meshserve_generation_tokens", "Tokens generated.", registry=self.registry)
+        self.request_success = Counter("meshserve_request_success", "Completions finished as asked, by reason.",
+                                       ["finish_reason"], registry=self.registry)
+        self.http_rejected = Counter("meshserve_http_rejected", "Requests turned away before a handler, by reason.",
+                                     ["reason"], registry=self.registry)
+        self.token_rate = TokenRateWindow(rate_window_s)
+        self._engine_stats = _EngineStatsCollector(self.token_rate)
+        self.registry.register(self._engine_stats)
+
+    def track(self, arrival_time: float) -> "RequestTracker":
+        """A tracker for one engine request; `arrival_time` is on the time.monotonic() clock."""
+        return RequestTracker(self, arrival_time)
+
+    def count_rejected(self, reason: str) -> None:
+        self.http_rejected.labels(reason=reason).inc()
+
+    def update_engine_stats(self, stats: EngineStats) -> None:
+        self._engine_stats.stats = stats
+
+    async def refresh(self, get_stats) -> None:
+        """Pull engine stats for the next scrape; on failure the previous snapshot stays."""
+        try:
+            self.update_engine_stats(await asyncio.wait_for(get_stats(), timeout=STATS_TIMEOUT_S))
+        except Exception as exc:  # a dead or slow engine must not break /metrics
+            logger.warning("could not read engine stats for /metrics: %s", exc)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """Feeds one engine request's outputs into the latency histograms and token counters."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
+        self._metrics = metrics
+        self._arrival_time = arrival_time
+        self._first_token_time: float | None = None
+
+    def observe(self, output: RequestOutput, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        new_tokens = sum(len(c.token_ids_delta) for c in output.outputs)
+        if new_tokens:
+            self._metrics.generation_tokens.inc(new_tokens)
+            self._metrics.token_rate.add(new_tokens, now)
+            if self._first_token_time is None:
+                self._first_token_time = now
+                self._metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+                self._metrics.time_to_first_token.observe(now - self._arrival_time)
+        if output.finished and output.error is None:
+            self._on_finished(output, now)
+
+    def _on_finished(self, output: RequestOutput, now: float) -> None:
+        m = self._metrics
+        succeeded = [c.finish_reason for c in output.outputs if c.finish_reason in _SUCCESS_REASONS]
+        if not succeeded:
+            return
+        for reason in succeeded:
+            m.request_success.labels(finish_reason=reason).inc()
+        m.e2e_request_latency.observe(now - self._arrival_time)
+        longest = max(len(c.token_ids) for c in output.outputs)
+        if self._first_token_time is not None and longest > 1:
+            m.time_per_output_token.observe((now - self._first_token_time) / (longest - 1))

@@ -1,0 +1,382 @@
+"""The OpenAI request bodies the API accepts, and the pieces of its response bodies.
+
+Requests are validated strictly, as OpenAI does: unknown fields, wrong JSON
+types and out-of-range values are rejected (the server answers 400), never
+silently coerced. Integers must fit in 64 bits, numbers must be finite, and
+token ids must be in the model's vocabulary (given as the validation context
+`{"vocab_size": N}`). Fields with OpenAI semantics the server does not implement
+(tools, logit_bias, suffix, ...) are accepted only at their neutral value, so a
+client never gets a different behaviour from the one it asked for.
+
+Each request model also describes itself for the OpenAPI schema
+(`openapi_request_body`), so generic tools can test the API.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator,
+)
+
+from meshserve.engine.outputs import PositionLogprobs
+from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
+from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128
+# OpenAI's default for /v1/completions; chat generates until the context ends
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# bounds the schema can state exactly: its numbers are doubles, and 2**63 is one, 2**63 - 1 is not
+_INT64_END = INT64_MAX + 1
+
+
+def _integral(value: Any) -> Any:
+    """16.0 is the integer 16 (as in JSON Schema); 16.5, true and "16" stay what they are and are refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+# constraints before the validator, so that the schema states them
+Int64 = Annotated[int, Field(ge=INT64_MIN, lt=_INT64_END), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0, lt=_INT64_END), BeforeValidator(_integral)]
+TokenCount = Annotated[int, Field(ge=1, lt=_INT64_END), BeforeValidator(_integral)]
+
+# what the hand-written validators below accept, for the schema
+_TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1,
+                     "items": {"type": "integer", "minimum": 0, "exclusiveMaximum": _INT64_END}}
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    _TOKEN_IDS_SCHEMA,
+    {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEMA]}},
+]}
+_STOP_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}},
+    {"type": "null"},
+]}
+_TEXT_PART_SCHEMA = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]}
+# fields accepted only at their neutral value
+_EMPTY_OBJECT_SCHEMA = {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}
+_EMPTY_ARRAY_SCHEMA = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+_NULL_SCHEMA = {"type": "null"}
+
+
+class _StrictModel(BaseModel):
+    # NaN and Infinity (JSON literals a careless client may send) are no numbers here
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_StrictModel):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_StrictModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: TokenCount | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: Int = Field(1, ge=1, le=MAX_N)
+    stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(_EMPTY_OBJECT_SCHEMA)] = None
+    # vLLM extensions
+    top_k: Int | None = Field(None, ge=-1, lt=_INT64_END)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int = Field(0, ge=0, lt=_INT64_END)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: Int64 = 0
+    # explicit context caching: the named cache (POST /v1/context_caches) whose prefix comes first
+    context_cache_id: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError("must be a string or a list of strings")
+        if any(v == "" for v in values):
+            raise ValueError("stop strings must not be empty")
+        return values
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_in_vocabulary(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        _check_vocabulary(value or [], info)
+        return value
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Engine settings; absent fields take OpenAI's defaults. Raises SamplingParamsError on bad values."""
+        return SamplingParams(
+            n=self.n,
+            temperature=_or(self.temperature, 1.0),
+            top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, -1),
+            min_p=_or(self.min_p, 0.0),
+            seed=self.seed,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _check_vocabulary(token_ids: list[int], info: ValidationInfo) -> None:
+    """Every id in [0, vocab_size) when the caller gave the model's vocabulary size as context."""
+    vocab_size = (info.context or {}).get("vocab_size")
+    if vocab_size is None:
+        return
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+# ------------------------------------------------------------------ /v1/completions
+class CompletionRequest(_SamplingRequest):
+    # one prompt (text or token ids) or a batch of them; normalised to a list
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: TokenCount | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)
+    suffix: Annotated[str | None, WithJsonSchema(_NULL_SCHEMA)] = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_max_tokens(cls, value: int | None) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if value is None else value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts_as_list(cls, value: Any, info: ValidationInfo) -> list[str | list[int]]:
+        value = _integral_items(value)
+        if isinstance(value, str):
+            prompts = [value]
+        elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+            prompts = [value]
+        elif isinstance(value, list) and value and all(
+                isinstance(v, str) or (isinstance(v, list) and all(_is_token_id(t) for t in v)) for v in value):
+            prompts = value
+        elif value == []:
+            raise ValueError("the prompt must not be empty")
+        else:
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("the prompt must not be empty")
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                _check_vocabulary(prompt, info)
+        return prompts
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must equal n when given)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        return self
+
+
+def _integral_items(value: Any) -> Any:
+    """A prompt with integral floats (1.0) read as token ids, at both list depths."""
+    if not isinstance(value, list):
+        return value
+    return [_integral_items(v) if isinstance(v, list) else _integral(v) for v in value]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ------------------------------------------------------------------ /v1/chat/completions
+class ChatMessage(_StrictModel):
+    # "developer" is OpenAI's newer name for the system role
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_as_text(cls, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+            texts = []
+            for part in value:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError('only text content parts ({"type": "text", "text": "..."}) are supported')
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("must be a string or a list of text parts")
+
+    def for_template(self) -> dict[str, str]:
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class ResponseFormat(_StrictModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_EMPTY_ARRAY_SCHEMA)] = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ------------------------------------------------------------------ /v1/context_caches
+class ContextCacheCreateRequest(_StrictModel):
+    """A named prefix: a prompt (text or token ids, for /v1/completions) or chat messages (for chat)."""
+
+    model: str
+    prompt: Annotated[str | list[Int] | None, WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEMA, {"type": "null"}]})] = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    ttl_seconds: float | None = Field(None, gt=0, le=MAX_TTL_S)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: str | list[int] | None, info: ValidationInfo) -> str | list[int] | None:
+        if value is not None and len(value) == 0:
+            raise ValueError("the prompt must not be empty")
+        if isinstance(value, list):
+            if not all(_is_token_id(t) for t in value):
+                raise ValueError("must be a string or a list of token ids")
+            _check_vocabulary(value, info)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ContextCacheCreateRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+# ------------------------------------------------------------------ OpenAPI
+def openapi_request_body(model: type[BaseModel], served_model_name: str | None = None) -> dict[str, Any]:
+    """`openapi_extra` for a route whose JSON body `model` validates by hand: the body's schema, refs inlined.
+
+    With `served_model_name`, the `model` field lists the one name the server answers to (others get 404).
+    """
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+    if served_model_name is not None and "model" in schema.get("properties", {}):
+        schema["properties"]["model"] = {"type": "string", "enum": [served_model_name], "title": "Model"}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _inline_refs(schema, definitions)}}}}
+
+
+# POST /admin/eplb/rebalance: {} (rebalance from the measured load) or an explicit placement
+EPLB_REBALANCE_OPENAPI = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
+    "type": "object", "additionalProperties": False,
+    "properties": {"placement": {"type": "object", "description": "an expert placement, as `meshserve eplb` writes"}},
+}}}}}
+
+
+def _inline_refs(node: Any, definitions: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_inline_refs(item, definitions) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:  # "#/$defs/Name": no model here refers to itself
+        target = copy.deepcopy(definitions[node["$ref"].rsplit("/", 1)[-1]])
+        return _inline_refs({**target, **{k: v for k, v in node.items() if k != "$ref"}}, definitions)
+    return {key: _inline_refs(value, definitions) for key, value in node.items()}
+
+
+# ------------------------------------------------------------------ response pieces
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(positions: list[PositionLogprobs], num_top: int, text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape; text offsets count from `text_offset` (the choice text already sent)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for pos in positions:
+        tokens.append(pos.chosen.decoded)
+        token_logprobs.append(pos.chosen.logprob)
+        # OpenAI's top_logprobs always contains the sampled token
+        top = {alt.decoded: alt.logprob for alt in pos.top[:num_top]}
+        top.setdefault(pos.chosen.decoded, pos.chosen.logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(pos.chosen.decoded)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(positions: list[PositionLogprobs], num_top: int) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    content = [
+        {**entry(pos.chosen.decoded, pos.chosen.logprob),
+         "top_logprobs": [entry(alt.decoded, alt.logprob) for alt in pos.top[:num_top]]}
+        for pos in positions
+    ]
+    return {"content": content, "refusal": None}

@@ -1,0 +1,245 @@
+"""One MoE layer's routed experts over a parallel strategy `attn=TPa+DPb moe=TPc+EPd`.
+
+`MoERuntime(ctx, ...)(hidden, topk_ids, topk_weights, experts)` gives each rank the
+routed-expert output of its own tokens, equal (up to float summation order) to the
+single-rank `experts(hidden, topk_ids, topk_weights)` with full weights. Every rank
+calls it once per MoE layer per step, with T = 0 tokens too (an idle DP group), so
+every collective completes. The path, per step:
+
+1. de-duplicate: the a ranks of an attention TP group hold the same T tokens, so each
+   takes one contiguous `torch.tensor_split` chunk and every token is computed once;
+2. pure EP (c = 1): `EPDispatcher` sends each (token, expert) row to the expert owner
+   and back (optionally INT8 on the way out);
+   MoE TP (c > 1): the c ranks of a MoE node exchange their token sets so each holds
+   its column block of every node token (sizes first, then one all-to-all that moves
+   only H/c columns per row plus the routing), `HybridMoEComm` dispatches, every rank
+   runs its intermediate-column shard of the node's experts, and the combine sums the
+   partials; each rank keeps its own rows. When a == c the attention TP group is the
+   MoE node and its tokens are already replicated: steps 1 and 3 and the exchange are
+   skipped;
+3. the attention TP group all-gathers the chunks back, so all of its ranks hold the
+   same output for all T tokens.
+
+Physical expert slots (`ctx.redundant_experts_per_rank` = R > 0): each EP rank holds
+S = E/EP + R slots, its primaries then R redundant slots for replicas of hot experts, and
+the dispatchers route by global slot id (N * S "experts"). After gating the runtime adds
+the logical ids to the layer's load counts (`load_counts`, when the model's
+`ExpertBalancer` has attached its row) and maps them to slot ids through `slot_map`
+(meshserve/moe/slots.py), on the whole batch of the attention TP group before step 1.
+With R = 0 slot ids are the expert ids and no mapping runs.
+
+INT8 dispatch (`ctx.int8_dispatch`, off by default, pure EP only) quantizes each token
+symmetrically per row before it leaves its rank: every input element moves by at most
+max|x_t| / 254, and the layer output stays within 2% of its max |output| (max abs error
+<= 0.02 * max |output|, checked in tests/parallel/test_moe_runtime.py). The combine
+stays in full precision.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshserve.layers.moe import FusedMoEWeights
+from meshserve.moe.placement import PlacementShape
+from meshserve.moe.recorder import add_counts
+from meshserve.moe.slots import SlotMap
+from meshserve.parallel.context import ParallelContext
+from meshserve.moe.comm import EPDispatcher, HybridMoEComm
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# INT8 dispatch keeps the layer output within this fraction of its max |output| (see module docstring).
+INT8_DISPATCH_MAX_ERROR = 0.02
+
+
+# Every MoE layer of a model runs one after another, so the layers of one context share one
+# communicator per shape: one set of worst-case dispatch buffers instead of one per layer.
+_SHARED_COMMS: dict[tuple, object] = {}
+
+
+def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object]) -> object:
+    full_key = (id(ctx), *key)
+    comm = _SHARED_COMMS.get(full_key)
+    if comm is None:
+        comm = _SHARED_COMMS[full_key] = make()
+        weakref.finalize(ctx, _SHARED_COMMS.pop, full_key, None)  # ids are reused once ctx is gone
+    return comm
+
+
+def chunk_sizes(num_tokens: int, parts: int) -> list[int]:
+    """Row counts of `torch.tensor_split(x, parts)` for x with num_tokens rows."""
+    base, extra = divmod(num_tokens, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _to_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [N, bytes per row] uint8 (a view where t is contiguous)."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size())
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """A column range of a byte message -> [N, cols] of dtype (copied: the range need not be aligned)."""
+    return torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b).view(dtype).reshape(b.shape[0], cols)
+
+
+class MoERuntime:
+    """Runs the routed experts of one MoE layer for this rank of a parallel context."""
+
+    def __init__(self, ctx: ParallelContext, num_experts: int, top_k: int, hidden_size: int,
+                 dtype: torch.dtype) -> None:
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.ctx = ctx
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.first_expert, self.num_local_experts = ctx.expert_range(num_experts)
+        self.redundant_slots = ctx.redundant_experts_per_rank
+        self.placement_shape = PlacementShape(num_experts, ctx.ep_size, self.redundant_slots)
+        self.num_slots = self.placement_shape.num_slots  # what the dispatchers route over
+        # logical -> slot ids; None while slot ids are the expert ids (no redundant slots)
+        self.slot_map: SlotMap | None = None
+        if self.redundant_slots:
+            self.slot_map = SlotMap.from_slots(self.placement_shape.default_slots(), num_experts)
+        # this layer's row of the model's expert-load counter (attached by its ExpertBalancer)
+        self.load_counts: torch.Tensor | None = None
+        self._one = torch.ones(1, dtype=torch.int64)
+        self.rotation_offset = ctx.dp_rank
+        self.tp_rank, self.tp_size = ctx.moe_tp_rank, ctx.moe_tp_size
+        self.attn_tp_size = ctx.attn_tp_size
+        self.single = ctx.world_size == 1
+        # a == c: the attention TP group is the MoE node, whose tokens are then already replicated
+        self.node_replicated = self.tp_size > 1 and self.attn_tp_size == self.tp_size
+        self.deduplicate = self.attn_tp_size > 1 and not self.node_replicated
+        self.ep_dispatcher: EPDispatcher | None = None
+        self.hybrid: HybridMoEComm | None = None
+        if self.single:
+            return
+        if ctx.moe_groups is None:
+            raise ValueError(f"a context for {ctx.strategy} needs its process groups (ParallelContext.build)")
+        shape = (self.num_slots, top_k, hidden_size, dtype)
+        if self.tp_size == 1:
+            per_rank = -(-ctx.max_tokens_per_step // self.attn_tp_size) if self.deduplicate \
+                else ctx.max_tokens_per_step
+            self.ep_dispatcher = _shared_comm(ctx, ("ep", *shape), lambda: EPDispatcher(
+                ctx.moe_groups.inter_node, self.num_slots, top_k, hidden_size, per_rank, dtype,
+                int8=ctx.int8_dispatch))
+        else:
+            if ctx.int8_dispatch:
+                raise ValueError(f"INT8 dispatch needs pure EP (moe=TP1+EPn); {ctx.strategy} has MoE TP")
+            self.hybrid = _shared_comm(ctx, ("hybrid", *shape), lambda: HybridMoEComm(
+                ctx.moe_groups, self.num_slots, top_k, hidden_size, fused=ctx.moe_comm == "fused"))
+
+    def make_weights(self, intermediate_size: int) -> FusedMoEWeights:
+        """Expert weights holding this rank's slots and intermediate-column block."""
+        return FusedMoEWeights(self.num_experts, self.hidden_size, intermediate_size, self.dtype,
+                               first_expert=self.first_expert, num_local_experts=self.num_local_experts,
+                               tp_rank=self.tp_rank, tp_size=self.tp_size, redundant_slots=self.redundant_slots)
+
+    def attach_load_counts(self, row: torch.Tensor) -> None:
+        """Count this layer's routed tokens per logical expert into `row` ([E] int64) from now on."""
+        self.load_counts = row
+        self._one = torch.ones(1, dtype=torch.int64, device=row.device)
+
+    # ------------------------------------------------------------------ forward
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 experts: FusedMoEWeights) -> torch.Tensor:
+        self._check(hidden, topk_ids, topk_weights, experts)
+        if self.load_counts is not None:
+            add_counts(self.load_counts, topk_ids, self._one)
+        slot_map = self.slot_map
+        if slot_map is not None:
+            topk_ids = slot_map.route(topk_ids, self.rotation_offset)
+        if self.single:
+            return experts(hidden, topk_ids, topk_weights)
+        num_tokens = hidden.shape[0]
+        if self.deduplicate:
+            rank = self.ctx.attn_tp_rank
+            hidden, topk_ids, topk_weights = (torch.tensor_split(t, self.attn_tp_size)[rank]
+                                              for t in (hidden, topk_ids, topk_weights))
+        if self.ep_dispatcher is not None:
+            out = self._expert_parallel(hidden, topk_ids, topk_weights, experts)
+        else:
+            out = self._hybrid(hidden, topk_ids, topk_weights, experts)
+        if self.deduplicate:
+            out = self._gather_chunks(out, num_tokens)
+        return out
+
+    def _check(self, hidden, topk_ids, topk_weights, experts: FusedMoEWeights) -> None:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
+        expected = (hidden.shape[0], self.top_k)
+        if tuple(topk_ids.shape) != expected or tuple(topk_weights.shape) != expected:
+            raise ValueError(f"topk_ids and topk_weights must be {list(expected)}, got "
+                             f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
+        held = (experts.first_expert, experts.num_local_experts, experts.tp_rank, experts.tp_size,
+                experts.redundant_slots)
+        if held != (self.first_expert, self.num_local_experts, self.tp_rank, self.tp_size, self.redundant_slots):
+            raise ValueError(f"expert weights hold experts [{held[0]}, {held[0] + held[1]}) TP {held[2]}/{held[3]} "
+                             f"+{held[4]} redundant slots; this rank needs [{self.first_expert}, "
+                             f"{self.first_expert + self.num_local_experts}) TP {self.tp_rank}/{self.tp_size} "
+                             f"+{self.redundant_slots} (use make_weights)")
+
+    @staticmethod
+    def _run_rows(experts: FusedMoEWeights, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Unweighted output of each dispatched row (routing weights are applied at combine)."""
+        ids = expert_ids.reshape(-1, 1)
+        return experts(rows, ids, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
+
+    def _expert_parallel(self, hidden, topk_ids, topk_weights, experts) -> torch.Tensor:
+        recv_hidden, recv_ids, handle = self.ep_dispatcher.dispatch(hidden, topk_ids)
+        return self.ep_dispatcher.combine(self._run_rows(experts, recv_hidden, recv_ids), handle, topk_weights)
+
+    def _hybrid(self, hidden, topk_ids, topk_weights, experts) -> torch.Tensor:
+        if self.node_replicated:
+            shard = self.hybrid.shard
+            hidden_shard = hidden[:, self.tp_rank * shard:(self.tp_rank + 1) * shard].contiguous()
+            own = slice(0, hidden.shape[0])
+        else:
+            hidden_shard, topk_ids, topk_weights, own = self._exchange_node_tokens(hidden, topk_ids, topk_weights)
+        recv, recv_ids, handle = self.hybrid.dispatch(hidden_shard, topk_ids)
+        node_out = self.hybrid.combine(self._run_rows(experts, recv, recv_ids), handle, topk_weights)
+        return node_out[own]
+
+    def _exchange_node_tokens(self, hidden, topk_ids, topk_weights):
+        """The node's tokens in rank order on each of its ranks: this rank's column block of the hidden
+        states and the full routing. Returns them and the slice of this rank's own rows."""
+        group = self.ctx.moe_groups.intra_node
+        c, shard, num_tokens = self.tp_size, self.hybrid.shard, hidden.shape[0]
+        device = hidden.device
+        counts = torch.empty(c, dtype=torch.int64, device=device)
+        _all_gather_single(counts, torch.tensor([num_tokens], dtype=torch.int64, device=device), group=group)
+        sizes = counts.tolist()
+        offset = sum(sizes[:self.tp_rank])
+        own = slice(offset, offset + num_tokens)
+        total = sum(sizes)
+        # One message row per (destination, token): [destination's column block | ids | weights].
+        blocks = hidden.reshape(num_tokens, c, shard).transpose(0, 1).reshape(c * num_tokens, shard)
+        routing = torch.cat([_to_bytes(topk_ids), _to_bytes(topk_weights)], dim=1).repeat(c, 1)
+        send = torch.cat([_to_bytes(blocks), routing], dim=1)
+        recv = send.new_empty(total, send.shape[1])
+        if total:  # every rank of the node sees the same sizes, so all skip together
+            dist.all_to_all_single(recv, send, sizes, [num_tokens] * c, group=group)
+        hidden_bytes = shard * hidden.element_size()
+        ids_bytes = self.top_k * topk_ids.element_size()
+        node_hidden = _from_bytes(recv[:, :hidden_bytes], hidden.dtype, shard)
+        node_ids = _from_bytes(recv[:, hidden_bytes:hidden_bytes + ids_bytes], topk_ids.dtype, self.top_k)
+        node_weights = _from_bytes(recv[:, hidden_bytes + ids_bytes:], topk_weights.dtype, self.top_k)
+        return node_hidden, node_ids, node_weights, own
+
+    def _gather_chunks(self, out_chunk: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """All T rows on every rank of the attention TP group, from each rank's tensor_split chunk."""
+        if num_tokens == 0:  # the group's ranks share T, so all skip together
+            return out_chunk
+        sizes = chunk_sizes(num_tokens, self.attn_tp_size)
+        padded = out_chunk.new_zeros(sizes[0], out_chunk.shape[1])
+        padded[:out_chunk.shape[0]] = out_chunk
+        gathered = padded.new_empty(self.attn_tp_size * sizes[0], out_chunk.shape[1])
+        _all_gather_single(gathered, padded, group=self.ctx.attn_tp_group)
+        parts = gathered.view(self.attn_tp_size, sizes[0], -1)
+        return torch.cat([parts[i, :n] for i, n in enumerate(sizes)])

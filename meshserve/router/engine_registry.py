@@ -1,0 +1,183 @@
+"""The job executor's view of its TEs: who is there (heartbeats), how loaded, and what each one caches.
+
+A TE announces itself with `EngineHeartbeat`s (`meshserve te --register`); the first one registers it and
+the JE connects to its input and KV-event addresses. A TE whose heartbeats stop for `timeout_s`, that
+says it is leaving, or that reports a fatal error is dropped. Each TE's prefix-cache events feed the
+global prompt tree; a gap in their sequence (or a heartbeat announcing events the JE never got: a
+subscriber connecting late misses the first ones) makes the JE ask the TE for a snapshot, so the tree
+never keeps a prefix the TE has evicted for longer than that round trip.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, field
+
+import zmq
+
+from meshserve.core import messages as msg
+from meshserve.router.prompt_tree import GlobalPromptTree
+from meshserve.router.routing import LoadTracker, TELoad, TEView
+from meshserve.utils import cluster_auth
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRecord:
+    name: str
+    heartbeat: msg.EngineHeartbeat
+    sock: zmq.Socket  # PUSH to the TE's input address
+    last_seen: float
+    alive: bool = True
+    # KV-event sync: None while a snapshot is awaited (events are buffered meanwhile)
+    synced: bool = False
+    snapshot_query: int | None = None
+    buffered: list = field(default_factory=list)
+    lagging_since: float | None = None
+
+    @property
+    def role(self) -> str:
+        return self.heartbeat.role
+
+    @property
+    def view_load(self) -> TELoad:
+        s = self.heartbeat.stats
+        return TELoad(num_running=s.num_running, num_waiting=s.num_waiting, waiting_tokens=s.waiting_tokens,
+                      running_tokens=s.running_tokens, kv_usage=s.kv_usage)
+
+
+class EngineRegistry:
+    def __init__(self, ctx: zmq.Context, tree: GlobalPromptTree | None, loads: LoadTracker,
+                 timeout_s: float = 3.0) -> None:
+        self.ctx = ctx
+        self.tree = tree
+        self.loads = loads
+        self.timeout_s = timeout_s
+        self.tes: dict[str, EngineRecord] = {}
+        self.kv_events = cluster_auth.client(ctx.socket(zmq.SUB))  # every TE's PUB; read on the JE's reader thread
+        self.kv_events.setsockopt(zmq.SUBSCRIBE, b"")
+        self._kv_event_sources: dict[str, str] = {}  # PUB address -> TE name
+        # the SUB socket belongs to the reader thread: (dis)connections wait here until it applies them
+        self._subscription_changes: queue.SimpleQueue = queue.SimpleQueue()
+
+    # ------------------------------------------------------------------ membership
+    def on_heartbeat(self, hb: msg.EngineHeartbeat, now: float) -> tuple[EngineRecord | None, bool]:
+        """Record a heartbeat; returns (the TE, whether it is new). A leaving TE is dropped."""
+        record = self.tes.get(hb.name)
+        if hb.leaving:
+            if record is not None and record.alive:
+                self.drop(record, "it is shutting down")
+            return record, False
+        if record is not None and record.alive and record.heartbeat.input_addr != hb.input_addr:
+            self.drop(record, "it restarted")  # same name, new process: start over
+            record = None
+        new = record is None or not record.alive
+        if new:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            cluster_auth.client(sock, hb.input_addr)
+            sock.connect(hb.input_addr)
+            record = EngineRecord(hb.name, hb, sock, now)
+            self.tes[hb.name] = record
+            if hb.kv_events_addr and self.tree is not None:
+                self._subscription_changes.put(("connect", hb.kv_events_addr))
+                self._kv_event_sources[hb.kv_events_addr] = hb.name
+            logger.info("TE %s registered: %s in group %s at %s (attention TP%d x DP%d)", hb.name, hb.role,
+                        hb.group, hb.input_addr, hb.attn_tp, hb.attn_dp)
+        record.heartbeat = hb
+        record.last_seen = now
+        self.loads.report(hb.name, record.view_load)
+        return record, new
+
+    def drop(self, record: EngineRecord, why: str) -> None:
+        if not record.alive:
+            return
+        record.alive = False
+        logger.warning("TE %s dropped: %s", record.name, why)
+        record.sock.close(0)
+        if self.tree is not None:
+            self.tree.remove_te(record.name)
+        self.loads.forget(record.name)
+        addr = record.heartbeat.kv_events_addr
+        if addr in self._kv_event_sources:
+            del self._kv_event_sources[addr]
+            self._subscription_changes.put(("disconnect", addr))
+
+    def apply_subscription_changes(self) -> None:
+        """On the thread that reads `kv_events`: follow the TEs that came and went."""
+        while True:
+            try:
+                action, addr = self._subscription_changes.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                getattr(self.kv_events, action)(addr)
+            except zmq.ZMQError:
+                pass  # disconnecting an address that never connected
+
+    def expired(self, now: float) -> list[EngineRecord]:
+        return [r for r in self.tes.values() if r.alive and now - r.last_seen > self.timeout_s]
+
+    def live(self) -> list[EngineRecord]:
+        return [r for r in self.tes.values() if r.alive]
+
+    def views(self) -> list[TEView]:
+        return [TEView(name=r.name, role=r.role, group=r.heartbeat.group, load=self.loads.load_of(r.name))
+                for r in self.live()]
+
+    def get(self, name: str) -> EngineRecord | None:
+        record = self.tes.get(name)
+        return record if record is not None and record.alive else None
+
+    # ------------------------------------------------------------------ KV-event sync (prompt tree)
+    def on_kv_events(self, te: str, batch: msg.KVCacheEvents) -> bool:
+        """Apply a TE's events; False when the JE must ask for a snapshot (a gap)."""
+        record = self.get(te)
+        if record is None or self.tree is None:
+            return True
+        if not record.synced or record.snapshot_query is not None:
+            record.buffered.append(batch)  # replayed on top of the snapshot (those newer than it)
+            return True
+        if self.tree.apply(te, batch):
+            return True
+        last = self.tree.last_seq(te)
+        if last is not None and batch.seq <= last:
+            return True  # already covered by the snapshot
+        record.synced = False
+        record.buffered = [batch]
+        return False
+
+    def needs_snapshot(self, record: EngineRecord, now: float) -> bool:
+        """A TE never synced, or one whose heartbeats have said for a while that it published events the
+        tree has not seen (a heartbeat may overtake the batch it counts, so one second of lag is allowed)."""
+        if self.tree is None or record.snapshot_query is not None:
+            return False
+        if not record.synced:
+            return True
+        if record.heartbeat.kv_event_seq <= (self.tree.last_seq(record.name) or 0):
+            record.lagging_since = None
+            return False
+        if record.lagging_since is None:
+            record.lagging_since = now
+        return now - record.lagging_since > 1.0
+
+    def load_snapshot(self, record: EngineRecord, data: dict) -> None:
+        seq = int(data["seq"])
+        blocks = {int(dp): blocks for dp, blocks in data["blocks"].items()}
+        self.tree.load_snapshot(record.name, seq, blocks)
+        record.synced = True
+        record.snapshot_query = None
+        record.lagging_since = None
+        buffered, record.buffered = record.buffered, []
+        for batch in sorted(buffered, key=lambda b: b.seq):
+            if batch.seq > seq and not self.tree.apply(record.name, batch):
+                record.synced = False  # still a hole: the next check asks again
+                break
+
+    def close(self) -> None:
+        for record in self.tes.values():
+            if record.alive:
+                record.sock.close(0)
+        self.kv_events.close(0)

@@ -1,0 +1,584 @@
+"""The job executor (JE): turns each request into tasks on the deployment's TEs (deepserve §3, §5).
+
+It lives in the frontend process and offers the API server the same interface as a single engine
+(`AsyncEngineClient`). Each request (each of its `n` choices) becomes a job; the router picks either
+one colocated TE or a prefill TE and a decode TE. Disaggregated jobs follow xdeepserve §5.1: the
+prefill TE computes the prompt and the first token and holds the KV blocks; the JE then sends the job
+to the decode TE with the blocks' addresses; the decode TE pulls them when it has room and decodes.
+Every TE sends a job's tokens straight to this frontend's output socket (output short-circuiting):
+the JE only forwards a handed-off job once, it never relays tokens.
+
+Failures: a TE that stops heartbeating, says it is leaving, or reports a fatal error is dropped; its
+jobs that have not produced a token yet are routed again, and decode jobs move to another decode TE
+with the tokens so far (that TE pulls the prompt's KV if the prefill TE still holds it, else computes
+it). A colocated job that was already streaming fails with a clear error.
+
+A reader thread receives everything (outputs, heartbeats, KV events) and hands it to the event loop;
+all job state lives on the loop's thread. Every socket is authenticated (CurveZMQ with the cluster
+secret), and a frame that does not decode, or a message whose handling fails, is logged, counted and
+dropped: nothing a peer sends stops the reader. The JE is healthy only while its reader runs and a
+request of some kind can be routed (`health()` says which kinds can, and what the others miss).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import zmq
+
+from meshserve.core import messages as msg
+from meshserve.engine.detokenizer import load_tokenizer
+from meshserve.core.errors import ADMISSION_ERRORS, EngineDeadError
+from meshserve.engine.output_processor import OutputProcessor
+from meshserve.models.generation_config import eos_token_ids
+from meshserve.engine.outputs import RequestOutput
+from meshserve.router.prompt_tree import GlobalPromptTree
+from meshserve.router.routing import (REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, RouteDecision, RouteHealth,
+                                        Router, route_health)
+from meshserve.router.engine_registry import EngineRecord, EngineRegistry
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.utils import cluster_auth
+
+logger = logging.getLogger(__name__)
+
+_TICK_S = 0.2  # liveness and KV-sync checks
+_MAX_REGISTRATION_BYTES = 1 << 20  # a heartbeat is a few hundred bytes; a peer sending more is cut off
+
+
+class RouteUnavailableError(EngineDeadError):
+    """No TE (or P/D pair) can take the request now (HTTP 503)."""
+
+
+@dataclass
+class _Job:
+    """One engine-level request (one choice of a caller request) and where it runs now."""
+
+    child_id: str
+    parent_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    priority: int
+    arrival_time: float
+    policy: str | None
+    attempt: int = 0
+    engine_id: str = ""  # the id the TEs know this attempt by
+    stage: str = "colocated"  # colocated | prefill | decode
+    te: str = ""  # the TE running the current stage
+    decode_te: str = ""  # a disaggregated job's chosen decode TE
+    group: str = ""  # ... and its TE group (a replacement decode TE must serve the same model)
+    kv_params: dict | None = None  # the prefill TE's hand-off, kept for a decode TE that fails
+    token_ids: list[int] = field(default_factory=list)  # tokens received so far
+    context_cache_id: str | None = None  # a named context cache leading the prompt
+    context_cache_ttl_s: float | None = None  # set: this job creates that cache
+
+
+class Router:
+    def __init__(self, model: str, served_model_name: str | None = None, host: str = "127.0.0.1",
+                 register_port: int = 0, policy: str = "round_robin", heatmap=None, predictor=None,
+                 heartbeat_timeout_s: float = 5.0, max_attempts: int = 3) -> None:
+        self.model_name = served_model_name or os.path.basename(os.path.normpath(model))
+        self.tokenizer = load_tokenizer(model)
+        self.eos_token_ids = eos_token_ids(model)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.loads = LoadTracker()
+        self.tree: GlobalPromptTree | None = None  # built at the first TE's registration (its block size)
+        self._heatmap, self._predictor = heatmap, predictor
+        self.router = Router(policy)
+        self.max_attempts = max_attempts
+        self.ctx = zmq.Context()
+        self.outputs = cluster_auth.server(self.ctx.socket(zmq.PULL))  # every TE's outputs for jobs from here
+        self.outputs.setsockopt(zmq.RCVHWM, 0)
+        out_port = self.outputs.bind_to_random_port(f"tcp://{host}")
+        self.output_addr = f"tcp://{host}:{out_port}"
+        self.registrations = cluster_auth.server(self.ctx.socket(zmq.PULL))  # TEs' heartbeats
+        self.registrations.setsockopt(zmq.MAXMSGSIZE, _MAX_REGISTRATION_BYTES)
+        if register_port:
+            self.registrations.bind(f"tcp://{host}:{register_port}")
+            self.register_addr = f"tcp://{host}:{register_port}"
+        else:
+            self.register_addr = f"tcp://{host}:{self.registrations.bind_to_random_port(f'tcp://{host}')}"
+        self.registry = EngineRegistry(self.ctx, None, self.loads, timeout_s=heartbeat_timeout_s)
+        self._jobs: dict[str, _Job] = {}  # engine id -> job
+        # named context caches: id -> (the TE whose KV cache pins its blocks, expiry on time.monotonic)
+        self._cache_homes: dict[str, tuple[str, float]] = {}
+        self._job_of_child: dict[str, _Job] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._admin_waiters: dict[int, asyncio.Future] = {}
+        self._admin_ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._reader_error: str | None = None  # why the reader thread ended, when it ended on its own
+        self._last_tick = 0.0
+        self.bad_frames = 0  # frames dropped: undecodable, or their handling failed
+
+    # ------------------------------------------------------------------ lifecycle
+    def _ensure_started(self) -> None:
+        """Deliver messages to the running event loop (a JE used from a new loop moves its reader there)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._reader is not None:
+            self._stop.set()
+            self._reader.join(5)
+            self._stop = threading.Event()
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read_forever, args=(self._stop,), name="meshserve-je-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    async def start(self) -> None:
+        self._ensure_started()
+
+    async def wait_for_tes(self, roles: dict[str, int], timeout_s: float) -> None:
+        """Wait until at least `roles[role]` TEs of each role are registered; TimeoutError names the missing."""
+        self._ensure_started()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            have = {role: sum(1 for r in self.registry.live() if r.role == role) for role in roles}
+            missing = {role: n - have[role] for role, n in roles.items() if have[role] < n}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("TEs not registered after %.0f s: missing %s" % (
+                    timeout_s, ", ".join(f"{n} {role}" for role, n in missing.items())))
+            await asyncio.sleep(0.1)
+
+    def wait_for_tes_blocking(self, roles: dict[str, int], timeout_s: float, alive=None) -> None:
+        """Before serving: take heartbeats until at least `roles[role]` TEs of each role are registered.
+        `alive()` (optional) raises when a TE being started has died. TimeoutError names what is missing."""
+        if self._loop is not None:
+            raise RuntimeError("wait_for_tes_blocking is for start-up, before the event loop uses the JE")
+        deadline = time.monotonic() + timeout_s
+        next_log = time.monotonic() + 10
+        while True:
+            have = {role: sum(1 for r in self.registry.live() if r.role == role) for role in roles}
+            missing = {role: n - have[role] for role, n in roles.items() if have[role] < n}
+            if not missing:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError("TEs not registered after %.0f s: missing %s" % (
+                    timeout_s, ", ".join(f"{n} {role}" for role, n in missing.items())))
+            if now > next_log:
+                next_log = now + 10
+                logger.info("waiting for TEs: %s", ", ".join(f"{n} {role}" for role, n in missing.items()))
+            if alive is not None:
+                alive()
+            if self.registrations.poll(100):
+                while self.registrations.poll(0):
+                    item = self._decode(self.registrations.recv(), "registration")
+                    if isinstance(item, msg.EngineHeartbeat):
+                        self._guarded(self._on_heartbeat, item, time.monotonic())
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(5)
+        self.registry.close()
+        self.outputs.close(0)
+        self.registrations.close(0)
+        self.ctx.term()
+
+    def _read_forever(self, stop: threading.Event) -> None:
+        try:
+            self._read_until(stop)
+        except BaseException as exc:  # noqa: BLE001 - recorded: health must say the reader is gone
+            self._reader_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("job executor reader stopped; /health answers 503 from now on")
+
+    def _read_until(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        for sock in (self.outputs, self.registrations, self.registry.kv_events):
+            poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            try:
+                self.registry.apply_subscription_changes()
+                ready = dict(poller.poll(int(_TICK_S * 1000)))
+            except zmq.ContextTerminated:
+                return
+            items = []
+            for sock, source in ((self.registrations, "registration"), (self.outputs, "output"),
+                                 (self.registry.kv_events, "KV event")):
+                if sock in ready:
+                    while sock.poll(0):
+                        item = self._decode(sock.recv(), source)
+                        if item is not None:
+                            items.append(item)
+            if not self._post(self._on_items, items):
+                return
+
+    def _decode(self, frame: bytes, source: str):
+        """A message, or None for a frame that is not one (logged and counted, never fatal)."""
+        try:
+            return msg.decode(frame)
+        except Exception as exc:  # noqa: BLE001 - whatever a peer sends, the reader goes on
+            self._count_bad_frame(f"dropped a {len(frame)}-byte {source} frame that does not decode: {exc}")
+            return None
+
+    def _count_bad_frame(self, why: str, exc_info: bool = False) -> None:
+        self.bad_frames += 1
+        if self.bad_frames in (1, 10, 100) or self.bad_frames % 1000 == 0:  # a flood gets a few lines
+            logger.warning("%s (%d bad frame(s) so far)", why, self.bad_frames, exc_info=exc_info)
+
+    def _guarded(self, handler, *args) -> None:
+        try:
+            handler(*args)
+        except Exception as exc:  # noqa: BLE001 - one bad message must not stop the others
+            what = type(args[0]).__name__ if args else handler.__name__
+            self._count_bad_frame(f"dropped a {what} whose handling failed: {type(exc).__name__}: {exc}",
+                                  exc_info=True)
+
+    def _post(self, handler, item) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(handler, item)
+        except RuntimeError:  # the loop closed
+            return False
+        return True
+
+    # ------------------------------------------------------------------ on the loop thread
+    def _on_items(self, items: list) -> None:
+        now = time.monotonic()
+        for item in items:
+            self._guarded(self._on_item, item, now)
+        if now - self._last_tick >= _TICK_S:
+            self._last_tick = now
+            self._guarded(self._tick, now)
+
+    def _on_item(self, item, now: float) -> None:
+        if isinstance(item, msg.EngineOutputs):
+            for delta in item.deltas:
+                self._guarded(self._on_delta, delta)
+        elif isinstance(item, msg.EngineHeartbeat):
+            self._on_heartbeat(item, now)
+        elif isinstance(item, msg.KVCacheEvents):
+            if not self.registry.on_kv_events(item.engine, item):
+                self._request_snapshot(self.registry.get(item.engine))
+        elif isinstance(item, msg.AdminReply):
+            self._on_admin_reply(item)
+        elif isinstance(item, msg.EngineStats):
+            pass  # stats come with heartbeats
+        elif isinstance(item, msg.EngineError):
+            record = self.registry.get(item.engine)
+            if record is not None:
+                self._drop_te(record, f"it failed: {item.message}")
+
+    def _tick(self, now: float) -> None:
+        for record in self.registry.expired(now):
+            self._drop_te(record, f"no heartbeat for {self.registry.timeout_s:.0f} s")
+        for record in self.registry.live():
+            if self.registry.needs_snapshot(record, now):
+                self._request_snapshot(record)
+
+    def _on_heartbeat(self, hb: msg.EngineHeartbeat, now: float) -> None:
+        if self.tree is None and not hb.leaving:
+            self.tree = GlobalPromptTree(hb.block_size)
+            self.registry.tree = self.tree
+            self.router = Router(self.router.policy, tree=self.tree, heatmap=self._heatmap, predictor=self._predictor)
+        if hb.leaving or not hb.stats.healthy:  # a failed TE that still heartbeats is not taken back
+            record = self.registry.get(hb.name)
+            if record is not None:
+                self._drop_te(record, "it is shutting down" if hb.leaving else
+                              f"it reports a failure: {hb.stats.error or 'unhealthy'}")
+            return
+        record, new = self.registry.on_heartbeat(hb, now)
+        if new:
+            self._request_snapshot(record)
+
+    def _request_snapshot(self, record: EngineRecord | None) -> None:
+        if record is None or self.tree is None or record.snapshot_query is not None:
+            return
+        query_id = next(self._admin_ids)
+        record.snapshot_query = query_id
+        self._admin_waiters[query_id] = ("snapshot", record.name)
+        self._send(record, msg.AdminRequest(query_id=query_id, op="kv.snapshot", reply_to=self.output_addr))
+
+    def _on_admin_reply(self, reply: msg.AdminReply) -> None:
+        waiter = self._admin_waiters.pop(reply.query_id, None)
+        if isinstance(waiter, tuple):  # a KV snapshot for the prompt tree
+            record = self.registry.get(waiter[1])
+            if record is not None and record.snapshot_query == reply.query_id:
+                if reply.ok:
+                    self.registry.load_snapshot(record, reply.data)
+                else:
+                    record.snapshot_query = None
+        elif waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    def _send(self, record: EngineRecord, item) -> None:
+        try:
+            record.sock.send(msg.encode(item), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._drop_te(record, "its input queue is full or closed")
+
+    # ------------------------------------------------------------------ jobs
+    def _dispatch(self, job: _Job, exclude: set[str] = frozenset()) -> None:
+        """Route the job's first stage and send it; raises NoRouteError."""
+        views = [v for v in self.registry.views() if v.name not in exclude]
+        decision = self._cache_home_route(job, views) or self.router.route(
+            job.prompt_token_ids, views, policy=job.policy, max_tokens=job.params.max_tokens)
+        job.attempt += 1
+        self._jobs.pop(job.engine_id, None)
+        job.engine_id = f"{job.child_id}@{job.attempt}"
+        self._jobs[job.engine_id] = job
+        if decision.kind == "colocated":
+            job.stage, job.te, job.decode_te = "colocated", decision.te, ""
+            kv_transfer = None
+        else:
+            job.stage, job.te, job.decode_te = "prefill", decision.prefill, decision.decode
+            job.group = self.registry.get(decision.prefill).heartbeat.group
+            kv_transfer = {"role": "producer"}
+        self.loads.on_dispatch(job.te, len(job.prompt_token_ids), job.engine_id)
+        self._send(self.registry.get(job.te), msg.AddRequest(
+            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params.to_dict(),
+            arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
+            reply_to=self.output_addr, kv_transfer=kv_transfer, context_cache_id=job.context_cache_id,
+            context_cache_ttl_s=job.context_cache_ttl_s))
+        if job.context_cache_ttl_s is not None:  # the TE that computes the prompt pins the cache's blocks
+            self._cache_homes[job.context_cache_id] = (job.te, time.monotonic() + job.context_cache_ttl_s)
+
+    def _cache_home_route(self, job: _Job, views: list) -> RouteDecision | None:
+        """A job using a named context cache goes to the TE that pinned its blocks while that TE is alive;
+        elsewhere it would only compute the prefix again (same output, no reuse)."""
+        now = time.monotonic()
+        for cache_id in [c for c, (_, expiry) in self._cache_homes.items() if expiry <= now]:
+            del self._cache_homes[cache_id]
+        if job.context_cache_id is None or job.context_cache_ttl_s is not None:
+            return None
+        home = self._cache_homes.get(job.context_cache_id)
+        if home is None:
+            return None
+        return self.router.route_to(home[0], views, f"context cache {job.context_cache_id} is pinned there")
+
+    def _dispatch_decode(self, job: _Job, exclude: set[str] = frozenset(), recompute: bool = False) -> None:
+        """Send a handed-off job to its decode TE (another one of its group if that one is gone). With
+        `recompute` the decode TE computes the prompt and the tokens so far itself: after a decode TE
+        failed, the prefill TE may have released the blocks already."""
+        record = self.registry.get(job.decode_te)
+        if record is None or job.decode_te in exclude:
+            candidates = [v for v in self.registry.views() if v.role == "decode" and v.name not in exclude
+                          and v.group == job.group]
+            if not candidates:
+                raise NoRouteError("no decode TE is left for a job whose prefill is done")
+            job.decode_te = min(candidates, key=lambda v: (v.load.kv_usage, v.load.num_running)).name
+            record = self.registry.get(job.decode_te)
+        job.stage, job.te = "decode", job.decode_te
+        if recompute:
+            self._release_prefill_hold(job)
+        self.loads.on_dispatch(job.te, 0, job.engine_id)
+        self._send(record, msg.AddRequest(
+            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params.to_dict(),
+            arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
+            reply_to=self.output_addr,
+            kv_transfer={"role": "consumer", **job.kv_params, **({"recompute": True} if recompute else {})},
+            output_token_ids=list(job.token_ids)))
+
+    def _release_prefill_hold(self, job: _Job) -> None:
+        """Nobody will pull the job's KV from its prefill TE: have it free the blocks now rather than when
+        its hold expires (a repeated release is harmless)."""
+        record = self.registry.get(job.kv_params.get("engine", ""))
+        if record is not None:
+            self._send(record, msg.ReleaseKV(req_ids=[job.engine_id]))
+
+    def _on_delta(self, delta: msg.RequestDelta) -> None:
+        job = self._jobs.get(delta.req_id)
+        if job is None:
+            return  # an earlier attempt, or a job already finished or aborted
+        queue = self._queues.get(job.parent_id)
+        if delta.error_type in ADMISSION_ERRORS and not job.token_ids:
+            self._finish_job(job)
+            if queue is not None:
+                self._send_aborts(self.processor.abort(job.parent_id))
+                queue.put_nowait(ADMISSION_ERRORS[delta.error_type](delta.error))
+            return
+        job.token_ids.extend(delta.new_token_ids)
+        child_delta = msg.RequestDelta(**{**delta.__dict__, "req_id": job.child_id, "kv_transfer_params": None})
+        out, to_abort = self.processor.process(child_delta, time.time())
+        if out is not None and queue is not None:
+            queue.put_nowait(out)
+        self._send_aborts(to_abort)
+        if delta.finish_reason is not None:
+            if delta.finish_reason == "error" and job.stage == "decode":
+                self._release_prefill_hold(job)  # the decode TE may have failed it before pulling
+            self._finish_job(job)
+        elif delta.kv_transfer_params is not None and job.child_id in self._job_of_child:
+            self.loads.on_finished(job.te, job.engine_id)
+            job.kv_params = delta.kv_transfer_params
+            self._on_hand_off(job)
+
+    def _on_hand_off(self, job: _Job) -> None:
+        """The prefill TE holds the job's KV and sent its first token: send the job on to its decode TE
+        (xdeepserve §5.1 step 4). One method, so a test can hold a hand-off back to break the transfer."""
+        try:
+            self._dispatch_decode(job)
+        except NoRouteError as exc:
+            self._fail_job(job, str(exc))
+
+    def _finish_job(self, job: _Job) -> None:
+        self._jobs.pop(job.engine_id, None)
+        self._job_of_child.pop(job.child_id, None)
+        self.loads.on_finished(job.te, job.engine_id)
+
+    def _fail_job(self, job: _Job, error: str) -> None:
+        self._on_delta(msg.RequestDelta(req_id=job.engine_id, new_token_ids=[], finish_reason="error",
+                                        error=error, num_prompt_tokens=len(job.prompt_token_ids)))
+
+    def _drop_te(self, record: EngineRecord, why: str) -> None:
+        """Drop a TE and move its jobs: re-route those without tokens, re-decode handed-off ones."""
+        self.registry.drop(record, why)
+        for job in [j for j in self._jobs.values() if j.te == record.name]:
+            try:
+                if job.stage == "decode":
+                    self._dispatch_decode(job, exclude={record.name}, recompute=True)
+                elif not job.token_ids and job.attempt < self.max_attempts:
+                    self._dispatch(job, exclude={record.name})
+                else:
+                    raise NoRouteError(f"TE {record.name} failed while serving the request ({why})")
+            except NoRouteError as exc:
+                self._fail_job(job, str(exc))
+            else:
+                logger.warning("request %s moved off TE %s (%s stage) to %s", job.child_id, record.name, job.stage,
+                               job.te)
+
+    def _send_aborts(self, child_ids: list[str]) -> None:
+        for child_id in child_ids:
+            job = self._job_of_child.get(child_id)
+            if job is None:
+                continue
+            self._finish_job(job)
+            targets = {job.te, job.decode_te} - {""}
+            if job.kv_params is not None:  # the prefill TE may still hold the blocks
+                targets.add(job.kv_params.get("engine", ""))
+            for name in targets:
+                record = self.registry.get(name)
+                if record is not None:
+                    self._send(record, msg.AbortRequests(req_ids=[job.engine_id]))
+
+    # ------------------------------------------------------------------ API (AsyncEngineClient's interface)
+    @property
+    def max_model_len(self) -> int:
+        lens = [r.heartbeat.max_model_len for r in self.registry.live()]
+        return min(lens) if lens else 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_error is None
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why no request can be served now: the reader thread died, or no kind of request can be routed."""
+        if self._reader_error is not None:
+            return f"the job executor's reader thread stopped ({self._reader_error})"
+        routes = self.route_health()
+        return None if routes.routable else "no request can be routed: " + "; ".join(routes.missing)
+
+    def route_health(self) -> RouteHealth:
+        """Which kinds of request can be routed now; a TE past its heartbeat timeout counts as gone."""
+        expired = {r.name for r in self.registry.expired(time.monotonic())}
+        views = [v for v in self.registry.views() if v.name not in expired]
+        known = {r.heartbeat.group: r.role for r in self.registry.tes.values()}
+        return route_health(views, known)
+
+    def health(self) -> dict:
+        """The body of the deployment's /health: ok or not, per kind of request what can be routed, and
+        what is missing."""
+        reader = "ok" if self._reader_error is None else f"stopped: {self._reader_error}"
+        routes = self.route_health()
+        ok = self._reader_error is None and routes.routable
+        return {"status": "ok" if ok else "unavailable", "reader": reader, **routes.to_dict(),
+                "bad_frames": self.bad_frames}
+
+    async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, priority: int = 0, context_cache_id: str | None = None,
+                       context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngineClient.generate; a job of a named context cache goes to the TE holding it."""
+        self._ensure_started()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        policy = REQUEST_ROUTING_POLICY.get()
+        queue: asyncio.Queue = asyncio.Queue()
+        now = time.time()
+        children = self.processor.add_request(request_id, prompt, prompt_token_ids, params, now)
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for child_id, child_params in children:
+                job = _Job(child_id, request_id, child_params, list(prompt_token_ids), priority, now, policy,
+                           context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
+                self._job_of_child[child_id] = job
+                try:
+                    self._dispatch(job)
+                except NoRouteError as exc:
+                    self._send_aborts(self.processor.abort(request_id))
+                    raise RouteUnavailableError(str(exc)) from None
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._send_aborts(self.processor.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send_aborts(self.processor.abort(request_id))
+
+    async def get_stats(self) -> msg.EngineStats:
+        self._ensure_started()
+        live = self.registry.live()
+        if not live:
+            return msg.EngineStats(healthy=False, error=self.dead_error)
+        stats = [r.heartbeat.stats for r in live]
+        total_blocks = sum(s.num_kv_blocks for s in stats)
+        return msg.EngineStats(
+            num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
+            kv_usage=sum(s.kv_usage * s.num_kv_blocks for s in stats) / max(1, total_blocks),
+            num_kv_blocks=total_blocks,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+            num_preemptions=sum(s.num_preemptions for s in stats),
+            pool_hit_tokens=sum(s.pool_hit_tokens for s in stats),
+            waiting_tokens=sum(s.waiting_tokens for s in stats), running_tokens=sum(s.running_tokens for s in stats),
+            kv_transfer_holds=sum(s.kv_transfer_holds for s in stats), kv_pulled=sum(s.kv_pulled for s in stats),
+            kv_pull_recomputed=sum(s.kv_pull_recomputed for s in stats), healthy=True)
+
+    def te_stats(self) -> dict[str, dict]:
+        """Each live TE's role, group and last reported stats (for benchmarks and the status endpoint)."""
+        return {r.name: {"role": r.role, "group": r.heartbeat.group, **r.heartbeat.stats.__dict__}
+                for r in self.registry.live()}
+
+    async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> msg.AdminReply:
+        """An operator command to one TE: `args["te"]` names it (optional when there is only one)."""
+        self._ensure_started()
+        args = dict(args or {})
+        live = self.registry.live()
+        if op == "context_cache.delete" and "te" not in args:  # the TE that pinned it
+            home = self._cache_homes.pop(str(args.get("id")), None)
+            if home is None or self.registry.get(home[0]) is None:  # its TE is gone, and its pins with it
+                return msg.AdminReply(query_id=0, data={"id": args.get("id"), "deleted": False})
+            args["te"] = home[0]
+        name = args.pop("te", None) or (live[0].name if len(live) == 1 else None)
+        record = self.registry.get(name) if name else None
+        if record is None:
+            return msg.AdminReply(query_id=0, ok=False, error=(
+                f"name the TE with te=NAME; live TEs: {', '.join(sorted(r.name for r in live)) or 'none'}"))
+        query_id = next(self._admin_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._admin_waiters[query_id] = fut
+        self._send(record, msg.AdminRequest(query_id=query_id, op=op, args=args, reply_to=self.output_addr))
+        try:
+            return await asyncio.wait_for(fut, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            self._admin_waiters.pop(query_id, None)
+            return msg.AdminReply(query_id=query_id, ok=False, error=f"TE {name} did not answer {op} in {timeout_s:.0f} s")

@@ -1,0 +1,384 @@
+"""The model runner: the one place where scheduling decisions meet tensors.
+
+It keeps, per request, the token ids it has seen or sampled, the block table and
+the sampling state, so the master only sends what changed each step. Decode
+inputs come from the runner's own last sampled token; this is what lets the
+master schedule step n+1 before step n has returned.
+
+A request whose settings make it fail here (its sampler raises, its token ids
+lie outside the vocabulary) fails alone: it is reported in
+`ModelRunnerOutput.failed`, this rank stops running it at once (a step already
+queued for it skips it), and the step's other requests go on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from meshserve.config import EngineConfig
+from meshserve.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepBatch
+from meshserve.worker.pool_fetch import RankPoolFetches, write_block_into
+from meshserve.worker.sampler import (FAILED_TOKEN, Sampler, SamplerOutput, SamplingRow, describe_error,
+                                      is_process_fault, make_generator)
+from meshserve.layers.metadata import AttentionMetadata
+from meshserve.models.generation_config import eos_token_ids
+from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
+from meshserve.worker.model_cache import pool_weights
+from meshserve.moe.placement import load_placement_file
+from meshserve.parallel.context import ParallelContext
+from meshserve.pool.context_keys import rank_key
+from meshserve.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def kv_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: float) -> int:
+    return max(1, int(budget_bytes // (bytes_per_token * block_size)))
+
+
+class ModelRunner:
+    """One rank's runner. With several ranks, every rank of a DP group runs the same step; the
+    group's driver samples and shares the tokens, so all of them keep the same token state."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
+        self.config = config
+        self.parallel = parallel or ParallelContext.single()
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None and self.parallel.world_size > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.pool = None  # this rank's client of the memory pool: model weights and context (KV) caching
+        if config.pool_controller:
+            from meshserve.pool.sdk import PoolClient
+
+            # a generous timeout: background block stores must survive a busy host (a dead server
+            # still fails fast after its first timeout)
+            self.pool = PoolClient(config.pool_controller, timeout_s=5.0, name=f"executor-{self.parallel.rank}")
+        t0 = time.perf_counter()
+        # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
+                                read_weights=(pool_weights(self.pool, config.model)
+                                              if self.pool is not None and config.pool_load_weights else None))
+        logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+        self.layout = self.model.kv_cache_layout(self.dtype)
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            self.num_blocks = kv_blocks_for_budget(
+                self.layout.bytes_per_token, config.block_size, config.kv_cache_memory_gb * 2**30)
+        self.block_size = config.block_size
+        self.kv_transfer = None  # disaggregated prefill/decode: this rank's KV cache as a transfer region
+        if config.kv_transfer != "none":
+            from meshserve.worker.kv_transfer import RankKVTransfer
+
+            self.kv_transfer = RankKVTransfer(
+                f"{config.te_name}/rank{self.parallel.rank}", config.master_addr, config.kv_transfer_backend,
+                self.layout.num_layers, self.num_blocks, self.block_size, self.layout.entry_shape, self.dtype,
+                self.device)
+            self.kv_caches = self.kv_transfer.kv_caches
+        else:
+            self.kv_caches = self.layout.allocate(self.num_blocks, self.block_size, self.device)
+        # context caching: pool blocks populate the KV cache in the background
+        self.pool_fetches = RankPoolFetches(
+            self.pool, config.pool_namespace, self.parallel.attn_tp_rank, self.parallel.attn_tp_size,
+            self._block_nbytes(), write_block_into(self.kv_caches, self.block_size, self.layout.entry_shape,
+                                                   self.layout.dtype))
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token)", self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
+                    self.layout.bytes_per_token)
+        self.eos_token_ids = eos_token_ids(config.model)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        # requests that failed on this rank; steps skip them until the master says to drop them
+        self.failed_ids: set[str] = set()
+        self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        if config.eplb_placement:
+            self._apply_initial_placement(config.eplb_placement)
+        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
+        self._eplb_phase: str | None = None
+
+    # ------------------------------------------------------------------ expert placement (xdeepserve §4.5)
+    def _apply_initial_placement(self, path: str) -> None:
+        """Load the experts of a planned placement before serving: primary slots may move here too."""
+        placement = load_placement_file(path)
+        if self.expert_balancer is None:
+            raise ValueError(f"--eplb-placement {path}: the model has no MoE layers")
+        t0 = time.perf_counter()
+        self.expert_balancer.reconfigure(placement, allow_primary_moves=True)
+        logger.info("applied expert placement %s in %.2fs", path, time.perf_counter() - t0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.expert_balancer.moe_layers) if self.expert_balancer is not None else []
+
+    @property
+    def num_logical_experts(self) -> int:
+        return self.expert_balancer.shape.num_logical if self.expert_balancer is not None else 0
+
+    def apply_control(self, control: dict) -> None:
+        """Between-step commands; every rank applies them at the same step boundary."""
+        stores = control.get("pool_store", {}).get(self.parallel.dp_rank)
+        if stores:
+            self._store_blocks(stores)
+        for order in control.get("pool_fetch", {}).get(self.parallel.dp_rank, ()):
+            self.pool_fetches.start(order)
+        pulls = control.get("kv_pull", {}).get(self.parallel.dp_rank)
+        if pulls:
+            if self.kv_transfer is None:
+                raise RuntimeError("KV pull ordered on a TE that is not a decode TE")
+            for order in pulls:
+                self.kv_transfer.start_pull(order, order["sources"][self.parallel.attn_tp_rank])
+        eplb = control.get("eplb")
+        if eplb is None:
+            return
+        balancer = self.expert_balancer
+        if balancer is None:
+            raise RuntimeError("expert placement command for a model without MoE layers")
+        phase = eplb["phase"]
+        if phase == "prefetch":
+            from meshserve.moe.placement import ExpertPlacement
+
+            balancer.start_prefetch(ExpertPlacement.from_dict(eplb["placement"]))
+            self._eplb_phase = "prefetching"
+        elif phase == "disable_and_load":
+            balancer.disable_changing_slots()
+            balancer.start_load()
+            self._eplb_phase = "loading"
+        elif phase == "enable":
+            balancer.enable()
+            self._eplb_phase = None
+        elif phase == "abort":  # some rank failed a phase: all drop it at this same step boundary
+            balancer.abort()
+            self._eplb_phase = None
+        else:
+            raise RuntimeError(f"unknown expert placement phase {phase!r}")
+
+    @property
+    def background_busy(self) -> bool:
+        return (self._eplb_phase in ("prefetching", "loading") or self.pool_fetches.busy
+                or (self.kv_transfer is not None and self.kv_transfer.busy))
+
+    @property
+    def kv_region(self) -> dict | None:
+        return self.kv_transfer.descriptor if self.kv_transfer is not None else None
+
+    def close(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()  # unlinks the shared-memory KV cache
+
+    def poll_background(self) -> list[tuple[str, str]]:
+        """(kind, detail) of background work that finished since the last call."""
+        events = self.kv_transfer.poll() if self.kv_transfer is not None else []
+        return events + self.pool_fetches.poll() + self._poll_eplb()
+
+    def _poll_eplb(self) -> list[tuple[str, str]]:
+        if self._eplb_phase not in ("prefetching", "loading"):
+            return []
+        balancer = self.expert_balancer
+        try:
+            done = balancer.prefetch_done() if self._eplb_phase == "prefetching" else balancer.load_done()
+        except Exception as exc:  # reported to the master, which stops the reconfiguration on every rank
+            self._eplb_phase = None
+            return [("eplb_failed", f"{type(exc).__name__}: {exc}")]
+        if not done:
+            return []
+        kind = "eplb_prefetched" if self._eplb_phase == "prefetching" else "eplb_loaded"
+        self._eplb_phase = "loaded" if kind == "eplb_loaded" else "prefetched"
+        return [(kind, "")]
+
+    def take_expert_load(self) -> list[list[int]] | None:
+        return self.expert_balancer.take_counts() if self.expert_balancer is not None else None
+
+    # ------------------------------------------------------------------ state updates
+    def _add(self, new: NewRequestData) -> None:
+        if new.token_ids and (min(new.token_ids) < 0 or max(new.token_ids) >= self.vocab_size):
+            bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        params = SamplingParams.from_dict(new.sampling_params)
+        generator = None
+        if params.seed is not None:
+            generator = make_generator(params.seed, self.device)  # on the logits' device, as the sampler needs
+        self.requests[new.req_id] = RequestState(
+            req_id=new.req_id,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            params=params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+            prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
+        )
+        if generator is not None and len(new.token_ids) > new.num_prompt_tokens:
+            # resumed after preemption: advance the generator past the tokens already sampled
+            # so a seeded request stays reproducible
+            for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                torch.empty(1, device=self.device).exponential_(generator=generator)
+
+    def _apply(self, sched: SchedulerOutput) -> dict[str, str]:
+        """Take the step's request changes; the new requests that could not be taken on, and why."""
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.failed_ids.discard(req_id)
+        failed = {}
+        for new in sched.new_reqs:
+            try:
+                self._add(new)
+            except Exception as exc:  # noqa: BLE001 - one request's settings fail that request alone
+                if is_process_fault(exc):
+                    raise
+                failed[new.req_id] = describe_error(exc)
+                self.failed_ids.add(new.req_id)
+                logger.warning("request %s failed: %s", new.req_id, failed[new.req_id])
+        for cached in sched.cached_reqs:
+            if cached.req_id in self.failed_ids:
+                continue
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        return failed
+
+    # ------------------------------------------------------------------ one step
+    def run_batch(self, batch: StepBatch) -> ModelRunnerOutput | None:
+        """Apply the batch's control, run this rank's DP group's part; the output the driver reports."""
+        self.apply_control(batch.control)
+        if not batch.per_dp:  # control only
+            return None
+        out = self.execute(batch.per_dp[self.parallel.dp_rank])
+        if batch.control.get("report_load"):
+            out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
+        if not self.parallel.is_driver:
+            return None
+        out.dp_rank = self.parallel.dp_rank
+        return out
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        failed = self._apply(sched)
+        # every rank of the DP group skips the same failed requests, so the group stays in lockstep
+        num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}
+        if not num_tokens:
+            if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
+                self._idle_forward()
+            return ModelRunnerOutput(step_id=sched.step_id, failed=failed)
+        # decodes (one token) first: the attention kernels expect that layout
+        order = sorted(num_tokens.items(), key=lambda kv: kv[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # index into the flattened tokens of each sampled sequence's last token
+        sample_states: list[RequestState] = []
+        for req_id, n in order:
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            if start + n > len(state.token_ids):
+                raise RuntimeError(
+                    f"request {req_id}: scheduled tokens [{start}, {start + n}) but only {len(state.token_ids)} known")
+            input_ids.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start)
+            tables.append(state.block_ids)
+            state.num_computed_tokens = start + n
+            if start + n == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_states.append(state)
+        attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, attn, self.kv_caches)
+        out = ModelRunnerOutput(step_id=sched.step_id, failed=failed)
+        if sample_rows:
+            index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+            rows = [
+                SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
+                            output_token_ids=s.output_token_ids, generator=s.generator,
+                            eos_token_ids=self.eos_token_ids)
+                for s in sample_states
+            ]
+            sampled = self._sample(logits, rows)
+            for i, (state, token, lp) in enumerate(zip(sample_states, sampled.token_ids, sampled.logprobs)):
+                if i in sampled.failed:
+                    self._fail_request(state.req_id, sampled.failed[i], out)
+                    continue
+                state.token_ids.append(token)
+                out.sampled[state.req_id] = token
+                if lp is not None:
+                    out.logprobs[state.req_id] = lp
+        out.execute_seconds = time.perf_counter() - t0
+        return out
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample on the driver; the other ranks of its attention TP group receive the tokens, a failed
+        row's as FAILED_TOKEN (so every rank fails the same requests)."""
+        if self.parallel.attn_tp_size == 1:
+            return self.sampler.sample_isolating(logits, rows)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        sampled = SamplerOutput(token_ids=[], logprobs=[None] * len(rows))
+        if self.parallel.is_driver:
+            sampled = self.sampler.sample_isolating(logits, rows)
+            tokens.copy_(torch.as_tensor([int(t) for t in sampled.token_ids], dtype=torch.int64))
+        self.parallel.attn_broadcast_from_driver(tokens)
+        sampled.token_ids = tokens.tolist()
+        if not self.parallel.is_driver:
+            sampled.failed = {i: "sampling failed on the driver rank" for i, t in enumerate(sampled.token_ids)
+                              if t == FAILED_TOKEN}
+        return sampled
+
+    def _fail_request(self, req_id: str, error: str, out: ModelRunnerOutput) -> None:
+        """Stop running a request that failed here; the master finishes it with the error."""
+        logger.warning("request %s failed: %s", req_id, error)
+        self.requests.pop(req_id, None)
+        self.failed_ids.add(req_id)
+        out.failed[req_id] = error
+
+    # ------------------------------------------------------------------ context caching (memory pool)
+    def _block_nbytes(self) -> int:
+        return self.layout.bytes_per_token * self.block_size
+
+    def _store_blocks(self, stores: list) -> None:
+        """Copy full blocks to the pool (the bytes are taken now; sending runs in the background)."""
+        if self.pool is None:
+            return
+        values = {}
+        for block_id, key in stores:
+            block = torch.stack([kv[block_id] for kv in self.kv_caches]).cpu().contiguous()
+            values[rank_key(key, self.parallel.attn_tp_rank, self.parallel.attn_tp_size)] = \
+                block.view(torch.uint8).numpy().tobytes()
+        self.pool.put_async(self.config.pool_namespace, values)
+
+    def _idle_forward(self) -> None:
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.model(empty, empty, AttentionMetadata.empty(self.device), self.kv_caches)
+
+
+def configure_threads(num_threads: int | None, world_size: int = 1) -> int:
+    """Torch threads of one rank: as asked, else this machine's cores shared among the ranks."""
+    n = num_threads or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(n)
+    return n
