@@ -19,6 +19,7 @@ import time
 import traceback
 from collections import deque
 
+import msgspec
 import zmq
 
 from meshserve.config import EngineConfig
@@ -362,7 +363,7 @@ class EngineCore:
                 self.eplb.rebalance(item.args.get("placement"))
                 data = self.eplb.status()
             elif item.op == "stats":
-                data = dataclasses.asdict(self._stats())
+                data = msgspec.structs.asdict(self._stats())
             elif item.op == "kv.snapshot":  # a router rebuilding its view of this TE's prefix caches
                 data = {"seq": self._kv_event_seq, "blocks": {g: kv_manager.snapshot() for g, kv_manager in enumerate(self.kv_managers)}}
             elif item.op == "context_cache.delete":  # unpin a named context cache's blocks

@@ -1,10 +1,11 @@
 """Messages across the engine's process boundaries, encoded with msgpack.
 
-One dataclass per message; `encode` / `decode` turn them into msgpack bytes
-tagged with the class name (no pickle crosses a process boundary). `decode`
-checks a frame against the dataclass it names (size, known type, known fields,
-field types) and raises `MessageError` otherwise; receivers drop such a frame
-with one log line and a count (`drop_frame`, `dropped_frames`) and go on.
+One msgspec struct per message; `encode` / `decode` turn them into msgpack
+frames `[type name, fields]` (no pickle crosses a process boundary). `decode`
+checks a frame against the struct it names (size, known type, known fields,
+field types, nested messages included) and raises `MessageError` otherwise;
+receivers drop such a frame with one log line and a count (`drop_frame`,
+`dropped_frames`) and go on.
 
 Boundaries:
   client  -> master   : AddRequest, AbortRequests, Shutdown, StatsQuery, AdminRequest, ReleaseKV
@@ -20,23 +21,23 @@ Boundaries:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import msgspec
-import msgspec.inspect as mi
 import zmq
+from msgspec import field
 
 logger = logging.getLogger(__name__)
 
 
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """Base of every message: a frame naming a field the receiver's struct lacks is refused."""
+
+
 # ---------------------------------------------------------------- master -> executor
-@dataclass
-class NewRequestData:
+class NewRequestData(Message):
     """A request the executor has not seen, or one resumed after preemption."""
 
     req_id: str
@@ -47,8 +48,7 @@ class NewRequestData:
     num_prompt_tokens: int  # the original prompt length (penalties use output tokens only)
 
 
-@dataclass
-class CachedRequestData:
+class CachedRequestData(Message):
     """A request the executor already holds; it continues from its own token state."""
 
     req_id: str
@@ -56,8 +56,7 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
-@dataclass
-class SchedulerOutput:
+class SchedulerOutput(Message):
     step_id: int
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
@@ -74,8 +73,7 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
-@dataclass
-class StepBatch:
+class StepBatch(Message):
     """One lockstep step of every rank: DP group g runs `per_dp[g]` (empty when it has no work;
     its ranks still join the step's MoE collectives)."""
 
@@ -87,8 +85,7 @@ class StepBatch:
 
 
 # ---------------------------------------------------------------- executor -> master
-@dataclass
-class ModelRunnerOutput:
+class ModelRunnerOutput(Message):
     step_id: int
     dp_rank: int = 0  # the DP group whose driver rank reports this step
     # tokens per logical expert of each MoE layer since the last report ([layer][expert]), when asked
@@ -103,8 +100,7 @@ class ModelRunnerOutput:
     execute_seconds: float = 0.0
 
 
-@dataclass
-class WorkerReady:
+class WorkerReady(Message):
     rank: int
     num_kv_blocks: int
     kv_bytes_per_token: int
@@ -120,8 +116,7 @@ PULLED, PULL_FAILED = "kv_pulled", "kv_pull_failed"
 POOL_FETCHED = "pool_fetched"
 
 
-@dataclass
-class WorkerEvent:
+class WorkerEvent(Message):
     """Something an executor finished in the background (e.g. "eplb_prefetched", "eplb_loaded", "eplb_failed")."""
 
     rank: int
@@ -129,14 +124,12 @@ class WorkerEvent:
     detail: str = ""
 
 
-@dataclass
-class WorkerFailure:
+class WorkerFailure(Message):
     rank: int
     message: str
 
 
-@dataclass
-class WorkerHandshake:
+class WorkerHandshake(Message):
     """A rank on another host joining a TE: it sends only its `rank`; the master answers with
     the engine config and the rank's addresses, or with `error` when it cannot take that rank."""
 
@@ -149,8 +142,7 @@ class WorkerHandshake:
 
 
 # ---------------------------------------------------------------- client <-> master
-@dataclass
-class AddRequest:
+class AddRequest(Message):
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any]
@@ -169,20 +161,17 @@ class AddRequest:
     context_cache_ttl_s: float | None = None
 
 
-@dataclass
-class AbortRequests:
+class AbortRequests(Message):
     req_ids: list[str]
 
 
-@dataclass
-class ReleaseKV:
+class ReleaseKV(Message):
     """The KV blocks held for these requests' decode may be freed (pulled, or never to be pulled)."""
 
     req_ids: list[str]
 
 
-@dataclass
-class RequestDelta:
+class RequestDelta(Message):
     """New tokens of one request since the last message."""
 
     req_id: str
@@ -198,19 +187,16 @@ class RequestDelta:
     kv_transfer_params: dict[str, Any] | None = None
 
 
-@dataclass
-class EngineOutputs:
+class EngineOutputs(Message):
     deltas: list[RequestDelta] = field(default_factory=list)
     timestamp: float = 0.0
 
 
-@dataclass
-class StatsQuery:
+class StatsQuery(Message):
     reply_to: str = ""
 
 
-@dataclass
-class EngineStats:
+class EngineStats(Message):
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use
@@ -230,8 +216,7 @@ class EngineStats:
     error: str | None = None
 
 
-@dataclass
-class EngineReady:
+class EngineReady(Message):
     num_kv_blocks: int
     block_size: int
     kv_bytes_per_token: int
@@ -239,15 +224,13 @@ class EngineReady:
     vocab_size: int = 0  # token ids the model takes: [0, vocab_size)
 
 
-@dataclass
-class EngineError:
+class EngineError(Message):
     message: str
     fatal: bool = True
     engine: str = ""  # the TE's name (EngineConfig.te_name)
 
 
-@dataclass
-class KVCacheEvents:
+class KVCacheEvents(Message):
     """Prefix-cache changes of one TE, published for routers that keep a global prompt tree.
 
     Each event is a dict: {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
@@ -261,8 +244,7 @@ class KVCacheEvents:
     engine: str = ""  # the TE's name (EngineConfig.te_name)
 
 
-@dataclass
-class AdminRequest:
+class AdminRequest(Message):
     """An operator command to the master (e.g. "eplb.load", "eplb.status", "eplb.rebalance")."""
 
     query_id: int
@@ -271,21 +253,18 @@ class AdminRequest:
     reply_to: str = ""
 
 
-@dataclass
-class AdminReply:
+class AdminReply(Message):
     query_id: int
     ok: bool = True
     data: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
 
-@dataclass
-class Shutdown:
+class Shutdown(Message):
     pass
 
 
-@dataclass
-class EngineHeartbeat:
+class EngineHeartbeat(Message):
     """A TE announcing itself to a job executor, repeated every heartbeat interval: its registration
     (addresses, role, layout) and its current load. A JE that misses several heartbeats drops the TE."""
 
@@ -316,18 +295,13 @@ _MESSAGE_TYPES = {
 }
 
 
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_to_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    return obj
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _MESSAGE_TYPES.items()}
 
 
-def encode(msg: Any) -> bytes:
-    return msgpack.packb([type(msg).__name__, _to_plain(msg)], use_bin_type=True)
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode((type(msg).__name__, msg))
 
 
 # ---------------------------------------------------------------- decoding and validation
@@ -342,62 +316,26 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 MAX_INBOX_BYTES = 64 * 2**20
 
 
-def _shape(info: mi.Type) -> tuple | None:
-    """Where a type holds dataclasses: their field names (to refuse unknown fields) and nested shapes."""
-    if isinstance(info, mi.DataclassType):
-        nested = {f.name: sub for f in info.fields if (sub := _shape(f.type)) is not None}
-        return ("object", frozenset(f.name for f in info.fields), nested)
-    if isinstance(info, mi.ListType):
-        sub = _shape(info.item_type)
-        return None if sub is None else ("list", sub)
-    if isinstance(info, mi.UnionType):  # `X | None`
-        return next((sub for t in info.types if (sub := _shape(t)) is not None), None)
-    return None
-
-
-def _check_fields(value: Any, shape: tuple, owner: str) -> None:
-    """MessageError for a field no dataclass of `shape` has (this runs on every step: keep it lean)."""
-    if shape[0] == "list":
-        if isinstance(value, list):
-            for item in value:
-                _check_fields(item, shape[1], owner)
-        return
-    if not isinstance(value, dict):
-        return  # the conversion names the wrong type
-    _, names, nested = shape
-    if not names.issuperset(value):
-        unknown = sorted(str(k) for k in value if k not in names)
-        raise MessageError(f"unknown field(s) {', '.join(unknown[:5])} (in {owner})")
-    for name, sub in nested.items():
-        child = value.get(name)
-        if child is not None:
-            _check_fields(child, sub, name)
-
-
-_SHAPES = {name: _shape(mi.type_info(cls)) for name, cls in _MESSAGE_TYPES.items()}
-
-
-def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """The message in `data`; MessageError for an oversized, malformed or unknown frame, or for fields
-    of the wrong type (checked against the dataclass annotations, nested messages included)."""
+    unknown to or of the wrong type for the struct it names (nested messages included)."""
     if len(data) > max_bytes:
         raise MessageError(f"a frame of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
-        decoded = msgspec.msgpack.decode(data)
+        name, fields = _ENVELOPE.decode(data)
+    except msgspec.ValidationError:
+        raise MessageError("not a [message type, fields] pair") from None
     except Exception as exc:  # noqa: BLE001 - bad bytes must only ever be a MessageError
         raise MessageError(f"not msgpack: {type(exc).__name__}: {exc}") from None
-    if not (isinstance(decoded, list) and len(decoded) == 2 and isinstance(decoded[0], str)
-            and isinstance(decoded[1], dict)):
-        raise MessageError("not a [message type, fields] pair")
-    name, fields = decoded
-    cls = _MESSAGE_TYPES.get(name)
-    if cls is None:
+    decoder = _DECODERS.get(name)
+    if decoder is None:
         raise MessageError(f"unknown message type {name[:64]!r}")
-    _check_fields(fields, _SHAPES[name], name)
     try:
-        return msgspec.convert(fields, cls)
-    except (msgspec.ValidationError, ValueError, TypeError) as exc:  # __post_init__ checks raise the latter
+        return decoder.decode(fields)
+    except msgspec.ValidationError as exc:
         raise MessageError(f"bad {name}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise MessageError(f"not msgpack: {exc}") from None
 
 
 # ---------------------------------------------------------------- dropped frames

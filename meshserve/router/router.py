@@ -40,7 +40,7 @@ from meshserve.models.generation_config import eos_token_ids
 from meshserve.engine.outputs import RequestOutput
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import (REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, RouteDecision, RouteHealth,
-                                        Router, route_health)
+                                        RoutingPolicy, route_health)
 from meshserve.router.engine_registry import EngineRecord, EngineRegistry
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.utils import cluster_auth
@@ -89,7 +89,7 @@ class Router:
         self.loads = LoadTracker()
         self.tree: GlobalPromptTree | None = None  # built at the first TE's registration (its block size)
         self._heatmap, self._predictor = heatmap, predictor
-        self.router = Router(policy)
+        self.routing = RoutingPolicy(policy)
         self.max_attempts = max_attempts
         self.ctx = zmq.Context()
         self.outputs = cluster_auth.server(self.ctx.socket(zmq.PULL))  # every TE's outputs for jobs from here
@@ -280,7 +280,7 @@ class Router:
         if self.tree is None and not hb.leaving:
             self.tree = GlobalPromptTree(hb.block_size)
             self.registry.tree = self.tree
-            self.router = Router(self.router.policy, tree=self.tree, heatmap=self._heatmap, predictor=self._predictor)
+            self.routing = RoutingPolicy(self.routing.policy, tree=self.tree, heatmap=self._heatmap, predictor=self._predictor)
         if hb.leaving or not hb.stats.healthy:  # a failed TE that still heartbeats is not taken back
             record = self.registry.get(hb.name)
             if record is not None:
@@ -321,7 +321,7 @@ class Router:
     def _dispatch(self, job: _Job, exclude: set[str] = frozenset()) -> None:
         """Route the job's first stage and send it; raises NoRouteError."""
         views = [v for v in self.registry.views() if v.name not in exclude]
-        decision = self._cache_home_route(job, views) or self.router.route(
+        decision = self._cache_home_route(job, views) or self.routing.route(
             job.prompt_token_ids, views, policy=job.policy, max_tokens=job.params.max_tokens)
         job.attempt += 1
         self._jobs.pop(job.engine_id, None)
@@ -354,7 +354,7 @@ class Router:
         home = self._cache_homes.get(job.context_cache_id)
         if home is None:
             return None
-        return self.router.route_to(home[0], views, f"context cache {job.context_cache_id} is pinned there")
+        return self.routing.route_to(home[0], views, f"context cache {job.context_cache_id} is pinned there")
 
     def _dispatch_decode(self, job: _Job, exclude: set[str] = frozenset(), recompute: bool = False) -> None:
         """Send a handed-off job to its decode TE (another one of its group if that one is gone). With

@@ -23,7 +23,7 @@ group, by KV usage first (decode holds a request's KV for its whole life), then
 requests.
 
 Pure logic, no I/O and no torch: the frontend routes without the model stack.
-A Router keeps round-robin counters; call it from one thread (the JE's loop).
+A RoutingPolicy keeps round-robin counters; call it from one thread (the JE's loop).
 """
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def _no_route_message(tes: Sequence[TEView]) -> str:
     return "; ".join(parts)
 
 
-class Router:
+class RoutingPolicy:
     def __init__(self, policy: str = "round_robin", tree: GlobalPromptTree | None = None,
                  heatmap: SupportsHeatmapValue | None = None, predictor: SupportsPredictTokens | None = None,
                  balance_threshold: float = 0.25, balance_floor: float = 1024.0,

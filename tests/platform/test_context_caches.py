@@ -22,7 +22,7 @@ from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.models.factory import make_model
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.entrypoints.openai.context_caches import DEFAULT_TTL_S, ContextCacheNotFound, ContextCacheStore
-from meshserve.router.routing import Router, TELoad, TEView
+from meshserve.router.routing import RoutingPolicy, TELoad, TEView
 from meshserve.core.sampling_params import SamplingParams
 from tests.platform.deployment_processes import running_deployment
 
@@ -184,7 +184,7 @@ def test_router_routes_to_a_named_te_only_while_it_can_serve():
     views = [TEView("c0", "colocated", "g", TELoad()), TEView("p0", "prefill", "pd", TELoad()),
              TEView("d0", "decode", "pd", TELoad(num_running=3)), TEView("d1", "decode", "pd", TELoad()),
              TEView("sick", "colocated", "g", TELoad(), healthy=False)]
-    router = Router()
+    router = RoutingPolicy()
     assert router.route_to("c0", views, "pinned").tes == ["c0"]
     assert router.route_to("p0", views, "pinned").tes == ["p0", "d1"]  # the least loaded decode TE of its group
     assert router.route_to("sick", views, "pinned") is None

@@ -187,7 +187,7 @@ def test_two_jes_share_the_tree_and_route_to_the_cached_te(deployment):
         holder = holders.pop()
         other = next(te for te in tes if te != holder)
         for je in jes:
-            decision = je.router.route(followers[0], je.registry.views(), policy="locality")
+            decision = je.routing.route(followers[0], je.registry.views(), policy="locality")
             assert decision.te == holder, decision.reason
         before = await stats(jes[0], other)
         for je, follower in zip(jes, followers):  # each JE routes one request on its own

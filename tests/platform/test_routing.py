@@ -11,7 +11,7 @@ from meshserve.router.routing import (
     POLICIES,
     LoadTracker,
     NoRouteError,
-    Router,
+    RoutingPolicy,
     TELoad,
     TEView,
     load_score,
@@ -59,7 +59,7 @@ class LongPromptShortOutput:
 
 
 def test_round_robin_cycles_over_colocated_tes_and_pd_slots():
-    router = Router()
+    router = RoutingPolicy()
     tes = [te("c1"), te("p1", "prefill", "pd"), te("p2", "prefill", "pd"), te("d1", "decode", "pd"), te("c2")]
     got = []
     for _ in range(8):
@@ -71,7 +71,7 @@ def test_round_robin_cycles_over_colocated_tes_and_pd_slots():
 
 
 def test_round_robin_skips_unhealthy_tes_and_incomplete_groups():
-    router = Router()
+    router = RoutingPolicy()
     tes = [te("c1", healthy=False), te("c2"), te("p1", "prefill", "lonely"), te("p2", "prefill", "pd"),
            te("d2", "decode", "pd")]
     names = {str(router.route(PROMPT, tes).tes) for _ in range(4)}
@@ -82,10 +82,10 @@ def test_load_picks_the_least_loaded_unit_and_the_least_loaded_decode():
     tes = [te("c1", waiting_tokens=5000), te("c2", num_running=4, running_tokens=40000),
            te("p1", "prefill", waiting_tokens=100),
            te("d1", "decode", kv_usage=0.9), te("d2", "decode", kv_usage=0.2, num_running=30)]
-    d = Router("load").route(PROMPT, tes)
+    d = RoutingPolicy("load").route(PROMPT, tes)
     assert (d.kind, d.prefill, d.decode) == ("disaggregated", "p1", "d2")
     tes[2] = te("p1", "prefill", waiting_tokens=9000)
-    d = Router("load").route(PROMPT, tes)
+    d = RoutingPolicy("load").route(PROMPT, tes)
     assert (d.kind, d.te) == ("colocated", "c2")
 
 
@@ -93,10 +93,10 @@ def test_load_counts_a_pairs_busy_decode_te():
     """An idle prefill TE does not make its pair attractive when the pair's decode TE is saturated."""
     tes = [te("c1", num_running=4, running_tokens=4000), te("p1", "prefill"),
            te("d1", "decode", kv_usage=0.9, num_running=40, running_tokens=30000)]
-    d = Router("load").route(PROMPT, tes)
+    d = RoutingPolicy("load").route(PROMPT, tes)
     assert (d.kind, d.te) == ("colocated", "c1")
     tes[2] = te("d1", "decode", kv_usage=0.1, num_running=1)
-    d = Router("load").route(PROMPT, tes)
+    d = RoutingPolicy("load").route(PROMPT, tes)
     assert (d.kind, d.prefill, d.decode) == ("disaggregated", "p1", "d1")
 
 
@@ -106,7 +106,7 @@ def test_heatmap_without_predictor_uses_max_tokens():
             return 1.0 if decode_tokens < 50 else -1.0
 
     tes = [te("c1"), te("p1", "prefill"), te("d1", "decode")]
-    router = Router("pd_aware", heatmap=Heatmap())
+    router = RoutingPolicy("pd_aware", heatmap=Heatmap())
     assert router.route(PROMPT, tes, max_tokens=10).kind == "disaggregated"
     assert router.route(PROMPT, tes, max_tokens=500).kind == "colocated"
 
@@ -122,7 +122,7 @@ def test_load_score_orders_what_a_new_request_waits_for():
 
 def test_locality_prefers_the_longest_cached_prefix_then_the_least_load():
     tree = tree_with({"c1": PROMPT[:8], "c2": PROMPT[:24], "c3": PROMPT[:24], "p1": PROMPT[:32]})
-    router = Router("locality", tree=tree)
+    router = RoutingPolicy("locality", tree=tree)
     colocated = [te("c1"), te("c2", waiting_tokens=300), te("c3", waiting_tokens=200)]
     d = router.route(PROMPT, colocated)
     assert d.te == "c3" and "24 tokens" in d.reason
@@ -135,7 +135,7 @@ def test_locality_prefers_the_longest_cached_prefix_then_the_least_load():
 
 
 def test_locality_without_a_tree_falls_back_to_load():
-    d = Router("locality").route(PROMPT, [te("c1", num_waiting=3), te("c2")])
+    d = RoutingPolicy("locality").route(PROMPT, [te("c1", num_waiting=3), te("c2")])
     assert d.te == "c2" and "no prompt tree" in d.reason
 
 
@@ -143,7 +143,7 @@ def test_pd_aware_follows_the_heatmap_with_the_predicted_decode_length():
     tes = [te("c1"), te("c2", num_running=2), te("p1", "prefill"), te("p2", "prefill", waiting_tokens=50),
            te("d1", "decode")]
     short = FixedPredictor(4)
-    router = Router("pd_aware", heatmap=LongPromptShortOutput(), predictor=short)
+    router = RoutingPolicy("pd_aware", heatmap=LongPromptShortOutput(), predictor=short)
     d = router.route(PROMPT, tes, max_tokens=100)
     assert (d.kind, d.prefill, d.decode) == ("disaggregated", "p1", "d1")
     assert short.calls == [(32, 100)]
@@ -155,7 +155,7 @@ def test_pd_aware_follows_the_heatmap_with_the_predicted_decode_length():
 
 def test_pd_aware_without_max_tokens_assumes_the_default_output_length():
     predictor = FixedPredictor(1)
-    router = Router("pd_aware", heatmap=LongPromptShortOutput(), predictor=predictor)
+    router = RoutingPolicy("pd_aware", heatmap=LongPromptShortOutput(), predictor=predictor)
     tes = [te("c1"), te("p1", "prefill"), te("d1", "decode")]
     assert router.route(list(range(600)), tes).kind == "disaggregated"  # 600 > 2 * 256
     assert router.route(list(range(500)), tes).kind == "colocated"
@@ -164,7 +164,7 @@ def test_pd_aware_without_max_tokens_assumes_the_default_output_length():
 
 def test_pd_aware_without_a_model_disaggregates_prompts_longer_than_the_output():
     tes = [te("c1"), te("p1", "prefill"), te("d1", "decode")]
-    router = Router("pd_aware")
+    router = RoutingPolicy("pd_aware")
     assert router.route(PROMPT, tes, max_tokens=16).kind == "disaggregated"
     assert router.route(PROMPT, tes, max_tokens=64).kind == "colocated"
     assert router.route(PROMPT, tes).kind == "colocated"  # no max_tokens: a default output length
@@ -172,7 +172,7 @@ def test_pd_aware_without_a_model_disaggregates_prompts_longer_than_the_output()
 
 
 def test_pd_aware_with_one_type_uses_that_type():
-    router = Router("pd_aware", heatmap=LongPromptShortOutput(), predictor=FixedPredictor(1))
+    router = RoutingPolicy("pd_aware", heatmap=LongPromptShortOutput(), predictor=FixedPredictor(1))
     d = router.route(PROMPT, [te("c1", num_waiting=1), te("c2")])
     assert d.te == "c2"
     d = router.route(PROMPT, [te("p1", "prefill"), te("d1", "decode"), te("c1", healthy=False)], max_tokens=10_000)
@@ -181,7 +181,7 @@ def test_pd_aware_with_one_type_uses_that_type():
 
 def test_combined_uses_locality_when_balanced_and_least_load_when_not():
     tree = tree_with({"c1": PROMPT, "p1": PROMPT})
-    router = Router("combined", tree=tree, balance_threshold=0.25, balance_floor=100)
+    router = RoutingPolicy("combined", tree=tree, balance_threshold=0.25, balance_floor=100)
     balanced = [te("c1", waiting_tokens=1100), te("c2", waiting_tokens=1000), te("p1", "prefill"), te("d1", "decode")]
     d = router.route(PROMPT, balanced, max_tokens=1000)  # long output: colocated; loads within 25%
     assert d.te == "c1" and "balanced" in d.reason and "cached prefix" in d.reason
@@ -197,13 +197,13 @@ def test_combined_uses_locality_when_balanced_and_least_load_when_not():
 
 def test_combined_counts_a_nearly_idle_cluster_as_balanced():
     tree = tree_with({"c2": PROMPT})
-    d = Router("combined", tree=tree).route(PROMPT, [te("c1"), te("c2", num_waiting=1, waiting_tokens=10)])
+    d = RoutingPolicy("combined", tree=tree).route(PROMPT, [te("c1"), te("c2", num_waiting=1, waiting_tokens=10)])
     assert d.te == "c2"  # one small request apart is below the balance floor: the cache wins
 
 
 def test_per_request_policy_override_and_unknown_names():
     tes = [te("c1", waiting_tokens=100), te("c2")]
-    router = Router("round_robin")
+    router = RoutingPolicy("round_robin")
     assert router.route(PROMPT, tes).te == "c1"
     assert router.route(PROMPT, tes, policy="load").te == "c2"
     assert router.route(PROMPT, tes, policy="load").policy == "load"
@@ -211,13 +211,13 @@ def test_per_request_policy_override_and_unknown_names():
     with pytest.raises(ValueError, match="round_robin, load, locality, pd_aware, combined"):
         router.route(PROMPT, tes, policy="random")
     with pytest.raises(ValueError, match="valid"):
-        Router("fastest")
+        RoutingPolicy("fastest")
     assert set(POLICIES) == {"round_robin", "load", "locality", "pd_aware", "combined"}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_route_when_nothing_healthy_can_serve(policy):
-    router = Router(policy)
+    router = RoutingPolicy(policy)
     with pytest.raises(NoRouteError, match="no TE is registered"):
         router.route(PROMPT, [])
     with pytest.raises(NoRouteError, match="unhealthy: c1"):
@@ -258,7 +258,7 @@ def test_a_burst_between_heartbeats_spreads_over_tes():
     names = ["a", "b", "c"]
     for name in names:
         tracker.report(name, TELoad())
-    router = Router("load")
+    router = RoutingPolicy("load")
     chosen = []
     for i in range(6):
         d = router.route(PROMPT, [TEView(n, "colocated", "g", tracker.load_of(n)) for n in names])
