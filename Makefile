@@ -18,7 +18,10 @@ $(STAMP): requirements.lock pyproject.toml
 serve: install
 	$(VENV)/bin/meshserve serve $(ARGS)
 
+# the layering check (pyproject.toml [tool.importlinter]) and lint first: both take seconds
 test: install
+	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(VENV)/bin/ruff check meshserve tests
 	$(VENV)/bin/python -m pytest -q -ra tests $(ARGS)
 
 clean:

@@ -6,13 +6,13 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # lazy, so `import meshserve` (the CLI, the master process) does not pull in torch
+    # lazy: every process imports this package first, and it must stay light
     if name == "LLM":
-        from meshserve.engine.llm import LLM
+        from meshserve.engine.llm import LLM  # keeps torch out of the CLI and the master process
 
         return LLM
     if name == "SamplingParams":
-        from meshserve.core.sampling_params import SamplingParams
+        from meshserve.core.sampling_params import SamplingParams  # start-up: msgspec only when asked for
 
         return SamplingParams
     raise AttributeError(name)

@@ -29,7 +29,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.models.factory import ensure_default_model
+from meshserve.pool.context_keys import block_keys, model_identity, rank_key
 from meshserve.utils import report
+from meshserve.utils.processes import free_tcp_port, stop_process
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_REUSE_RATES = "0,12.5,50,90"
@@ -85,8 +89,6 @@ class LocalPool:
     """A controller and servers started with `meshserve pool ...` on free loopback ports."""
 
     def __init__(self, servers: int, dram_gb: float, log_dir: Path, ssd: bool = False, server_timeout_s: float = 3.0):
-        from meshserve.utils.processes import free_tcp_port
-
         self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
@@ -122,6 +124,7 @@ class LocalPool:
         self._start(self.server_args[index])
 
     def client(self, timeout_s: float = 30.0):
+        # start-up: zmq only once a pool client is opened
         from meshserve.pool.sdk import PoolClient
 
         client = PoolClient(self.controller, timeout_s=timeout_s, view_refresh_s=0.5)
@@ -135,8 +138,6 @@ class LocalPool:
         return client
 
     def close(self) -> None:
-        from meshserve.utils.processes import stop_process
-
         for proc in self.procs:
             proc.terminate()
             stop_process(proc, grace_s=5.0)
@@ -163,48 +164,54 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 # ---------------------------------------------------------------- part: pool bandwidth
+def _pool_bandwidth_row(client, size: int, total: int, repeats: int) -> dict:
+    """Put, get and memcpy of `total` bytes cut into values of `size` bytes."""
+    count = max(1, total // size)
+    values = {f"v{size}-{i}": os.urandom(size) for i in range(count)}
+    keys = list(values)
+    moved = count * size
+
+    def put() -> None:
+        stored = client.put("bench", values)
+        if not all(stored.values()):
+            raise RuntimeError(f"the pool refused {sum(not s for s in stored.values())} values of {size} B")
+
+    def get() -> None:
+        found = client.get("bench", keys)
+        if len(found) != count:
+            raise RuntimeError(f"the pool missed {count - len(found)} values of {size} B")
+
+    targets = [bytearray(size) for _ in range(count)]
+
+    def copy() -> None:
+        for target, value in zip(targets, values.values()):
+            target[:] = value
+
+    put_s, get_s, copy_s = (_median_time(fn, repeats) for fn in (put, get, copy))
+    client.delete("bench", keys)
+    row = {"value_bytes": size, "values": count, "bytes": moved,
+           "put_s": put_s, "get_s": get_s, "memcpy_s": copy_s,
+           "put_gbps": moved / put_s / 1e9, "get_gbps": moved / get_s / 1e9,
+           "memcpy_gbps": moved / copy_s / 1e9}
+    row["get_vs_memcpy"] = row["get_gbps"] / row["memcpy_gbps"]
+    row["put_vs_memcpy"] = row["put_gbps"] / row["memcpy_gbps"]
+    return row
+
+
 def pool_bandwidth(args: argparse.Namespace) -> dict:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     total = int(args.total_mb * (1 << 20))
     rows = []
     # each server holds its share of one measurement's values, twice over for headroom
     dram_gb = max(0.05, 2.5 * max(total, max(sizes)) / max(1, args.servers) / GB + 0.01)
-    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, LocalPool(args.servers, dram_gb, Path(logs)) as pool:
-        with pool.client() as client:
-            for size in sizes:
-                count = max(1, total // size)
-                values = {f"v{size}-{i}": os.urandom(size) for i in range(count)}
-                keys = list(values)
-                moved = count * size
-
-                def put() -> None:
-                    stored = client.put("bench", values)
-                    if not all(stored.values()):
-                        raise RuntimeError(f"the pool refused {sum(not s for s in stored.values())} values of {size} B")
-
-                def get() -> None:
-                    found = client.get("bench", keys)
-                    if len(found) != count:
-                        raise RuntimeError(f"the pool missed {count - len(found)} values of {size} B")
-
-                targets = [bytearray(size) for _ in range(count)]
-
-                def copy() -> None:
-                    for target, value in zip(targets, values.values()):
-                        target[:] = value
-
-                put_s, get_s, copy_s = (_median_time(fn, args.repeats) for fn in (put, get, copy))
-                client.delete("bench", keys)
-                row = {"value_bytes": size, "values": count, "bytes": moved,
-                       "put_s": put_s, "get_s": get_s, "memcpy_s": copy_s,
-                       "put_gbps": moved / put_s / 1e9, "get_gbps": moved / get_s / 1e9,
-                       "memcpy_gbps": moved / copy_s / 1e9}
-                row["get_vs_memcpy"] = row["get_gbps"] / row["memcpy_gbps"]
-                row["put_vs_memcpy"] = row["put_gbps"] / row["memcpy_gbps"]
-                rows.append(row)
-                print(f"pool {size >> 10:>6} KiB x {count:>5}: put {row['put_gbps']:.2f} GB/s, get "
-                      f"{row['get_gbps']:.2f} GB/s, memcpy {row['memcpy_gbps']:.2f} GB/s "
-                      f"(get/memcpy {row['get_vs_memcpy']:.2f})", flush=True)
+    with (tempfile.TemporaryDirectory(prefix="bench-pool-") as logs,
+          LocalPool(args.servers, dram_gb, Path(logs)) as pool, pool.client() as client):
+        for size in sizes:
+            row = _pool_bandwidth_row(client, size, total, args.repeats)
+            rows.append(row)
+            print(f"pool {size >> 10:>6} KiB x {row['values']:>5}: put {row['put_gbps']:.2f} GB/s, get "
+                  f"{row['get_gbps']:.2f} GB/s, memcpy {row['memcpy_gbps']:.2f} GB/s "
+                  f"(get/memcpy {row['get_vs_memcpy']:.2f})", flush=True)
     return {"servers": args.servers, "repeats": args.repeats, "rows": rows}
 
 
@@ -212,8 +219,6 @@ def pool_bandwidth(args: argparse.Namespace) -> dict:
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
-    from meshserve.models.factory import ensure_default_model
-
     return ensure_default_model(args.arch, args.preset)
 
 
@@ -236,6 +241,7 @@ def _read_files_s(paths: list[Path]) -> float:
 
 
 def model_startup(args: argparse.Namespace) -> dict:
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     import torch
 
     from meshserve.models.loader import load_model, safetensors_files
@@ -271,8 +277,8 @@ def model_startup(args: argparse.Namespace) -> dict:
 
     # pool, warm: stored once, prefetched into the servers' DRAM
     dram_gb = 2.0 * model_bytes / max(1, args.servers) / GB + 0.05
-    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs, LocalPool(args.servers, dram_gb, Path(logs)) as pool:
-        with pool.client(timeout_s=60.0) as client:
+    with tempfile.TemporaryDirectory(prefix="bench-pool-") as logs:
+        with LocalPool(args.servers, dram_gb, Path(logs)) as pool, pool.client(timeout_s=60.0) as client:
             start = time.perf_counter()
             put_model(client, model_dir)
             result["put_model_s"] = time.perf_counter() - start
@@ -300,21 +306,20 @@ def _ttft_s(output) -> float:
 
 def _wait_for_blocks(client, namespace: str, keys: list[str], timeout_s: float) -> float:
     """Polls until the pool holds every key (rank 0 of TP1); the seconds it took."""
-    from meshserve.pool.context_keys import rank_key
-
     probe = [rank_key(k, 0, 1) for k in keys]
     start = time.monotonic()
     while not all(client.exists(namespace, probe)):
         if time.monotonic() - start > timeout_s:
-            raise RuntimeError(f"the warm-up TE's {len(keys)} prefix blocks did not reach the pool in {timeout_s:.0f} s")
+            raise RuntimeError(f"the warm-up TE's {len(keys)} prefix blocks did not reach the pool "
+                               f"in {timeout_s:.0f} s")
         time.sleep(0.2)
     return time.monotonic() - start
 
 
 def _measure_rate(args: argparse.Namespace, model_dir: Path, pool: LocalPool, rate: float, vocab: int,
                   engine: dict, seed: int) -> dict:
-    from meshserve import LLM, SamplingParams
-    from meshserve.pool.context_keys import block_keys, model_identity
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
+    from meshserve.engine.llm import LLM
 
     n, block, prompt_len = args.kv_requests, args.block_size, args.prompt_len
     # shared prefixes are whole blocks: only full blocks are stored and looked up
@@ -391,8 +396,8 @@ def failover(args: argparse.Namespace) -> dict:
     them: both servers up, one killed (SIGKILL) at the start of the phase, the same server restarted
     from its SSD directory. Every request must complete in every phase; hits drop to the surviving
     server's share while it is down and come back once its SSD-tier data is served again."""
-    from meshserve import LLM, SamplingParams
-    from meshserve.pool.context_keys import block_keys, model_identity, rank_key
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
+    from meshserve.engine.llm import LLM
 
     model_dir = _model_dir(args)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -426,7 +431,8 @@ def failover(args: argparse.Namespace) -> dict:
                                "hit_rate": hits / (n * ((prompt_len - 1) // block * block)),
                                "blocks_in_pool": present, "seconds": time.monotonic() - t0})
                 print(f"failover {name}: {completed}/{n} requests completed, pool hits {hits} tokens "
-                      f"({phases[-1]['hit_rate']:.0%}), {present}/{len(keys)} blocks reachable at its start", flush=True)
+                      f"({phases[-1]['hit_rate']:.0%}), {present}/{len(keys)} blocks reachable at its start",
+                      flush=True)
 
             run_phase("both servers up")
             pool.kill_server(1)
@@ -458,7 +464,8 @@ def summary_lines(results: dict) -> list[str]:
     if "pool" in results:
         for r in results["pool"]["rows"]:
             lines.append(f"pool {r['value_bytes'] >> 10} KiB values: get {r['get_gbps']:.2f} GB/s = "
-                         f"{r['get_vs_memcpy']:.2f}x memcpy ({r['memcpy_gbps']:.2f} GB/s), put {r['put_gbps']:.2f} GB/s")
+                         f"{r['get_vs_memcpy']:.2f}x memcpy ({r['memcpy_gbps']:.2f} GB/s), "
+                         f"put {r['put_gbps']:.2f} GB/s")
     if "model_startup" in results:
         r = results["model_startup"]
         cold = f"{r['disk_cold_s']:.2f} s" if r["cold_measured"] else "not measurable here"
@@ -477,7 +484,8 @@ def summary_lines(results: dict) -> list[str]:
         r = results["failover"]
         for p in r["phases"]:
             lines.append(f"failover, {p['phase']}: {p['completed']}/{p['requests']} completed, "
-                         f"pool hit rate {p['hit_rate']:.0%}, {p['blocks_in_pool']}/{r['blocks']} blocks reachable at its start")
+                         f"pool hit rate {p['hit_rate']:.0%}, {p['blocks_in_pool']}/{r['blocks']} blocks "
+                         f"reachable at its start")
         lines.append(f"failover: every request completed: {r['all_requests_completed']}; "
                      f"hits back after the restart: {r['hits_restored']}")
     return lines

@@ -23,17 +23,20 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
+from meshserve.layers.linear import linear, pack_weight
 from meshserve.parallel import analyzer as az
 from meshserve.parallel.strategy import is_power_of_two
 from meshserve.parallel.topology import Topology, build_groups, spawn_local_world
+from meshserve.utils.report import new_figure, save_figure
 
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = (256 * KIB, 1 * MIB, 4 * MIB)
@@ -296,8 +299,6 @@ def _time_link(label: str, ops: Sequence[str], group: dist.ProcessGroup, degree:
 
 def _matmul_kernels(shape: tuple[int, int, int]) -> dict[str, Callable[[], object]]:
     """torch.mm and, where oneDNN is available, the engine's prepacked linear, for x[m,k] @ w[n,k]^T."""
-    from meshserve.layers.linear import linear, pack_weight
-
     m, k, n = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen)
@@ -367,7 +368,7 @@ def _calibration_worker(rank: int, world_size: int, config: CalibrationConfig, r
     if topology.num_nodes > 1:
         raw["inter_node"] = _time_link("inter-node", INTER_OPS, groups.inter_node, topology.num_nodes,
                                        config, log)
-    # Every rank multiplies at once, as SPMD executors do: cores and memory bandwidth are shared.
+    # Every rank multiplies at once, as SPMD workers do: cores and memory bandwidth are shared.
     raw["per_rank_gflops"] = _measure_matmul(config, f"per rank ({_threads(threads)}, {world_size} ranks at once)",
                                              log, in_world=True)
     if rank == 0:
@@ -488,7 +489,7 @@ def format_summary(doc: dict) -> str:
             rows.append((label, op, str(record["ranks"]), f"{op_record['latency_us']:.1f}",
                          f"{op_record['bandwidth_gb_s']:.3g}"))
     prefix = {"intra_node": "intra", "inter_node": "inter"}
-    for link, short in prefix.items():
+    for short in prefix.values():
         rows.append((f"{short} (file)", "", "", f"{doc[f'{short}_latency_us']:.1f}",
                      f"{doc[f'{short}_bandwidth_gb_s']:.3g}"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -504,8 +505,6 @@ def format_summary(doc: dict) -> str:
 
 def plot_links(doc: dict, png_path: str | Path) -> Path:
     """Time vs message size per collective (medians, every sample faint) with the cluster file's model lines."""
-    from meshserve.utils.report import new_figure, save_figure
-
     links = [(link, doc["measured"][link]) for link in LINKS if "ops" in doc["measured"][link]]
     fig, axes = new_figure(ncols=len(links))
     for ax, (link, record) in zip(axes[0], links):
@@ -538,6 +537,7 @@ def png_path_for(cluster_path: str | Path) -> Path:
 def calibrate(config: CalibrationConfig, out_path: str | Path,
               log: Callable[[str], None] = _progress) -> dict:
     """Measure this machine, write the cluster YAML to `out_path` and its plot beside it; returns the YAML dict."""
+    # start-up: psutil only when calibrating
     import psutil
 
     out_path = Path(out_path)

@@ -2,34 +2,30 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from pathlib import Path
 
+from meshserve.bench import BENCH_ENGINE_SETTINGS
+from meshserve.bench.cache import add_cache_arguments, cache_main
+from meshserve.bench.offline import OfflineOptions, plot_offline, run_offline_benchmark, summary_lines
+from meshserve.bench.parallel import add_parallel_arguments, parallel_main
+from meshserve.bench.pd import add_pd_arguments
+from meshserve.bench.routing import add_routing_arguments
+from meshserve.bench.workload import WorkloadError, make_offline_workload, parse_range, special_token_ids
+from meshserve.config.arguments import add_engine_arguments, given_engine_settings
+from meshserve.models.factory import ensure_default_model
+from meshserve.models.tokenizer_assets import special_token_ids as house_special_ids
 from meshserve.utils import report
-from meshserve.bench.workload import WorkloadError, parse_range
-
-ENGINE_FLAGS = {
-    # flag: (type, help); only flags given on the command line reach the engine,
-    # except max_num_seqs and dtype whose bench defaults are set below.
-    "max_num_seqs": (int, "sequences decoded together (default: 64)"),
-    "max_num_batched_tokens": (int, "token budget per engine step"),
-    "block_size": (int, "KV cache block size (tokens)"),
-    "kv_cache_memory_gb": (float, "KV cache budget"),
-    "dtype": (str, "float32 | bfloat16 | float16 | auto (default: float32); the HF baseline runs in the same dtype"),
-    "device": (str, "cpu | cuda"),
-    "num_threads": (int, "torch threads per executor"),
-    "parallel": (str, "parallel strategy, e.g. 'attn=TP1+DP2 moe=TP1+EP2' (default: one rank)"),
-    "moe_comm": (str, "hybrid TP-EP collectives: fused | sync"),
-}
 
 
 def register_bench_commands(subparsers) -> None:
     """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd` and
     `routing` to the `bench` subcommand's subparsers."""
+    # keeps torch out of importing this module: these benchmarks load it at import
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
-    from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 
     _add_offline_parser(subparsers.add_parser(
         "offline", help="offline throughput vs HF transformers, and the decode roofline"))
@@ -48,24 +44,22 @@ def register_bench_commands(subparsers) -> None:
                      "and one MoE layer's step time on 4 ranks")
     add_eplb_arguments(eplb)
     eplb.set_defaults(func=eplb_main)
-    from meshserve.bench.cache import add_cache_arguments, cache_main
     cache = subparsers.add_parser("cache", help="caching cluster: pool bandwidth vs memory copy, model start-up time")
     add_cache_arguments(cache)
     cache.set_defaults(func=cache_main)
+    # keeps torch out of importing this module: the benchmark loads it at import
     from meshserve.bench.transfer import add_transfer_arguments, transfer_main
     transfer = subparsers.add_parser(
         "transfer", help="KV block pulls between two processes per transfer backend (shm, tcp, dist) vs memcpy")
     add_transfer_arguments(transfer)
     transfer.set_defaults(func=transfer_main)
+    # keeps torch out of importing this module: the benchmark loads it at import
     from meshserve.bench.decode_step import add_decode_step_arguments, decode_step_main
     decode_step = subparsers.add_parser(
         "decode-step", help="one decode step, native CPU kernels vs the torch path: ms per step, speedup, "
                             "where the time goes")
     add_decode_step_arguments(decode_step)
     decode_step.set_defaults(func=decode_step_main)
-    from meshserve.bench.pd import add_pd_arguments
-    from meshserve.bench.routing import add_routing_arguments
-
     add_pd_arguments(subparsers.add_parser(
         "pd", help="colocated TEs vs a P/D pair on the same cores: TTFT, TPOT and JCT on a mixed workload"))
     add_routing_arguments(subparsers.add_parser(
@@ -90,11 +84,7 @@ def _add_offline_parser(parser: argparse.ArgumentParser) -> None:
     _add_workload_arguments(parser)
     parser.add_argument("--baseline", choices=["hf", "none"], default="hf")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="HF generate batch size (default: 16)")
-    engine = parser.add_argument_group("engine")
-    for name, (kind, help_text) in ENGINE_FLAGS.items():
-        engine.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
-    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
-                        action=argparse.BooleanOptionalAction)
+    add_engine_arguments(parser, (*BENCH_ENGINE_SETTINGS, "enable_prefix_caching"))
     roof = parser.add_argument_group("decode roofline")
     roof.add_argument("--skip-roofline", dest="roofline", action="store_false")
     roof.add_argument("--roofline-batch", type=int, help="decode batch B (default: min(max-num-seqs, requests))")
@@ -139,20 +129,15 @@ def _resolve_model_dir(args: argparse.Namespace) -> str:
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"model directory {args.model!r} does not exist")
         return args.model
-    from meshserve.models.factory import ensure_default_model
-
     return str(ensure_default_model(args.arch, args.preset))
 
 
 def offline_command(args: argparse.Namespace) -> int:
-    from meshserve.bench.offline import OfflineOptions, plot_offline, run_offline_benchmark, summary_lines
-
     try:
         _check_requests(args.requests)
         input_len = parse_range(args.input_len, "--input-len")
         output_len = parse_range(args.output_len, "--output-len")
-        engine_args = {name: getattr(args, name) for name in [*ENGINE_FLAGS, "enable_prefix_caching"]
-                       if getattr(args, name) is not None}
+        engine_args = given_engine_settings(args)
         engine_args.setdefault("max_num_seqs", 64)
         engine_args.setdefault("dtype", "float32")
         options = OfflineOptions(
@@ -175,15 +160,12 @@ def offline_command(args: argparse.Namespace) -> int:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    import logging
-
+    # start-up: httpx only for `bench serve`
     import httpx
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
-
     from meshserve.bench.serve import ServeOptions, plot_serve, run_serve_benchmark, summary_lines
-    from meshserve.bench.workload import make_offline_workload, special_token_ids
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
     try:
         _check_requests(args.requests)
         input_len = parse_range(args.input_len, "--input-len")
@@ -191,13 +173,12 @@ def serve_command(args: argparse.Namespace) -> int:
         if args.rate is not None and (math.isnan(args.rate) or args.rate <= 0):
             raise ValueError(f"--rate must be positive, got {args.rate}")
         if args.model_dir:
+            # keeps torch out of `bench serve` (a client: no model runs here)
             from meshserve.models.loader import load_hf_config
 
             vocab_size = int(load_hf_config(args.model_dir)["vocab_size"])
             excluded = special_token_ids(args.model_dir)
         else:
-            from meshserve.models.tokenizer_assets import special_token_ids as house_special_ids
-
             vocab_size = args.vocab_size
             excluded = set(house_special_ids().values())
         options = ServeOptions(

@@ -6,8 +6,9 @@ cache; each sequence's blocks are scattered over the cache as a real allocator's
 `--steps` decode steps (model forward + logits, one token per sequence, positions advancing), always
 started from that same cache state, so every measurement sees the same context lengths. The native path
 (csrc/cpu_kernels.cpp: routed experts, MLA absorbed decode attention and its absorption products, RMSNorm,
-RoPE, DeepSeek-V3 routing) and the torch path (`cpu_kernels.disabled()`: oneDNN prepacked linear per expert, the latent gathered with
-index_select + bmm) are measured in turn, native first, `--repeats` pairs; the median of each is reported.
+RoPE, DeepSeek-V3 routing) and the torch path (`cpu_kernels.disabled()`: oneDNN prepacked linear per expert,
+the latent gathered with index_select + bmm) are measured in turn, native first, `--repeats` pairs; the median
+of each is reported.
 
 Before timing, one measurement per path (also the warm-up) checks that both give the same logits at every
 step, up to float rounding. Afterwards one step per path runs under torch.profiler: its ops by self CPU
@@ -28,10 +29,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from meshserve.utils import report
 from meshserve.bench.deployment_load import one_line_errors
+from meshserve.config import EngineConfig
+from meshserve.layers import cpu_kernels
 from meshserve.layers.metadata import AttentionMetadata
+from meshserve.models.factory import ensure_default_model
+from meshserve.utils import report
 
 PROG = "meshserve bench decode-step"
 NATIVE, TORCH = "native", "torch"
@@ -130,17 +135,17 @@ class DecodeBench:
     """A loaded model with a filled cache; `run(steps)` decodes from the same cache state every time."""
 
     def __init__(self, settings: DecodeStepSettings):
-        from meshserve.config import EngineConfig
-        from meshserve.worker.model_runner import ModelRunner
+        # start-up: safetensors and the engine only when a model is loaded
         from meshserve.models.loader import load_hf_config
+        from meshserve.worker.model_runner import ModelRunner
 
         self.settings = settings
         max_len = load_hf_config(settings.model_dir).get("max_position_embeddings")
         if max_len is not None and settings.context + settings.steps > max_len:
             raise ValueError(f"--context + --steps = {settings.context + settings.steps} exceeds the model's "
                              f"max_position_embeddings {max_len}")
-        config = EngineConfig(
-            model=settings.model_dir, dtype="float32", device="cpu", block_size=settings.block_size,
+        config = EngineConfig.from_kwargs(
+            settings.model_dir, dtype="float32", device="cpu", block_size=settings.block_size,
             num_kv_blocks=settings.num_kv_blocks, enable_prefix_caching=False, max_num_seqs=settings.batch,
             max_num_batched_tokens=settings.batch * settings.context)
         self.runner = ModelRunner(config)
@@ -189,8 +194,6 @@ class DecodeBench:
 
 
 def _on_path(path: str, fn: Callable[[], object]) -> object:
-    from meshserve.layers import cpu_kernels
-
     if path == NATIVE:
         return fn()
     with cpu_kernels.disabled():
@@ -227,8 +230,6 @@ def time_paths(bench: DecodeBench) -> dict[str, list[float]]:
 
 def profile_step(bench: DecodeBench, path: str) -> dict:
     """One decode step under torch.profiler: every op's self CPU time in ms, most expensive first."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         _on_path(path, lambda: bench.run(1))
@@ -244,14 +245,10 @@ def profile_step(bench: DecodeBench, path: str) -> dict:
 
 
 def run_decode_step_benchmark(settings: DecodeStepSettings) -> dict:
-    from meshserve.layers import cpu_kernels
-
     if not cpu_kernels.enabled():
         raise DecodeStepError("the native CPU kernels are not available here (the build failed, "
                               "or MESHSERVE_CPU_KERNELS=0 is set): there is nothing to compare")
     if settings.preset:
-        from meshserve.models.factory import ensure_default_model
-
         settings = dataclasses.replace(settings, model_dir=str(ensure_default_model(PRESET_ARCH, settings.preset)))
     _progress(f"loading {settings.model_dir}")
     bench = DecodeBench(settings)

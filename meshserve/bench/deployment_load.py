@@ -14,11 +14,19 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, NoReturn, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
+from meshserve.bench import BENCH_ENGINE_SETTINGS
+from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
+from meshserve.config import EngineConfig
+from meshserve.config.arguments import add_engine_arguments, given_engine_settings
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.models.factory import ensure_default_model
 from meshserve.utils import report
-from meshserve.bench.workload import WorkloadRequest
+from meshserve.utils.processes import stop_process
 
 # a TE busy on a shared core may miss heartbeats for a while; benchmarks measure load, not failover
 HEARTBEAT_TIMEOUT_S = 30.0
@@ -60,7 +68,7 @@ def started_deployment(model: str, deployment, engine: dict | None = None, polic
     """Start `deployment` (a MultiDeployment or a preset name) and yield its Router; every TE is
     stopped on exit. `engine` settings apply to every TE; without num_threads the cores are divided
     among all the TEs' ranks."""
-    from meshserve.utils.processes import stop_process
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.router.deployment import MultiDeployment, launch_tes
     from meshserve.router.router import Router
 
@@ -95,8 +103,8 @@ async def run_fixed_rate(je, requests: Sequence[WorkloadRequest], rate: float, p
     """Send `requests` evenly spaced at `rate` per second (inf: all at once) and time each; `policy`
     routes them (the JE's own when None). Requests unfinished after `timeout_s` are aborted and recorded
     as failed."""
+    # start-up: zmq only when load is sent
     from meshserve.router.routing import REQUEST_ROUTING_POLICY
-    from meshserve.core.sampling_params import SamplingParams
 
     if not rate > 0:
         raise ValueError(f"rate must be positive, got {rate}")
@@ -145,8 +153,6 @@ async def run_fixed_rate(je, requests: Sequence[WorkloadRequest], rate: float, p
 async def warm_up(je, prompt_len: int, vocab_size: int, exclude_token_ids=(), seed: int = 12345,
                   max_tokens: int = 8) -> None:
     """A few requests through every TE (round robin) so first-use costs stay out of the measurements."""
-    from meshserve.bench.workload import make_offline_workload
-
     units = max(1, len(je.registry.live()))
     requests = make_offline_workload(2 * units, (prompt_len, prompt_len), (max_tokens, max_tokens), vocab_size,
                                      seed=seed, exclude_token_ids=exclude_token_ids)
@@ -163,7 +169,7 @@ async def te_counters(je) -> dict[str, dict]:
         reply = await je.admin("stats", {"te": record.name})
         if not reply.ok:
             raise RuntimeError(f"TE {record.name} did not report its stats: {reply.error}")
-        out[record.name] = {"role": record.role, **reply.data}
+        out[record.name] = {"role": record.role, **reply.to_json()}
     return out
 
 
@@ -197,7 +203,7 @@ def summarize_timings(timings: Sequence[RequestTiming]) -> dict[str, Any]:
 
 def vocabulary(model: str) -> tuple[int, set[int]]:
     """The model's vocabulary size and the ids prompts must not use (special tokens)."""
-    from meshserve.bench.workload import special_token_ids
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.models.loader import load_hf_config
 
     return int(load_hf_config(model)["vocab_size"]), special_token_ids(model)
@@ -205,6 +211,7 @@ def vocabulary(model: str) -> tuple[int, set[int]]:
 
 def model_max_len(model: str, engine: dict) -> int:
     """Longest prompt + output a TE of this model accepts (the engine's max_model_len when given)."""
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.models.loader import load_hf_config
 
     return int(engine.get("max_model_len") or load_hf_config(model)["max_position_embeddings"])
@@ -230,11 +237,7 @@ def parse_list(text: str, name: str, kind=float, positive: bool = True) -> list:
 
 def check_model_dir(model: str | None) -> str:
     """--model, or the default tiny model (written on first use) when not given."""
-    from pathlib import Path
-
     if model is None:
-        from meshserve.models.factory import ensure_default_model
-
         return str(ensure_default_model())
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
@@ -243,24 +246,14 @@ def check_model_dir(model: str | None) -> str:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """EngineConfig settings every TE of the deployment gets (only the flags given are passed on)."""
-    from meshserve.bench.cli import ENGINE_FLAGS
-
-    engine = parser.add_argument_group("engine (every TE)")
-    flags = {**ENGINE_FLAGS, "num_kv_blocks": (int, "KV cache blocks per TE (overrides the memory budget)"),
-             "kv_transfer_backend": (str, "auto | shm | tcp | dist: how decode TEs pull KV from prefill TEs")}
-    for name, (kind, help_text) in flags.items():
-        engine.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
-    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", default=None,
-                        action=argparse.BooleanOptionalAction)
-    parser.set_defaults(engine_flags=(*flags, "enable_prefix_caching"))
+    add_engine_arguments(parser, (*BENCH_ENGINE_SETTINGS, "num_kv_blocks", "kv_transfer_backend",
+                                  "enable_prefix_caching"))
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
     """The engine flags given on the command line, validated as EngineConfig fields."""
-    from meshserve.config import EngineConfig
-
-    settings = {name: getattr(args, name) for name in args.engine_flags if getattr(args, name) is not None}
-    EngineConfig(model="", **settings)  # raises ConfigError on a bad value
+    settings = given_engine_settings(args)
+    EngineConfig.from_kwargs("", **settings)  # raises ConfigError on a bad value
     return settings
 
 

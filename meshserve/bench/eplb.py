@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from meshserve.utils import report
 from meshserve.bench import eplb_layer_time
 from meshserve.moe.balance import balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, MODES, plan_redundancy
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import PlacementShape
 from meshserve.moe.synthetic_load import synthetic_load, zipf_exponent
+from meshserve.utils import report
 
 DEFAULT_DEVICES = "4,8,32,64,256"
 DEFAULT_REDUNDANT = "0,1,2,4,8,16,32"

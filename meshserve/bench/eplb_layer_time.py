@@ -38,16 +38,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshserve.utils import report
 from meshserve.moe.balance import balancedness
 from meshserve.moe.eplb import plan_redundancy
 from meshserve.moe.placement import EMPTY, PlacementShape
+from meshserve.moe.runtime import MoERuntime
 from meshserve.moe.slots import SlotMap
 from meshserve.moe.synthetic_load import zipf_exponent
 from meshserve.parallel.context import ParallelContext
-from meshserve.moe.runtime import MoERuntime
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
+from meshserve.utils import report
 
 STRATEGY = "attn=TP1+DP4 moe=TP1+EP4"
 WORLD_SIZE = 4

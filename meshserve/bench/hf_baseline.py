@@ -7,9 +7,9 @@ tokens each request asked for count as useful output.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -49,6 +49,7 @@ class BaselineResult:
 
 
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    # start-up: transformers only for the HF baseline
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -56,7 +56,8 @@ def make_mixed_workload(num_requests: int, mix: Mix, vocab_size: int, seed: int 
     rng.shuffle(prefix_of)
     # one stream of token ids, cut into the prefixes and every request's own tokens
     total = num_prefixes * prefix_len + sum(prompt_len for prompt_len, _ in shapes)
-    stream = make_offline_workload(1, (total, total), (1, 1), vocab_size, seed=seed if token_seed is None else token_seed,
+    stream = make_offline_workload(1, (total, total), (1, 1), vocab_size,
+                                   seed=seed if token_seed is None else token_seed,
                                    exclude_token_ids=exclude_token_ids)[0].prompt_token_ids
     prefixes = [stream[i * prefix_len:(i + 1) * prefix_len] for i in range(num_prefixes)]
     at = num_prefixes * prefix_len

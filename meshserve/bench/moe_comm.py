@@ -168,9 +168,10 @@ def _summarise(raw: dict, config: dict) -> dict:
 
 
 def _plot(summary: dict, png_path: Path) -> None:
+    # start-up: matplotlib only when plotting
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     modes = summary["modes"]
     medians = [modes[m]["median_ms"] for m in MODES]

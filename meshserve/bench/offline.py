@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from meshserve.utils import report
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.utils import report
 
 # Warm-up and roofline prompts come from their own seeds, so they never repeat the timed workload's.
 WARMUP_SEED_OFFSET = 1_000_000
@@ -90,8 +92,6 @@ def _throughput(elapsed: float, prompt_tokens: int, output_tokens: int) -> dict[
 
 def run_meshserve(llm, workload: Sequence[WorkloadRequest], progress: bool) -> tuple[dict[str, Any], list[list[int]]]:
     """Greedy, EOS ignored, each request's own max_tokens; returns the throughput record and the tokens."""
-    from meshserve.core.sampling_params import SamplingParams
-
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     start = time.perf_counter()
@@ -119,6 +119,7 @@ def _roofline_shape(options: OfflineOptions) -> tuple[int, int]:
 
 
 def measure_machine(options: OfflineOptions) -> dict[str, Any]:
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.bench.roofline import measure_matmul_rate, measure_memory_bandwidth
 
     device = options.engine_args.get("device", "cpu")  # the roofline of the device the engine runs on
@@ -134,8 +135,10 @@ def measure_machine(options: OfflineOptions) -> dict[str, Any]:
 
 
 def roofline_record(hf_config: dict[str, Any], dtype_name: str, batch: int, context: int,
-                    machine: dict[str, Any], achieved_tokens_per_s: float, measurement: dict[str, Any]) -> dict[str, Any]:
+                    machine: dict[str, Any], achieved_tokens_per_s: float,
+                    measurement: dict[str, Any]) -> dict[str, Any]:
     """The bound for (batch, context) on this machine, what was achieved, and every input that went in."""
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.bench.roofline import decode_step_cost, footprint_from_config, roofline_bound
     from meshserve.models.loader import resolve_dtype
 
@@ -161,6 +164,7 @@ def roofline_record(hf_config: dict[str, Any], dtype_name: str, batch: int, cont
 
 
 def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.models.loader import load_hf_config
 
     hf_config = load_hf_config(options.model_dir)
@@ -170,7 +174,9 @@ def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
                                      vocab_size, seed=options.seed, exclude_token_ids=excluded)
     machine = measure_machine(options) if options.roofline else None
     ours, our_tokens, roofline = _run_engine_phase(options, hf_config, workload, excluded, machine)
-    baseline, greedy = (_run_baseline(options, hf_config, workload, our_tokens) if options.baseline == "hf" else (None, None))
+    baseline, greedy = (None, None)
+    if options.baseline == "hf":
+        baseline, greedy = _run_baseline(options, hf_config, workload, our_tokens)
 
     speedup = (ours["output_tokens_per_s"] / baseline["output_tokens_per_s"]
                if baseline and baseline["output_tokens_per_s"] > 0 else None)
@@ -201,8 +207,8 @@ def run_offline_benchmark(options: OfflineOptions) -> dict[str, Any]:
 def _run_engine_phase(options: OfflineOptions, hf_config: dict[str, Any], workload: Sequence[WorkloadRequest],
                       excluded: set[int], machine: dict[str, Any] | None):
     """Start the engine, run the workload, measure decode at batch B, and always shut the engine down."""
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.engine.llm import LLM
-    from meshserve.core.sampling_params import SamplingParams
 
     vocab_size = int(hf_config["vocab_size"])
     if options.progress:
@@ -231,6 +237,7 @@ def _run_engine_phase(options: OfflineOptions, hf_config: dict[str, Any], worklo
 
 def _measure_roofline(options: OfflineOptions, hf_config: dict[str, Any], excluded: set[int],
                       machine: dict[str, Any]) -> dict[str, Any]:
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.bench.roofline import measure_decode_throughput
     from meshserve.engine.llm import LLM
 
@@ -252,6 +259,7 @@ def _measure_roofline(options: OfflineOptions, hf_config: dict[str, Any], exclud
 
 def _run_baseline(options: OfflineOptions, hf_config: dict[str, Any], workload: Sequence[WorkloadRequest],
                   our_tokens: list[list[int]]):
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.bench.hf_baseline import run_hf_baseline
     from meshserve.models.loader import resolve_dtype
 
@@ -275,6 +283,7 @@ def _run_baseline(options: OfflineOptions, hf_config: dict[str, Any], workload: 
 
 
 def _progress_bar(total: int, desc: str):
+    # start-up: tqdm only with a progress bar
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
@@ -316,14 +325,15 @@ def plot_offline(result: dict[str, Any], path: str | Path) -> Path:
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     ours = result["meshserve"]
-    lines = [f"meshserve: {ours['output_tokens_per_s']:.1f} output tok/s, {ours['total_tokens_per_s']:.1f} total tok/s, "
-             f"{ours['elapsed_s']:.2f}s"]
+    lines = [f"meshserve: {ours['output_tokens_per_s']:.1f} output tok/s, "
+             f"{ours['total_tokens_per_s']:.1f} total tok/s, {ours['elapsed_s']:.2f}s"]
     if result.get("baseline"):
         base = result["baseline"]
         lines.append(f"HF transformers: {base['output_tokens_per_s']:.1f} output tok/s, {base['elapsed_s']:.2f}s; "
                      f"speedup {result['speedup']:.2f}x")
         greedy = result["greedy_check"]
-        lines.append(f"greedy outputs: {greedy['mismatching_requests']} of {greedy['compared_requests']} requests differ")
+        lines.append(f"greedy outputs: {greedy['mismatching_requests']} of {greedy['compared_requests']} "
+                     f"requests differ")
     if result.get("roofline"):
         roof = result["roofline"]
         lines.append(f"decode: {roof['achieved_tokens_per_s']:.1f} tok/s of a {roof['bound_tokens_per_s']:.1f} tok/s "

@@ -24,15 +24,20 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from meshserve.utils import report
 from meshserve.bench.offline import WARMUP_SEED_OFFSET, compare_greedy
 from meshserve.bench.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, parse_range, special_token_ids
+from meshserve.config import EngineConfig
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.models.factory import ensure_default_model
+from meshserve.parallel.analyzer import AnalyzerError, Workload, estimate, model_spec_from_config
 from meshserve.parallel.strategy import ParallelStrategy, StrategyError, enumerate_strategies, is_power_of_two
+from meshserve.utils import report
 
 SINGLE_RANK = "attn=TP1+DP1 moe=TP1+EP1"
 SINGLE_RANK_LABEL = "single rank"
@@ -120,6 +125,7 @@ def log(message: str) -> None:
 
 def _start_engine(model_dir: str, engine_args: dict[str, Any]):
     """The engine of one layout (a seam for tests)."""
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.engine.llm import LLM
 
     return LLM(model=model_dir, **engine_args)
@@ -127,8 +133,6 @@ def _start_engine(model_dir: str, engine_args: dict[str, Any]):
 
 def run_workload_once(llm, workload: Sequence[WorkloadRequest]) -> tuple[dict[str, Any], list[list[int]]]:
     """One timed pass of the workload: output tokens/s, mean TTFT and mean TPOT, and the greedy tokens."""
-    from meshserve.core.sampling_params import SamplingParams
-
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in workload]
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params)
@@ -162,6 +166,7 @@ def measure_pass(model_dir: str, engine_args: dict[str, Any], workload: Sequence
     An engine that does not start (a model that does not shard that way) is
     "unsupported"; one that fails or overruns `timeout_s` afterwards is "failed".
     """
+    # start-up: zmq only when engines run
     from meshserve.engine.core_client import EngineStartupError
 
     load_start = time.perf_counter()
@@ -256,8 +261,6 @@ def analyzer_workload(workload: Sequence[WorkloadRequest], max_num_seqs: int):
     service (prefill, then L_out decode steps); any positive rate would add an
     M/M/1 wait that an offline batch does not have.
     """
-    from meshserve.parallel.analyzer import Workload
-
     return Workload(batch=min(len(workload), max_num_seqs),
                     input_len=max(1, round(statistics.fmean(len(r.prompt_token_ids) for r in workload))),
                     output_len=max(1, round(statistics.fmean(r.output_len for r in workload))),
@@ -266,8 +269,6 @@ def analyzer_workload(workload: Sequence[WorkloadRequest], max_num_seqs: int):
 
 def predict(hf_config: dict[str, Any], cluster, analyzer_wl, strategies: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The analyzer's estimate of each strategy; output tokens/s is its throughput's output share."""
-    from meshserve.parallel.analyzer import estimate, model_spec_from_config
-
     model = model_spec_from_config(hf_config)
     output_share = analyzer_wl.output_len / (analyzer_wl.input_len + analyzer_wl.output_len)
     predictions = {}
@@ -287,10 +288,12 @@ def predict(hf_config: dict[str, Any], cluster, analyzer_wl, strategies: Sequenc
 
 def load_or_calibrate_cluster(options: ParallelBenchOptions, hf_config: dict[str, Any], batch: int, input_len: int):
     """(Cluster, record of where it came from): the --cluster file, or a quick calibration written beside the JSON."""
+    # start-up: yaml only when a cluster file is read
     from meshserve.parallel.cluster_file import load_cluster_file
 
     if options.cluster_path:
         return load_cluster_file(options.cluster_path), {"source": "file", "path": options.cluster_path}
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.bench import calibrate as cal
 
     # Matmul shapes of this model's routed experts: a decode step and a prefill chunk of the workload.
@@ -345,37 +348,39 @@ def assemble_results(baseline: dict[str, Any], layouts: list[dict[str, Any]],
             layout["ratio_to_single_rank"] = None
         out_layouts.append(layout)
 
-    ranked = [l for l in out_layouts if l["status"] == "ok" and l["prediction"] is not None]
-    measured = [l["median"]["output_tokens_per_s"] for l in ranked]
-    predicted = [l["prediction"]["throughput_tok_s"] for l in ranked]
+    ranked = [layout for layout in out_layouts if layout["status"] == "ok" and layout["prediction"] is not None]
+    measured = [layout["median"]["output_tokens_per_s"] for layout in ranked]
+    predicted = [layout["prediction"]["throughput_tok_s"] for layout in ranked]
     for layout, m_rank, p_rank in zip(ranked, average_ranks(measured), average_ranks(predicted)):
         layout["measured_rank"], layout["predicted_rank"] = m_rank, p_rank
-    rows = [{"strategy": l["strategy"], "measured_rank": l["measured_rank"], "predicted_rank": l["predicted_rank"],
-             "measured_output_tokens_per_s": l["median"]["output_tokens_per_s"],
-             "predicted_output_tokens_per_s": l["prediction"]["output_tokens_per_s"],
-             "ratio_to_single_rank": l["ratio_to_single_rank"], "tokens_match": l["tokens_match"]}
-            for l in sorted(ranked, key=lambda l: (l["measured_rank"], l["strategy"]))]
+    rows = [{"strategy": layout["strategy"], "measured_rank": layout["measured_rank"],
+             "predicted_rank": layout["predicted_rank"],
+             "measured_output_tokens_per_s": layout["median"]["output_tokens_per_s"],
+             "predicted_output_tokens_per_s": layout["prediction"]["output_tokens_per_s"],
+             "ratio_to_single_rank": layout["ratio_to_single_rank"], "tokens_match": layout["tokens_match"]}
+            for layout in sorted(ranked, key=lambda layout: (layout["measured_rank"], layout["strategy"]))]
+    by_predicted = sorted(ranked, key=lambda layout: (layout["predicted_rank"], layout["strategy"]))
     return {
         "baseline": baseline,
         "layouts": out_layouts,
         "rankings": {
             "measured": [r["strategy"] for r in rows],
-            "predicted": [l["strategy"] for l in sorted(ranked, key=lambda l: (l["predicted_rank"], l["strategy"]))],
+            "predicted": [layout["strategy"] for layout in by_predicted],
             "rows": rows,
         },
         "spearman_rho": spearman_rank_correlation(measured, predicted),
         "ranked_layouts": len(ranked),
-        "all_tokens_match": all(l["tokens_match"] for l in out_layouts if l["status"] == "ok"),
-        "not_run": {l["strategy"]: {"status": l["status"], "error": l["error"]}
-                    for l in out_layouts if l["status"] != "ok"},
+        "all_tokens_match": all(layout["tokens_match"] for layout in out_layouts if layout["status"] == "ok"),
+        "not_run": {layout["strategy"]: {"status": layout["status"], "error": layout["error"]}
+                    for layout in out_layouts if layout["status"] != "ok"},
     }
 
 
 # ---------------------------------------------------------------- the whole run
 
 def run_parallel_benchmark(options: ParallelBenchOptions) -> dict[str, Any]:
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from meshserve.models.loader import load_hf_config
-    from meshserve.parallel.analyzer import AnalyzerError, model_spec_from_config
 
     hf_config = load_hf_config(options.model_dir)
     try:
@@ -486,7 +491,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
              + (f"; torch threads: {threads['single rank']} for the single rank, {threads['layouts']} per rank "
                 f"of a layout" if threads else "")]
     table = [("measured", "predicted", "strategy", "tok/s", "x single", "TTFT ms", "TPOT ms", "pred tok/s", "tokens")]
-    by_name = {l["strategy"]: l for l in result["layouts"]}
+    by_name = {layout["strategy"]: layout for layout in result["layouts"]}
     for row in result["rankings"]["rows"]:
         layout = by_name[row["strategy"]]
         table.append((f"{row['measured_rank']:g}", f"{row['predicted_rank']:g}", row["strategy"],
@@ -502,7 +507,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                  + ("undefined" if rho is None else f"{rho:.3f}"))
     if not result["all_tokens_match"]:
         lines.append("greedy tokens DIFFER from the single rank for: "
-                     + ", ".join(l["strategy"] for l in result["layouts"] if l["tokens_match"] is False))
+                     + ", ".join(layout["strategy"] for layout in result["layouts"] if layout["tokens_match"] is False))
     return lines
 
 
@@ -540,8 +545,6 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _options_from_args(args: argparse.Namespace) -> ParallelBenchOptions:
-    from meshserve.config import EngineConfig
-
     if args.cluster and not Path(args.cluster).is_file():
         raise BenchArgumentError(f"--cluster {args.cluster} is not a file")
     if args.model and not Path(args.model).is_dir():
@@ -560,6 +563,7 @@ def _options_from_args(args: argparse.Namespace) -> ParallelBenchOptions:
         repeats=args.repeats, seed=args.seed, cluster_path=args.cluster, engine_args=engine_args,
         layout_timeout_s=args.layout_timeout, progress=args.progress)
     if args.cluster:
+        # start-up: yaml only when a cluster file is read
         from meshserve.parallel.cluster_file import load_cluster_file
 
         cluster = load_cluster_file(args.cluster)
@@ -570,9 +574,8 @@ def _options_from_args(args: argparse.Namespace) -> ParallelBenchOptions:
 
 
 def parallel_main(args: argparse.Namespace) -> int:
+    # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
-    from meshserve.models.factory import ensure_default_model
 
     try:
         options = _options_from_args(args)

@@ -12,12 +12,25 @@ import argparse
 import asyncio
 import sys
 
-from meshserve.utils import report
-from meshserve.bench.deployment_load import (add_engine_flags, check_model_dir, counter_deltas, engine_settings, log,
-                                             model_max_len, one_line_errors, run_fixed_rate, started_deployment,
-                                             summarize_timings, te_counters, vocabulary, warm_up)
+from meshserve.bench.deployment_load import (
+    add_engine_flags,
+    check_model_dir,
+    counter_deltas,
+    engine_settings,
+    log,
+    model_max_len,
+    one_line_errors,
+    run_fixed_rate,
+    started_deployment,
+    summarize_timings,
+    te_counters,
+    vocabulary,
+    warm_up,
+)
 from meshserve.bench.mixed_workload import KINDS, Mix, make_mixed_workload
 from meshserve.bench.workload import parse_range
+from meshserve.config import ConfigError
+from meshserve.utils import report
 
 LOG = "bench pd"
 SETUPS = ("colocated", "disaggregated")
@@ -65,7 +78,7 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pd_main(args: argparse.Namespace) -> int:
-    from meshserve.config import ConfigError
+    # start-up: zmq only when a deployment runs
     from meshserve.router.deployment import load_multi
 
     try:

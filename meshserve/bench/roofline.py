@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+
+from meshserve.bench.workload import make_offline_workload
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.layers import cpu_kernels
+from meshserve.layers.linear import linear, pack_weight
 
 MLA_TYPES = ("deepseek_v3", "kimi_k2")
 GQA_MOE_TYPES = ("qwen3_moe",)
@@ -101,7 +107,8 @@ def footprint_from_config(config: dict[str, Any]) -> ModelFootprint:
     if model_type in GQA_MOE_TYPES or model_type in DENSE_TYPES:
         return _qwen3_footprint(config, moe=model_type in GQA_MOE_TYPES)
     raise RooflineConfigError(
-        f"no roofline model for model_type {model_type!r}; supported: {', '.join(MLA_TYPES + GQA_MOE_TYPES + DENSE_TYPES)}")
+        f"no roofline model for model_type {model_type!r}; "
+        f"supported: {', '.join(MLA_TYPES + GQA_MOE_TYPES + DENSE_TYPES)}")
 
 
 def _glu_mlp_params(hidden: int, intermediate: int) -> int:
@@ -333,9 +340,6 @@ def measure_matmul_rate(
     The machine's rate is the best kernel available to the process: `torch.mm`, the prepacked oneDNN
     linear and the native kernel (the two the engine itself uses on CPU) are timed, and the fastest counts.
     """
-    from meshserve.layers import cpu_kernels
-    from meshserve.layers.linear import linear, pack_weight
-
     device = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
@@ -398,9 +402,6 @@ def measure_decode_throughput(
     last. Each
     repeat uses fresh prompts, so a prefix cache cannot help.
     """
-    from meshserve.bench.workload import make_offline_workload
-    from meshserve.core.sampling_params import SamplingParams
-
     if batch < 1 or context_len < 1 or decode_tokens < 1 or repeats < 1:
         raise ValueError("batch, context_len, decode_tokens and repeats must all be at least 1")
     max_tokens = 1 + decode_tokens

@@ -26,14 +26,28 @@ import argparse
 import asyncio
 import statistics
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from meshserve.utils import report
-from meshserve.bench.deployment_load import (add_engine_flags, check_model_dir, counter_deltas, engine_settings, log,
-                                             model_max_len, one_line_errors, run_fixed_rate, started_deployment,
-                                             summarize_timings, te_counters, vocabulary, warm_up)
+from meshserve.bench.deployment_load import (
+    add_engine_flags,
+    check_model_dir,
+    counter_deltas,
+    engine_settings,
+    log,
+    model_max_len,
+    one_line_errors,
+    run_fixed_rate,
+    started_deployment,
+    summarize_timings,
+    te_counters,
+    vocabulary,
+    warm_up,
+)
 from meshserve.bench.mixed_workload import Mix, make_mixed_workload
 from meshserve.bench.pd import add_mix_arguments, mix_from_args
+from meshserve.config import ConfigError
+from meshserve.router.pd_heatmap import PDHeatmap
+from meshserve.utils import report
 
 LOG = "bench routing"
 BASELINE = "round_robin"
@@ -48,6 +62,7 @@ class MaxTokensPredictor:
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    # start-up: zmq only when the routing benchmark runs
     from meshserve.router.routing import POLICIES
 
     one_line_errors(parser, "meshserve bench routing")
@@ -79,7 +94,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def routing_main(args: argparse.Namespace) -> int:
-    from meshserve.config import ConfigError
+    # start-up: zmq only when the routing benchmark runs
     from meshserve.router.deployment import load_multi
     from meshserve.router.routing import POLICIES
 
@@ -125,12 +140,11 @@ def _routing_inputs(heatmap_path: str | None, predictor_path: str | None):
     heatmap = predictor = None
     predictor_name = None
     if heatmap_path:
-        from meshserve.router.pd_heatmap import PDHeatmap
-
         heatmap = PDHeatmap.load(heatmap_path)
         # the router reads the heatmap only with a predictor
         predictor, predictor_name = MaxTokensPredictor(), "max_tokens (exact: ignore_eos)"
     if predictor_path:
+        # keeps torch out of `meshserve` start-up (the bench parser imports this module)
         from meshserve.router.length_predictor import LengthPredictor
 
         predictor, predictor_name = LengthPredictor.load(predictor_path), predictor_path
@@ -174,7 +188,7 @@ def run_routing_benchmark(model: str, deployment, deployment_name: str, policies
         runs = asyncio.run(measure(je))
     results = {policy: {"runs": policy_runs, "median": _medians(policy_runs)} for policy, policy_runs in runs.items()}
     base = results[BASELINE]
-    for policy, entry in results.items():
+    for entry in results.values():
         entry["jct_vs_round_robin"] = _ratio(entry["median"]["jct_mean_ms"], base["median"]["jct_mean_ms"])
         entry["jct_vs_round_robin_per_repeat"] = [
             _ratio(run["jct_ms"]["mean"], base_run["jct_ms"]["mean"])

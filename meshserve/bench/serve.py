@@ -12,14 +12,15 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 
-from meshserve.utils import report
 from meshserve.bench.workload import WorkloadRequest
+from meshserve.utils import report
 
 TIME_LIMIT_ERROR = "benchmark time limit reached"
 
@@ -285,11 +286,13 @@ def run_serve_benchmark(options: ServeOptions, workload: Sequence[WorkloadReques
     model = options.model or discover_model(options.url)
     bar = None
     if options.progress:
+        # start-up: tqdm only with a progress bar
         from tqdm import tqdm
 
         bar = tqdm(total=len(workload), desc="requests", unit="req", file=sys.stderr)
     try:
-        records, duration = asyncio.run(run_load(options, model, workload, on_done=(lambda _: bar.update(1)) if bar else None))
+        on_done = (lambda _: bar.update(1)) if bar else None
+        records, duration = asyncio.run(run_load(options, model, workload, on_done=on_done))
     finally:
         if bar is not None:
             bar.close()

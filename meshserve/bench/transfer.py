@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing as mp
 import random
 import statistics
@@ -32,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from meshserve.utils import report
 from meshserve.bench.deployment_load import one_line_errors
 from meshserve.transfer import BlockRef, TransferEngine, TransferStatus
 from meshserve.transfer import dist as dist_mod
 from meshserve.transfer import tcp as tcp_mod
 from meshserve.transfer.shm import dtype_from_str
+from meshserve.utils import report
 
 PROG = "meshserve bench transfer"
 BACKENDS = ("shm", "tcp", "dist")
@@ -296,7 +297,7 @@ def _memcpy_rows(layout: KVLayout, source: list[torch.Tensor], picks: dict[int, 
         for n, (src_ids, dst_ids) in picks.items():
             src_idx, dst_idx = _index(src_ids), _index(dst_ids)
             _memcpy(source, local_dst, src_idx, dst_idx)  # untimed: first touch of the destination pages
-            times = _timed(lambda: _memcpy(source, local_dst, src_idx, dst_idx), repeats)
+            times = _timed(functools.partial(_memcpy, source, local_dst, src_idx, dst_idx), repeats)
             rows.append(_row(MEMCPY, WHOLE, n, layout, times, None))
             _progress(rows[-1])
     finally:
@@ -335,8 +336,9 @@ def run_transfer_benchmark(settings: TransferSettings) -> dict:
                 timed = [(n, WHOLE) for n in settings.sizes] + [(largest, BY_LAYER)]
                 for n, mode in timed:
                     src_ids, dst_ids = picks[n]
-                    times = _timed(lambda: _pull(engine, src_ids, dst_ids, layout.layers, mode == BY_LAYER,
-                                                 n * layout.block_bytes), repeats)
+                    pull = functools.partial(_pull, engine, src_ids, dst_ids, layout.layers, mode == BY_LAYER,
+                                             n * layout.block_bytes)
+                    times = _timed(pull, repeats)
                     row = _row(backend, mode, n, layout, times, memcpy_gbps[n])
                     rows.append(row)
                     _progress(row)
@@ -399,6 +401,7 @@ def plot_transfer(result: dict, path: Path) -> Path:
     ax.set_xticks(sizes, [f"{n}\n({n * block_bytes / 1e6:.1f} MB)" for n in sizes])
     ax.set_xlabel(f"blocks per pull ({config['block_size']} tokens each)")
     ax.set_yscale("log")  # the backends sit up to two orders of magnitude below the in-process copy
+    # start-up: matplotlib only when plotting
     from matplotlib.ticker import FuncFormatter
 
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
 # the output length assumed for a request without max_tokens when reserving its KV space
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
 

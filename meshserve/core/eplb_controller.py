@@ -1,11 +1,11 @@
 """The master's side of expert load balancing (xdeepserve §4.5): load slices and live reconfiguration.
 
 Load: the driver rank of each DP group reports its tokens per logical expert when a
-step asks (`{"report_load": True}`, at most every `report_every_s`); the reports
+step asks (`StepBatch.report_load`, at most every `report_every_s`); the reports
 are summed over DP groups into time slices of `slice_s` seconds.
 
 Reconfiguration: a new placement (given, or planned from the recorded slices)
-goes to every rank in four phases, each carried by the control field of a step
+goes to every rank in four phases, each carried by a step (`StepBatch.eplb`)
 so all ranks switch at the same step boundary while the TE keeps serving:
 
   prefetch          ranks read the changing slots' weights in the background
@@ -21,7 +21,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+import msgspec
+
+from meshserve.core.messages import (
+    EplbCommand,
+    EplbPhase,
+    EplbStatus,
+    ExpertLoad,
+    PlacementData,
+    WorkerEventKind,
+)
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import ExpertPlacement, PlacementShape
 
@@ -32,6 +43,18 @@ MAX_SLICES = 720  # recorded history kept (two hours of 10 s slices)
 
 class EplbError(RuntimeError):
     """A rebalancing request the engine cannot carry out (shown to the operator as is)."""
+
+
+@dataclass
+class EplbControl:
+    """What the next step carries for expert load balancing (StepBatch.eplb, StepBatch.report_load)."""
+
+    eplb: EplbCommand | None = None
+    report_load: bool = False
+
+
+def placement_data(placement: ExpertPlacement) -> PlacementData:
+    return msgspec.convert(placement.to_dict(), PlacementData)
 
 
 @dataclass
@@ -75,17 +98,17 @@ class EplbController:
         return [[0] * (self.shape.num_logical if self.shape else 0) for _ in self.moe_layers]
 
     # ------------------------------------------------------------------ load
-    def step_control(self, now: float) -> dict:
+    def step_control(self, now: float) -> EplbControl:
         """Control for a step about to run (it has work)."""
-        control = self._phase_control()
+        control = EplbControl(eplb=self._phase_control())
         if self.enabled and now - self._last_report >= self.report_every_s:
-            control["report_load"] = True
+            control.report_load = True
             self._last_report = now
         return control
 
-    def idle_control(self) -> dict:
+    def idle_control(self) -> EplbControl:
         """Control that must reach the ranks even when no step runs (reconfiguration phases)."""
-        return self._phase_control()
+        return EplbControl(eplb=self._phase_control())
 
     def on_counts(self, counts: list[list[int]]) -> None:
         if not self.enabled:
@@ -135,8 +158,12 @@ class EplbController:
                                 slice_start_times=starts)
 
     # ------------------------------------------------------------------ reconfiguration
-    def rebalance(self, placement: dict | None, window_slices: int | None = None) -> ExpertPlacement:
-        """Start a reconfiguration to `placement` (a placement dict), or to a plan from the recorded load."""
+    def load(self) -> ExpertLoad:
+        """The recorded load as an admin result."""
+        return msgspec.convert(self.record().to_dict(), ExpertLoad)
+
+    def rebalance(self, placement: PlacementData | dict | None, window_slices: int | None = None) -> ExpertPlacement:
+        """Start a reconfiguration to `placement`, or to a plan from the recorded load."""
         if not self.enabled:
             raise EplbError("the model has no MoE layers to rebalance")
         if self.shape.redundant_per_rank == 0:
@@ -144,6 +171,7 @@ class EplbController:
         if self._reconfig is not None:
             raise EplbError(f"a reconfiguration is already running (phase {self._reconfig.phase})")
         if placement is None:
+            # keeps numpy out of the master until it plans a placement
             from meshserve.moe.eplb import plan_placement
 
             record = self.record(include_current=True, window_slices=window_slices)
@@ -151,6 +179,8 @@ class EplbController:
                 raise EplbError("no expert load recorded yet")
             new = plan_placement(record, self.shape, base=self.placement)
         else:
+            if isinstance(placement, PlacementData):
+                placement = placement.to_dict()
             try:
                 new = ExpertPlacement.from_dict(placement)
             except (ValueError, KeyError, TypeError, OverflowError) as exc:
@@ -171,45 +201,53 @@ class EplbController:
         logger.info("expert placement reconfiguration started")
         return new
 
-    def _phase_control(self) -> dict:
+    def _phase_control(self) -> EplbCommand | None:
+        """The phase command a due phase sends (once), moving the reconfiguration on."""
         r = self._reconfig
-        if r is None:
-            return {}
-        if r.phase == "prefetch":
-            r.phase, r.acks = "prefetching", set()
-            return {"eplb": {"phase": "prefetch", "placement": r.placement.to_dict()}}
-        if r.phase == "load":
-            r.phase, r.acks = "loading", set()
-            return {"eplb": {"phase": "disable_and_load"}}
-        if r.phase == "abort":
-            self._reconfig = None
-            return {"eplb": {"phase": "abort"}}
-        if r.phase == "enable":
-            self.placement = r.placement
-            self._reconfig = None
-            self.num_reconfigurations += 1
-            self.last_finished_at = time.time()
-            logger.info("expert placement reconfiguration %d done in %.2f s", self.num_reconfigurations,
-                        time.time() - r.started)
-            return {"eplb": {"phase": "enable"}}
-        return {}
+        start = self._PHASE_STARTS.get(r.phase) if r is not None else None
+        return start(self, r) if start is not None else None
 
-    def on_event(self, rank: int, kind: str, detail: str) -> None:
+    def _start_prefetch(self, r: _Reconfiguration) -> EplbCommand:
+        r.phase, r.acks = "prefetching", set()
+        return EplbCommand(EplbPhase.PREFETCH, placement_data(r.placement))
+
+    def _start_load(self, r: _Reconfiguration) -> EplbCommand:
+        r.phase, r.acks = "loading", set()
+        return EplbCommand(EplbPhase.DISABLE_AND_LOAD)
+
+    def _start_abort(self, r: _Reconfiguration) -> EplbCommand:
+        self._reconfig = None
+        return EplbCommand(EplbPhase.ABORT)
+
+    def _start_enable(self, r: _Reconfiguration) -> EplbCommand:
+        self.placement = r.placement
+        self._reconfig = None
+        self.num_reconfigurations += 1
+        self.last_finished_at = time.time()
+        logger.info("expert placement reconfiguration %d done in %.2f s", self.num_reconfigurations,
+                    time.time() - r.started)
+        return EplbCommand(EplbPhase.ENABLE)
+
+    # the phase a reconfiguration waits in -> what starts it (the others wait for every rank's ack)
+    _PHASE_STARTS: ClassVar[dict] = {"prefetch": _start_prefetch, "load": _start_load, "abort": _start_abort,
+                     "enable": _start_enable}
+
+    def on_event(self, rank: int, kind: WorkerEventKind, detail: str) -> None:
         r = self._reconfig
-        if kind == "eplb_failed":
+        if kind == WorkerEventKind.EPLB_FAILED:
             phase = r.phase if r is not None else "?"
             self.last_error = f"rank {rank} failed in phase {phase}: {detail}"
             logger.error("expert placement reconfiguration stopped: %s", self.last_error)
             # every rank drops the reconfiguration at the same step boundary, keeping one mapping
             self._reconfig = _Reconfiguration(r.placement if r else self.placement, "abort")
             return
-        expected = {"eplb_prefetched": "prefetching", "eplb_loaded": "loading"}.get(kind)
+        expected = {WorkerEventKind.EPLB_PREFETCHED: "prefetching", WorkerEventKind.EPLB_LOADED: "loading"}.get(kind)
         if r is None or expected != r.phase:
-            logger.warning("unexpected executor event %s from rank %d", kind, rank)
+            logger.warning("unexpected worker event %s from rank %d", kind, rank)
             return
         r.acks.add(rank)
         if len(r.acks) == self.world_size:
-            r.phase = "load" if kind == "eplb_prefetched" else "enable"
+            r.phase = "load" if kind == WorkerEventKind.EPLB_PREFETCHED else "enable"
 
     @property
     def busy(self) -> bool:
@@ -217,18 +255,18 @@ class EplbController:
 
     @property
     def has_pending_control(self) -> bool:
-        return self._reconfig is not None and self._reconfig.phase in ("prefetch", "load", "enable", "abort")
+        return self._reconfig is not None and self._reconfig.phase in self._PHASE_STARTS
 
-    def status(self) -> dict:
-        return {
-            "enabled": self.enabled,
-            "phase": self._reconfig.phase if self._reconfig else "idle",
-            "num_reconfigurations": self.num_reconfigurations,
-            "last_error": self.last_error,
-            "last_started_at": self.last_started_at,
-            "last_finished_at": self.last_finished_at,
-            "num_slices": len(self.slices),
-            "slice_seconds": self.slice_s,
-            "interval_seconds": self.interval_s,
-            "placement": self.placement.to_dict() if self.placement is not None else None,
-        }
+    def status(self) -> EplbStatus:
+        return EplbStatus(
+            enabled=self.enabled,
+            phase=self._reconfig.phase if self._reconfig else "idle",
+            num_reconfigurations=self.num_reconfigurations,
+            last_error=self.last_error,
+            last_started_at=self.last_started_at,
+            last_finished_at=self.last_finished_at,
+            num_slices=len(self.slices),
+            slice_seconds=self.slice_s,
+            interval_seconds=self.interval_s,
+            placement=placement_data(self.placement) if self.placement is not None else None,
+        )

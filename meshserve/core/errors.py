@@ -18,7 +18,7 @@ class InvalidRequestError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine (master or an executor) has died; no request can be served (HTTP 503)."""
+    """The engine (master or an worker) has died; no request can be served (HTTP 503)."""
 
 
 # errors the master reports by class name when it refuses a request at admission

@@ -13,7 +13,7 @@ A block registered in the tree outlives its last reference: it stays cached and
 becomes evictable. Eviction takes the least-recently used unreferenced leaf, so
 a parent always outlives its children and a prefix is never cut in the middle.
 
-Holds ids only; the executors own the tensors the ids point into.
+Holds ids only; the workers own the tensors the ids point into.
 Not thread-safe: the master calls it from its scheduling loop.
 """
 from __future__ import annotations
@@ -24,29 +24,13 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-
-# ---------------------------------------------------------------- events
-@dataclass
-class BlockStored:
-    """Full blocks that joined the prefix tree, as one chain under `parent_block_hash`."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None  # None: the chain starts at the root
-    token_ids: list[int]  # len(block_hashes) * block_size tokens, in order
-    block_size: int
-
-
-@dataclass
-class BlockRemoved:
-    block_hashes: list[int]
-
-
-@dataclass
-class AllBlocksCleared:
-    pass
-
-
-CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+from meshserve.core.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedBlock,
+    CacheEvent,
+)
 
 # Without a consumer, keep the most recent events only, so an idle buffer cannot grow without bound.
 MAX_BUFFERED_EVENTS = 65536
@@ -205,7 +189,8 @@ class KVCacheManager:
                     self._free.append(block_id)
 
     # ------------------------------------------------------------ prefix tree
-    def match_by_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None, record: bool = True) -> list[int]:
+    def match_by_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
+                        record: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of full blocks within the first `max_tokens`
         tokens (all of them by default). Takes no reference; counts the lookup when `record`."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
@@ -272,14 +257,14 @@ class KVCacheManager:
                 block_size=self.block_size,
             ))
 
-    def snapshot(self) -> list[list]:
-        """Every cached block as [block_hash, parent_block_hash or None, token_ids], parents first: what a
+    def snapshot(self) -> list[CachedBlock]:
+        """Every cached block as (block_hash, parent_block_hash or None, token_ids), parents first: what a
         router that lost events needs to rebuild its view of this cache."""
-        out: list[list] = []
+        out: list[CachedBlock] = []
         stack = list(self._root_children.values())
         while stack:
             node = stack.pop()
-            out.append([node.block_hash, node.parent.block_hash if node.parent else None, list(node.key)])
+            out.append((node.block_hash, node.parent.block_hash if node.parent else None, list(node.key)))
             stack.extend(node.children.values())
         return out
 

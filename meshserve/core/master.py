@@ -1,16 +1,17 @@
-"""The TE master process: per DP group a scheduler + Relational Tensor Cache, driving the executor ranks.
+"""The engine's master process: per DP group a scheduler + KV cache manager, driving the worker ranks.
 
 It never touches tensors (it does not even import torch). Each loop turn it takes
-client messages, collects finished steps from the executors and schedules new
+client messages, collects finished steps from the workers and schedules new
 ones; it also places requests on DP groups and drives expert-placement
-reconfigurations (`eplb_controller`). With `async_scheduling` up to two steps are in flight: step n+1 is
-prepared and queued while step n runs, so the executors never wait on the
+reconfigurations (`eplb_controller`). Remote KV (the memory pool, prefill -> decode)
+moves through the KV connectors (`meshserve.core.kv_connector`): the master builds
+them and forwards their reports. With `async_scheduling` up to two steps are in flight:
+step n+1 is prepared and queued while step n runs, so the workers never wait on the
 scheduler (deepserve §4.2, asynchronous execution).
 """
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import logging
 import os
@@ -28,26 +29,24 @@ from meshserve.core.client_links import ClientLink, RouterLinks
 from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
 from meshserve.core.eplb_controller import EplbController, EplbError
 from meshserve.core.errors import InvalidRequestError, QueueFullError, RequestTooLongError
-from meshserve.utils.processes import free_tcp_port, launch_module, module_arguments, stop_process
+from meshserve.core.kv_cache_manager import KVCacheManager
+from meshserve.core.kv_connector import KVConnectors
 from meshserve.core.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.core.request import Request
-from meshserve.core.kv_cache_manager import KVCacheManager
-from meshserve.core.scheduler import Scheduler, SchedulerConfig
+from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from meshserve.core.scheduler import Scheduler
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import PlacementShape, load_placement_file
-from meshserve.pool.context_keys import block_keys, key_root, model_identity, rank_key
-from meshserve.pool.fetch_cost import FetchCostModel
-from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
-from meshserve.core.pd_mapping import source_prefill_tp_rank
 from meshserve.utils import cluster_auth
+from meshserve.utils.processes import free_tcp_port, launch, stop_process
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
-_INBOX, _RESULTS = "te-inbox", "executor-results"  # the master's receiving sockets, as dropped frames name them
+_INBOX, _RESULTS = "te-inbox", "worker-results"  # the master's receiving sockets, as dropped frames name them
 _MAX_REQUEST_ID_CHARS = 256
 _MAX_ID_LIST = 1024  # eos and stop token ids of one request
-_RESULT_TYPES = (msg.ModelRunnerOutput, msg.WorkerFailure, msg.WorkerEvent)
+_RESULT_TYPES = (msg.ModelRunnerOutput, msg.WorkerFailure, msg.WorkerEvent, msg.KVConnectorReport)
 _DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
 
 
@@ -59,7 +58,7 @@ def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
 
 
 class WorkerGroup:
-    """The executor processes of one TE (one per rank) and the sockets to reach them.
+    """The worker processes of one engine (one per rank) and the sockets to reach them.
 
     The master starts ranks 0..num_local_ranks-1 itself; the others run on other hosts and
     join through `RemoteRanks`. With remote ranks every socket is TCP on `master_addr`;
@@ -67,15 +66,16 @@ class WorkerGroup:
     """
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int) -> None:
-        self.world_size = config.world_size
-        num_local = config.num_local_ranks
-        self._tcp_host = config.master_addr if num_local < self.world_size else None
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
+        num_local = parallel.num_local_ranks
+        self._tcp_host = parallel.master_addr if num_local < self.world_size else None
         self._ipc_dir = ipc_dir
         self.works: list[zmq.Socket] = []
         self.results = ctx.socket(zmq.PULL)
         result_addr = self._bind(self.results, "results")
         # the ranks meet in torch.distributed; rank 0's store listens here (MASTER_ADDR:MASTER_PORT)
-        dist_init = (f"tcp://{config.master_addr}:{config.master_port or free_tcp_port(config.master_addr)}"
+        dist_init = (f"tcp://{parallel.master_addr}:{parallel.master_port or free_tcp_port(parallel.master_addr)}"
                      if self.world_size > 1 else None)
         work_addrs = []
         for rank in range(self.world_size):
@@ -90,9 +90,8 @@ class WorkerGroup:
         self.remote = (RemoteRanks(ctx, config, self.works, work_addrs, result_addr, dist_init)
                        if num_local < self.world_size else None)
         self._unreachable: list[int] = []  # remote ranks whose work socket had no connection to send on
-        self.procs = [launch_module("meshserve.worker.worker", rank=rank, config=config.to_dict(),
-                                    work_addr=work_addrs[rank], result_addr=result_addr,
-                                    dist_init_method=dist_init, log_level=log_level)
+        self.procs = [launch("worker", rank=rank, config=config.to_dict(), work_addr=work_addrs[rank],
+                             result_addr=result_addr, dist_init_method=dist_init, log_level=log_level)
                       for rank in range(num_local)]
 
     def _bind(self, sock: zmq.Socket, name: str) -> str:
@@ -123,16 +122,16 @@ class WorkerGroup:
                     if len(ready) == self.world_size:
                         return [ready[rank] for rank in range(self.world_size)]
                 elif isinstance(item, msg.WorkerFailure):
-                    raise RuntimeError(f"executor {item.rank} failed to start: {item.message}{self._not_joined()}")
+                    raise RuntimeError(f"worker {item.rank} failed to start: {item.message}{self._not_joined()}")
             gone = self._gone_rank(starting=True)
             if gone is not None:
                 raise RuntimeError(gone[1])
         if self.remote is not None and self.remote.missing():
-            raise RuntimeError(f"remote executor rank(s) {self.remote.missing()} did not join within "
+            raise RuntimeError(f"remote worker rank(s) {self.remote.missing()} did not join within "
                                f"{timeout_s:.0f}s; start each on its host with "
                                f"`meshserve worker --engine {self.remote.endpoint} --rank R`")
         missing = sorted(set(range(self.world_size)) - set(ready))
-        raise RuntimeError(f"executor(s) {missing} not ready after {timeout_s:.0f}s")
+        raise RuntimeError(f"worker(s) {missing} not ready after {timeout_s:.0f}s")
 
     def _not_joined(self) -> str:
         missing = self.remote.missing() if self.remote is not None else []
@@ -146,15 +145,15 @@ class WorkerGroup:
     def explain(self, report: msg.WorkerFailure) -> str:
         """A rank's failure report, led by another rank's death when one is seen: a rank that
         fails inside a collective is often only the echo of a peer that died."""
-        text = f"executor {report.rank} failed: {report.message}"
+        text = f"worker {report.rank} failed: {report.message}"
         gone = self._gone_rank()
         return text if gone is None or gone[0] == report.rank else f"{gone[1]}; then {text}"
 
     def _gone_rank(self, starting: bool = False) -> tuple[int, str] | None:
         for rank, p in enumerate(self.procs):
             if p.poll() is not None:
-                return rank, (f"executor {rank} exited during start-up (exit code {p.returncode})" if starting
-                              else f"executor {rank} died (exit code {p.returncode})")
+                return rank, (f"worker {rank} exited during start-up (exit code {p.returncode})" if starting
+                              else f"worker {rank} died (exit code {p.returncode})")
         if self.remote is None:
             return None
         self.remote.answer_handshakes()
@@ -162,8 +161,8 @@ class WorkerGroup:
         if lost is None and self._unreachable:
             lost = self._unreachable[0]
         if lost is not None:
-            return lost, (f"remote executor {lost} disconnected during start-up" if starting
-                          else f"remote executor {lost} disconnected (its process or host is gone)")
+            return lost, (f"remote worker {lost} disconnected during start-up" if starting
+                          else f"remote worker {lost} disconnected (its process or host is gone)")
         return None
 
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -181,27 +180,8 @@ class WorkerGroup:
         self.results.close(0)
 
 
-@dataclasses.dataclass
-class _FetchProgress:
-    """A populate from the memory pool: the DP group's ranks that reported, the fewest blocks one wrote."""
-
-    group: int
-    num_fetched: int  # the blocks ordered, lowered by each rank's report
-    ranks: set = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass
-class _PullProgress:
-    """A decode TE's pull of one request's blocks: the DP group's ranks that reported, the first error."""
-
-    group: int
-    source_addr: str  # the prefill TE's input address (ReleaseKV goes there)
-    ranks: set = dataclasses.field(default_factory=set)
-    error: str | None = None
-
-
 class EngineCore:
-    """Scheduler(s) of one TE: one scheduler and KV pool per DP group, in lockstep steps.
+    """Scheduler(s) of one TE: one scheduler and KV cache per DP group, in lockstep steps.
 
     With several DP groups, requests wait in one shared queue until the DP balancer
     places them (`dp_balancer`); each step every group's scheduler contributes its part
@@ -219,85 +199,65 @@ class EngineCore:
         self.watch_parent = watch_parent
         self.reply_of: dict[str, str] = {}  # request id -> where its outputs go (TE serving job executors)
         self.parent = os.getppid()
-        strategy = config.strategy
+        strategy = config.parallel_config.strategy
         self.dp_size = strategy.attn_dp
-        self.executors = WorkerGroup(self.ctx, config, ipc_dir, log_level)
+        self.workers = WorkerGroup(self.ctx, config, ipc_dir, log_level)
         try:
-            ready = self.executors.wait_ready(config.startup_timeout_s)
+            ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s)
         except BaseException:
-            self.executors.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
+            self.workers.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
             raise
-        self.max_model_len = config.max_model_len or max_position_embeddings(config.model)
+        self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)
         self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
         self.kv_events = None
         self.kv_events_addr = ""  # where routers subscribe: the endpoint as bound
         self._kv_event_seq = 0
-        if config.kv_events_endpoint:
+        if config.cache_config.kv_events_endpoint:
             self.kv_events = self.ctx.socket(zmq.PUB)
             self.kv_events.setsockopt(zmq.LINGER, 0)
-            cluster_auth.server(self.kv_events, config.kv_events_endpoint)  # cached prompts are users' data
-            self.kv_events.bind(config.kv_events_endpoint)
+            # cached prompts are users' data
+            cluster_auth.server(self.kv_events, config.cache_config.kv_events_endpoint)
+            self.kv_events.bind(config.cache_config.kv_events_endpoint)
             # a wildcard port ("tcp://host:*") is chosen by the bind itself, so no other process can take
             # it between choosing and binding
             self.kv_events_addr = self.kv_events.getsockopt_string(zmq.LAST_ENDPOINT)
         self.kv_managers: list[KVCacheManager] = []
-        self.schedulers: list[Scheduler] = []
-        # disaggregated prefill/decode: each DP group's ranks' KV regions, and pulls awaiting their ranks
-        self.kv_regions = [[r.kv_region for r in ready[g * strategy.attn_tp:(g + 1) * strategy.attn_tp]]
-                           for g in range(self.dp_size)]
-        self._pulls: dict[str, _PullProgress] = {}
-        self._fetches: dict[str, _FetchProgress] = {}
         for group in range(self.dp_size):
             ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
-            kv_manager = KVCacheManager(min(r.num_kv_blocks for r in ranks), config.block_size,
-                                        enable_prefix_caching=config.enable_prefix_caching)
-            self.kv_managers.append(kv_manager)
-            self.schedulers.append(Scheduler(
-                SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                                max_model_len=self.max_model_len, block_size=config.block_size,
-                                enable_chunked_prefill=config.enable_chunked_prefill,
-                                max_waiting=config.max_waiting),
-                kv_manager))
-            self.schedulers[-1].kv_hold_timeout_s = config.kv_hold_timeout_s
+            self.kv_managers.append(KVCacheManager(min(r.num_kv_blocks for r in ranks), config.cache_config.block_size,
+                                                   enable_prefix_caching=config.cache_config.enable_prefix_caching))
+        # remote KV (memory pool, prefill -> decode) comes through KV connectors, one set per DP group
+        self.kv_connectors = KVConnectors(config, ready, self.kv_managers, link.listen_addr, link.send_to)
+        scheduler_config = msgspec.structs.replace(config.scheduler_config, max_model_len=self.max_model_len)
+        self.schedulers = [Scheduler(scheduler_config, kv_manager, self.kv_connectors.per_group[group])
+                           for group, kv_manager in enumerate(self.kv_managers)]
         # requests no DP group has taken yet (DP > 1 only), in queue order; and where each placed one went
         self.pending: list[Request] = []
         self._pending_seq = 0
         self._pending_keys: dict[str, tuple] = {}  # queue order: priority, then arrival
         self.owner: dict[str, int] = {}
-        self.pipeline_depth = 2 if config.async_scheduling else 1
+        self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
         self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
         self.dead_error: str | None = None
         self.running = True
         self.eplb = self._make_eplb_controller(ready[0])
-        self.pool = None  # context caching in the memory pool
-        self._pool_lookups: dict[str, tuple[Request, object]] = {}
-        if config.pool_controller:
-            from meshserve.pool.sdk import PoolClient
-
-            self.pool = PoolClient(config.pool_controller, name="master")
-            self.pool_model_id = model_identity(config.model, config.dtype)
-            # one rank's share of a block crosses the pool; its ranks fetch in parallel
-            self.fetch_cost = FetchCostModel(
-                ready[0].kv_bytes_per_token * config.block_size, config.block_size,
-                config.pool_fetch_latency_ms / 1000, config.pool_fetch_gbps * 1e9)
-            for scheduler in self.schedulers:
-                scheduler.pool_store_decode_blocks = config.pool_store_decode_blocks
         num_blocks = sum(kv_manager.num_blocks for kv_manager in self.kv_managers)
         if isinstance(link, ClientLink):
-            self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.block_size,
+            self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
                                        kv_bytes_per_token=ready[0].kv_bytes_per_token,
                                        max_model_len=self.max_model_len, vocab_size=self.vocab_size))
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
 
     def _make_eplb_controller(self, ready: msg.WorkerReady) -> EplbController:
-        strategy = self.config.strategy
+        strategy = self.config.parallel_config.strategy
+        eplb = self.config.eplb_config
         shape = None
         if ready.moe_layers and ready.num_logical_experts:
-            shape = PlacementShape(ready.num_logical_experts, strategy.moe_ep, self.config.eplb_redundant_experts)
-        initial = load_placement_file(self.config.eplb_placement) if self.config.eplb_placement else None
-        return EplbController(shape, ready.moe_layers, strategy.world_size, self.config.eplb_slice_s,
-                              self.config.eplb_interval_s, initial=initial)
+            shape = PlacementShape(ready.num_logical_experts, strategy.moe_ep, eplb.eplb_redundant_experts)
+        initial = load_placement_file(eplb.eplb_placement) if eplb.eplb_placement else None
+        return EplbController(shape, ready.moe_layers, strategy.world_size, eplb.eplb_slice_s,
+                              eplb.eplb_interval_s, initial=initial)
 
     def _send(self, item, reply_to: str = "") -> None:
         self.link.send(item, reply_to)
@@ -329,13 +289,16 @@ class EngineCore:
             if isinstance(item, msg.AddRequest):
                 self._reject(item, exc)
 
+    def _answer_refused(self, refused: msg.RefusedFrame) -> None:
+        """A request whose frame failed its checks (e.g. sampling params out of range) fails alone, answered."""
+        logger.warning("refused a request: %s", refused)
+        self._send(refused.answer, refused.reply_to)
+
     def _on_abort(self, item: msg.AbortRequests) -> None:
         self._abort(item.req_ids)
 
     def _on_release_kv(self, item: msg.ReleaseKV) -> None:
-        for req_id in item.req_ids:
-            for scheduler in self.schedulers:
-                scheduler.release_kv(req_id)
+        self.kv_connectors.release(item.req_ids)
 
     def _on_stats_query(self, item: msg.StatsQuery) -> None:
         self._send(self._stats(), item.reply_to)
@@ -353,42 +316,58 @@ class EngineCore:
 
     def _admin(self, item: msg.AdminRequest) -> msg.AdminReply:
         try:
-            if item.op == "eplb.load":
-                data = self.eplb.record().to_dict()
-            elif item.op == "eplb.status":
-                data = self.eplb.status()
-            elif item.op == "eplb.rebalance":
-                if self.dead_error is not None:
-                    raise EplbError(f"engine is dead: {self.dead_error}")
-                self.eplb.rebalance(item.args.get("placement"))
-                data = self.eplb.status()
-            elif item.op == "stats":
-                data = msgspec.structs.asdict(self._stats())
-            elif item.op == "kv.snapshot":  # a router rebuilding its view of this TE's prefix caches
-                data = {"seq": self._kv_event_seq, "blocks": {g: kv_manager.snapshot() for g, kv_manager in enumerate(self.kv_managers)}}
-            elif item.op == "context_cache.delete":  # unpin a named context cache's blocks
-                cache_id = item.args.get("id")
-                if not isinstance(cache_id, str):
-                    raise EplbError("context_cache.delete needs args {\"id\": CACHE_ID}")
-                deleted = [s.drop_context_cache(cache_id) for s in self.schedulers]
-                data = {"id": cache_id, "deleted": any(deleted)}
-            elif item.op == "context_cache.list":
-                now = time.monotonic()
-                data = {cache_id: {"dp_rank": g, "num_tokens": len(pin.token_ids),
-                                   "expires_in_s": max(0.0, pin.deadline - now)}
-                        for g, s in enumerate(self.schedulers) for cache_id, pin in s.context_caches.items()}
-            else:
-                raise EplbError(f"unknown admin operation {item.op!r}")
+            data = self._ADMIN_OPS[item.op](self, item)
         except EplbError as exc:
             return msg.AdminReply(query_id=item.query_id, ok=False, error=str(exc))
         return msg.AdminReply(query_id=item.query_id, data=data)
+
+    def _admin_eplb_load(self, item: msg.AdminRequest) -> msg.ExpertLoad:
+        return self.eplb.load()
+
+    def _admin_eplb_status(self, item: msg.AdminRequest) -> msg.EplbStatus:
+        return self.eplb.status()
+
+    def _admin_eplb_rebalance(self, item: msg.AdminRequest) -> msg.EplbStatus:
+        if self.dead_error is not None:
+            raise EplbError(f"engine is dead: {self.dead_error}")
+        self.eplb.rebalance(item.placement)
+        return self.eplb.status()
+
+    def _admin_stats(self, item: msg.AdminRequest) -> msg.StatsResult:
+        return msg.StatsResult(self._stats())
+
+    def _admin_kv_snapshot(self, item: msg.AdminRequest) -> msg.KVSnapshot:
+        """A router rebuilding its view of this TE's prefix caches."""
+        return msg.KVSnapshot(seq=self._kv_event_seq,
+                              blocks={g: kv_manager.snapshot() for g, kv_manager in enumerate(self.kv_managers)})
+
+    def _admin_context_cache_delete(self, item: msg.AdminRequest) -> msg.ContextCacheDeleted:
+        """Unpin a named context cache's blocks."""
+        if item.cache_id is None:
+            raise EplbError("context_cache.delete needs a cache id")
+        deleted = [s.drop_context_cache(item.cache_id) for s in self.schedulers]
+        return msg.ContextCacheDeleted(id=item.cache_id, deleted=any(deleted))
+
+    def _admin_context_cache_list(self, item: msg.AdminRequest) -> msg.ContextCacheListing:
+        now = time.monotonic()
+        return msg.ContextCacheListing(caches={
+            cache_id: msg.ContextCacheInfo(dp_rank=g, num_tokens=len(pin.token_ids),
+                                           expires_in_s=max(0.0, pin.deadline - now))
+            for g, s in enumerate(self.schedulers) for cache_id, pin in s.context_caches.items()})
+
+    _ADMIN_OPS = {msg.AdminOp.EPLB_LOAD: _admin_eplb_load, msg.AdminOp.EPLB_STATUS: _admin_eplb_status,
+                  msg.AdminOp.EPLB_REBALANCE: _admin_eplb_rebalance, msg.AdminOp.STATS: _admin_stats,
+                  msg.AdminOp.KV_SNAPSHOT: _admin_kv_snapshot,
+                  msg.AdminOp.CONTEXT_CACHE_DELETE: _admin_context_cache_delete,
+                  msg.AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list}
 
     def _reject(self, item: msg.AddRequest, error: Exception) -> None:
         """Refuse one request: its caller gets an error delta naming the error's class."""
         if item.reply_to:
             self.reply_of[item.req_id] = item.reply_to
-        self._send_deltas([msg.RequestDelta(req_id=item.req_id, new_token_ids=[], finish_reason="error",
-                                            error=str(error), error_type=type(error).__name__,
+        self._send_deltas([msg.RequestDelta(req_id=item.req_id, new_token_ids=[],
+                                            finish_reason=msg.FinishReason.ERROR,
+                                            error=str(error), error_type=msg.error_type_of(error),
                                             num_prompt_tokens=len(item.prompt_token_ids))])
 
     def _check_add_request(self, item: msg.AddRequest) -> SamplingParams:
@@ -405,7 +384,7 @@ class EngineCore:
             check_token_ids(token_ids, self.vocab_size, what)
         if not INT64_MIN <= item.priority <= INT64_MAX:
             raise InvalidRequestError(f"priority must fit in a signed 64-bit integer, got {item.priority}")
-        params = SamplingParams.from_dict(item.sampling_params)
+        params = item.sampling_params  # its own checks ran when the frame was decoded
         if len(params.stop_token_ids) > _MAX_ID_LIST:
             raise SamplingParamsError(f"more than {_MAX_ID_LIST} stop token ids", param="stop_token_ids")
         params.verify(self.vocab_size)
@@ -429,16 +408,14 @@ class EngineCore:
                               eos_token_ids=item.eos_token_ids)
             self._set_context_cache(request, item)
             if request.context_cache_ttl_s is not None and not any(
-                    s.can_pin(request.num_prompt_tokens // self.config.block_size) for s in self.schedulers):
+                    s.can_pin(request.num_prompt_tokens // self.config.cache_config.block_size)
+                    for s in self.schedulers):
                 raise QueueFullError("named context caches already pin the share of the KV cache they may hold; "
                                      "delete some or wait for them to expire")
             if item.kv_transfer is not None:
                 self._set_kv_transfer(request, item)
             elif item.output_token_ids:
                 raise ValueError("output_token_ids are only accepted with a KV transfer from a prefill TE")
-            if (self.pool is not None and request.kv_transfer_role != "consumer"
-                    and self._start_pool_lookup(request)):
-                return  # admitted once the pool has said which prompt blocks it holds
             self._admit(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
             reject(exc)
@@ -455,28 +432,9 @@ class EngineCore:
         request.context_cache_ttl_s = item.context_cache_ttl_s
 
     def _set_kv_transfer(self, request: Request, item: msg.AddRequest) -> None:
-        """A disaggregated request: "producer" here computes the prompt and the first token only; "consumer"
-        pulls the prompt's KV from the prefill TE named in `kv_transfer` and decodes from its first token."""
-        role = item.kv_transfer.get("role")
-        wanted = {"producer": "producer", "consumer": "consumer"}.get(role)
-        if wanted is None:
-            raise ValueError(f"kv_transfer role must be producer or consumer, got {role!r}")
-        if self.config.kv_transfer != wanted:
-            raise ValueError(f"this TE ({self.role}) cannot take {role} requests")
-        request.kv_transfer_role = role
-        if role == "producer":
-            return
-        source = item.kv_transfer
-        missing = [k for k in ("engine", "engine_addr", "regions", "block_ids", "num_tokens", "attn_tp")
-                   if k not in source]
-        if missing:
-            raise ValueError(f"kv_transfer is missing {', '.join(missing)}")
-        if not item.output_token_ids or int(source["num_tokens"]) != len(item.prompt_token_ids):
-            raise ValueError("a decode request needs the prompt whose KV is transferred and its first token")
-        for token in item.output_token_ids:
-            request.append_output_token(int(token))
-        # "recompute": the blocks may be gone (a decode TE failed after pulling them): compute them here
-        request.kv_source = None if source.get("recompute") else source
+        """A disaggregated request: a producer here computes the prompt and the first token only; a consumer
+        pulls the prompt's KV from the prefill TE its params name and decodes from its first token."""
+        self.kv_connectors.accept(request, item.kv_transfer, item.output_token_ids)
 
     def _admit(self, request: Request) -> None:
         if self.dp_size == 1:
@@ -487,88 +445,20 @@ class EngineCore:
     _CLIENT_HANDLERS = {msg.AddRequest: _add_request, msg.AbortRequests: _on_abort, msg.ReleaseKV: _on_release_kv,
                         msg.StatsQuery: _on_stats_query, msg.AdminRequest: _on_admin, msg.Shutdown: _on_shutdown}
 
-    # ------------------------------------------------------------------ context caching (memory pool)
-    def _start_pool_lookup(self, request: Request) -> bool:
-        """Ask the pool (one batched exists) which leading prompt blocks it holds; False: nothing to ask."""
-        self.schedulers[0].check_fits(request)  # refuse a request that can never run before waiting on the pool
-        if request.req_id in self._pool_lookups:
-            raise ValueError(f"request id {request.req_id!r} is already in use")
-        # like the local prefix cache, never the block of the last prompt token: its logits are needed
-        keys = block_keys(request.prompt_token_ids[:-1], self.config.block_size, self.pool_model_id,
-                          self.config.pool_namespace)
-        request.pool_key_root = key_root(self.pool_model_id, self.config.pool_namespace)
-        if not keys:
-            return False
-        request.pool_block_keys = keys
-        probe = [rank_key(k, 0, self.config.strategy.attn_tp) for k in keys]
-        self._pool_lookups[request.req_id] = (request, self.pool.exists_async(self.config.pool_namespace, probe))
-        return True
-
-    def _finish_pool_lookups(self) -> None:
-        for req_id, (request, future) in list(self._pool_lookups.items()):
-            if not future.done():
-                continue
-            del self._pool_lookups[req_id]
-            found = future.result()
-            hits = next((i for i, present in enumerate(found) if not present), len(found))
-            request.num_pool_hit_blocks = request.num_pool_stored_blocks = hits
-            try:
-                self._admit(request)
-            except (QueueFullError, RequestTooLongError, ValueError) as exc:
-                self._send_deltas([msg.RequestDelta(req_id=req_id, new_token_ids=[], finish_reason="error",
-                                                    error=str(exc), error_type=type(exc).__name__,
-                                                    num_prompt_tokens=request.num_prompt_tokens)])
-
-    def _take_pool_stores(self) -> dict:
-        """Control that has each DP group's ranks copy its newly computed prompt blocks to the pool."""
-        stores = {}
-        for group, scheduler in enumerate(self.schedulers):
-            if scheduler.pool_store_queue:
-                stores[group] = scheduler.pool_store_queue
-                scheduler.pool_store_queue = []
-        return {"pool_store": stores} if stores else {}
-
-    def _take_pool_fetches(self) -> dict:
-        """Control that has each DP group's ranks fetch the pool blocks of requests that got their KV blocks."""
-        fetches = {}
-        for group, scheduler in enumerate(self.schedulers):
-            if scheduler.pool_fetch_queue:
-                fetches[group], scheduler.pool_fetch_queue = scheduler.pool_fetch_queue, []
-                for order in fetches[group]:
-                    self._fetches[order["req_id"]] = _FetchProgress(group, len(order["blocks"]))
-        return {"pool_fetch": fetches} if fetches else {}
-
-    def _on_fetch_event(self, event: msg.WorkerEvent) -> None:
-        req_id, _, written = event.detail.partition("\t")
-        progress = self._fetches.get(req_id)
-        if progress is None:
-            return
-        progress.ranks.add(event.rank)
-        # the ranks of a TP group compute the same tokens: all start after the fewest blocks any one wrote
-        progress.num_fetched = min(progress.num_fetched, int(written))
-        if len(progress.ranks) < self.config.strategy.attn_tp:
-            return
-        del self._fetches[req_id]
-        self.schedulers[progress.group].on_pool_fetched(req_id, progress.num_fetched)
-
     def _enqueue(self, request: Request) -> None:
         if request.req_id in self.owner or request.req_id in self._pending_keys:
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        if len(self.pending) >= self.config.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if len(self.pending) >= self.config.scheduler_config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.scheduler_config.max_waiting} requests)")
         self.schedulers[0].check_fits(request)  # every group has the same limits
         self._pending_seq += 1
         self._pending_keys[request.req_id] = (request.priority, request.arrival_time, self._pending_seq)
         bisect.insort(self.pending, request, key=lambda r: self._pending_keys[r.req_id])
 
     def _abort(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:  # a prefill TE's held blocks, whichever DP group holds them
-            for scheduler in self.schedulers:
-                scheduler.release_kv(req_id)
+        self.kv_connectors.release(req_ids)  # a prefill TE's held blocks, whichever DP group holds them
         aborted = set(req_ids)
         self.pending = [r for r in self.pending if r.req_id not in aborted]
-        for req_id in aborted:
-            self._pool_lookups.pop(req_id, None)
         for req_id in req_ids:
             self._pending_keys.pop(req_id, None)
             group = self.owner.pop(req_id, None) if self.dp_size > 1 else 0
@@ -588,9 +478,9 @@ class EngineCore:
             # a named context cache's pinned blocks count as a hit in the one group holding them, so the
             # balancer prefers that group; when it is much busier the request goes elsewhere and computes
             # the prefix there (a miss: the same output, no reuse)
-            return [len(s.match_cached_blocks(item.key)) * s.config.block_size for s in self.schedulers]
+            return [len(s.match_cached_blocks(item.key)) * s.block_size for s in self.schedulers]
 
-        placed = place_batch(items, self.config.block_size, loads, prefix_hits)
+        placed = place_batch(items, self.config.cache_config.block_size, loads, prefix_hits)
         if not placed:
             return
         taken = set()
@@ -602,15 +492,15 @@ class EngineCore:
             taken.add(request.req_id)
         self.pending = [r for r in self.pending if r.req_id not in taken]
 
-    # ------------------------------------------------------------------ executors
+    # ------------------------------------------------------------------ workers
     def _take_result(self, item) -> None:
-        """One message from the executors: a frame that is not one is dropped; a failure to handle
+        """One message from the workers: a frame that is not one is dropped; a failure to handle
         a real one is the engine's fault (its state may be half updated): the engine fails, the
         master lives on to say so."""
         if item is None:
             return
         if not isinstance(item, _RESULT_TYPES):
-            msg.drop_frame(_RESULTS, f"a {type(item).__name__} is not an executor's message")
+            msg.drop_frame(_RESULTS, f"a {type(item).__name__} is not an worker's message")
             return
         if isinstance(item, msg.ModelRunnerOutput) and not self._expected_output(item):
             return
@@ -618,7 +508,7 @@ class EngineCore:
             self._on_result(item)
         except Exception as exc:  # noqa: BLE001 - reported through the engine's health, not a dead master
             logger.exception("handling a %s failed", type(item).__name__)
-            self._fail(f"the master failed on an executor's {type(item).__name__}: {exc}")
+            self._fail(f"the master failed on an worker's {type(item).__name__}: {exc}")
 
     def _expected_output(self, item: msg.ModelRunnerOutput) -> bool:
         """Whether a step output names a DP group with a step in flight (else it is dropped)."""
@@ -629,18 +519,15 @@ class EngineCore:
 
     def _on_result(self, item) -> None:
         if isinstance(item, msg.WorkerFailure):
-            self._fail(self.executors.explain(item))
-            return
-        if self.dead_error is not None:
-            return
-        if isinstance(item, msg.WorkerEvent):
-            if item.kind in (msg.PULLED, msg.PULL_FAILED):
-                self._on_pull_event(item)
-            elif item.kind == msg.POOL_FETCHED:
-                self._on_fetch_event(item)
-            else:
-                self.eplb.on_event(item.rank, item.kind, item.detail)
-            return
+            self._fail(self.workers.explain(item))
+        elif self.dead_error is None:
+            self._RESULT_HANDLERS[type(item)](self, item)
+
+    def _on_worker_event(self, event: msg.WorkerEvent) -> None:
+        """A rank finished an expert-placement phase (or failed it)."""
+        self.eplb.on_event(event.rank, event.kind, event.detail)
+
+    def _on_step_output(self, item: msg.ModelRunnerOutput) -> None:
         if item.expert_load is not None:
             self.eplb.on_counts(item.expert_load)
         group = item.dp_rank
@@ -648,13 +535,7 @@ class EngineCore:
         if item.step_id != sched.step_id:
             self._fail(f"DP group {group} returned step {item.step_id}, expected {sched.step_id}")
             return
-        if self.pool is not None:  # the prefill rate the fetch-vs-recompute decision weighs
-            self.fetch_cost.observe_step(sched.total_num_scheduled_tokens, item.execute_seconds)
-            self.schedulers[group].pool_min_fetch_blocks = self.fetch_cost.min_fetch_blocks()
         deltas = self.schedulers[group].update_from_output(sched, item)
-        for delta in deltas:
-            if delta.kv_transfer_params is not None:
-                self._describe_hand_off(group, delta)
         if self.dp_size > 1:
             for delta in deltas:
                 if delta.finish_reason is not None or delta.kv_transfer_params is not None:
@@ -662,55 +543,22 @@ class EngineCore:
         self._send_deltas(deltas)
         self._publish_kv_events(group)
 
-    # ------------------------------------------------------------------ disaggregated prefill/decode
-    def _describe_hand_off(self, group: int, delta: msg.RequestDelta) -> None:
-        """Prefill TE: what a decode TE needs to pull the request's blocks (xdeepserve §5.1 step 3)."""
-        strategy = self.config.strategy
-        delta.kv_transfer_params.update(engine=self.config.te_name, engine_addr=self.link.listen_addr,
-                                        dp_rank=group, attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp,
-                                        regions=self.kv_regions[group])
-
-    def _take_kv_pulls(self) -> dict:
-        """Control that has each DP group's ranks start pulling the blocks of requests that got theirs."""
-        strategy = self.config.strategy
-        pulls = {}
-        for group, scheduler in enumerate(self.schedulers):
-            if not scheduler.kv_pull_queue:
-                continue
-            orders, scheduler.kv_pull_queue = scheduler.kv_pull_queue, []
-            for order in orders:
-                source = order.pop("source")
-                # cloudmatrix-infer §4.3.3: decode TP rank t of this group reads from one fixed prefill rank
-                order["sources"] = [source["regions"][source_prefill_tp_rank(
-                    int(source["attn_tp"]), strategy.attn_tp, strategy.attn_dp, group, tp_rank)]
-                    for tp_rank in range(strategy.attn_tp)]
-                self._pulls[order["req_id"]] = _PullProgress(group, source["engine_addr"])
-            pulls[group] = orders
-        return {"kv_pull": pulls} if pulls else {}
-
-    def _on_pull_event(self, event: msg.WorkerEvent) -> None:
-        req_id, _, error = event.detail.partition("\t")
-        progress = self._pulls.get(req_id)
-        if progress is None:
+    def _on_kv_connector_report(self, report: msg.KVConnectorReport) -> None:
+        """A rank's KV connectors finished background work (pool fetches, KV pulls)."""
+        if not 0 <= report.dp_rank < self.dp_size:
+            msg.drop_frame(_RESULTS, f"KV connector report of DP group {report.dp_rank}")
             return
-        progress.ranks.add(event.rank)
-        if event.kind == msg.PULL_FAILED:
-            progress.error = progress.error or error
-        if len(progress.ranks) < self.config.strategy.attn_tp:
-            return
-        del self._pulls[req_id]
-        if progress.error is not None:
-            logger.warning("request %s: KV pull failed (%s); computing its prompt here", req_id, progress.error)
-        self.schedulers[progress.group].on_kv_pulled(req_id, ok=progress.error is None)
-        # step 8: the prefill TE frees its blocks (after a failure too: nobody will read them)
-        self.link.send_to(progress.source_addr, msg.ReleaseKV(req_ids=[req_id]))
+        self.schedulers[report.dp_rank].update_connector_output(report)
+
+    _RESULT_HANDLERS = {msg.ModelRunnerOutput: _on_step_output, msg.WorkerEvent: _on_worker_event,
+                        msg.KVConnectorReport: _on_kv_connector_report}
 
     def _heartbeat(self) -> msg.EngineHeartbeat:
-        strategy = self.config.strategy
-        return msg.EngineHeartbeat(name=self.config.te_name, role=self.role, group=self.group,
+        strategy = self.config.parallel_config.strategy
+        return msg.EngineHeartbeat(name=self.config.te_name, role=msg.EngineRole(self.role), group=self.group,
                                input_addr=self.link.listen_addr, kv_events_addr=self.kv_events_addr,
-                               model=self.config.served_model_name or self.config.model,
-                               max_model_len=self.max_model_len, block_size=self.config.block_size,
+                               model=self.config.model_config.served_model_name or self.config.model_config.model,
+                               max_model_len=self.max_model_len, block_size=self.config.cache_config.block_size,
                                attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),
                                kv_event_seq=self._kv_event_seq, timestamp=time.time())
 
@@ -720,8 +568,7 @@ class EngineCore:
             return
         self._kv_event_seq += 1
         batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group,
-                                  engine=self.config.te_name, events=[
-            {"type": type(e).__name__, **dataclasses.asdict(e)} for e in events])
+                                  engine=self.config.te_name, events=events)
         self.kv_events.send(msg.encode(batch))
 
     def _fail(self, error: str) -> None:
@@ -733,7 +580,7 @@ class EngineCore:
             queue.clear()
         # the error first: clients fail everything at once; the per-request deltas then only confirm it
         self.link.broadcast(msg.EngineError(message=error, fatal=True, engine=self.config.te_name))
-        deltas = [msg.RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason="error", error=error,
+        deltas = [msg.RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason=msg.FinishReason.ERROR, error=error,
                                    num_prompt_tokens=r.num_prompt_tokens) for r in self.pending]
         self.pending = []
         self._pending_keys.clear()
@@ -751,27 +598,26 @@ class EngineCore:
     def _schedule(self) -> None:
         if self.dp_size > 1 and self.dead_error is None:
             self._place_pending()
-        if self.pool is not None and self.dead_error is None:
-            self._finish_pool_lookups()
         while self.dead_error is None and self._steps_in_flight() < self.pipeline_depth and self._has_work():
             scheds = [s.schedule() for s in self.schedulers]
             if all(sched.is_empty for sched in scheds):
                 break
             # blocks freed while scheduling are stored before this step's forward can overwrite them
-            control = {**self.eplb.step_control(time.time()), **self._take_block_moves()}
-            self.executors.send(msg.StepBatch(per_dp=scheds, control=control))
+            eplb = self.eplb.step_control(time.time())
+            self.workers.send(msg.StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
+                                              kv_connector=self._connector_metadata()))
             for queue, sched in zip(self.in_flight, scheds):
                 queue.append(sched)
-        if self.dead_error is None and (self.eplb.has_pending_control
-                                        or any(s.pool_store_queue or s.pool_fetch_queue or s.kv_pull_queue
-                                               for s in self.schedulers)):
+        metadata = self._connector_metadata() if self.dead_error is None else {}
+        if self.dead_error is None and (self.eplb.has_pending_control or metadata):
             # no step carried it: send the control on its own (ranks apply it without a forward)
-            control = {**self.eplb.idle_control(), **self._take_block_moves()}
-            self.executors.send(msg.StepBatch(per_dp=[], control=control))
+            eplb = self.eplb.idle_control()
+            self.workers.send(msg.StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
 
-    def _take_block_moves(self) -> dict:
-        """Control for the ranks' background block moves: pool stores and fetches, KV pulls."""
-        return {**self._take_pool_stores(), **self._take_pool_fetches(), **self._take_kv_pulls()}
+    def _connector_metadata(self) -> dict[int, msg.KVConnectorMetadata]:
+        """Each DP group's KV connector work not yet sent (loads, stores)."""
+        metadata = {group: s.build_connector_meta() for group, s in enumerate(self.schedulers)}
+        return {group: meta for group, meta in metadata.items() if meta is not None}
 
     def _stats(self) -> msg.EngineStats:
         parts = [s.stats() for s in self.schedulers]
@@ -784,7 +630,7 @@ class EngineCore:
             prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             num_preemptions=sum(p.num_preemptions for p in parts),
-            pool_hit_tokens=sum(s.pool_hit_tokens for s in self.schedulers),
+            pool_hit_tokens=sum(p.pool_hit_tokens for p in parts),
             waiting_tokens=sum(p.waiting_tokens for p in parts) + sum(r.num_tokens for r in self.pending),
             running_tokens=sum(p.running_tokens for p in parts),
             kv_transfer_holds=sum(p.kv_transfer_holds for p in parts),
@@ -799,42 +645,38 @@ class EngineCore:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.executors.results, zmq.POLLIN)
+        poller.register(self.workers.results, zmq.POLLIN)
         try:
             while self.running:
                 self._schedule()
-                stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending)
-                                                            or bool(self._pool_lookups))
-                # a pool lookup answers on the SDK's thread, not on these sockets: look again soon
-                timeout_ms = 2 if self._pool_lookups else 50 if stalled else _IDLE_POLL_MS
+                stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending))
+                # a connector's lookup answers on another thread, not on these sockets: look again soon
+                timeout_ms = 2 if self.kv_connectors.busy else 50 if stalled else _IDLE_POLL_MS
                 events = dict(poller.poll(timeout_ms))
-                if self.executors.results in events:
-                    while self.executors.results.poll(0):
-                        self._take_result(msg.recv_message(self.executors.results, _RESULTS))
+                if self.workers.results in events:
+                    while self.workers.results.poll(0):
+                        self._take_result(msg.recv_message(self.workers.results, _RESULTS))
                 if self.inbox in events:
                     while self.inbox.poll(0):
-                        item = msg.recv_message(self.inbox, _INBOX, msg.MAX_INBOX_BYTES)
+                        item = msg.recv_message(self.inbox, _INBOX, msg.MAX_INBOX_BYTES, self._answer_refused)
                         if item is not None:
                             self._on_client(item)
                 self._check_peers()
                 now = time.time()
                 self.eplb.tick(now)
                 self.link.tick(now, self._heartbeat)
+                self.kv_connectors.expire()
                 for scheduler in self.schedulers:
-                    for req_id in scheduler.expire_kv_holds():
-                        logger.warning("request %s: no decode TE pulled its KV blocks in %.0f s; freed", req_id,
-                                       self.config.kv_hold_timeout_s)
                     for cache_id in scheduler.expire_context_caches():
                         logger.info("context cache %s expired; its blocks are unpinned", cache_id)
         finally:
             logger.info("shutting down")
             self.link.say_goodbye(self._heartbeat())
-            self.executors.shutdown(grace_s=10.0 if self.dead_error is None else _DEAD_GRACE_S)
+            self.workers.shutdown(grace_s=10.0 if self.dead_error is None else _DEAD_GRACE_S)
             self.link.close()
             if self.kv_events is not None:
                 self.kv_events.close(0)
-            if self.pool is not None:
-                self.pool.close()
+            self.kv_connectors.close()
             self.ctx.term()
 
     def _check_peers(self) -> None:
@@ -842,7 +684,7 @@ class EngineCore:
             logger.warning("client is gone; shutting down")
             self.running = False
             return
-        failure = self.executors.failure()
+        failure = self.workers.failure()
         if failure is not None and self.dead_error is None:
             self._fail(failure)
 
@@ -865,11 +707,5 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         out.connect(output_addr)
         out.send(msg.encode(msg.EngineError(message=f"engine start-up failed: {exc}", fatal=True)))
         out.close()
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     core.run()
-
-
-if __name__ == "__main__":
-    import sys
-
-    run_master(**module_arguments(sys.argv))

@@ -13,21 +13,30 @@ Boundaries:
                         (a TE serving job executors answers each at the `reply_to` address its request named)
   master  -> JEs      : EngineHeartbeat (a TE's registration and load, repeated; `meshserve te --register`)
   decode master -> prefill master : ReleaseKV (the decode TE has the KV blocks: the prefill TE frees them)
-  master  -> executor : StepBatch (one SchedulerOutput per DP group), Shutdown
-  executor-> master   : ModelRunnerOutput, WorkerReady, WorkerFailure, WorkerEvent
-  executor<-> master  : WorkerHandshake (a rank on another host joining the TE)
+  master  -> worker : StepBatch (one SchedulerOutput per DP group), Shutdown
+  worker-> master   : ModelRunnerOutput, WorkerReady, WorkerFailure, WorkerEvent, KVConnectorReport
+  worker<-> master  : WorkerHandshake (a rank on another host joining the TE)
   master  -> routers  : KVCacheEvents (PUB socket at EngineConfig.kv_events_endpoint)
+
+Kinds, finish reasons, errors and roles are string enums (their values are the words the API shows);
+sampling settings travel as `SamplingParams` itself; operator commands and their results, expert
+placement phases and prefix-cache events as typed structs.
 """
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 from msgspec import field
+
+from meshserve.config import EngineConfig
+from meshserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +45,210 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     """Base of every message: a frame naming a field the receiver's struct lacks is refused."""
 
 
-# ---------------------------------------------------------------- master -> executor
+# ---------------------------------------------------------------- enums
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class ErrorType(enum.StrEnum):
+    """The errors a master reports by class name when it refuses a request at admission (the caller raises
+    the same class: meshserve.core.errors.ADMISSION_ERRORS)."""
+
+    QUEUE_FULL = "QueueFullError"
+    REQUEST_TOO_LONG = "RequestTooLongError"
+    INVALID_REQUEST = "InvalidRequestError"
+    SAMPLING_PARAMS = "SamplingParamsError"
+
+
+def error_type_of(error: BaseException) -> ErrorType | None:
+    """The admission error type of `error`; None for any other error (the caller sees a failed request)."""
+    try:
+        return ErrorType(type(error).__name__)
+    except ValueError:
+        return None
+
+
+class EngineRole(enum.StrEnum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerEventKind(enum.StrEnum):
+    EPLB_PREFETCHED = "eplb_prefetched"  # this rank read the changing slots' weights
+    EPLB_LOADED = "eplb_loaded"  # ... and copied them into the slots
+    EPLB_FAILED = "eplb_failed"  # a phase failed on this rank (`detail`: why)
+
+
+class EplbPhase(enum.StrEnum):
+    """The steps of a live expert-placement reconfiguration (meshserve.core.eplb_controller)."""
+
+    PREFETCH = "prefetch"  # read the changing slots' weights in the background
+    DISABLE_AND_LOAD = "disable_and_load"  # stop routing to those slots and copy the weights in
+    ENABLE = "enable"  # switch to the new placement
+    ABORT = "abort"  # a rank failed a phase: every rank drops the reconfiguration
+
+
+class AdminOp(enum.StrEnum):
+    EPLB_LOAD = "eplb.load"
+    EPLB_STATUS = "eplb.status"
+    EPLB_REBALANCE = "eplb.rebalance"
+    STATS = "stats"
+    KV_SNAPSHOT = "kv.snapshot"  # a router rebuilding its view of a TE's prefix caches
+    CONTEXT_CACHE_DELETE = "context_cache.delete"  # unpin a named context cache's blocks
+    CONTEXT_CACHE_LIST = "context_cache.list"
+
+
+# ---------------------------------------------------------------- expert placement
+class PlacementData(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """An expert placement as it crosses a process: `ExpertPlacement.to_dict()` typed (JSON keys)."""
+
+    format: str
+    num_logical: int
+    num_ranks: int
+    redundant_per_rank: int
+    layers: dict[str, list[int]]  # layer index -> the logical expert in each physical slot
+    slots_per_rank: int | None = None  # uneven placements only
+    replicas: dict[str, list[list[int]]] | None = None  # derived from `layers`: the slots of each expert
+
+    def to_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+
+class EplbCommand(msgspec.Struct, forbid_unknown_fields=True):
+    """One reconfiguration phase every rank applies at the same step boundary."""
+
+    phase: EplbPhase
+    placement: PlacementData | None = None  # the placement to move to (PREFETCH only)
+
+
+# ---------------------------------------------------------------- KV connectors (remote KV: memory pool, P/D)
+class KVTransferRole(enum.StrEnum):
+    PRODUCER = "producer"  # a prefill TE: compute the prompt, sample the first token, hold the KV for a decode TE
+    CONSUMER = "consumer"  # a decode TE: pull the prompt's KV from the prefill TE, then decode
+
+
+class KVRegionLayer(Message):
+    shape: list[int]
+    dtype: str
+
+
+class KVShmSegment(Message):
+    shm_name: str
+    shape: list[int]
+    dtype: str
+
+
+class KVRegion(Message):
+    """One rank's KV cache as its transfer engine exposes it (`transfer.RegionDescriptor`, typed)."""
+
+    engine: str
+    region: str
+    layers: list[KVRegionLayer]
+    host_id: str
+    tcp_address: tuple[str, int] | None = None
+    shm: list[KVShmSegment] | None = None  # per layer, when the cache lives in shared memory
+    device: str = "cpu"
+    device_id: str | None = None  # which GPU holds it (its UUID)
+
+
+class KVTransferParams(Message):
+    """A request's part in disaggregated prefill/decode (xdeepserve §5.1).
+
+    To a prefill TE: `role` PRODUCER only. A prefill TE's hand-off (RequestDelta) describes where the prompt's
+    KV blocks wait, with role CONSUMER: the router forwards it to the decode TE as it is (`recompute`: the blocks
+    may be gone, compute the prompt instead).
+    """
+
+    role: KVTransferRole
+    engine: str = ""  # the prefill TE's name (its transfer engines' peer name)
+    engine_addr: str = ""  # its input address: ReleaseKV goes there
+    dp_rank: int = 0  # the DP group holding the blocks
+    attn_tp: int = 1
+    attn_dp: int = 1
+    regions: list[KVRegion] = field(default_factory=list)  # that DP group's ranks' KV caches, by attention-TP rank
+    block_ids: list[int] = field(default_factory=list)  # the prompt's blocks there, in order
+    num_tokens: int = 0  # prompt tokens whose KV the blocks hold
+    num_cached_tokens: int = 0  # of which the prefill TE found in its prefix cache
+    hold_s: float = 0.0  # how long the prefill TE holds the blocks, and until when (wall clock: another host)
+    hold_expires_at: float | None = None
+    recompute: bool = False
+
+
+class PoolBlock(Message, array_like=True):
+    block_id: int
+    key: str  # the block's pool key (meshserve.pool.context_keys; each rank adds its rank_key part)
+
+
+class PoolFetch(Message):
+    """Populate `blocks` of one request from the memory pool (deepserve RTC populate)."""
+
+    req_id: str
+    blocks: list[PoolBlock]
+
+
+class KVPull(Message):
+    """Pull one request's prompt blocks from a prefill TE."""
+
+    req_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    # the prefill rank each attention-TP rank of this DP group reads from (meshserve.core.pd_mapping)
+    sources: list[KVRegion]
+
+
+class KVConnectorMetadata(Message):
+    """One DP group's remote-KV work of a step boundary: every rank of the group starts it before the step."""
+
+    pool_stores: list[PoolBlock] = field(default_factory=list)  # full blocks to copy to the memory pool
+    pool_fetches: list[PoolFetch] = field(default_factory=list)
+    kv_pulls: list[KVPull] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.pool_stores or self.pool_fetches or self.kv_pulls)
+
+
+class PoolFetchDone(Message, array_like=True):
+    req_id: str
+    num_blocks: int  # the leading ordered blocks this rank wrote (fewer: the pool lost the next one)
+
+
+class KVPullDone(Message):
+    req_id: str
+    error: str | None = None  # why the pull failed; None: the blocks are in
+
+
+class KVConnectorReport(Message):
+    """What one rank's connectors finished in the background since its last report."""
+
+    rank: int
+    dp_rank: int
+    pool_fetches: list[PoolFetchDone] = field(default_factory=list)
+    kv_pulls: list[KVPullDone] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.pool_fetches or self.kv_pulls)
+
+
+# ---------------------------------------------------------------- master -> worker
 class NewRequestData(Message):
-    """A request the executor has not seen, or one resumed after preemption."""
+    """A request the worker has not seen, or one resumed after preemption."""
 
     req_id: str
     token_ids: list[int]  # prompt (+ outputs so far when resumed after preemption)
-    sampling_params: dict[str, Any]  # SamplingParams.to_dict()
+    sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # already in the cache (prefix-cache hit, or fetched from the pool)
     num_prompt_tokens: int  # the original prompt length (penalties use output tokens only)
 
 
 class CachedRequestData(Message):
-    """A request the executor already holds; it continues from its own token state."""
+    """A request the worker already holds; it continues from its own token state."""
 
     req_id: str
     new_block_ids: list[int]  # appended to the request's block table
@@ -61,7 +260,7 @@ class SchedulerOutput(Message):
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # requests the executor must forget (finished, aborted or preempted) before this step
+    # requests the worker must forget (finished, aborted or preempted) before this step
     finished_req_ids: list[str] = field(default_factory=list)
 
     @property
@@ -78,13 +277,22 @@ class StepBatch(Message):
     its ranks still join the step's MoE collectives)."""
 
     per_dp: list[SchedulerOutput] = field(default_factory=list)  # empty: a control-only batch, no forward
-    # between-step commands every rank applies before the step, e.g. {"report_load": True},
-    # {"eplb": {"phase": "prefetch", "placement": {...}}} (expert placement reconfiguration), or
-    # {"pool_store": {dp_rank: [[block_id, key], ...]}} (full blocks to copy to the memory pool)
-    control: dict[str, Any] = field(default_factory=dict)
+    # between-step commands every rank applies before the step
+    eplb: EplbCommand | None = None  # a phase of an expert-placement reconfiguration
+    report_load: bool = False  # the driver ranks report their tokens per expert with this step's output
+    # DP group -> its KV connectors' work (pool stores and fetches, KV pulls); groups without any are absent
+    kv_connector: dict[int, KVConnectorMetadata] = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- executor -> master
+# ---------------------------------------------------------------- worker -> master
+class SampleLogprobs(Message, array_like=True):
+    """Log-probabilities at one sampled position, on the model's raw distribution: the chosen token's, and the
+    requested number of top alternatives as (token id, logprob), most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 class ModelRunnerOutput(Message):
     step_id: int
     dp_rank: int = 0  # the DP group whose driver rank reports this step
@@ -92,10 +300,10 @@ class ModelRunnerOutput(Message):
     expert_load: list[list[int]] | None = None
     # one entry per request that produced a token this step (its prefill completed or it decoded)
     sampled: dict[str, int] = field(default_factory=dict)
-    # req_id -> [chosen_logprob, [[token, logprob], ...top alternatives]] when requested
-    logprobs: dict[str, list] = field(default_factory=dict)
-    # req_id -> why that request failed on the executor (e.g. its sampler raised); the step's other
-    # requests are unharmed, and the executor no longer runs the failed ones
+    # req_id -> the sampled token's logprobs, for requests that asked for them
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    # req_id -> why that request failed on the worker (e.g. its sampler raised); the step's other
+    # requests are unharmed, and the worker no longer runs the failed ones
     failed: dict[str, str] = field(default_factory=dict)
     execute_seconds: float = 0.0
 
@@ -104,24 +312,18 @@ class WorkerReady(Message):
     rank: int
     num_kv_blocks: int
     kv_bytes_per_token: int
-    # this rank's KV cache as the transfer engine exposes it (RegionDescriptor.to_dict()), P/D TEs only
-    kv_region: dict[str, Any] | None = None
+    kv_region: KVRegion | None = None  # this rank's KV cache as its transfer engine exposes it, P/D TEs only
     moe_layers: list[int] = field(default_factory=list)  # decoder-layer indices of the MoE layers
     num_logical_experts: int = 0  # routed experts per MoE layer
     vocab_size: int = 0  # token ids the model takes and samples: [0, vocab_size)
 
 
-# background work a rank reports (WorkerEvent.kind) besides expert-placement phases
-PULLED, PULL_FAILED = "kv_pulled", "kv_pull_failed"
-POOL_FETCHED = "pool_fetched"
-
-
 class WorkerEvent(Message):
-    """Something an executor finished in the background (e.g. "eplb_prefetched", "eplb_loaded", "eplb_failed")."""
+    """Something an worker finished in the background (an expert-placement phase, ...)."""
 
     rank: int
-    kind: str
-    detail: str = ""
+    kind: WorkerEventKind
+    detail: str = ""  # EPLB_FAILED: the error
 
 
 class WorkerFailure(Message):
@@ -134,7 +336,7 @@ class WorkerHandshake(Message):
     the engine config and the rank's addresses, or with `error` when it cannot take that rank."""
 
     rank: int
-    config: dict[str, Any] | None = None  # EngineConfig.to_dict()
+    config: EngineConfig | None = None
     work_addr: str = ""
     result_addr: str = ""
     dist_init_method: str | None = None
@@ -145,15 +347,12 @@ class WorkerHandshake(Message):
 class AddRequest(Message):
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0  # lower runs first; FCFS within a priority
     eos_token_ids: list[int] = field(default_factory=list)
     reply_to: str = ""  # a TE serving job executors sends this request's outputs here (output short-circuiting)
-    # disaggregated prefill/decode: {"role": "producer"} on the prefill TE (compute the prompt, sample the first
-    # token, hold the KV blocks for a decode TE); on the decode TE {"role": "consumer", **the prefill TE's
-    # kv_transfer_params} (pull the blocks, then decode)
-    kv_transfer: dict[str, Any] | None = None
+    kv_transfer: KVTransferParams | None = None  # disaggregated prefill/decode: this TE's part
     output_token_ids: list[int] = field(default_factory=list)  # tokens already generated elsewhere (decode TE)
     # explicit context caching (deepserve MatchByID): with a ttl this request creates the named cache (its prompt's
     # full blocks stay pinned under the id until the ttl ends or it is deleted); without, it reuses the cache's blocks
@@ -176,15 +375,15 @@ class RequestDelta(Message):
 
     req_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
-    new_logprobs: list | None = None  # per new token: [chosen_logprob, [[token, logprob], ...]]
+    new_logprobs: list[SampleLogprobs] | None = None  # per new token, when requested
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
-    error_type: str | None = None  # exception class name for errors the caller maps (e.g. QueueFullError)
+    error_type: ErrorType | None = None  # an admission error the caller raises as its own class
     # a prefill TE's hand-off: where the request's KV blocks wait for the decode TE (`kv_transfer` producer)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class EngineOutputs(Message):
@@ -210,7 +409,7 @@ class EngineStats(Message):
     kv_transfer_holds: int = 0  # requests whose KV blocks wait for a decode TE to pull them
     kv_pulled: int = 0  # requests whose prompt KV came from a prefill TE
     kv_pull_recomputed: int = 0  # ... of which the pull failed and the prompt was computed here instead
-    # bad frames the TE's master dropped, per receiving socket (e.g. "te-inbox", "executor-results")
+    # bad frames the TE's master dropped, per receiving socket (e.g. "te-inbox", "worker-results")
     dropped_frames: dict[str, int] = field(default_factory=dict)
     healthy: bool = True
     error: str | None = None
@@ -230,34 +429,154 @@ class EngineError(Message):
     engine: str = ""  # the TE's name (EngineConfig.te_name)
 
 
-class KVCacheEvents(Message):
-    """Prefix-cache changes of one TE, published for routers that keep a global prompt tree.
+class KVCacheEvent(msgspec.Struct, tag_field="type", tag=True, forbid_unknown_fields=True):
+    """A prefix-cache change of one DP group's KV cache manager; "type" names the kind on the wire."""
 
-    Each event is a dict: {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
-    "block_size"} | {"type": "BlockRemoved", "block_hashes"} | {"type": "AllBlocksCleared"}.
-    """
+
+class BlockStored(KVCacheEvent):
+    """Full blocks that joined the prefix tree, as one chain under `parent_block_hash`."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None  # None: the chain starts at the root
+    token_ids: list[int]  # len(block_hashes) * block_size tokens, in order
+    block_size: int
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVCacheEvents(Message):
+    """Prefix-cache changes of one TE, published for routers that keep a global prompt tree."""
 
     seq: int  # increases by one per batch, so a subscriber can detect a gap and resync
     timestamp: float
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[CacheEvent] = field(default_factory=list)
     dp_rank: int = 0  # the DP group whose cache changed (each DP group has its own KV pool)
     engine: str = ""  # the TE's name (EngineConfig.te_name)
 
 
 class AdminRequest(Message):
-    """An operator command to the master (e.g. "eplb.load", "eplb.status", "eplb.rebalance")."""
+    """An operator command to the master; the arguments an operation takes are fields of their own."""
 
     query_id: int
-    op: str
-    args: dict[str, Any] = field(default_factory=dict)
+    op: AdminOp
+    placement: PlacementData | None = None  # EPLB_REBALANCE: the placement to move to (None: plan one)
+    cache_id: str | None = None  # CONTEXT_CACHE_DELETE: the cache to unpin
     reply_to: str = ""
+
+    @classmethod
+    def of(cls, query_id: int, op: str, args: dict | None = None, reply_to: str = "") -> AdminRequest:
+        """The command an operator's `(op, {"placement": ..., "id": ...})` call names; ValueError for an
+        unknown operation or argument, msgspec.ValidationError (a ValueError) for a malformed placement."""
+        try:
+            op = AdminOp(op)
+        except ValueError:
+            raise ValueError(f"unknown admin operation {op!r}") from None
+        args = dict(args or {})
+        unknown = set(args) - {"placement", "id"}
+        if unknown:
+            raise ValueError(f"{op} takes no argument(s) {', '.join(sorted(map(str, unknown)))}")
+        placement = args.get("placement")
+        cache_id = args.get("id")
+        return cls(query_id=query_id, op=op, reply_to=reply_to,
+                   placement=None if placement is None else msgspec.convert(placement, PlacementData),
+                   cache_id=None if cache_id is None else str(cache_id))
+
+
+# ---------------------------------------------------------------- admin results (AdminReply.data)
+class AdminResult(msgspec.Struct, tag_field="result", tag=True, forbid_unknown_fields=True):
+    """The result of one admin operation; "result" names its kind on the wire."""
+
+    def to_json(self) -> dict:
+        """The result as the HTTP API shows it."""
+        data = msgspec.to_builtins(self)
+        data.pop("result", None)
+        return data
+
+
+class ExpertLoad(AdminResult):
+    """EPLB_LOAD: tokens per logical expert of each MoE layer, per time slice (ExpertLoadRecord.to_dict())."""
+
+    format: str
+    num_logical: int
+    moe_layers: list[int]
+    slice_seconds: float
+    slice_start_times: list[float]
+    counts: list[list[list[int]]]  # [slice][layer][expert]
+
+
+class EplbStatus(AdminResult):
+    """EPLB_STATUS / EPLB_REBALANCE: the placement in use and the reconfiguration's state."""
+
+    enabled: bool
+    phase: str  # "idle", or where a reconfiguration stands ("prefetching", "loading", ...)
+    num_reconfigurations: int
+    last_error: str | None
+    last_started_at: float | None  # unix times of the last reconfiguration
+    last_finished_at: float | None
+    num_slices: int
+    slice_seconds: float
+    interval_seconds: float | None
+    placement: PlacementData | None
+
+
+class StatsResult(AdminResult):
+    """STATS: the TE's counters."""
+
+    stats: EngineStats
+
+    def to_json(self) -> dict:
+        return msgspec.to_builtins(self.stats)
+
+
+CachedBlock = tuple[int, int | None, list[int]]  # block hash, parent block hash (None at the root), token ids
+
+
+class KVSnapshot(AdminResult):
+    """KV_SNAPSHOT: every cached block of each DP group, parents first, as of KVCacheEvents batch `seq`."""
+
+    seq: int
+    blocks: dict[int, list[CachedBlock]]
+
+
+class ContextCacheDeleted(AdminResult):
+    id: str
+    deleted: bool  # False: no DP group pinned it (expired, or never created)
+
+
+class ContextCacheInfo(msgspec.Struct, forbid_unknown_fields=True):
+    dp_rank: int
+    num_tokens: int
+    expires_in_s: float
+
+
+class ContextCacheListing(AdminResult):
+    caches: dict[str, ContextCacheInfo]
+
+    def to_json(self) -> dict:
+        return msgspec.to_builtins(self.caches)
+
+
+AdminData = ExpertLoad | EplbStatus | StatsResult | KVSnapshot | ContextCacheDeleted | ContextCacheListing
 
 
 class AdminReply(Message):
     query_id: int
     ok: bool = True
-    data: dict[str, Any] = field(default_factory=dict)
+    data: AdminData | None = None
     error: str | None = None
+
+    def to_json(self) -> dict:
+        """The result as the HTTP API shows it ({} without one)."""
+        return self.data.to_json() if self.data is not None else {}
 
 
 class Shutdown(Message):
@@ -269,7 +588,7 @@ class EngineHeartbeat(Message):
     (addresses, role, layout) and its current load. A JE that misses several heartbeats drops the TE."""
 
     name: str
-    role: str  # "colocated" | "prefill" | "decode"
+    role: EngineRole
     group: str  # the deployment's TE group
     input_addr: str  # where the JE sends AddRequest / AbortRequests / StatsQuery / AdminRequest
     kv_events_addr: str  # the TE's KVCacheEvents PUB socket
@@ -291,6 +610,7 @@ _MESSAGE_TYPES = {
         WorkerHandshake,
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
         KVCacheEvents, Shutdown, WorkerEvent, AdminRequest, AdminReply, ReleaseKV, EngineHeartbeat,
+        KVConnectorReport,
     )
 }
 
@@ -316,9 +636,69 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 MAX_INBOX_BYTES = 64 * 2**20
 
 
+class RefusedFrame(MessageError):
+    """A request frame that fails its checks but still says who asked and where to answer (`answer`,
+    `reply_to`): its receiver answers it with this error, so a bad request fails alone and is never lost
+    unanswered (e.g. sampling params out of range, an unknown admin operation)."""
+
+    def __init__(self, reason: str, answer: Message, reply_to: str) -> None:
+        super().__init__(reason)
+        self.answer = answer
+        self.reply_to = reply_to
+
+
+class _RequestHeader(msgspec.Struct):
+    """The part of an AddRequest an error answer needs (other fields are ignored)."""
+
+    req_id: str
+    reply_to: str = ""
+
+
+class _AdminHeader(msgspec.Struct):
+    query_id: int
+    reply_to: str = ""
+
+
+# what an admin request's malformed field means to the operator
+_ADMIN_FIELD_ERRORS = {"op": f"unknown admin operation (one of {', '.join(AdminOp)})",
+                       "placement": "not a meshserve expert placement",
+                       "cache_id": "context_cache.delete needs a cache id (a string)"}
+
+
+def _refused_request(header: _RequestHeader, reason: str) -> Message:
+    error_type = ErrorType.SAMPLING_PARAMS if "`$.sampling_params" in reason else ErrorType.INVALID_REQUEST
+    return EngineOutputs(deltas=[RequestDelta(req_id=header.req_id, new_token_ids=[],
+                                              finish_reason=FinishReason.ERROR, error=f"bad request: {reason}",
+                                              error_type=error_type)], timestamp=time.time())
+
+
+def _refused_admin(header: _AdminHeader, reason: str) -> Message:
+    bad_field = reason.rpartition("at `$.")[2].split(".")[0].split("`")[0]
+    meaning = _ADMIN_FIELD_ERRORS.get(bad_field, "bad admin request")
+    return AdminReply(query_id=header.query_id, ok=False, error=f"{meaning}: {reason}")
+
+
+_ANSWERABLE = {"AddRequest": (msgspec.msgpack.Decoder(_RequestHeader), _refused_request),
+               "AdminRequest": (msgspec.msgpack.Decoder(_AdminHeader), _refused_admin)}
+
+
+def _refusal(name: str, fields: msgspec.Raw, reason: str) -> MessageError:
+    """A RefusedFrame when the frame still names who to answer; a plain MessageError otherwise."""
+    answerable = _ANSWERABLE.get(name)
+    if answerable is None:
+        return MessageError(f"bad {name}: {reason}")
+    header_decoder, make_answer = answerable
+    try:
+        header = header_decoder.decode(fields)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return MessageError(f"bad {name}: {reason}")
+    return RefusedFrame(f"bad {name}: {reason}", make_answer(header, reason), header.reply_to)
+
+
 def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """The message in `data`; MessageError for an oversized, malformed or unknown frame, or for fields
-    unknown to or of the wrong type for the struct it names (nested messages included)."""
+    unknown to or of the wrong type for the struct it names (nested messages included); RefusedFrame
+    (a MessageError) for a request that can still be answered."""
     if len(data) > max_bytes:
         raise MessageError(f"a frame of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
@@ -333,7 +713,7 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     try:
         return decoder.decode(fields)
     except msgspec.ValidationError as exc:
-        raise MessageError(f"bad {name}: {exc}") from None
+        raise _refusal(name, fields, str(exc)) from None
     except msgspec.DecodeError as exc:
         raise MessageError(f"not msgpack: {exc}") from None
 
@@ -359,11 +739,19 @@ def dropped_frames() -> dict[str, int]:
         return dict(_dropped)
 
 
-def recv_message(sock: zmq.Socket, socket_name: str, max_bytes: int = MAX_MESSAGE_BYTES) -> Any | None:
-    """Receive one frame and decode it; a bad frame is dropped (logged, counted) and gives None."""
+def recv_message(sock: zmq.Socket, socket_name: str, max_bytes: int = MAX_MESSAGE_BYTES,
+                 on_refused: Callable[[RefusedFrame], None] | None = None) -> Message | None:
+    """Receive one frame and decode it; a bad frame is dropped (logged, counted) and gives None, unless
+    it is a request that can be answered and `on_refused` answers it."""
     data = sock.recv()
     try:
         return decode(data, max_bytes)
+    except RefusedFrame as exc:
+        if on_refused is None:
+            drop_frame(socket_name, exc)
+        else:
+            on_refused(exc)
+        return None
     except MessageError as exc:
         drop_frame(socket_name, exc)
         return None

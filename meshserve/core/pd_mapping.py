@@ -21,7 +21,8 @@ def source_prefill_tp_rank(prefill_tp: int, decode_tp: int, decode_dp: int, deco
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if not 0 <= decode_dp_rank < decode_dp or not 0 <= decode_tp_rank < decode_tp:
-        raise ValueError(f"decode rank (dp {decode_dp_rank}, tp {decode_tp_rank}) outside DP {decode_dp} x TP {decode_tp}")
+        raise ValueError(f"decode rank (dp {decode_dp_rank}, tp {decode_tp_rank}) "
+                         f"outside DP {decode_dp} x TP {decode_tp}")
     ratio = max(1, prefill_tp // decode_tp)
     group_size = max(1, decode_dp // ratio)
     group_id = decode_dp_rank // group_size

@@ -1,4 +1,4 @@
-"""Executor ranks on other hosts: how they join a TE and how each side notices the other is gone.
+"""Worker ranks on other hosts: how they join a TE and how each side notices the other is gone.
 
 A remote rank (`meshserve worker --engine tcp://MASTER_ADDR:ENGINE_PORT --rank R`) sends its
 rank number to the master's handshake socket and gets back the engine config and its
@@ -64,11 +64,12 @@ class RemoteRanks:
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, works: list[zmq.Socket], work_addrs: list[str],
                  result_addr: str, dist_init_method: str | None) -> None:
-        self.world_size = config.world_size
-        self.first = config.num_local_ranks
-        self.endpoint = f"tcp://{config.master_addr}:{config.engine_port}"
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
+        self.first = parallel.num_local_ranks
+        self.endpoint = f"tcp://{parallel.master_addr}:{parallel.engine_port}"
         self.assignments = {
-            rank: msg.WorkerHandshake(rank=rank, config=config.to_dict(), work_addr=work_addrs[rank],
+            rank: msg.WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
                                         result_addr=result_addr, dist_init_method=dist_init_method)
             for rank in range(self.first, self.world_size)}
         # watch before the ranks can know the addresses, so no connection goes unseen
@@ -82,15 +83,15 @@ class RemoteRanks:
             self.handshakes.bind(self.endpoint)
         except zmq.ZMQError as exc:
             self.close()
-            raise RuntimeError(f"cannot listen for remote executors on {self.endpoint}: {exc}") from None
-        logger.info("waiting for remote executor rank(s) %s on %s",
+            raise RuntimeError(f"cannot listen for remote workers on {self.endpoint}: {exc}") from None
+        logger.info("waiting for remote worker rank(s) %s on %s",
                     rank_range(self.first, self.world_size - 1), self.endpoint)
 
     def answer_handshakes(self) -> None:
         while self.handshakes.poll(0):
             frames = self.handshakes.recv_multipart()
             if len(frames) != 2:
-                msg.drop_frame("executor-handshakes", f"{len(frames)} frames, expected 2")
+                msg.drop_frame("worker-handshakes", f"{len(frames)} frames, expected 2")
                 continue  # not a DEALER speaking our protocol; nothing to answer
             identity, payload = frames
             try:
@@ -99,7 +100,7 @@ class RemoteRanks:
                     raise TypeError(type(hello).__name__)
                 reply = self._assign(hello.rank)
             except Exception as exc:  # noqa: BLE001 - a stranger's bytes must not stop the master
-                msg.drop_frame("executor-handshakes", exc)
+                msg.drop_frame("worker-handshakes", exc)
                 reply = msg.WorkerHandshake(rank=-1, error="expected an WorkerHandshake message")
             self.handshakes.send_multipart([identity, msg.encode(reply)])
 
@@ -114,9 +115,9 @@ class RemoteRanks:
             error = f"rank {rank} has already joined this engine"
         else:
             self.joined.add(rank)
-            logger.info("remote executor rank %d joined", rank)
+            logger.info("remote worker rank %d joined", rank)
             return self.assignments[rank]
-        logger.warning("refused a remote executor: %s", error)
+        logger.warning("refused a remote worker: %s", error)
         return msg.WorkerHandshake(rank=rank, error=error)
 
     def missing(self) -> list[int]:

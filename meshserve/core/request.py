@@ -6,12 +6,15 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from meshserve.core.messages import AddRequest
+from meshserve.core.messages import AddRequest, KVTransferParams, KVTransferRole
 from meshserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # its blocks are allocated and a KV connector is loading their KV in the background (a pull from a
+    # prefill TE, a populate from the memory pool); it runs once the load ends
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue; recomputed when resumed
     FINISHED_STOPPED = "finished_stopped"
@@ -78,21 +81,14 @@ class Request:
         self.pending_sample_steps: deque[int] = deque()  # step ids that owe this request a token
         self.num_kv_ready_tokens = 0  # KV computed by steps that have returned
         self.num_inserted_blocks = 0  # full blocks already offered to the prefix cache
-        self.num_blocks_sent = 0  # block ids the executor has been told about
-        self.in_executor = False  # the executor holds this request's token state
+        self.num_blocks_sent = 0  # block ids the worker has been told about
+        self.in_worker = False  # the worker holds this request's token state
         self.num_preemptions = 0
         self.ever_scheduled = False
-        # context caching: pool keys of the prompt's full blocks, and how many leading ones the pool holds
-        self.pool_block_keys: list[str] = []
-        self.pool_key_root: str | None = None  # what block 0's key chains from (set when the pool is used)
-        self.num_pool_hit_blocks = 0
-        self.num_pool_stored_blocks = 0  # leading prompt blocks known to be in the pool (hit or stored)
-        self.num_fetching_blocks = 0  # trailing blocks of its table being fetched from the pool (in `_receiving`)
-        # disaggregated prefill/decode: "producer" (prefill TE) or "consumer" (decode TE), and for a consumer
-        # the prefill TE's kv_transfer_params until its blocks arrive
-        self.kv_transfer_role: str | None = None
-        self.kv_source: dict | None = None
-        self.kv_pull_aborted = False  # aborted while its blocks were being written: freed once the writes end
+        # tokens past `num_computed_tokens` a KV connector is loading (WAITING_FOR_REMOTE_KV)
+        self.num_external_tokens = 0
+        # disaggregated prefill/decode: a producer's role; a consumer's hand-off until its KV is pulled
+        self.kv_transfer: KVTransferParams | None = None
         # explicit context caching: the named cache whose pinned blocks lead this prompt; with a ttl, this
         # request creates it (its prompt's full blocks are pinned once computed, and the ttl is cleared)
         self.context_cache_id: str | None = None
@@ -101,11 +97,11 @@ class Request:
         self.queue_key: tuple = ()  # position in the waiting queue
 
     @classmethod
-    def from_message(cls, msg: AddRequest) -> "Request":
+    def from_message(cls, msg: AddRequest) -> Request:
         req = cls(
             req_id=msg.req_id,
             prompt_token_ids=msg.prompt_token_ids,
-            sampling_params=SamplingParams.from_dict(msg.sampling_params),
+            sampling_params=msg.sampling_params,
             arrival_time=msg.arrival_time,
             priority=msg.priority,
             eos_token_ids=msg.eos_token_ids,
@@ -134,6 +130,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_kv_producer(self) -> bool:
+        """A prefill TE's request: it samples the first token, then a decode TE takes it on."""
+        return self.kv_transfer is not None and self.kv_transfer.role is KVTransferRole.PRODUCER
 
     @property
     def finish_reason(self) -> str | None:

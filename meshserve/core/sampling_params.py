@@ -4,12 +4,16 @@
 (types, ranges, 64-bit integers, finite floats), so a bad value fails as a
 `SamplingParamsError` where it enters and never reaches msgpack or a sampler;
 `verify(vocab_size)` adds the checks that need the model's vocabulary.
+
+A msgspec struct, so it crosses processes as itself (inside AddRequest and NewRequestData): decoding
+runs the same checks, and `msgspec.structs.replace` makes a checked copy with some fields changed.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import msgspec
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -27,8 +31,7 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -38,8 +41,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -74,14 +77,14 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "SamplingParams":
+    def from_dict(cls, data: Any) -> SamplingParams:
         """The params a peer sent; anything malformed is a SamplingParamsError, never a TypeError."""
         if not isinstance(data, dict):
             raise SamplingParamsError(f"sampling params must be a mapping, got {type(data).__name__}")
-        unknown = set(data) - {f.name for f in fields(cls)}
+        unknown = set(data) - set(cls.__struct_fields__)
         if unknown:
             raise SamplingParamsError(f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
         return cls(**data)

@@ -9,11 +9,16 @@ latest-arrived running request is preempted by recompute.
 Overlapped scheduling (deepserve §4.2, asynchronous execution): a step's
 progress is booked when it is scheduled, and a step that reaches the end of a
 request's known tokens owes it one sampled token, counted as a placeholder. The
-next `schedule()` may already feed that placeholder to the executor as the next
-decode input (the executor knows the sampled id); `update_from_output` swaps the
+next `schedule()` may already feed that placeholder to the worker as the next
+decode input (the worker knows the sampled id); `update_from_output` swaps the
 placeholder for the real token.
 
-Works on token ids and block ids only; the executor owns every tensor.
+Remote KV (the memory pool, a prefill TE's hand-off) comes through KV connectors
+(`meshserve.core.kv_connector`): a waiting request whose tokens a connector can load
+waits in WAITING_FOR_REMOTE_KV with its blocks allocated while the ranks load them
+in the background, and runs from what arrived.
+
+Works on token ids and block ids only; the worker owns every tensor.
 """
 from __future__ import annotations
 
@@ -21,40 +26,29 @@ import bisect
 import heapq
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from meshserve.config import SchedulerConfig
 from meshserve.core.dp_balancer import DPGroupLoad
 from meshserve.core.errors import QueueFullError, RequestTooLongError
+from meshserve.core.kv_cache_manager import KVCacheManager
+from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
 from meshserve.core.messages import (
     CachedRequestData,
     EngineStats,
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVTransferParams,
     ModelRunnerOutput,
     NewRequestData,
     RequestDelta,
+    SampleLogprobs,
     SchedulerOutput,
 )
 from meshserve.core.request import Request, RequestStatus
-from meshserve.core.kv_cache_manager import KVCacheManager
-from meshserve.pool.context_keys import chain_block_keys
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    block_size: int = 16
-    enable_chunked_prefill: bool = True
-    max_waiting: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 @dataclass
@@ -82,12 +76,6 @@ class _StepPlan:
 
 
 @dataclass
-class _KVHold:
-    block_ids: list[int]
-    deadline: float
-
-
-@dataclass
 class _ContextCachePin:
     """A named context cache's blocks, pinned in the RTC's id index until `deadline` (time.monotonic)."""
 
@@ -99,22 +87,8 @@ class _ContextCachePin:
 # named context caches may pin at most this share of a DP group's KV blocks: the rest keeps serving requests
 MAX_PINNED_FRACTION = 0.5
 
-# a decode TE does not start a pull this close to the prefill TE's hold expiry: a pull finishes well
-# within it (the TCP backend's I/O timeout is 10 s), and blocks read after the expiry may be reused
-_PULL_MARGIN_S = 10.0
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _hold_expiring(source: dict) -> bool:
-    """Whether the prefill TE's hold on a consumer request's blocks ends before a pull started now would."""
-    expires = source.get("hold_expires_at")
-    if expires is None:
-        return False
-    margin = min(_PULL_MARGIN_S, 0.2 * float(source.get("hold_s", _PULL_MARGIN_S)))
-    return time.time() > float(expires) - margin
 
 
 def _queue_key(req: Request) -> tuple:
@@ -127,11 +101,18 @@ def _victim_key(req: Request) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
-        if config.block_size != kv_manager.block_size:
-            raise ValueError(f"scheduler block_size {config.block_size} != cache block_size {kv_manager.block_size}")
+    """One DP group's scheduler. `config.max_model_len` must be resolved (the model's limit when unset);
+    `connectors` are asked in order for the remote KV of waiting requests."""
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 connectors: Sequence[KVConnectorScheduler] = ()) -> None:
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs max_model_len (the model's limit when the setting is unset)")
         self.config = config
+        self.max_model_len = config.max_model_len
         self.kv_manager = kv_manager
+        self.block_size = kv_manager.block_size
+        self.connectors = list(connectors)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._running: list[Request] = []
         self._waiting: list[Request] = []  # sorted by queue_key
@@ -140,26 +121,11 @@ class Scheduler:
         self._step_id = 0
         # per in-flight step: req_id -> (incarnation, tokens whose KV the step completes)
         self._step_progress: dict[int, dict[str, tuple[int, int]]] = {}
-        self._executor_must_drop: list[str] = []
+        self._worker_must_drop: list[str] = []
         self.num_preemptions = 0
-        # context caching: full prompt blocks whose KV is ready and not yet in the pool, [block_id, key]
-        self.pool_store_queue: list[list] = []
-        self.pool_hit_tokens = 0  # prompt tokens fetched from the pool instead of computed
-        self.pool_store_decode_blocks = False  # store full blocks of generated tokens too
-        self.pool_min_fetch_blocks = 1  # shorter pool matches are computed instead (FetchCostModel)
-        # populate orders not yet sent: {"req_id", "blocks": [[block_id, key], ...]}; the request waits in
-        # `_receiving` while its ranks fetch them in the background (deepserve RTC populate)
-        self.pool_fetch_queue: list[dict] = []
-        # disaggregated prefill/decode (xdeepserve §5.1)
-        # prefill TE: blocks of handed-off requests, held until the decode TE has pulled them: req_id -> hold
-        self.kv_holds: dict[str, _KVHold] = {}
-        self.kv_hold_timeout_s = 300.0
-        # requests whose blocks are allocated and being written in the background (a decode TE's pull from a
-        # prefill TE, or a populate from the memory pool), and the pull orders not yet sent
-        self._receiving: dict[str, Request] = {}
-        self.kv_pull_queue: list[dict] = []
-        self.num_kv_pulled = 0
-        self.num_kv_pull_recomputed = 0
+        # requests whose blocks a connector is loading (WAITING_FOR_REMOTE_KV), aborted ones included until the
+        # load ends: the ranks write into their blocks until then
+        self._num_loading = 0
         # explicit context caching (deepserve MatchByID): cache id -> its pinned prompt blocks' tokens and expiry
         self.context_caches: dict[str, _ContextCachePin] = {}
         # kept as the caches come and go, so admission and expiry cost O(log n), not a scan of every cache
@@ -176,7 +142,7 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._running or self._waiting or self._receiving)
+        return bool(self._running or self._waiting or self._num_loading)
 
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)
@@ -200,18 +166,18 @@ class Scheduler:
         prompt = req.num_prompt_tokens
         max_tokens = req.sampling_params.max_tokens
         min_new = max_tokens if max_tokens is not None else 1
-        if prompt + min_new > cfg.max_model_len:
+        if prompt + min_new > self.max_model_len:
             wanted = f"max_tokens {max_tokens}" if max_tokens is not None else "at least 1 new token"
             raise RequestTooLongError(
                 f"prompt of {prompt} tokens plus {wanted} exceeds the maximum context length "
-                f"of {cfg.max_model_len} tokens"
+                f"of {self.max_model_len} tokens"
             )
         # the last sampled token never needs KV
-        blocks_needed = _cdiv(prompt + min_new - 1, cfg.block_size)
+        blocks_needed = _cdiv(prompt + min_new - 1, self.block_size)
         if blocks_needed > self.kv_manager.num_blocks:
             raise RequestTooLongError(
                 f"prompt of {prompt} tokens plus {min_new} new tokens needs {blocks_needed} KV blocks of "
-                f"{cfg.block_size} tokens, but the KV cache has only {self.kv_manager.num_blocks} blocks"
+                f"{self.block_size} tokens, but the KV cache has only {self.kv_manager.num_blocks} blocks"
             )
         if not cfg.enable_chunked_prefill and prompt > cfg.max_num_batched_tokens:
             raise RequestTooLongError(
@@ -221,8 +187,8 @@ class Scheduler:
 
     def _max_total_tokens(self, req: Request) -> int:
         """Length at which the request finishes with "length"."""
-        # the pool bounds requests without max_tokens: every token but the last needs a KV slot
-        cap = min(self.config.max_model_len, self.kv_manager.num_blocks * self.config.block_size + 1)
+        # the KV cache bounds requests without max_tokens: every token but the last needs a KV slot
+        cap = min(self.max_model_len, self.kv_manager.num_blocks * self.block_size + 1)
         if req.sampling_params.max_tokens is not None:
             cap = min(cap, req.num_prompt_tokens + req.sampling_params.max_tokens)
         return cap
@@ -246,7 +212,7 @@ class Scheduler:
                 continue  # preempted for an earlier request of this loop
             if req.num_tokens_with_placeholders >= self._max_total_tokens(req):
                 continue  # every token it may produce is already scheduled
-            if req.kv_transfer_role == "producer" and req.num_tokens_with_placeholders > req.num_prompt_tokens:
+            if req.is_kv_producer and req.num_tokens_with_placeholders > req.num_prompt_tokens:
                 continue  # a prefill TE samples the first token only; the decode TE goes on
             num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
             if num_new <= 0:
@@ -257,115 +223,143 @@ class Scheduler:
             plan.add(req, num_new)
 
     def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
-        while (self._waiting and plan.budget > 0
-               and len(self._running) + len(self._receiving) < self.config.max_num_seqs):
-            req = self._waiting[0]
+        index = 0  # the requests before it wait for a connector's lookup: the ones behind them go first
+        while (index < len(self._waiting) and plan.budget > 0
+               and len(self._running) + self._num_loading < self.config.max_num_seqs):
+            req = self._waiting[index]
             if req.req_id in preempted_now:
                 break  # it just lost its blocks; resuming it in the same step would thrash
-            if req.kv_source is not None and _hold_expiring(req.kv_source):
-                # it waited for blocks (backpressure) until the prefill TE is about to free its KV: a pull
-                # could read blocks already reused by another request, so the prompt is computed here
-                logger.warning("request %s: the prefill TE's hold on its KV expires; computing the prompt here",
-                               req.req_id)
-                self.num_kv_pulled += 1
-                self.num_kv_pull_recomputed += 1
-                req.kv_source = None
-            if req.kv_source is not None:
-                if not self._start_kv_pull(req):
-                    break  # no free blocks: the pull waits (backpressure on the prefill TE), nothing is dropped
-                continue
-            tokens = req.all_token_ids
             hit_blocks = self.match_cached_blocks(req)
-            num_local = len(hit_blocks)
-            # blocks the memory pool holds beyond the local hit are fetched, not computed
-            num_pool = max(0, req.num_pool_hit_blocks - num_local)
-            if num_pool < self.pool_min_fetch_blocks:
-                num_pool = 0  # too short to pay for a round trip to the pool: computed instead
-            if num_pool:
-                if not self._start_pool_fetch(req, hit_blocks, num_pool, plan, preempted_now):
-                    break
+            match = self._remote_match(req, len(hit_blocks) * self.block_size)
+            if match is None:
+                index += 1
                 continue
-            num_hit = num_local * self.config.block_size
-            remaining = len(tokens) - num_hit
-            # a resumed request longer than the whole budget is chunked regardless, or it would starve
-            may_chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
-            if remaining > plan.budget and not may_chunk:
+            num_preempted = len(preempted_now)
+            num_external, connector = match
+            if connector is not None:
+                if not self._start_load(req, hit_blocks, num_external, connector, plan, preempted_now):
+                    break  # no free blocks: the load waits (backpressure), nothing is dropped
+            elif not self._start_compute(req, hit_blocks, plan, preempted_now):
                 break
-            num_new = min(remaining, plan.budget)
-            if not self._take_blocks(req, hit_blocks, num_hit + num_new, plan, preempted_now):
-                break
-            req.num_computed_tokens = req.num_kv_ready_tokens = num_hit
-            req.num_inserted_blocks = num_local
-            if not req.ever_scheduled:
-                req.num_cached_tokens = num_hit
-                req.ever_scheduled = True
-            req.status = RequestStatus.RUNNING
-            self._running.append(req)
-            plan.add(req, num_new)
+            if len(preempted_now) > num_preempted:
+                index = 0  # a victim may now stand before the skipped requests
+
+    def _remote_match(self, req: Request, num_local_tokens: int) -> tuple[int, KVConnectorScheduler | None] | None:
+        """The tokens past the local hit the first connector that has them loads, and that connector;
+        (0, None): none has any; None: a lookup is still in flight."""
+        for connector in self.connectors:
+            num_external = connector.get_num_new_matched_tokens(req, num_local_tokens)
+            if num_external is None:
+                return None
+            if num_external > 0:
+                return num_external, connector
+        return 0, None
+
+    def _start_compute(self, req: Request, hit_blocks: list[int], plan: _StepPlan, preempted_now: set[str]) -> bool:
+        """Schedule a waiting request's prompt (past its prefix-cache hit) into this step; False when it
+        does not fit yet."""
+        num_local = len(hit_blocks)
+        num_hit = num_local * self.block_size
+        remaining = req.num_tokens - num_hit
+        # a resumed request longer than the whole budget is chunked regardless, or it would starve
+        may_chunk = self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens
+        if remaining > plan.budget and not may_chunk:
+            return False
+        num_new = min(remaining, plan.budget)
+        if not self._take_blocks(req, hit_blocks, num_hit + num_new, plan, preempted_now):
+            return False
+        req.num_computed_tokens = req.num_kv_ready_tokens = num_hit
+        req.num_inserted_blocks = num_local
+        if not req.ever_scheduled:
+            req.num_cached_tokens = num_hit
+            req.ever_scheduled = True
+        req.status = RequestStatus.RUNNING
+        self._running.append(req)
+        plan.add(req, num_new)
+        return True
 
     def _take_blocks(self, req: Request, hit_blocks: list[int], num_tokens: int, plan: _StepPlan,
-                     preempted_now: set[str]) -> bool:
+                     preempted_now: set[str], may_preempt: bool = True) -> bool:
         """Take a waiting request's cached blocks and grow its table to `num_tokens`, and move it off the
         waiting queue; False (nothing taken) when the blocks cannot be had."""
         self.kv_manager.acquire(hit_blocks)
         req.block_ids = list(hit_blocks)
-        if not self._allocate(req, num_tokens, plan, preempted_now):
+        if not self._allocate(req, num_tokens, plan, preempted_now, may_preempt):
             self.kv_manager.free(req.block_ids)
             req.block_ids = []
             return False
         if self.kv_manager.enable_prefix_caching:
-            self.kv_manager.record_prefix_lookup(req.num_tokens, len(hit_blocks) * self.config.block_size)
+            self.kv_manager.record_prefix_lookup(req.num_tokens, len(hit_blocks) * self.block_size)
         self._waiting.remove(req)  # victims of this request may now stand before it
         return True
 
-    # ------------------------------------------------------------ context caching: populate from the pool
-    def _start_pool_fetch(self, req: Request, hit_blocks: list[int], num_pool: int, plan: _StepPlan,
-                          preempted_now: set[str]) -> bool:
-        """Allocate blocks for the pool's part of the prefix and order them fetched in the background
-        (deepserve RTC populate); the request is scheduled once they are in (`on_pool_fetched`), and the
-        TE keeps stepping its other requests meanwhile. False when the blocks cannot be had yet."""
-        num_local = len(hit_blocks)
-        if not self._take_blocks(req, hit_blocks, (num_local + num_pool) * self.config.block_size, plan,
-                                 preempted_now):
+    # ------------------------------------------------------------ remote KV (KV connectors)
+    def _start_load(self, req: Request, hit_blocks: list[int], num_external: int, connector: KVConnectorScheduler,
+                    plan: _StepPlan, preempted_now: set[str]) -> bool:
+        """Allocate the blocks `connector` loads `num_external` tokens into and have it order the load; the
+        request waits (WAITING_FOR_REMOTE_KV) while the ranks load in the background and the TE keeps stepping
+        its other requests. False when the blocks cannot be had yet."""
+        num_local = len(hit_blocks) * self.block_size
+        num_tokens = num_local + num_external
+        if num_tokens >= req.num_prompt_tokens:  # a whole prompt arrives: the tokens after it are computed next
+            num_tokens = req.num_tokens
+        if not self._take_blocks(req, hit_blocks, num_tokens, plan, preempted_now, connector.may_preempt):
             return False
-        req.num_fetching_blocks = num_pool
-        self._receiving[req.req_id] = req
-        positions = range(num_local, num_local + num_pool)
-        self.pool_fetch_queue.append({"req_id": req.req_id, "blocks": [
-            [req.block_ids[pos], req.pool_block_keys[pos]] for pos in positions]})
+        req.num_computed_tokens = req.num_kv_ready_tokens = num_local
+        req.num_external_tokens = num_external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._num_loading += 1
+        connector.update_state_after_alloc(req, num_local, num_external)
         return True
 
-    def on_pool_fetched(self, req_id: str, num_fetched: int) -> None:
-        """Every rank of this DP group has written the first `num_fetched` ordered blocks (all of them
-        unless the pool lost some): the request computes the rest of its prompt from there."""
-        req = self._receiving.pop(req_id, None)
-        if req is None:
-            return
-        if req.kv_pull_aborted:  # the abort already answered the caller; the blocks were being written until now
+    def update_connector_output(self, report: KVConnectorReport) -> None:
+        """One rank's report of its connectors' background work: the requests whose loads every rank of
+        this DP group has finished run from the KV that arrived (the rest of the prompt is computed)."""
+        for connector in self.connectors:
+            for load in connector.update_connector_output(report):
+                self._finish_load(load)
+
+    def _finish_load(self, load: FinishedLoad) -> None:
+        req = load.req
+        self._num_loading -= 1
+        if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            # aborted while loading: the abort answered the caller; the ranks wrote into its blocks until now
             self.kv_manager.free(req.block_ids)
             req.block_ids = []
             return
-        num_ordered, req.num_fetching_blocks = req.num_fetching_blocks, 0
-        num_fetched = max(0, min(num_fetched, num_ordered))
-        num_local = len(req.block_ids) - num_ordered
-        if num_fetched < num_ordered:
-            logger.warning("request %s: the pool misses block %d on; computing from token %d", req_id,
-                           num_local + num_fetched, (num_local + num_fetched) * self.config.block_size)
-        num_ready = (num_local + num_fetched) * self.config.block_size
-        self.pool_hit_tokens += num_fetched * self.config.block_size
-        if not req.ever_scheduled:
+        num_local = req.num_computed_tokens
+        num_ready = num_local + max(0, min(load.num_loaded_tokens, req.num_external_tokens))
+        req.num_external_tokens = 0
+        if load.num_cached_tokens is not None:
+            req.num_cached_tokens = load.num_cached_tokens
+        elif not req.ever_scheduled:
             req.num_cached_tokens = num_ready
-            req.ever_scheduled = True
+        req.ever_scheduled = True
         req.num_computed_tokens = req.num_kv_ready_tokens = num_ready
-        req.num_inserted_blocks = num_local
-        self._cache_full_blocks(req, num_ready)  # the fetched blocks are local prefix-cache hits from now on
+        req.num_inserted_blocks = num_local // self.block_size
+        self._cache_full_blocks(req, num_ready)  # the loaded blocks are local prefix-cache hits from now on
         req.status = RequestStatus.RUNNING
         self._running.append(req)
 
-    def _allocate(self, req: Request, num_tokens: int, plan: _StepPlan, preempted_now: set[str]) -> bool:
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        """The connectors' orders not yet sent (loads, stores), for this step's batch; None: nothing."""
+        meta = KVConnectorMetadata()
+        for connector in self.connectors:
+            connector.build_connector_meta(meta)
+        return None if meta.is_empty else meta
+
+    def _connectors_finished(self, req: Request) -> KVTransferParams | None:
+        """Tell the connectors `req` leaves; params when one of them took over its blocks."""
+        params = None
+        for connector in self.connectors:
+            params = connector.request_finished(req) or params
+        return params
+
+    def _allocate(self, req: Request, num_tokens: int, plan: _StepPlan, preempted_now: set[str],
+                  may_preempt: bool = True) -> bool:
         """Grow req's block table to hold num_tokens, preempting lower-ranked running requests
-        while blocks are short. False when req itself ranks lowest (nothing is allocated)."""
-        need = _cdiv(num_tokens, self.config.block_size) - len(req.block_ids)
+        while blocks are short (if it may). False when req itself ranks lowest (nothing is allocated)."""
+        need = _cdiv(num_tokens, self.block_size) - len(req.block_ids)
         while need > 0:
             blocks = self.kv_manager.alloc_blocks(need)
             if blocks is not None:
@@ -373,7 +367,7 @@ class Scheduler:
                 return True
             candidates = [r for r in self._running if r is not req]
             victim = max(candidates, key=_victim_key, default=None)
-            if victim is None or _victim_key(victim) < _victim_key(req):
+            if not may_preempt or victim is None or _victim_key(victim) < _victim_key(req):
                 return False
             self._preempt(victim, plan, preempted_now)
         return True
@@ -393,7 +387,7 @@ class Scheduler:
 
     def _release(self, req: Request, cache: bool) -> None:
         """Give back req's blocks (computed full blocks to the prefix cache first) and forget
-        its progress; the executor is told to drop it."""
+        its progress; the worker is told to drop it."""
         if cache:
             self._cache_full_blocks(req, req.num_kv_ready_tokens)
         if req.block_ids:
@@ -405,18 +399,18 @@ class Scheduler:
         req.num_output_placeholders = 0
         req.pending_sample_steps.clear()
         req.num_blocks_sent = 0
-        if req.in_executor:
-            self._executor_must_drop.append(req.req_id)
-            req.in_executor = False
+        if req.in_worker:
+            self._worker_must_drop.append(req.req_id)
+            req.in_worker = False
 
     def _finalize(self, plan: _StepPlan) -> SchedulerOutput:
         out = SchedulerOutput(step_id=self._step_id)
         if not plan.entries:
-            return out  # the drop list waits for a step that reaches the executor
+            return out  # the drop list waits for a step that reaches the worker
         progress: dict[str, tuple[int, int]] = {}
         for req_id, entry in plan.entries.items():
             req = entry.req
-            if req.in_executor:
+            if req.in_worker:
                 out.cached_reqs.append(CachedRequestData(
                     req_id=req_id,
                     new_block_ids=req.block_ids[req.num_blocks_sent:],
@@ -426,12 +420,12 @@ class Scheduler:
                 out.new_reqs.append(NewRequestData(
                     req_id=req_id,
                     token_ids=list(req.all_token_ids),
-                    sampling_params=req.sampling_params.to_dict(),
+                    sampling_params=req.sampling_params,
                     block_ids=list(req.block_ids),
                     num_computed_tokens=entry.num_computed_before,
                     num_prompt_tokens=req.num_prompt_tokens,
                 ))
-                req.in_executor = True
+                req.in_worker = True
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens = entry.num_computed_before + entry.num_tokens
             if req.num_computed_tokens == req.num_tokens_with_placeholders:
@@ -439,91 +433,22 @@ class Scheduler:
                 req.pending_sample_steps.append(self._step_id)
             out.num_scheduled_tokens[req_id] = entry.num_tokens
             progress[req_id] = (req.num_preemptions, req.num_computed_tokens)
-        out.finished_req_ids = self._executor_must_drop
-        self._executor_must_drop = []
+        out.finished_req_ids = self._worker_must_drop
+        self._worker_must_drop = []
         self._step_progress[self._step_id] = progress
         return out
-
-    # ------------------------------------------------------------ disaggregated prefill/decode
-    def _start_kv_pull(self, req: Request) -> bool:
-        """Decode TE: allocate the request's blocks and order its prompt KV pulled from the prefill TE
-        (xdeepserve §5.1 step 6); False when the blocks are not free yet."""
-        source = req.kv_source
-        num_src_blocks = len(source["block_ids"])
-        blocks = self.kv_manager.alloc_blocks(max(num_src_blocks, _cdiv(req.num_tokens, self.config.block_size)))
-        if blocks is None:
-            return False
-        self._waiting.remove(req)
-        req.block_ids = blocks
-        req.ever_scheduled = True
-        self._receiving[req.req_id] = req
-        self.kv_pull_queue.append({"req_id": req.req_id, "dst_block_ids": blocks[:num_src_blocks],
-                                   "src_block_ids": list(source["block_ids"]), "source": source})
-        return True
-
-    def on_kv_pulled(self, req_id: str, ok: bool) -> None:
-        """Decode TE: every rank of this DP group has pulled (or failed to pull) the request's blocks.
-        A failed pull is recovered by computing the prompt here, in the blocks already allocated."""
-        req = self._receiving.pop(req_id, None)
-        if req is None:
-            return
-        if req.kv_pull_aborted:  # the abort already answered the caller; the blocks were being written until now
-            self.kv_manager.free(req.block_ids)
-            req.block_ids = []
-            return
-        num_pulled = int(req.kv_source["num_tokens"]) if ok else 0
-        self.num_kv_pulled += 1
-        self.num_kv_pull_recomputed += 0 if ok else 1
-        req.num_cached_tokens = int(req.kv_source.get("num_cached_tokens", 0))
-        req.kv_source = None  # from here on a plain running request (a preemption recomputes it)
-        req.num_computed_tokens = req.num_kv_ready_tokens = num_pulled
-        req.status = RequestStatus.RUNNING
-        self._running.append(req)
-
-    def _hand_off(self, req: Request) -> dict:
-        """Prefill TE: the first token is sampled; keep the prompt's blocks for the decode TE (the prefix
-        cache indexes them too) and forget the request (xdeepserve §5.1 step 3)."""
-        self._cache_full_blocks(req, req.num_kv_ready_tokens)
-        self._running.remove(req)
-        num_blocks = _cdiv(req.num_prompt_tokens, self.config.block_size)
-        held, extra = req.block_ids[:num_blocks], req.block_ids[num_blocks:]
-        self.kv_manager.free(extra)
-        self.kv_holds[req.req_id] = _KVHold(held, time.monotonic() + self.kv_hold_timeout_s)
-        req.block_ids = []
-        if req.in_executor:
-            self._executor_must_drop.append(req.req_id)
-            req.in_executor = False
-        req.status = RequestStatus.TRANSFERRED
-        del self._requests[req.req_id]
-        # the decode TE must pull before the hold expires (wall clock: it is compared on another host)
-        return {"block_ids": held, "num_tokens": req.num_prompt_tokens, "num_cached_tokens": req.num_cached_tokens,
-                "hold_s": self.kv_hold_timeout_s, "hold_expires_at": time.time() + self.kv_hold_timeout_s}
-
-    def release_kv(self, req_id: str) -> bool:
-        """Prefill TE: the decode TE has the blocks (or will never pull them): free them."""
-        hold = self.kv_holds.pop(req_id, None)
-        if hold is None:
-            return False
-        self.kv_manager.free(hold.block_ids)
-        return True
-
-    def expire_kv_holds(self, now: float | None = None) -> list[str]:
-        """Free holds no decode TE pulled within the timeout (it died, or the job was dropped)."""
-        now = time.monotonic() if now is None else now
-        expired = [req_id for req_id, hold in self.kv_holds.items() if hold.deadline <= now]
-        for req_id in expired:
-            self.release_kv(req_id)
-        return expired
 
     # ------------------------------------------------------------ outputs
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestDelta]:
         progress = self._step_progress.pop(sched.step_id, {})
+        for connector in self.connectors:  # the prefill rate a fetch-vs-recompute decision weighs
+            connector.observe_step(sched.total_num_scheduled_tokens, out.execute_seconds)
         deltas: list[RequestDelta] = []
         for req_id, (incarnation, kv_ready) in progress.items():
             req = self._requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != incarnation:
                 continue  # finished, aborted or preempted while the step was in flight
-            if req_id in out.failed:  # its settings made the executor fail it; the step's others go on
+            if req_id in out.failed:  # its settings made the worker fail it; the step's others go on
                 deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=out.failed[req_id]))
                 continue
             req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready)
@@ -534,7 +459,7 @@ class Scheduler:
                 req.num_output_placeholders -= 1
                 token = out.sampled.get(req_id)
                 if token is None:
-                    message = f"the executor returned no token for request {req_id} in step {sched.step_id}"
+                    message = f"the worker returned no token for request {req_id} in step {sched.step_id}"
                     deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=message))
                     continue
                 deltas.append(self._accept_token(req, token, out.logprobs.get(req_id)))
@@ -542,7 +467,7 @@ class Scheduler:
                 self._cache_full_blocks(req, req.num_kv_ready_tokens)
         return deltas
 
-    def _accept_token(self, req: Request, token: int, logprobs: list | None) -> RequestDelta:
+    def _accept_token(self, req: Request, token: int, logprobs: SampleLogprobs | None) -> RequestDelta:
         req.append_output_token(token)
         params = req.sampling_params
         status = None
@@ -560,43 +485,41 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
-        if status is None and req.kv_transfer_role == "producer":
-            delta.kv_transfer_params = self._hand_off(req)
-            return delta
+        if status is None and req.is_kv_producer:
+            status = RequestStatus.TRANSFERRED  # a decode TE goes on from the first token (xdeepserve §5.1 step 3)
         if status is not None:
             if status is RequestStatus.FINISHED_STOPPED:
                 req.stop_reason = token
             finish = self._finish(req, status)
             delta.finish_reason = finish.finish_reason
             delta.stop_reason = finish.stop_reason
+            delta.kv_transfer_params = finish.kv_transfer_params
         return delta
 
     def _cache_full_blocks(self, req: Request, num_kv_ready: int) -> None:
-        """Offer the full blocks whose KV is computed (and whose token ids are known) to the prefix cache,
-        and the prompt's to the memory pool."""
-        num_full = min(num_kv_ready, req.num_tokens) // self.config.block_size
+        """Offer the full blocks whose KV is computed (and whose token ids are known) to the prefix cache
+        and to the connectors (the memory pool stores them)."""
+        num_full = min(num_kv_ready, req.num_tokens) // self.block_size
         if self.kv_manager.enable_prefix_caching and num_full > req.num_inserted_blocks:
             self.kv_manager.insert_prefix(req.all_token_ids, req.block_ids, num_full)
             req.num_inserted_blocks = num_full
-        # prompt blocks go to the memory pool too; decode blocks only when asked
-        if (self.pool_store_decode_blocks and req.pool_key_root is not None
-                and num_full > len(req.pool_block_keys)):
-            parent = req.pool_block_keys[-1] if req.pool_block_keys else req.pool_key_root
-            req.pool_block_keys += chain_block_keys(parent, req.all_token_ids, self.config.block_size,
-                                                    len(req.pool_block_keys), num_full - len(req.pool_block_keys))
-        num_store = min(num_full, len(req.pool_block_keys))
-        for pos in range(req.num_pool_stored_blocks, num_store):
-            self.pool_store_queue.append([req.block_ids[pos], req.pool_block_keys[pos]])
-        req.num_pool_stored_blocks = max(req.num_pool_stored_blocks, num_store)
+        for connector in self.connectors:
+            connector.on_blocks_ready(req, num_full)
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
+        """Take `req` out (finished here, or TRANSFERRED to a decode TE with a connector holding its blocks)."""
         if req.status is RequestStatus.RUNNING:
             self._running.remove(req)
         elif req in self._waiting:
             self._waiting.remove(req)
-        self._release(req, cache=status is not RequestStatus.FINISHED_ERROR)
+        if status is not RequestStatus.FINISHED_ERROR:
+            self._cache_full_blocks(req, req.num_kv_ready_tokens)
         req.status = status
         req.error = error
+        params = self._connectors_finished(req)
+        if params is not None:
+            req.block_ids = []  # a connector holds them now
+        self._release(req, cache=False)
         del self._requests[req.req_id]
         return RequestDelta(
             req_id=req.req_id,
@@ -606,48 +529,51 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=error,
+            kv_transfer_params=params,
         )
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[RequestDelta]:
         """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
         deltas = []
         for req_id in req_ids:
-            self.release_kv(req_id)  # a prefill TE's hold: the job is gone, nobody will pull it
+            for connector in self.connectors:  # a prefill TE's hold: the job is gone, nobody will pull it
+                connector.release(req_id)
             req = self._requests.get(req_id)
             if req is None:
                 continue
-            if req_id in self._receiving:  # its blocks are being written: free them once the pull ends
-                deltas.append(self._finish_receiving(req, RequestStatus.FINISHED_ABORTED))
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:  # its blocks are freed once the load ends
+                deltas.append(self._finish_loading(req, RequestStatus.FINISHED_ABORTED))
             else:
                 deltas.append(self._finish(req, RequestStatus.FINISHED_ABORTED))
         return deltas
 
-    def _finish_receiving(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
-        req.kv_pull_aborted = True
+    def _finish_loading(self, req: Request, status: RequestStatus, error: str | None = None) -> RequestDelta:
         req.status = status
+        req.error = error
+        self._connectors_finished(req)
         del self._requests[req.req_id]
         return RequestDelta(req_id=req.req_id, new_token_ids=[], finish_reason=status.finish_reason,
                             num_prompt_tokens=req.num_prompt_tokens, error=error)
 
     def fail_all(self, message: str) -> list[RequestDelta]:
-        """Finish every request with "error" (the executor failed)."""
+        """Finish every request with "error" (the worker failed)."""
         deltas = [
             self._finish(req, RequestStatus.FINISHED_ERROR, error=message)
             for req in list(self._running) + list(self._waiting)
         ]
-        deltas += [self._finish_receiving(req, RequestStatus.FINISHED_ERROR, error=message)
-                   for req in self._receiving.values() if not req.kv_pull_aborted]
+        loading = [req for req in self._requests.values() if req.status is RequestStatus.WAITING_FOR_REMOTE_KV]
+        deltas += [self._finish_loading(req, RequestStatus.FINISHED_ERROR, error=message) for req in loading]
         self._step_progress.clear()
         return deltas
 
     def dp_load(self, default_output_tokens: int) -> DPGroupLoad:
         """This scheduler's load as the DP balancer sees it (requests without max_tokens are
         expected to produce `default_output_tokens`)."""
-        bs = self.config.block_size
+        bs = self.block_size
         reserved = pending = 0
         for req in self._requests.values():
             expected = req.num_prompt_tokens + (req.sampling_params.max_tokens or default_output_tokens)
-            reserved += max(0, _cdiv(min(expected, self.config.max_model_len), bs) - len(req.block_ids))
+            reserved += max(0, _cdiv(min(expected, self.max_model_len), bs) - len(req.block_ids))
             pending += max(0, req.num_prompt_tokens - req.num_computed_tokens)
         return DPGroupLoad(num_requests=len(self._requests), max_num_seqs=self.config.max_num_seqs,
                            num_blocks=self.kv_manager.num_blocks,
@@ -675,7 +601,7 @@ class Scheduler:
         if pin is None:
             return []
         blocks = self.kv_manager.match_by_id(cache_id) or []
-        bs = self.config.block_size
+        bs = self.block_size
         n = 0
         while (n < len(blocks) and (n + 1) * bs <= limit
                and tokens[n * bs:(n + 1) * bs] == pin.token_ids[n * bs:(n + 1) * bs]):
@@ -692,7 +618,7 @@ class Scheduler:
 
     def _pin_context_cache(self, req: Request) -> None:
         """Once a creating request's prompt KV is computed, pin its full prompt blocks under the cache id."""
-        bs = self.config.block_size
+        bs = self.block_size
         num_full = req.num_prompt_tokens // bs
         if req.num_kv_ready_tokens < num_full * bs:
             return
@@ -747,17 +673,17 @@ class Scheduler:
     def stats(self) -> EngineStats:
         waiting_tokens = sum(r.num_tokens for r in self._waiting)
         waiting_tokens += sum(max(0, r.num_tokens - r.num_computed_tokens) for r in self._running)
-        return EngineStats(
-            num_running=len(self._running) + len(self._receiving),
+        stats = EngineStats(
+            num_running=len(self._running) + self._num_loading,
             num_waiting=len(self._waiting),
             waiting_tokens=waiting_tokens,
             running_tokens=sum(r.num_tokens for r in self._running),
-            kv_transfer_holds=len(self.kv_holds),
-            kv_pulled=self.num_kv_pulled,
-            kv_pull_recomputed=self.num_kv_pull_recomputed,
             kv_usage=self.kv_manager.usage,
             num_kv_blocks=self.kv_manager.num_blocks,
             prefix_cache_queries=self.kv_manager.prefix_queries,
             prefix_cache_hits=self.kv_manager.prefix_hits,
             num_preemptions=self.num_preemptions,
         )
+        for connector in self.connectors:
+            connector.fill_stats(stats)
+        return stats

@@ -1,4 +1,4 @@
-"""Starts a TE (master + executors) in its own processes and talks to it over ZMQ.
+"""Starts a TE (master + workers) in its own processes and talks to it over ZMQ.
 
 Used by the offline `LLM` and by the async API client. Addresses are `ipc://`
 sockets in a private temporary directory; the client binds, the master connects.
@@ -15,7 +15,7 @@ import zmq
 from meshserve.config import EngineConfig
 from meshserve.core import messages as msg
 from meshserve.core.errors import EngineDeadError
-from meshserve.utils.processes import launch_module, stop_process
+from meshserve.utils.processes import launch, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ class EngineCoreClient:
         output_addr = f"ipc://{self.ipc_dir}/output"
         self.from_master.bind(output_addr)
         # a fresh interpreter (not multiprocessing): callers' scripts need no __main__ guard
-        self.proc = launch_module("meshserve.core.master", config=config.to_dict(), input_addr=input_addr,
-                                  output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level)
+        self.proc = launch("master", config=config.to_dict(), input_addr=input_addr,
+                           output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level)
         self.closed = False
         try:
             # a margin over the master's own start-up limit, so the master can say why it is not ready
-            self.ready = self._wait_ready(config.startup_timeout_s + 15)
+            self.ready = self._wait_ready(config.parallel_config.startup_timeout_s + 15)
         except BaseException:
             self.shutdown()
             raise
@@ -71,13 +71,20 @@ class EngineCoreClient:
             raise EngineDeadError("engine process is not running")
         self.to_master.send(msg.encode(item))
 
+    def abort(self, req_ids: list[str]) -> None:
+        """Stop these requests; a dead engine has nothing left to stop."""
+        try:
+            self.send(msg.AbortRequests(req_ids=req_ids))
+        except EngineDeadError:
+            pass
+
     def submit(self, children, prompt_token_ids: list[int], arrival_time: float, priority: int,
                eos_token_ids: list[int], context_cache_id: str | None = None,
                context_cache_ttl_s: float | None = None) -> None:
         """Send the engine-level requests (child id, SamplingParams) of one caller request."""
         for child_id, params in children:
             self.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
-                                     sampling_params=params.to_dict(), arrival_time=arrival_time,
+                                     sampling_params=params, arrival_time=arrival_time,
                                      priority=priority, eos_token_ids=eos_token_ids,
                                      context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s))
 

@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshserve.engine.detokenizer import IncrementalDetokenizer, as_decoder
-from meshserve.core.messages import RequestDelta
-from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprob
+import msgspec
+
+from meshserve.core.messages import RequestDelta, SampleLogprobs
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.detokenizer import IncrementalDetokenizer, as_decoder
+from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprob
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -27,7 +29,7 @@ def child_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1:
         return [params]
     return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
         for i in range(n)
     ]
 
@@ -241,11 +243,10 @@ class OutputProcessor:
         for completion in request.completions:
             self._by_engine_id.pop(completion.engine_id, None)
 
-    def _position_logprobs(self, token_id: int, entry: list) -> PositionLogprobs:
-        chosen_logprob, alternatives = entry
+    def _position_logprobs(self, token_id: int, entry: SampleLogprobs) -> PositionLogprobs:
         return PositionLogprobs(
-            chosen=TokenLogprob(token_id, float(chosen_logprob), self._token_str(token_id)),
-            top=[TokenLogprob(int(t), float(lp), self._token_str(int(t))) for t, lp in alternatives],
+            chosen=TokenLogprob(token_id, entry.logprob, self._token_str(token_id)),
+            top=[TokenLogprob(t, lp, self._token_str(t)) for t, lp in entry.top],
         )
 
     def _token_str(self, token_id: int) -> str:

@@ -14,10 +14,10 @@ import argparse
 import json
 from pathlib import Path
 
+from meshserve.entrypoints.eplb_admin import add_admin_commands
 from meshserve.moe.balance import balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_MODE, MODES, plan_placement
 from meshserve.moe.load_record import ExpertLoadRecord
-from meshserve.entrypoints.eplb_admin import add_admin_commands
 from meshserve.moe.placement import ExpertPlacement, PlacementShape, load_placement_file
 from meshserve.moe.shrink import plan_shrink, shrunk_shape
 

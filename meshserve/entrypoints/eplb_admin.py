@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import load_placement_file
+from meshserve.utils import envs
 
-ADMIN_KEY_ENV = "MESHSERVE_ADMIN_KEY"  # the server reads the same variable (meshserve/entrypoints/openai/server_options.py)
+ADMIN_KEY_ENV = envs.MESHSERVE_ADMIN_KEY.name  # the server reads the same variable
 
 _PROGRESS_EVERY_S = 10.0
 
@@ -27,6 +27,7 @@ class AdminError(RuntimeError):
 
 def _request(method: str, url: str, path: str, body: dict | None = None, timeout_s: float = 60.0,
              admin_key: str | None = None) -> dict:
+    # start-up: httpx only when an admin request is sent
     import httpx
 
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
@@ -45,7 +46,7 @@ def _request(method: str, url: str, path: str, body: dict | None = None, timeout
 
 
 def _add_admin_key_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--admin-key", default=os.environ.get(ADMIN_KEY_ENV),
+    parser.add_argument("--admin-key", default=envs.admin_key(),
                         help=f"the server's admin key (default: ${ADMIN_KEY_ENV}; prefer the variable, a flag "
                              "shows in the process list)")
 

@@ -11,10 +11,18 @@ import sys
 
 import yaml
 
-from meshserve.parallel.analyzer import (MOE_COMM_MODES, AnalyzerError, Cluster, StrategyEstimate, Workload,
-                                         analyze, model_spec_from_config, to_deployment)
+from meshserve.parallel.analyzer import (
+    MOE_COMM_MODES,
+    AnalyzerError,
+    StrategyEstimate,
+    Workload,
+    analyze,
+    model_spec_from_config,
+    to_deployment,
+)
 from meshserve.parallel.cluster_file import CLUSTER_PRESETS, GB, MODEL_PRESETS, PlanError, load_cluster_file
 from meshserve.parallel.strategy import StrategyError
+
 
 class _OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad argument as one line (no usage block) and exits 2."""

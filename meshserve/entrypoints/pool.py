@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 from meshserve.config import ConfigError
-from meshserve.pool.controller import DEFAULT_SERVER_TIMEOUT_S
+from meshserve.pool.controller import DEFAULT_SERVER_TIMEOUT_S, run_controller
 from meshserve.pool.hashring import DEFAULT_VIRTUAL_NODES
+from meshserve.pool.sdk import PoolClient
+from meshserve.pool.server import run_server
 from meshserve.utils import cluster_auth
 
 GB = 1 << 30
@@ -128,8 +131,6 @@ def default_server_id(bind: str) -> str:
 
 
 def _controller_main(args: argparse.Namespace) -> int:
-    from meshserve.pool.controller import run_controller
-
     bind = check_address("--bind", args.bind)
     _positive("--server-timeout", args.server_timeout)
     if args.virtual_nodes < 1:
@@ -146,16 +147,12 @@ def _server_main(args: argparse.Namespace) -> int:
     if (args.ssd_dir is None) != (args.ssd_gb is None):
         raise ConfigError("give --ssd-dir and --ssd-gb together (or neither)")
     ssd_bytes = int(_positive("--ssd-gb", args.ssd_gb) * GB) if args.ssd_gb is not None else 0
-    from meshserve.pool.server import run_server
-
     run_server(server_id=args.server_id or default_server_id(bind), bind=bind, controller=controller,
                dram_bytes=dram_bytes, ssd_dir=args.ssd_dir, ssd_bytes=ssd_bytes, heartbeat_s=args.heartbeat)
     return 0
 
 
 def _stats_main(args: argparse.Namespace) -> int:
-    from meshserve.pool.sdk import PoolClient
-
     controller = check_address("--controller", args.controller)
     refusal = _controller_refusal(controller, _positive("--timeout", args.timeout))
     if refusal:
@@ -181,8 +178,6 @@ def _stats_main(args: argparse.Namespace) -> int:
 
 
 def _namespace_main(args: argparse.Namespace) -> int:
-    from meshserve.pool.sdk import PoolClient
-
     controller = check_address("--controller", args.controller)
     if args.quota_gb < 0:
         raise ConfigError(f"--quota-gb must be >= 0, got {args.quota_gb}")
@@ -218,11 +213,9 @@ def _model_ref(text: str) -> tuple[str, str | None]:
 
 
 def _put_model_main(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    # keeps torch out of the other `meshserve pool` commands
     from meshserve.models.loader import load_hf_config
     from meshserve.worker.model_cache import ModelCacheError, put_model
-    from meshserve.pool.sdk import PoolClient
 
     controller = check_address("--controller", args.controller)
     chunk_bytes = int(_positive("--chunk-mb", args.chunk_mb) * (1 << 20))
@@ -250,8 +243,8 @@ def _put_model_main(args: argparse.Namespace) -> int:
 
 
 def _models_main(args: argparse.Namespace) -> int:
+    # keeps torch out of the other `meshserve pool` commands
     from meshserve.worker.model_cache import evict_model, list_models, prefetch_model
-    from meshserve.pool.sdk import PoolClient
 
     controller = check_address("--controller", args.controller)
     refusal = _controller_refusal(controller, _positive("--timeout", args.timeout))

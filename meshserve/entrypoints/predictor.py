@@ -15,10 +15,17 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import NoReturn
 
+from meshserve.bench import BENCH_ENGINE_SETTINGS
+from meshserve.bench.workload import make_offline_workload, parse_range, special_token_ids
+from meshserve.config.arguments import add_engine_arguments, given_engine_settings
+from meshserve.core.errors import EngineDeadError, QueueFullError
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.router.length_predictor import DEFAULT_BUCKET_TOKENS, LengthExample, LengthPredictor, bucket_of
+from meshserve.utils import report
 
 # the prompts' and the samplers' seeds are derived from --seed, apart from each other
 SAMPLING_SEED_OFFSET = 1_000_000
@@ -33,8 +40,6 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 def add_predictor_parser(subparsers) -> None:
     """Add the `predictor` command and its subcommands to the top-level `meshserve` subparsers."""
-    from meshserve.bench.cli import ENGINE_FLAGS
-
     predictor = subparsers.add_parser("predictor", help="decode-length predictor for PD-aware routing")
     commands = predictor.add_subparsers(dest="predictor_command", required=True, parser_class=_OneLineErrorParser)
     train = commands.add_parser("train", help="generate with a model, then train and evaluate a length predictor")
@@ -57,10 +62,8 @@ def add_predictor_parser(subparsers) -> None:
     train.add_argument("--hidden", type=int, default=0,
                        help="hidden layer width; 0 is a linear classifier (default: 0)")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or log lines")
-    engine = train.add_argument_group("engine")
-    for name, (kind, help_text) in ENGINE_FLAGS.items():
-        engine.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
-    train.set_defaults(func=train_main, engine_flags=tuple(ENGINE_FLAGS))
+    add_engine_arguments(train, BENCH_ENGINE_SETTINGS)
+    train.set_defaults(func=train_main)
 
 
 def log(message: str) -> None:
@@ -68,8 +71,8 @@ def log(message: str) -> None:
 
 
 def train_main(args: argparse.Namespace) -> int:
+    # start-up: zmq only when training
     from meshserve.engine.core_client import EngineStartupError
-    from meshserve.core.errors import EngineDeadError, QueueFullError
 
     try:
         return _train(args)
@@ -80,8 +83,7 @@ def train_main(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from meshserve.utils import report
-    from meshserve.bench.workload import make_offline_workload, parse_range, special_token_ids
+    # start-up: safetensors only when training
     from meshserve.models.loader import load_hf_config
 
     if args.num_prompts < 2:
@@ -101,7 +103,7 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a directory; give a file name")
-    engine_args = {name: getattr(args, name) for name in args.engine_flags if getattr(args, name) is not None}
+    engine_args = given_engine_settings(args)
     engine_args.setdefault("dtype", "float32")
 
     hf_config = load_hf_config(args.model)
@@ -152,8 +154,8 @@ def report_path_for(predictor_path: str | Path) -> Path:
 def generate_examples(model: str, engine_args: dict, workload, temperature: float, seed: int,
                       progress: bool) -> tuple[list[LengthExample], dict]:
     """Run every prompt through the model (EOS honoured: the length is what the model chose) and record lengths."""
+    # start-up: transformers and the engine only when training
     from meshserve.engine.llm import LLM
-    from meshserve.core.sampling_params import SamplingParams
 
     if progress:
         log(f"starting the engine on {model} ({engine_args})")

@@ -6,8 +6,8 @@
 A colocated deployment and a disaggregated one run on the same cores one after the other (each gets the
 whole machine). The default colocated side is two TEs, like the P/D pair, so both have the same number
 of ranks and threads (deepserve compares the two with the same resources); `--colocated colocated` is
-one TE with all the threads instead. For each cell (prefill length, decode/prefill ratio, request rate) both serve the same
-batch of identical-shape requests (random token-id prompts, ignore_eos, max_tokens = ratio x prefill, at
+one TE with all the threads instead. For each cell (prefill length, decode/prefill ratio, request rate) both serve
+the same batch of identical-shape requests (random token-id prompts, ignore_eos, max_tokens = ratio x prefill, at
 least 1) sent at that fixed rate through a job executor, and each request's job completion time (JCT:
 completion - arrival) is measured. A cell's value is mean JCT colocated / mean JCT disaggregated - 1
 (positive: disaggregation wins). Writes OUT/pd_heatmap.json (read by `routing: pd_aware | combined`
@@ -23,10 +23,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshserve.bench.deployment_load import (
+    add_engine_flags,
+    check_model_dir,
+    engine_settings,
+    log,
+    model_max_len,
+    one_line_errors,
+    parse_list,
+    run_fixed_rate,
+    started_deployment,
+    summarize_timings,
+    vocabulary,
+    warm_up,
+)
+from meshserve.bench.workload import make_offline_workload
+from meshserve.config import ConfigError
+from meshserve.router.pd_heatmap import PDHeatmap, measure_cell
 from meshserve.utils import report
-from meshserve.bench.deployment_load import (add_engine_flags, check_model_dir, engine_settings, log,
-                                             model_max_len, one_line_errors, parse_list, run_fixed_rate,
-                                             started_deployment, summarize_timings, vocabulary, warm_up)
 
 DEFAULT_PREFILL_LENGTHS = "64,256,1024"
 DEFAULT_RATIOS = "0.0625,0.25,1,2"
@@ -81,8 +95,6 @@ def add_profile_commands(subparsers) -> None:
 
 
 def profile_pd_main(args: argparse.Namespace) -> int:
-    from meshserve.config import ConfigError
-
     try:
         prefill_lengths = sorted(parse_list(args.prefill_lengths, "--prefill-lengths", int))
         ratios = sorted(parse_list(args.ratios, "--ratios"))
@@ -108,7 +120,7 @@ def profile_pd_main(args: argparse.Namespace) -> int:
 
 
 def _deployment(name: str, flag: str, roles: set[str]):
-    from meshserve.config import ConfigError
+    # start-up: zmq only when profiling
     from meshserve.router.deployment import load_multi
 
     deployment = load_multi(name)
@@ -123,9 +135,6 @@ def run_profile(model: str, out_dir: Path, prefill_lengths: list[int], ratios: l
                 requests_per_cell: int, engine: dict, setups: dict, seed: int = 0,
                 cell_timeout_s: float = 600.0) -> dict:
     """Measure every cell on each setup (one deployment at a time), then write the heatmap and raw data."""
-    from meshserve.bench.workload import make_offline_workload
-    from meshserve.router.pd_heatmap import PDHeatmap, measure_cell
-
     max_len = model_max_len(model, engine)
     cells = [Cell(p, r, rps) for rps in rates for p in prefill_lengths for r in ratios]
     fits = [c for c in cells if c.prefill_tokens + c.decode_tokens <= max_len]

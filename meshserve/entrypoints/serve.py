@@ -6,7 +6,13 @@ import logging
 import os
 from pathlib import Path
 
+from meshserve.config import ConfigError, EngineConfig
+from meshserve.config.arguments import given_engine_settings
+from meshserve.entrypoints.engine_args import engine_config_from_args, resolve_deployment
+from meshserve.entrypoints.openai.frontend import make_job_executor
 from meshserve.entrypoints.openai.server_options import ServerOptions, check_bind, server_options_from_args
+from meshserve.models.factory import ensure_default_model
+from meshserve.utils.processes import free_tcp_port, launch, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -14,8 +20,6 @@ logger = logging.getLogger(__name__)
 def resolve_model(model: str | None) -> str:
     """The model directory to serve: the one given, else the default model (created on first use)."""
     if model is None:
-        from meshserve.models.factory import ensure_default_model
-
         model = str(ensure_default_model())
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
@@ -30,7 +34,7 @@ def http_options(args: argparse.Namespace) -> ServerOptions:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from meshserve.entrypoints.cli import engine_config_from_args, resolve_deployment
+    # keeps torch out of `meshserve` start-up; fastapi and uvicorn only when serving
     from meshserve.engine.async_client import AsyncEngineClient
     from meshserve.entrypoints.openai.api_server import run_server
     from meshserve.router.deployment import is_multi_te
@@ -46,7 +50,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         logger.info("serving %s as %r on http://%s:%d", model, engine.model_name, args.host, args.port)
         run_server(engine, args.host, args.port, log_level=args.log_level, served_model_name=engine.model_name,
-                   max_queue_hint=config.max_waiting, options=options)
+                   max_queue_hint=config.scheduler_config.max_waiting, options=options)
     finally:
         engine.shutdown()
     return 0
@@ -55,24 +59,22 @@ def serve(args: argparse.Namespace) -> int:
 def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     """Several TEs (each its own processes) behind job executors and the OpenAI API: the first JE runs in
     this process on --port, further ones (`job_executors: N`) on the next ports, each its own process."""
-    from meshserve.entrypoints.cli import _explicit_engine_kwargs
-    from meshserve.config import ConfigError
-    from meshserve.utils.processes import free_tcp_port, launch_module, stop_process
+    # start-up: fastapi and uvicorn only when serving
     from meshserve.entrypoints.openai.api_server import run_server
     from meshserve.router.deployment import launch_tes, load_multi
-    from meshserve.entrypoints.openai.frontend import make_job_executor
 
     # the other frontends read the keys from their environment, never from their command line
     os.environ.update(options.secrets_env)
     deployment = load_multi(args.deployment)
     model = resolve_model(args.model or deployment.model)
-    overrides = _explicit_engine_kwargs(args)  # flags given explicitly apply to every TE
+    overrides = given_engine_settings(args)  # flags given explicitly apply to every TE
+    settings = EngineConfig.from_kwargs(model, **overrides)
     if any(getattr(args, name, None) is not None for name in ("tp", "dp", "ep")):
         raise ConfigError("--tp/--dp/--ep set one TE's layout; give each TE group's `parallel` in the deployment file")
     policy = args.routing or deployment.routing
     log_level = getattr(logging, args.log_level.upper())
-    served_name = overrides.get("served_model_name")
-    max_queue = overrides.get("max_waiting", 1024)
+    served_name = settings.model_config.served_model_name
+    max_queue = settings.scheduler_config.max_waiting
     je = make_job_executor(model, args.host, args.register_port, policy, deployment.heatmap, deployment.predictor,
                            served_name)
     register_addrs = [je.register_addr, *args.also_register]
@@ -81,11 +83,10 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     try:
         for i in range(1, deployment.job_executors):  # JE replicas
             register_port = free_tcp_port(args.host)
-            procs.append(launch_module("meshserve.entrypoints.openai.frontend", model=model, host=args.host,
-                                       port=args.port + i, register_port=register_port, policy=policy,
-                                       heatmap=deployment.heatmap, predictor=deployment.predictor,
-                                       served_model_name=served_name, max_queue_hint=max_queue,
-                                       log_level=log_level, server=options.public_kwargs()))
+            procs.append(launch("frontend", model=model, host=args.host, port=args.port + i,
+                                register_port=register_port, policy=policy, heatmap=deployment.heatmap,
+                                predictor=deployment.predictor, served_model_name=served_name,
+                                max_queue_hint=max_queue, log_level=log_level, server=options.public_kwargs()))
             names.append(f"frontend on port {args.port + i}")
             register_addrs.append(f"tcp://{args.host}:{register_port}")
         tes = deployment.tes()
@@ -98,7 +99,7 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
                     raise RuntimeError(f"{name} exited during start-up (exit code {proc.returncode})")
 
         logger.info("job executor: TEs register at %s; starting %d TE(s)", je.register_addr, len(tes))
-        timeout = overrides.get("startup_timeout_s", 300.0) + 30
+        timeout = settings.parallel_config.startup_timeout_s + 30
         je.wait_for_tes_blocking(deployment.role_counts(), timeout, alive=all_alive)
         logger.info("serving %s as %r on http://%s:%d through %d TE(s), routing %s", model, je.model_name,
                     args.host, args.port, len(tes), policy)
@@ -109,7 +110,7 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.terminate()  # a TE's master stops its executors and says goodbye
+                proc.terminate()  # a TE's master stops its workers and says goodbye
         for proc in procs:
             stop_process(proc, grace_s=15)
         je.shutdown()

@@ -1,6 +1,6 @@
 """`meshserve te`: one task executor (TE) of a deployment, in the foreground.
 
-This process is the TE's master (scheduler, KV bookkeeping); it starts the TE's executor ranks. It listens
+This process is the TE's master (scheduler, KV bookkeeping); it starts the TE's worker ranks. It listens
 for job executors on `--listen`, sends each request's tokens straight to the frontend that sent it, and
 heartbeats its registration and load to every `--register` address (the JEs). A deployment started by
 `meshserve serve --deployment` runs each TE this way; on other hosts start one by hand and point it at
@@ -11,8 +11,14 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import tempfile
 import traceback
+
+from meshserve.config import ConfigError, EngineConfig
+from meshserve.config.arguments import add_engine_arguments
+from meshserve.entrypoints.engine_args import add_deployment_arguments, engine_config_from_args, resolve_deployment
+from meshserve.entrypoints.serve import resolve_model
 
 ROLES = ("colocated", "prefill", "decode")
 KV_TRANSFER_OF_ROLE = {"colocated": "none", "prefill": "producer", "decode": "consumer"}
@@ -21,26 +27,20 @@ KV_TRANSFER_OF_ROLE = {"colocated": "none", "prefill": "producer", "decode": "co
 def run_te(config: dict, role: str, group: str, listen: str, register: list[str],
            log_level: int = logging.INFO, watch_parent: bool = False) -> None:
     """Run a TE until SIGTERM/SIGINT or a Shutdown message (the master's loop)."""
+    # start-up: zmq and the master only when a TE runs
     import zmq
 
-    from meshserve.config import EngineConfig
     from meshserve.core.client_links import RouterLinks
     from meshserve.core.master import EngineCore
 
-    logging.basicConfig(level=log_level, format=f"%(asctime)s te[{config.get('te_name', 'te')}] %(levelname)s "
-                                                f"%(message)s", force=True)
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    config = dict(config)
-    config["kv_transfer"] = KV_TRANSFER_OF_ROLE[role]
-    host = listen.removeprefix("tcp://").rsplit(":", 1)[0]
-    if not config.get("kv_events_endpoint"):
-        events_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
-        config["kv_events_endpoint"] = f"tcp://{events_host}:*"  # the master binds a port of its choosing
-    engine_config = EngineConfig.from_dict(config)
+    engine_config = _te_config(EngineConfig.from_dict(config), role, listen)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s te[{engine_config.te_name}] %(levelname)s "
+                                                f"%(message)s", force=True)
     _warn_refusing_job_executors(register)
     ctx = zmq.Context()
-    link = RouterLinks(ctx, listen, register, advertise_host=engine_config.master_addr)
+    link = RouterLinks(ctx, listen, register, advertise_host=engine_config.parallel_config.master_addr)
     ipc_dir = tempfile.mkdtemp(prefix="meshserve-te-")
     core = None
 
@@ -53,18 +53,29 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     try:
         core = EngineCore(engine_config, ctx, link, ipc_dir, log_level, role=role, group=group,
                           watch_parent=watch_parent)
-    except Exception:
+    except Exception as exc:
         logging.getLogger(__name__).error("TE start-up failed: %s", traceback.format_exc())
         link.close()
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     logging.getLogger(__name__).info("TE %s (%s, group %s) listening on %s, registering with %s",
                                      engine_config.te_name, role, group, link.listen_addr, ", ".join(register) or
                                      "no job executor")
     core.run()
 
 
+def _te_config(config: EngineConfig, role: str, listen: str) -> EngineConfig:
+    """The settings this TE runs with: its role's part in KV transfer, and an address for cache events."""
+    settings = {"kv_transfer": KV_TRANSFER_OF_ROLE[role]}
+    if not config.cache_config.kv_events_endpoint:
+        host = listen.removeprefix("tcp://").rsplit(":", 1)[0]
+        events_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
+        settings["kv_events_endpoint"] = f"tcp://{events_host}:*"  # the master binds a port of its choosing
+    return config.replace(**settings)
+
+
 def _warn_refusing_job_executors(register: list[str]) -> None:
     """A JE keyed by another cluster secret drops this TE's heartbeats without a word: say so here."""
+    # start-up: zmq and the master only when a TE runs
     import zmq
 
     from meshserve.utils import cluster_auth
@@ -77,8 +88,6 @@ def _warn_refusing_job_executors(register: list[str]) -> None:
 
 
 def add_te_parser(subparsers) -> None:
-    from meshserve.entrypoints.cli import add_deployment_arguments, add_engine_arguments
-
     te = subparsers.add_parser("te", help="run one task executor of a deployment (registers with job executors)")
     te.add_argument("--model", default=None, help="HF-format model directory (default: the built-in default model)")
     te.add_argument("--role", choices=ROLES, default="colocated")
@@ -94,27 +103,13 @@ def add_te_parser(subparsers) -> None:
 
 
 def te_main(args: argparse.Namespace) -> int:
-    from meshserve.entrypoints.cli import engine_config_from_args, resolve_deployment
-    from meshserve.config import ConfigError
-    from meshserve.entrypoints.serve import resolve_model
-
     resolve_deployment(args)
     model = resolve_model(args.model)
     if not args.listen.startswith("tcp://"):
         raise ConfigError(f"--listen must be a tcp://HOST:PORT address, got {args.listen!r}")
-    config = engine_config_from_args(args, model).to_dict()
-    if config["te_name"] == "te":
-        import socket
-
-        config["te_name"] = f"{args.role}-{socket.gethostname()}"
-    run_te(config, args.role, args.group or args.role, args.listen, args.register,
+    config = engine_config_from_args(args, model)
+    if config.te_name == "te":
+        config = config.replace(te_name=f"{args.role}-{socket.gethostname()}")
+    run_te(config.to_dict(), args.role, args.group or args.role, args.listen, args.register,
            getattr(logging, args.log_level.upper()))
     return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from meshserve.utils.processes import module_arguments
-
-    run_te(**module_arguments(sys.argv))

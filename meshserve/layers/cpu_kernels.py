@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from meshserve.utils import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
@@ -52,9 +54,10 @@ def _extension_name() -> str:
 @functools.cache
 def _build() -> bool:
     """Compile (or load the cached build of) the extension once per process; False where that fails."""
-    if os.environ.get("MESHSERVE_CPU_KERNELS", "1") == "0":
+    if not envs.cpu_kernels_enabled():
         return False
     try:
+        # start-up: cpp_extension costs about 0.25 s, paid only where the kernels are built; a failed import falls back
         import ninja  # the build tool cpp_extension drives; pinned, so its binary may sit outside PATH
         from torch.utils import cpp_extension
 

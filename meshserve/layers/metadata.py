@@ -73,7 +73,7 @@ class AttentionMetadata:
         block_size: int,
         num_decodes: int | None = None,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Build metadata from plain lists (runner and tests share this)."""
         if num_decodes is None:
             num_decodes = 0
@@ -105,6 +105,6 @@ class AttentionMetadata:
         )
 
     @classmethod
-    def empty(cls, device: torch.device | str = "cpu", block_size: int = 1) -> "AttentionMetadata":
+    def empty(cls, device: torch.device | str = "cpu", block_size: int = 1) -> AttentionMetadata:
         """A step with no sequences: an idle DP group runs it to join the other groups' MoE collectives."""
         return cls.build([], [], [], block_size, num_decodes=0, device=device)

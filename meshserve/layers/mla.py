@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers import cpu_kernels
 from meshserve.layers.linear import Linear
+from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.paged import gather_sequence, length_mask, write_to_cache
 from meshserve.layers.rope import apply_rotary_, yarn_factor, yarn_get_mscale
@@ -64,7 +64,7 @@ class MLABatchPlan:
     _workspaces: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, attn: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> "MLABatchPlan":
+    def build(cls, attn: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> MLABatchPlan:
         num_decodes = attn.num_decodes
         qsl = attn.query_start_loc
         if qsl[num_decodes] != num_decodes:

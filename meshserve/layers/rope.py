@@ -78,7 +78,8 @@ def _yarn_inv_freq(rotary_dim: int, rope_parameters: dict, max_position_embeddin
     return inv_freq, float(attention_factor)
 
 
-def compute_inv_freq(rotary_dim: int, rope_parameters: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(rotary_dim: int, rope_parameters: dict,
+                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] and the cos/sin scale (YaRN's attention factor; 1.0 otherwise)."""
     base = float(rope_parameters["rope_theta"])
     rope_type = rope_parameters.get("rope_type", "default")

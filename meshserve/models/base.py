@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
+from meshserve.layers.metadata import KVCacheLayout
 from meshserve.layers.tensor_parallel import Shard, attention_tp_shard
 
 

@@ -14,16 +14,15 @@ same way. `expert_balancer` records expert load and reconfigures redundant exper
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
-from meshserve.models.base import CausalLM
 from meshserve.layers import cpu_kernels
 from meshserve.layers.linear import attach_packed, linear
+from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
 from meshserve.layers.mla import (
     MLABatchPlan,
     MultiHeadLatentAttention,
@@ -39,9 +38,10 @@ from meshserve.layers.tensor_parallel import (
     row_parallel_linear,
     vocab_parallel_logits,
 )
+from meshserve.models.base import CausalLM
 from meshserve.moe.balancer import ExpertBalancer
-from meshserve.parallel.context import ParallelContext
 from meshserve.moe.runtime import MoERuntime
+from meshserve.parallel.context import ParallelContext
 
 _REQUIRED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -86,7 +86,7 @@ class DeepseekV3Params:
     num_nextn_predict_layers: int
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "DeepseekV3Params":
+    def from_hf_config(cls, cfg: dict) -> DeepseekV3Params:
         missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
         if missing:
             raise ValueError(f"DeepSeek-V3 config lacks {', '.join(missing)}")

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import copy
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meshserve.models import tokenizer_assets as tok
+from meshserve.utils import envs
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +224,8 @@ def validate_config(config: dict) -> None:
                  f"q_lora_rank must be a positive integer or None, got {q_lora!r}")
         experts, groups = config["n_routed_experts"], config["n_group"]
         _require(experts % groups == 0, f"n_routed_experts ({experts}) must be a multiple of n_group ({groups})")
-        _require(experts // groups >= 2, "each expert group needs at least 2 experts (groups are scored by their top 2)")
+        _require(experts // groups >= 2,
+                 "each expert group needs at least 2 experts (groups are scored by their top 2)")
         _require(config["topk_group"] <= groups, "topk_group must not exceed n_group")
         _require(config["num_experts_per_tok"] <= experts // groups * config["topk_group"],
                  "num_experts_per_tok must fit in the experts of the topk_group selected groups")
@@ -230,7 +233,8 @@ def validate_config(config: dict) -> None:
         _require(config["n_shared_experts"] >= 0 and config["num_nextn_predict_layers"] >= 0,
                  "n_shared_experts and num_nextn_predict_layers must not be negative")
     if model_type == "qwen3_moe":
-        _require(config["num_experts_per_tok"] <= config["num_experts"], "num_experts_per_tok must not exceed num_experts")
+        _require(config["num_experts_per_tok"] <= config["num_experts"],
+                 "num_experts_per_tok must not exceed num_experts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,6 +432,7 @@ def _routed_output_gain(config: dict) -> float:
 
 def init_tensor(name: str, shape: tuple[int, ...], config: dict, seed: int):
     """Tensor `name` of the random checkpoint, drawn in fp32 then cast to the on-disk dtype."""
+    # keeps torch out of `meshserve` start-up (the parser imports this module)
     import torch
 
     std, mean = _init_std_and_mean(name, shape, config)
@@ -478,6 +483,7 @@ def _shard_file_names(num_shards: int) -> list[str]:
 
 
 def _progress_bar(total_bytes: int, description: str):
+    # start-up: tqdm only for a large checkpoint
     from tqdm import tqdm
 
     # Only large checkpoints get a bar; tqdm itself stays quiet when stderr is not a terminal.
@@ -486,6 +492,7 @@ def _progress_bar(total_bytes: int, description: str):
 
 
 def _write_weights(out_dir: Path, config: dict, seed: int, max_shard_bytes: int) -> None:
+    # keeps torch out of `meshserve` start-up (the parser imports this module)
     from safetensors.torch import save
 
     shapes = checkpoint_tensor_shapes(config)
@@ -574,14 +581,11 @@ def make_model(arch: str, preset: str, out_dir: str | Path, seed: int = 0, overr
 
 def default_cache_dir() -> Path:
     """`$MESHSERVE_CACHE`, else `~/.cache/meshserve`."""
-    env = os.environ.get("MESHSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "meshserve"
+    return envs.cache_dir()
 
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    import fcntl
-
     with open(path, "a+b") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -617,11 +621,13 @@ def ensure_default_model(arch: str = "deepseek_v3", preset: str = "tiny") -> Pat
 
 def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `meshserve make-model`."""
-    parser.add_argument("--arch", default="deepseek_v3", help=f"one of: {', '.join(ARCHITECTURES)} (default: deepseek_v3)")
+    parser.add_argument("--arch", default="deepseek_v3",
+                        help=f"one of: {', '.join(ARCHITECTURES)} (default: deepseek_v3)")
     parser.add_argument("--preset", default="tiny", help=f"one of: {', '.join(PRESET_NAMES)} (default: tiny)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
-    parser.add_argument("--dtype", default=None, help=f"weights dtype on disk, one of: {', '.join(DTYPES)} (default: float32)")
+    parser.add_argument("--dtype", default=None,
+                        help=f"weights dtype on disk, one of: {', '.join(DTYPES)} (default: float32)")
 
 
 def make_model_main(args: argparse.Namespace) -> int:

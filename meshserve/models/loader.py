@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshserve.models.base import CausalLM
-from meshserve.utils.checkpoint_files import safetensors_files
 from meshserve.layers.linear import pack_linears
 from meshserve.layers.tensor_parallel import Shard
+from meshserve.models.base import CausalLM
 from meshserve.models.registry import model_class
 from meshserve.parallel.context import ParallelContext
+from meshserve.utils.checkpoint_files import safetensors_files
 
 # a source of checkpoint tensors: (wanted(name) -> bool, shard_of(name) -> Shard | None) -> (name, tensor)...
 WeightsReader = Callable[[Callable[[str], bool], Callable[[str], "Shard | None"]], Iterable[tuple[str, torch.Tensor]]]

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
-from meshserve.models.base import CausalLM
 from meshserve.layers.attention import PagedGQAAttention
 from meshserve.layers.linear import attach_packed, linear
+from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rope import RotaryEmbedding, standardize_rope_parameters
 from meshserve.layers.tensor_parallel import (
@@ -29,6 +28,7 @@ from meshserve.layers.tensor_parallel import (
     row_parallel_linear,
     vocab_parallel_logits,
 )
+from meshserve.models.base import CausalLM
 from meshserve.parallel.context import ParallelContext
 
 
@@ -61,7 +61,7 @@ class Qwen3Dims:
     max_position_embeddings: int
 
     @classmethod
-    def from_hf(cls, hf_config: dict) -> "Qwen3Dims":
+    def from_hf(cls, hf_config: dict) -> Qwen3Dims:
         if hf_config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf_config['hidden_act']!r}; Qwen3 uses 'silu'")
         if hf_config.get("use_sliding_window"):

@@ -20,8 +20,8 @@ from meshserve.layers.moe import FusedMoEWeights
 from meshserve.layers.tensor_parallel import Shard
 from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, require
 from meshserve.moe.balancer import ExpertBalancer
-from meshserve.parallel.context import ParallelContext
 from meshserve.moe.runtime import MoERuntime
+from meshserve.parallel.context import ParallelContext
 
 # per-expert tensors as transformers writes them, and the packed form some checkpoints keep
 _EXPERT_WEIGHT = re.compile(

@@ -77,6 +77,7 @@ def _single_threaded_tokenizers() -> Iterator[None]:
 
 def build_untrained_tokenizer():
     """The tokenizer pipeline (split, byte-level, BOS post-processor) with an empty BPE model."""
+    # start-up: tokenizers only when a tokenizer is built
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     tokenizer = Tokenizer(models.BPE())
@@ -96,6 +97,7 @@ def build_untrained_tokenizer():
 
 def train_tokenizer(out_path: str | Path, vocab_size: int = VOCAB_SIZE) -> Path:
     """Train the byte-level BPE on the standard-library corpus and write `tokenizer.json` to `out_path`."""
+    # start-up: tokenizers only when a tokenizer is built
     from tokenizers import pre_tokenizers, trainers
 
     tokenizer = build_untrained_tokenizer()
@@ -122,6 +124,7 @@ def train_tokenizer(out_path: str | Path, vocab_size: int = VOCAB_SIZE) -> Path:
 
 def load_tokenizer():
     """The committed tokenizer as a `tokenizers.Tokenizer`."""
+    # start-up: tokenizers only when a tokenizer is built
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(TOKENIZER_FILE))

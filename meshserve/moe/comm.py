@@ -460,7 +460,8 @@ class HybridMoEComm:
         sources = self._round_order(source_first=not source_first)
         for i, (dst_node, src_node) in enumerate(zip(destinations, sources)):
             if i == 0:  # the local block needs no transfer
-                recv_buf[recv_off[self.node]:recv_off[self.node + 1]] = rows[send_off[self.node]:send_off[self.node + 1]]
+                node = self.node
+                recv_buf[recv_off[node]:recv_off[node + 1]] = rows[send_off[node]:send_off[node + 1]]
                 arrivals.append((self.node, None))
                 continue
             if send_off[dst_node + 1] > send_off[dst_node]:

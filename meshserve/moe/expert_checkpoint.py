@@ -38,7 +38,7 @@ class ExpertCheckpoint:
         self.files = tensor_files(model_dir)
         self._open: dict[Path, object] = {}
 
-    def __enter__(self) -> "ExpertCheckpoint":
+    def __enter__(self) -> ExpertCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

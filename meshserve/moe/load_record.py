@@ -59,7 +59,7 @@ class ExpertLoadRecord:
                 "counts": self.counts}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ExpertLoadRecord":
+    def from_dict(cls, data: dict) -> ExpertLoadRecord:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not an expert load record (format {FORMAT})")
         try:
@@ -77,7 +77,7 @@ class ExpertLoadRecord:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "ExpertLoadRecord":
+    def load(cls, path: str | Path) -> ExpertLoadRecord:
         try:
             data = json.loads(Path(path).read_text())
         except OSError as exc:

@@ -15,6 +15,7 @@ Pure Python (the master, which has no torch, plans and ships placements).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 EMPTY = -1
@@ -105,7 +106,7 @@ class ExpertPlacement:
             check_slots(self.shape, slots, f"layer {layer}")
 
     @classmethod
-    def default(cls, shape: PlacementShape, moe_layers: list[int]) -> "ExpertPlacement":
+    def default(cls, shape: PlacementShape, moe_layers: list[int]) -> ExpertPlacement:
         return cls(shape, {layer: shape.default_slots() for layer in moe_layers})
 
     def replicas(self, layer: int) -> list[list[int]]:
@@ -121,7 +122,7 @@ class ExpertPlacement:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ExpertPlacement":
+    def from_dict(cls, data: dict) -> ExpertPlacement:
         """A placement as `to_dict` writes it; ValueError for anything else (it may come from a client)."""
         if not isinstance(data, dict) or data.get("format") != "meshserve-expert-placement/1":
             raise ValueError("not a meshserve expert placement (format meshserve-expert-placement/1)")
@@ -149,8 +150,6 @@ def _whole_number(value: object, what: str) -> int:
 
 def load_placement_file(path: str) -> ExpertPlacement:
     """A placement JSON (`meshserve eplb plan --out`), with a one-line error for a bad file."""
-    import json
-
     try:
         with open(path) as f:
             return ExpertPlacement.from_dict(json.load(f))

@@ -37,17 +37,17 @@ stays in full precision.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from meshserve.layers.moe import FusedMoEWeights
+from meshserve.moe.comm import EPDispatcher, HybridMoEComm
 from meshserve.moe.placement import PlacementShape
 from meshserve.moe.recorder import add_counts
 from meshserve.moe.slots import SlotMap
 from meshserve.parallel.context import ParallelContext
-from meshserve.moe.comm import EPDispatcher, HybridMoEComm
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -20,7 +20,7 @@ the shape has no primary slots unless the experts split evenly over M ranks.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

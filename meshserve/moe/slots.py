@@ -47,7 +47,7 @@ class SlotMap:
 
     @classmethod
     def from_slots(cls, slots: list[int], num_logical: int, disabled: Iterable[int] = (),
-                   device: torch.device | str | None = None) -> "SlotMap":
+                   device: torch.device | str | None = None) -> SlotMap:
         """The map of a placement's slot list, leaving out the `disabled` slots."""
         off = set(disabled)
         usable = [EMPTY if slot in off else expert for slot, expert in enumerate(slots)]

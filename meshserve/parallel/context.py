@@ -56,12 +56,12 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def single(cls) -> "ParallelContext":
+    def single(cls) -> ParallelContext:
         return cls(ParallelStrategy())
 
     @classmethod
     def build(cls, strategy: ParallelStrategy, moe_comm: str = "fused", int8_dispatch: bool = False,
-              max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0) -> "ParallelContext":
+              max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0) -> ParallelContext:
         """Create every group on an initialised world; collective: every rank calls it in the same order."""
         if not dist.is_initialized():
             if strategy.world_size == 1:

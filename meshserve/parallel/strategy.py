@@ -48,11 +48,11 @@ class ParallelStrategy:
         return f"attn=TP{self.attn_tp}+DP{self.attn_dp} moe=TP{self.moe_tp}+EP{self.moe_ep}"
 
     @classmethod
-    def parse(cls, text: str) -> "ParallelStrategy":
+    def parse(cls, text: str) -> ParallelStrategy:
         return parse_strategy(text)
 
     @classmethod
-    def from_degrees(cls, tp: int = 1, dp: int = 1, ep: int = 1) -> "ParallelStrategy":
+    def from_degrees(cls, tp: int = 1, dp: int = 1, ep: int = 1) -> ParallelStrategy:
         """Shorthand of `--tp/--dp/--ep`: attention TP x DP; MoE EP with TP filling the rest."""
         for name, value in (("tp", tp), ("dp", dp), ("ep", ep)):
             if isinstance(value, bool) or not is_power_of_two(value):

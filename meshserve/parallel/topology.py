@@ -16,9 +16,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp

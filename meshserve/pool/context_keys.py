@@ -6,7 +6,7 @@ prefixes share blocks while different models, versions or tenants never do. Each
 stores its own part of a block under the key plus its attention-TP coordinates
 (`rank_key`), so layouts with different TP never read each other's bytes.
 
-Torch-free: the master computes keys; the executors store and fetch the bytes.
+Torch-free: the master computes keys; the workers store and fetch the bytes.
 """
 from __future__ import annotations
 

@@ -10,18 +10,17 @@ a frame that is not a pool message is logged, counted and dropped. State lives i
 controller restart the servers register again on their next heartbeat (they get `accepted=False`
 for a heartbeat from an unknown id).
 
-Run: `meshserve pool controller --bind tcp://127.0.0.1:PORT`, or
-`python -m meshserve.pool.controller '{"bind": ...}'`.
+Run: `meshserve pool controller --bind tcp://127.0.0.1:PORT`, or the entry point `pool-controller` of
+meshserve.utils.processes.
 """
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import zmq
 
@@ -58,16 +57,14 @@ class ControllerState:
     def handle(self, message: Any) -> Any:
         """The reply to one message (None for messages that get none)."""
         self.expire()
-        if isinstance(message, m.Register):
-            return self._register(message)
-        if isinstance(message, m.Heartbeat):
-            return self._heartbeat(message)
-        if isinstance(message, m.ViewQuery):
-            return self.view(message.req_id)
-        if isinstance(message, m.CreateNamespace):
-            return self._create_namespace(message)
-        logger.warning("pool controller: unexpected %s", type(message).__name__)
-        return None
+        handler = self._HANDLERS.get(type(message))
+        if handler is None:
+            logger.warning("pool controller: unexpected %s", type(message).__name__)
+            return None
+        return handler(self, message)
+
+    def _view_query(self, message: m.ViewQuery) -> m.View:
+        return self.view(message.req_id)
 
     def expire(self) -> list[str]:
         """Drop servers silent for longer than the timeout; returns their ids."""
@@ -128,6 +125,9 @@ class ControllerState:
         logger.info("pool namespace %s: quota %d bytes", msg.namespace, msg.quota_bytes)
         return m.NamespaceReply(req_id=msg.req_id, ok=True)
 
+    _HANDLERS: ClassVar[dict[type, Callable]] = {m.Register: _register, m.Heartbeat: _heartbeat,
+                                                 m.ViewQuery: _view_query, m.CreateNamespace: _create_namespace}
+
 
 def run_controller(bind: str, server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S,
                    virtual_nodes: int = DEFAULT_VIRTUAL_NODES, stop: threading.Event | None = None) -> None:
@@ -159,15 +159,11 @@ def run_controller(bind: str, server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S
         context.term()
 
 
-def main(argv: list[str]) -> None:
-    from meshserve.utils.processes import module_arguments
-
+def run_controller_process(bind: str, server_timeout_s: float = DEFAULT_SERVER_TIMEOUT_S,
+                           virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
+    """The controller as a process of its own (the entry point `pool-controller`), until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        run_controller(**module_arguments(argv))
+        run_controller(bind, server_timeout_s, virtual_nodes)
     except KeyboardInterrupt:
         pass
-
-
-if __name__ == "__main__":
-    main(sys.argv)

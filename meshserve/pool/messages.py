@@ -16,150 +16,130 @@ DEALER sockets.
   client     -> controller : ViewQuery, CreateNamespace
   controller -> client     : View (live servers and their ring positions), NamespaceReply, Error
 
-Every socket is a CurveZMQ socket keyed by the cluster secret (`meshserve.utils.cluster_auth`). `decode`
-checks a frame's shape and every field's type against its class and raises `PoolMessageError` (a
-ValueError) for anything else; receivers log and count it (`decode_errors`) and go on.
+Every socket is a CurveZMQ socket keyed by the cluster secret (`meshserve.utils.cluster_auth`). Each message
+is a msgspec struct, a frame `[type name, fields]`; `decode` checks a frame's shape and every field's type
+against its struct and raises `PoolMessageError` (a ValueError) for anything else; receivers log and count
+it (`decode_errors`) and go on.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any
+import msgspec
 
-import msgpack
+
+class PoolMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """Base of every pool message: a frame naming a field the receiver's struct lacks is refused."""
 
 
 # ---------------------------------------------------------------- client <-> server
-@dataclass
-class Put:
+class Put(PoolMessage):
     req_id: int
     namespace: str
     keys: list[str]  # one value frame follows per key, in order
 
 
-@dataclass
-class PutReply:
+class PutReply(PoolMessage):
     req_id: int
     stored: list[bool]  # False: refused (value larger than the namespace's share, or the server is full)
     error: str | None = None
 
 
-@dataclass
-class Get:
+class Get(PoolMessage):
     req_id: int
     namespace: str
     keys: list[str]
 
 
-@dataclass
-class GetReply:
+class GetReply(PoolMessage):
     req_id: int
     found: list[bool]  # one value frame follows per found key, in order
     error: str | None = None
 
 
-@dataclass
-class Exists:
+class Exists(PoolMessage):
     req_id: int
     namespace: str
     keys: list[str]
 
 
-@dataclass
-class ExistsReply:
+class ExistsReply(PoolMessage):
     req_id: int
     found: list[bool]
 
 
-@dataclass
-class Delete:
+class Delete(PoolMessage):
     req_id: int
     namespace: str
     keys: list[str]
 
 
-@dataclass
-class DeleteReply:
+class DeleteReply(PoolMessage):
     req_id: int
     deleted: list[bool]
 
 
-@dataclass
-class ServerStatsQuery:
+class ServerStatsQuery(PoolMessage):
     req_id: int
 
 
-@dataclass
-class ServerStats:
+class ServerStats(PoolMessage):
     req_id: int
     server_id: str
     dram_bytes: int
     ssd_bytes: int
     num_keys: int
-    namespaces: dict[str, int] = field(default_factory=dict)  # bytes per namespace
+    namespaces: dict[str, int] = msgspec.field(default_factory=dict)  # bytes per namespace
     hits: int = 0
     misses: int = 0
 
 
 # ---------------------------------------------------------------- server <-> controller
-@dataclass
-class Register:
+class Register(PoolMessage):
     server_id: str
     address: str  # where clients reach it (tcp://host:port)
     dram_capacity: int
     ssd_capacity: int
 
 
-@dataclass
-class RegisterReply:
+class RegisterReply(PoolMessage):
     accepted: bool
-    quotas: dict[str, int] = field(default_factory=dict)  # namespace -> byte quota over the whole pool
+    quotas: dict[str, int] = msgspec.field(default_factory=dict)  # namespace -> byte quota over the whole pool
     num_servers: int = 1
     error: str | None = None
 
 
-@dataclass
-class Heartbeat:
+class Heartbeat(PoolMessage):
     server_id: str
-    namespaces: dict[str, int] = field(default_factory=dict)  # bytes held per namespace
+    namespaces: dict[str, int] = msgspec.field(default_factory=dict)  # bytes held per namespace
 
 
 # ---------------------------------------------------------------- client <-> controller
-@dataclass
-class ViewQuery:
+class ViewQuery(PoolMessage):
     req_id: int
 
 
-@dataclass
-class View:
+class View(PoolMessage):
     req_id: int
     version: int  # bumped whenever membership changes
-    servers: dict[str, str] = field(default_factory=dict)  # server_id -> address (live ones only)
+    servers: dict[str, str] = msgspec.field(default_factory=dict)  # server_id -> address (live ones only)
     virtual_nodes: int = 64
-    quotas: dict[str, int] = field(default_factory=dict)
+    quotas: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-@dataclass
-class CreateNamespace:
+class CreateNamespace(PoolMessage):
     req_id: int
     namespace: str
     quota_bytes: int
     force: bool = False  # allow a quota below the namespace's current use (servers then evict down to it)
 
 
-@dataclass
-class NamespaceReply:
+class NamespaceReply(PoolMessage):
     req_id: int
     ok: bool
     error: str | None = None
 
 
 # ---------------------------------------------------------------- any -> requester
-@dataclass
-class Error:
+class Error(PoolMessage):
     req_id: int  # -1 when the request was too malformed to carry one
     message: str
 
@@ -168,9 +148,13 @@ _TYPES = {cls.__name__: cls for cls in (
     Put, PutReply, Get, GetReply, Exists, ExistsReply, Delete, DeleteReply, ServerStatsQuery, ServerStats,
     Register, RegisterReply, Heartbeat, ViewQuery, View, CreateNamespace, NamespaceReply, Error)}
 
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _TYPES.items()}
 
-def encode(message: Any) -> bytes:
-    return msgpack.packb([type(message).__name__, dataclasses.asdict(message)], use_bin_type=True)
+
+def encode(message: PoolMessage) -> bytes:
+    return _ENCODER.encode((type(message).__name__, message))
 
 
 class PoolMessageError(ValueError):
@@ -180,7 +164,7 @@ class PoolMessageError(ValueError):
 decode_errors = 0  # frames refused by `decode` in this process (a metric)
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes) -> PoolMessage:
     """The message in `data`; PoolMessageError when it is not msgpack, names no known type, or a field is
     missing, unknown or of the wrong type."""
     try:
@@ -191,50 +175,17 @@ def decode(data: bytes) -> Any:
         raise
 
 
-def _decode(data: bytes) -> Any:
+def _decode(data: bytes) -> PoolMessage:
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several types for bad bytes
+        name, fields = _ENVELOPE.decode(data)
+    except msgspec.ValidationError:
+        raise PoolMessageError("a pool message is [type name, fields]") from None
+    except Exception as exc:  # noqa: BLE001 - bad bytes must only ever be a PoolMessageError
         raise PoolMessageError(f"not a msgpack frame ({type(exc).__name__})") from None
-    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], dict)):
-        raise PoolMessageError("a pool message is [type name, fields]")
-    name, fields = obj
-    cls = _TYPES.get(name)
-    if cls is None:
+    decoder = _DECODERS.get(name)
+    if decoder is None:
         raise PoolMessageError(f"unknown pool message {name[:64]!r}")
-    hints = _field_types(cls)
-    unknown = [k for k in fields if k not in hints]
-    if unknown:
-        raise PoolMessageError(f"{name}: unknown field(s) {', '.join(map(str, unknown))[:200]}")
-    for key, value in fields.items():
-        if not _conforms(value, hints[key]):
-            raise PoolMessageError(f"{name}.{key}: expected {hints[key]}, got {type(value).__name__}")
     try:
-        return cls(**fields)
-    except TypeError as exc:  # a required field is missing
+        return decoder.decode(fields)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PoolMessageError(f"{name}: {exc}") from None
-
-
-@functools.lru_cache(maxsize=None)
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _conforms(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, arg) for arg in args)
-    if hint is type(None):
-        return value is None
-    if origin is list:
-        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_conforms(k, args[0]) and _conforms(v, args[1])
-                                               for k, v in value.items())
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint)

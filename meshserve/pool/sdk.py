@@ -328,28 +328,14 @@ class PoolClient:
         if request.server_id in self._unhealthy:
             self._unhealthy.discard(request.server_id)
             logger.info("pool server %s answers again", request.server_id)
-        call = request.call
-        if isinstance(reply, m.GetReply):
-            values = iter(frames[1:])
-            for i, found in zip(request.indices, reply.found):
-                if found:
-                    call.result[call.keys[i]] = next(values).buffer
-        elif isinstance(reply, m.PutReply):
-            for i, stored in zip(request.indices, reply.stored):
-                call.result[call.keys[i]] = bool(stored)
-        elif isinstance(reply, m.ExistsReply):
-            for i, found in zip(request.indices, reply.found):
-                call.result[i] = bool(found)
-        elif isinstance(reply, m.DeleteReply):
-            for i, deleted in zip(request.indices, reply.deleted):
-                call.result[i] = bool(deleted)
-        elif isinstance(reply, m.ServerStats):
-            call.result[request.server_id] = reply
-        else:  # an error answer: its keys are misses
+        apply = _REPLY_HANDLERS.get(type(reply))
+        if apply is None:  # an error answer: its keys are misses
             logger.warning("pool server %s refused a request: %s", request.server_id, reply)
+        else:
+            apply(request, reply, frames)
         if getattr(reply, "error", None):
             logger.warning("pool server %s: %s", request.server_id, reply.error)
-        self._complete_part(call)
+        self._complete_part(request.call)
 
     # ------------------------------------------------------------ controller
     def _query_view(self) -> None:
@@ -462,6 +448,37 @@ class PoolClient:
                 _finish_unanswered(item[1])
             elif item[0] == "namespace":
                 item[-1].set_result(False)
+
+
+def _apply_get(request: _ServerRequest, reply: m.GetReply, frames: list) -> None:
+    values = iter(frames[1:])
+    for i, found in zip(request.indices, reply.found):
+        if found:
+            request.call.result[request.call.keys[i]] = next(values).buffer
+
+
+def _apply_put(request: _ServerRequest, reply: m.PutReply, frames: list) -> None:
+    for i, stored in zip(request.indices, reply.stored):
+        request.call.result[request.call.keys[i]] = bool(stored)
+
+
+def _apply_exists(request: _ServerRequest, reply: m.ExistsReply, frames: list) -> None:
+    for i, found in zip(request.indices, reply.found):
+        request.call.result[i] = bool(found)
+
+
+def _apply_delete(request: _ServerRequest, reply: m.DeleteReply, frames: list) -> None:
+    for i, deleted in zip(request.indices, reply.deleted):
+        request.call.result[i] = bool(deleted)
+
+
+def _apply_stats(request: _ServerRequest, reply: m.ServerStats, frames: list) -> None:
+    request.call.result[request.server_id] = reply
+
+
+# a server's answer -> how it fills the call's result
+_REPLY_HANDLERS = {m.GetReply: _apply_get, m.PutReply: _apply_put, m.ExistsReply: _apply_exists,
+                   m.DeleteReply: _apply_delete, m.ServerStats: _apply_stats}
 
 
 def _empty_result(call: _Call) -> Any:

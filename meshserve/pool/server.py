@@ -13,7 +13,7 @@ namespace without a quota has no limit.
 The server keeps serving when the controller is down: it logs a warning and re-registers
 until the controller answers again.
 
-Run: `python -m meshserve.pool.server '{"server_id": "s0", "bind": "tcp://127.0.0.1:PORT", ...}'`.
+Run: `meshserve pool server ...`, or the entry point `pool-server` of meshserve.utils.processes.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import msgpack
 import zmq
@@ -214,21 +215,30 @@ class PoolServer:
             request = m.decode(header)
         except Exception as exc:
             raise BadRequest(f"undecodable request: {exc}") from None
-        if isinstance(request, m.Put):
-            return self._put(request, frames), []
-        if isinstance(request, m.ServerStatsQuery):
-            return self._stats(request), []
-        if isinstance(request, (m.Get, m.Exists, m.Delete)):
-            _check_keys(request)
-            if isinstance(request, m.Get):
-                return self._get(request)
-            if isinstance(request, m.Exists):
-                return m.ExistsReply(request.req_id, [self.store.exists(request.namespace, k) for k in request.keys]), []
-            return m.DeleteReply(request.req_id, [self.store.delete(request.namespace, k) for k in request.keys]), []
-        raise BadRequest(f"{type(request).__name__} is not a pool server request")
+        handler = self._HANDLERS.get(type(request))
+        if handler is None:
+            raise BadRequest(f"{type(request).__name__} is not a pool server request")
+        return handler(self, request, frames)
+
+    def _on_put(self, request: m.Put, frames: list[zmq.Frame]) -> tuple[m.PutReply, list]:
+        return self._put(request, frames), []
+
+    def _on_stats(self, request: m.ServerStatsQuery, frames: list[zmq.Frame]) -> tuple[m.ServerStats, list]:
+        return self._stats(request), []
+
+    def _on_get(self, request: m.Get, frames: list[zmq.Frame]) -> tuple[m.GetReply, list]:
+        return self._get(request)
+
+    def _on_exists(self, request: m.Exists, frames: list[zmq.Frame]) -> tuple[m.ExistsReply, list]:
+        return m.ExistsReply(request.req_id, [self.store.exists(request.namespace, k) for k in request.keys]), []
+
+    def _on_delete(self, request: m.Delete, frames: list[zmq.Frame]) -> tuple[m.DeleteReply, list]:
+        return m.DeleteReply(request.req_id, [self.store.delete(request.namespace, k) for k in request.keys]), []
+
+    _HANDLERS: ClassVar[dict[type, Callable]] = {
+        m.Put: _on_put, m.ServerStatsQuery: _on_stats, m.Get: _on_get, m.Exists: _on_exists, m.Delete: _on_delete}
 
     def _put(self, request: m.Put, frames: list[zmq.Frame]) -> m.PutReply:
-        _check_keys(request)
         if len(frames) != len(request.keys):
             return m.PutReply(request.req_id, [False] * len(request.keys),
                               error=f"{len(request.keys)} keys but {len(frames)} value frames")
@@ -257,13 +267,6 @@ def _value_of(frame: zmq.Frame) -> bytes | memoryview:
     return frame.buffer if len(frame) >= KEEP_FRAME_BYTES else frame.bytes
 
 
-def _check_keys(request: Any) -> None:
-    if not isinstance(request.namespace, str):
-        raise BadRequest("namespace must be a string")
-    if not isinstance(request.keys, list) or not all(isinstance(k, str) for k in request.keys):
-        raise BadRequest("keys must be a list of strings")
-
-
 def _req_id_of(header: bytes) -> int:
     """The request's id when the header carries one, so the client can match the error."""
     try:
@@ -284,11 +287,3 @@ def run_server(server_id: str, bind: str, controller: str | None, dram_bytes: in
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.stop)
     server.serve()
-
-
-if __name__ == "__main__":
-    import sys
-
-    from meshserve.utils.processes import module_arguments
-
-    run_server(**module_arguments(sys.argv))

@@ -17,14 +17,14 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Union
 
 import msgpack
 
 logger = logging.getLogger(__name__)
 
-Value = Union[bytes, bytearray, memoryview]
+Value = bytes | bytearray | memoryview
 Entry = tuple[str, str]  # (namespace, key)
 
 _MAGIC = b"MSPB"

@@ -24,7 +24,6 @@ with the cluster secret (`meshserve.utils.cluster_auth`), which the started TEs 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -32,8 +31,10 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshserve.config import ConfigError, EngineConfig, read_deployment_yaml
+from meshserve.config import CONCERN_OF, ConfigError, EngineConfig, read_deployment_yaml
+from meshserve.router.routing import POLICIES
 from meshserve.utils import cluster_auth
+from meshserve.utils.processes import launch
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,7 @@ class MultiDeployment:
 
     # ------------------------------------------------------------------ reading
     @classmethod
-    def from_dict(cls, data: Any, source: str = "deployment") -> "MultiDeployment":
-        from meshserve.router.routing import POLICIES
-
+    def from_dict(cls, data: Any, source: str = "deployment") -> MultiDeployment:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a mapping at the top level")
         unknown = sorted(set(data) - _TOP_KEYS)
@@ -124,11 +123,11 @@ class MultiDeployment:
                    predictor=data.get("predictor"), engine=engine, job_executors=job_executors)
 
     @classmethod
-    def load(cls, path: str) -> "MultiDeployment":
+    def load(cls, path: str) -> MultiDeployment:
         return cls.from_dict(read_deployment_yaml(path), path)
 
     @classmethod
-    def preset(cls, name: str) -> "MultiDeployment":
+    def preset(cls, name: str) -> MultiDeployment:
         groups = []
         for part in name.split("+"):
             pd = _PD_PRESET.match(part)
@@ -156,12 +155,12 @@ def _engine_settings(value: Any, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"{where} must be a mapping of engine settings")
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "te_name", "kv_transfer"}
+    names = set(CONCERN_OF) - {"model", "te_name", "kv_transfer"}
     bad = sorted(set(value) - names)
     if bad:
         raise ConfigError(f"{where}: unknown engine setting(s) {', '.join(bad)}")
     try:
-        EngineConfig(model="", **value)
+        EngineConfig.from_kwargs("", **value)
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return dict(value)
@@ -193,6 +192,7 @@ def is_multi_te(deployment: str) -> bool:
     """Whether --deployment names a preset or a file with TE groups (else: a one-TE deployment file)."""
     if not os.path.exists(deployment):
         return True  # a preset (an unknown name is reported by MultiDeployment.preset)
+    # start-up: yaml only when a deployment file is read
     import yaml
 
     try:
@@ -213,12 +213,14 @@ def check_pd_layouts(tes: list[TESpec], configs: list[EngineConfig]) -> None:
     With MLA every attention TP rank holds the whole latent cache, so any layout can pull from any other
     (cloudmatrix-infer §4.3.3); with GQA each TP rank holds its share of the KV heads, and a decode rank
     would need parts from several prefill ranks."""
+    # keeps torch out of the router process
     from meshserve.models.loader import load_hf_config
 
     layouts: dict[str, set[tuple[int, str]]] = {}
     for spec, config in zip(tes, configs):
         if spec.role != "colocated":
-            layouts.setdefault(spec.group, set()).add((config.strategy.attn_tp, config.model))
+            layouts.setdefault(spec.group, set()).add((config.parallel_config.strategy.attn_tp,
+                                                       config.model_config.model))
     for group, pairs in sorted(layouts.items()):
         if len({tp for tp, _ in pairs}) < 2:
             continue
@@ -240,21 +242,19 @@ def launch_tes(tes: list[TESpec], default_model: str, register_addrs: list[str],
     """Start each TE as `meshserve te` processes on this machine; they register with every JE address.
 
     The machine's cores (less one) are shared among all the TEs' ranks unless num_threads is set."""
-    from meshserve.utils.processes import launch_module
-
-    total_ranks = sum(EngineConfig(model="", **{k: v for k, v in {**spec.engine, **overrides}.items()
-                                                 if k != "te_name"}).world_size for spec in tes)
+    total_ranks = sum(EngineConfig.from_kwargs("", **{**spec.engine, **overrides}).parallel_config.world_size
+                      for spec in tes)
     # one core is left to the TEs' masters and the job executor, which run beside the ranks
     threads = max(1, ((os.cpu_count() or 1) - 1) // max(1, total_ranks))
-    configs = [EngineConfig(model=spec.model or default_model,  # validated before any start
-                            **{"num_threads": threads, **spec.engine, **overrides, "te_name": spec.name})
+    configs = [EngineConfig.from_kwargs(spec.model or default_model,  # validated before any start
+                                        **{"num_threads": threads, **spec.engine, **overrides, "te_name": spec.name})
                for spec in tes]
     check_pd_layouts(tes, configs)
     # the TEs inherit this process's secret (its file or environment); a bad one is reported once, here
     cluster_auth.cluster_secret()
     procs = []
     for spec, config in zip(tes, configs):
-        procs.append(launch_module("meshserve.entrypoints.te_server", config=config.to_dict(), role=spec.role,
-                                   group=spec.group, listen=f"tcp://{host}:0", register=list(register_addrs),
-                                   log_level=log_level, watch_parent=True))
+        procs.append(launch("te", config=config.to_dict(), role=spec.role, group=spec.group,
+                            listen=f"tcp://{host}:0", register=list(register_addrs), log_level=log_level,
+                            watch_parent=True))
     return procs

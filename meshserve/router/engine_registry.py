@@ -33,11 +33,11 @@ class EngineRecord:
     # KV-event sync: None while a snapshot is awaited (events are buffered meanwhile)
     synced: bool = False
     snapshot_query: int | None = None
-    buffered: list = field(default_factory=list)
+    buffered: list[msg.KVCacheEvents] = field(default_factory=list)
     lagging_since: float | None = None
 
     @property
-    def role(self) -> str:
+    def role(self) -> msg.EngineRole:
         return self.heartbeat.role
 
     @property
@@ -163,10 +163,9 @@ class EngineRegistry:
             record.lagging_since = now
         return now - record.lagging_since > 1.0
 
-    def load_snapshot(self, record: EngineRecord, data: dict) -> None:
-        seq = int(data["seq"])
-        blocks = {int(dp): blocks for dp, blocks in data["blocks"].items()}
-        self.tree.load_snapshot(record.name, seq, blocks)
+    def load_snapshot(self, record: EngineRecord, snapshot: msg.KVSnapshot) -> None:
+        seq = snapshot.seq
+        self.tree.load_snapshot(record.name, seq, snapshot.blocks)
         record.synced = True
         record.snapshot_query = None
         record.lagging_since = None

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -116,7 +116,7 @@ class LengthPredictor:
     @classmethod
     def train(cls, examples: Sequence[LengthExample], bucket_tokens: int = DEFAULT_BUCKET_TOKENS, epochs: int = 30,
               seed: int = 0, *, feature_dim: int = DEFAULT_FEATURE_DIM, hidden: int = 0, lr: float = 0.05,
-              batch_size: int = 64, weight_decay: float = 3e-3) -> "LengthPredictor":
+              batch_size: int = 64, weight_decay: float = 3e-3) -> LengthPredictor:
         """Fit on `examples`; the same examples and seed always give the same weights.
 
         hidden=0 is a linear softmax classifier; hidden=H adds one ReLU layer of width H. The weight decay
@@ -225,6 +225,7 @@ class LengthPredictor:
 
     def save(self, path: str | Path) -> Path:
         """One safetensors file: the weights, and what is needed to rebuild the model in its metadata."""
+        # start-up: safetensors only when a predictor is saved or loaded
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -237,8 +238,9 @@ class LengthPredictor:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "LengthPredictor":
+    def load(cls, path: str | Path) -> LengthPredictor:
         """Read a file written by `save`; anything else raises ValueError saying what is wrong."""
+        # start-up: safetensors only when a predictor is saved or loaded
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
+
+from meshserve.utils import report
 
 FORMAT = "meshserve-pd-heatmap"
 VERSION = 1
@@ -98,7 +100,7 @@ class PDHeatmap:
                 "grids": [{"rps": rps, "values": [list(row) for row in grid]} for rps, grid in self.grids.items()]}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PDHeatmap":
+    def from_dict(cls, data: dict) -> PDHeatmap:
         if not isinstance(data, dict):
             raise ValueError(f"a PD heatmap must be a JSON object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
@@ -127,7 +129,7 @@ class PDHeatmap:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "PDHeatmap":
+    def load(cls, path: str | Path) -> PDHeatmap:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"PD heatmap file {str(path)!r} does not exist")
@@ -144,10 +146,9 @@ class PDHeatmap:
 
     def plot(self, path_png: str | Path) -> Path:
         """One panel per RPS plus the combined one; red favours disaggregated, blue colocated, gray is unmeasured."""
+        # only when drawing: the router loads a heatmap at start-up and never needs matplotlib for that
         import matplotlib
         from matplotlib.colors import Normalize
-
-        from meshserve.utils import report
 
         panels = [(f"RPS {rps:g}", grid) for rps, grid in self.grids.items()]
         data = self.has_data()

@@ -18,11 +18,19 @@ asyncio thread; one lock guards everything.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar
 
 from meshserve.core.kv_cache_manager import chain_block_hash
+from meshserve.core.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedBlock,
+    CacheEvent,
+    KVCacheEvents,
+)
 
 Holder = tuple[str, int]  # (te name, dp rank)
 
@@ -45,39 +53,42 @@ class GlobalPromptTree:
         self._last_seq: dict[str, int] = {}
 
     # ------------------------------------------------------------ updates
-    def apply(self, te: str, batch: Any) -> bool:
-        """Replay one KVCacheEvents-like batch (attributes seq, events, dp_rank) from `te`.
+    def apply(self, te: str, batch: KVCacheEvents) -> bool:
+        """Replay one batch of `te`'s prefix-cache events.
 
         False, with nothing applied, when `batch.seq` does not follow the last seq seen from
         `te` (a gap, or a batch already applied): the caller resyncs with `load_snapshot`.
         The first batch from a TE is taken whatever its seq."""
-        dp = int(getattr(batch, "dp_rank", 0))
-        events = list(batch.events)
-        for event in events:  # check everything first, so a bad batch changes nothing
-            size = event.get("block_size", self.block_size) if event.get("type") == "BlockStored" else None
-            if size is not None and size != self.block_size:
-                raise ValueError(f"TE {te} caches blocks of {size} tokens; this tree uses {self.block_size}")
+        for event in batch.events:  # check everything first, so a bad batch changes nothing
+            if isinstance(event, BlockStored) and event.block_size != self.block_size:
+                raise ValueError(f"TE {te} caches blocks of {event.block_size} tokens; "
+                                 f"this tree uses {self.block_size}")
         with self._lock:
             last = self._last_seq.get(te)
             if last is not None and batch.seq != last + 1:
                 return False
             self._last_seq[te] = batch.seq
-            for event in events:
-                kind = event.get("type")
-                if kind == "BlockStored":
-                    self._store_chain(te, dp, event["parent_block_hash"], event["block_hashes"])
-                elif kind == "BlockRemoved":
-                    for block_hash in event["block_hashes"]:
-                        self._release(te, dp, block_hash)
-                elif kind == "AllBlocksCleared":
-                    self._clear(te, dp)
-                # other types: from a newer engine; they say nothing about what is cached
+            for event in batch.events:
+                self._EVENT_HANDLERS[type(event)](self, te, batch.dp_rank, event)
             return True
 
-    def load_snapshot(self, te: str, seq: int, blocks_by_dp: dict[int, list[list]]) -> None:
+    def _on_stored(self, te: str, dp: int, event: BlockStored) -> None:
+        self._store_chain(te, dp, event.parent_block_hash, event.block_hashes)
+
+    def _on_removed(self, te: str, dp: int, event: BlockRemoved) -> None:
+        for block_hash in event.block_hashes:
+            self._release(te, dp, block_hash)
+
+    def _on_cleared(self, te: str, dp: int, event: AllBlocksCleared) -> None:
+        self._clear(te, dp)
+
+    _EVENT_HANDLERS: ClassVar[dict[type[CacheEvent], Callable]] = {
+        BlockStored: _on_stored, BlockRemoved: _on_removed, AllBlocksCleared: _on_cleared}
+
+    def load_snapshot(self, te: str, seq: int, blocks_by_dp: dict[int, list[CachedBlock]]) -> None:
         """Replace all that is known of `te` with its cache contents as of batch `seq`.
 
-        Each block is [block_hash, parent_block_hash or None, token_ids], parents first."""
+        Each block is (block_hash, parent_block_hash or None, token_ids), parents first."""
         with self._lock:
             self._forget(te)
             for dp, blocks in blocks_by_dp.items():

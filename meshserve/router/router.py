@@ -22,27 +22,37 @@ request of some kind can be routed (`health()` says which kinds can, and what th
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+import msgspec
 import zmq
 
 from meshserve.core import messages as msg
-from meshserve.engine.detokenizer import load_tokenizer
-from meshserve.core.errors import ADMISSION_ERRORS, EngineDeadError
-from meshserve.engine.output_processor import OutputProcessor
-from meshserve.models.generation_config import eos_token_ids
-from meshserve.engine.outputs import RequestOutput
-from meshserve.router.prompt_tree import GlobalPromptTree
-from meshserve.router.routing import (REQUEST_ROUTING_POLICY, LoadTracker, NoRouteError, RouteDecision, RouteHealth,
-                                        RoutingPolicy, route_health)
-from meshserve.router.engine_registry import EngineRecord, EngineRegistry
+from meshserve.core.errors import EngineDeadError
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.client_core import ClientCore, ReplyCallback, admission_error
+from meshserve.engine.detokenizer import load_tokenizer
+from meshserve.engine.outputs import RequestOutput
+from meshserve.models.generation_config import eos_token_ids
+from meshserve.router.engine_registry import EngineRecord, EngineRegistry
+from meshserve.router.prompt_tree import GlobalPromptTree
+from meshserve.router.routing import (
+    REQUEST_ROUTING_POLICY,
+    LoadTracker,
+    NoRouteError,
+    RouteDecision,
+    RouteHealth,
+    RoutingPolicy,
+    route_health,
+)
 from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
@@ -72,7 +82,7 @@ class _Job:
     te: str = ""  # the TE running the current stage
     decode_te: str = ""  # a disaggregated job's chosen decode TE
     group: str = ""  # ... and its TE group (a replacement decode TE must serve the same model)
-    kv_params: dict | None = None  # the prefill TE's hand-off, kept for a decode TE that fails
+    kv_params: msg.KVTransferParams | None = None  # the prefill TE's hand-off, kept for a decode TE that fails
     token_ids: list[int] = field(default_factory=list)  # tokens received so far
     context_cache_id: str | None = None  # a named context cache leading the prompt
     context_cache_ttl_s: float | None = None  # set: this job creates that cache
@@ -85,7 +95,7 @@ class Router:
         self.model_name = served_model_name or os.path.basename(os.path.normpath(model))
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = eos_token_ids(model)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.core = ClientCore(self.tokenizer, self._send_aborts)  # touched on the loop's thread only
         self.loads = LoadTracker()
         self.tree: GlobalPromptTree | None = None  # built at the first TE's registration (its block size)
         self._heatmap, self._predictor = heatmap, predictor
@@ -108,9 +118,6 @@ class Router:
         # named context caches: id -> (the TE whose KV cache pins its blocks, expiry on time.monotonic)
         self._cache_homes: dict[str, tuple[str, float]] = {}
         self._job_of_child: dict[str, _Job] = {}
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._admin_waiters: dict[int, asyncio.Future] = {}
-        self._admin_ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
@@ -146,8 +153,8 @@ class Router:
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError("TEs not registered after %.0f s: missing %s" % (
-                    timeout_s, ", ".join(f"{n} {role}" for role, n in missing.items())))
+                wanted = ", ".join(f"{n} {role}" for role, n in missing.items())
+                raise TimeoutError(f"TEs not registered after {timeout_s:.0f} s: missing {wanted}")
             await asyncio.sleep(0.1)
 
     def wait_for_tes_blocking(self, roles: dict[str, int], timeout_s: float, alive=None) -> None:
@@ -164,8 +171,8 @@ class Router:
                 return
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError("TEs not registered after %.0f s: missing %s" % (
-                    timeout_s, ", ".join(f"{n} {role}" for role, n in missing.items())))
+                wanted = ", ".join(f"{n} {role}" for role, n in missing.items())
+                raise TimeoutError(f"TEs not registered after {timeout_s:.0f} s: missing {wanted}")
             if now > next_log:
                 next_log = now + 10
                 logger.info("waiting for TEs: %s", ", ".join(f"{n} {role}" for role, n in missing.items()))
@@ -252,24 +259,28 @@ class Router:
             self._guarded(self._tick, now)
 
     def _on_item(self, item, now: float) -> None:
-        if isinstance(item, msg.EngineOutputs):
-            for delta in item.deltas:
-                self._guarded(self._on_delta, delta)
-        elif isinstance(item, msg.EngineHeartbeat):
-            self._on_heartbeat(item, now)
-        elif isinstance(item, msg.KVCacheEvents):
-            if not self.registry.on_kv_events(item.engine, item):
-                self._request_snapshot(self.registry.get(item.engine))
-        elif isinstance(item, msg.AdminReply):
-            self._on_admin_reply(item)
-        elif isinstance(item, msg.EngineStats):
-            pass  # stats come with heartbeats
-        elif isinstance(item, msg.EngineError):
-            record = self.registry.get(item.engine)
-            if record is not None:
-                self._drop_te(record, f"it failed: {item.message}")
+        handler = self._ITEM_HANDLERS.get(type(item))
+        if handler is not None:  # EngineStats: stats come with heartbeats
+            handler(self, item, now)
+
+    def _on_outputs(self, item: msg.EngineOutputs, now: float) -> None:
+        for delta in item.deltas:
+            self._guarded(self._on_delta, delta)
+
+    def _on_kv_events(self, item: msg.KVCacheEvents, now: float) -> None:
+        if not self.registry.on_kv_events(item.engine, item):
+            self._request_snapshot(self.registry.get(item.engine))
+
+    def _on_admin_reply(self, item: msg.AdminReply, now: float) -> None:
+        self.core.replies.on_reply(item)
+
+    def _on_engine_error(self, item: msg.EngineError, now: float) -> None:
+        record = self.registry.get(item.engine)
+        if record is not None:
+            self._drop_te(record, f"it failed: {item.message}")
 
     def _tick(self, now: float) -> None:
+        """Drop the TEs whose heartbeats stopped; ask for the KV snapshots the prompt tree lacks."""
         for record in self.registry.expired(now):
             self._drop_te(record, f"no heartbeat for {self.registry.timeout_s:.0f} s")
         for record in self.registry.live():
@@ -280,7 +291,8 @@ class Router:
         if self.tree is None and not hb.leaving:
             self.tree = GlobalPromptTree(hb.block_size)
             self.registry.tree = self.tree
-            self.routing = RoutingPolicy(self.routing.policy, tree=self.tree, heatmap=self._heatmap, predictor=self._predictor)
+            self.routing = RoutingPolicy(self.routing.policy, tree=self.tree, heatmap=self._heatmap,
+                                         predictor=self._predictor)
         if hb.leaving or not hb.stats.healthy:  # a failed TE that still heartbeats is not taken back
             record = self.registry.get(hb.name)
             if record is not None:
@@ -291,25 +303,26 @@ class Router:
         if new:
             self._request_snapshot(record)
 
+    _ITEM_HANDLERS: ClassVar[dict[type, Callable]] = {
+        msg.EngineOutputs: _on_outputs, msg.EngineHeartbeat: _on_heartbeat, msg.KVCacheEvents: _on_kv_events,
+        msg.AdminReply: _on_admin_reply, msg.EngineError: _on_engine_error}
+
     def _request_snapshot(self, record: EngineRecord | None) -> None:
         if record is None or self.tree is None or record.snapshot_query is not None:
             return
-        query_id = next(self._admin_ids)
+        query_id = self.core.replies.open(ReplyCallback(functools.partial(self._on_snapshot, record.name)))
         record.snapshot_query = query_id
-        self._admin_waiters[query_id] = ("snapshot", record.name)
-        self._send(record, msg.AdminRequest(query_id=query_id, op="kv.snapshot", reply_to=self.output_addr))
+        self._send(record, msg.AdminRequest(query_id=query_id, op=msg.AdminOp.KV_SNAPSHOT,
+                                            reply_to=self.output_addr))
 
-    def _on_admin_reply(self, reply: msg.AdminReply) -> None:
-        waiter = self._admin_waiters.pop(reply.query_id, None)
-        if isinstance(waiter, tuple):  # a KV snapshot for the prompt tree
-            record = self.registry.get(waiter[1])
-            if record is not None and record.snapshot_query == reply.query_id:
-                if reply.ok:
-                    self.registry.load_snapshot(record, reply.data)
-                else:
-                    record.snapshot_query = None
-        elif waiter is not None and not waiter.done():
-            waiter.set_result(reply)
+    def _on_snapshot(self, te: str, reply: msg.AdminReply) -> None:
+        """A TE's KV snapshot, for the prompt tree (a TE dropped since, or asked again since, is ignored)."""
+        record = self.registry.get(te)
+        if record is not None and record.snapshot_query == reply.query_id:
+            if reply.ok and isinstance(reply.data, msg.KVSnapshot):
+                self.registry.load_snapshot(record, reply.data)
+            else:
+                record.snapshot_query = None
 
     def _send(self, record: EngineRecord, item) -> None:
         try:
@@ -333,10 +346,10 @@ class Router:
         else:
             job.stage, job.te, job.decode_te = "prefill", decision.prefill, decision.decode
             job.group = self.registry.get(decision.prefill).heartbeat.group
-            kv_transfer = {"role": "producer"}
+            kv_transfer = msg.KVTransferParams(role=msg.KVTransferRole.PRODUCER)
         self.loads.on_dispatch(job.te, len(job.prompt_token_ids), job.engine_id)
         self._send(self.registry.get(job.te), msg.AddRequest(
-            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params.to_dict(),
+            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.output_addr, kv_transfer=kv_transfer, context_cache_id=job.context_cache_id,
             context_cache_ttl_s=job.context_cache_ttl_s))
@@ -373,16 +386,16 @@ class Router:
             self._release_prefill_hold(job)
         self.loads.on_dispatch(job.te, 0, job.engine_id)
         self._send(record, msg.AddRequest(
-            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params.to_dict(),
+            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.output_addr,
-            kv_transfer={"role": "consumer", **job.kv_params, **({"recompute": True} if recompute else {})},
+            kv_transfer=msgspec.structs.replace(job.kv_params, recompute=recompute),
             output_token_ids=list(job.token_ids)))
 
     def _release_prefill_hold(self, job: _Job) -> None:
         """Nobody will pull the job's KV from its prefill TE: have it free the blocks now rather than when
         its hold expires (a repeated release is harmless)."""
-        record = self.registry.get(job.kv_params.get("engine", ""))
+        record = self.registry.get(job.kv_params.engine)
         if record is not None:
             self._send(record, msg.ReleaseKV(req_ids=[job.engine_id]))
 
@@ -390,19 +403,13 @@ class Router:
         job = self._jobs.get(delta.req_id)
         if job is None:
             return  # an earlier attempt, or a job already finished or aborted
-        queue = self._queues.get(job.parent_id)
-        if delta.error_type in ADMISSION_ERRORS and not job.token_ids:
+        error = admission_error(delta) if not job.token_ids else None  # a decode TE's refusal is the job's error
+        if error is not None:
             self._finish_job(job)
-            if queue is not None:
-                self._send_aborts(self.processor.abort(job.parent_id))
-                queue.put_nowait(ADMISSION_ERRORS[delta.error_type](delta.error))
+            self.core.fail_request(job.child_id, error)
             return
         job.token_ids.extend(delta.new_token_ids)
-        child_delta = msg.RequestDelta(**{**delta.__dict__, "req_id": job.child_id, "kv_transfer_params": None})
-        out, to_abort = self.processor.process(child_delta, time.time())
-        if out is not None and queue is not None:
-            queue.put_nowait(out)
-        self._send_aborts(to_abort)
+        self.core.apply_delta(msgspec.structs.replace(delta, req_id=job.child_id, kv_transfer_params=None), time.time())
         if delta.finish_reason is not None:
             if delta.finish_reason == "error" and job.stage == "decode":
                 self._release_prefill_hold(job)  # the decode TE may have failed it before pulling
@@ -454,7 +461,7 @@ class Router:
             self._finish_job(job)
             targets = {job.te, job.decode_te} - {""}
             if job.kv_params is not None:  # the prefill TE may still hold the blocks
-                targets.add(job.kv_params.get("engine", ""))
+                targets.add(job.kv_params.engine)
             for name in targets:
                 record = self.registry.get(name)
                 if record is not None:
@@ -499,40 +506,24 @@ class Router:
                        context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """As AsyncEngineClient.generate; a job of a named context cache goes to the TE holding it."""
         self._ensure_started()
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id!r}")
         policy = REQUEST_ROUTING_POLICY.get()
-        queue: asyncio.Queue = asyncio.Queue()
-        now = time.time()
-        children = self.processor.add_request(request_id, prompt, prompt_token_ids, params, now)
-        self._queues[request_id] = queue
-        finished = False
-        try:
+
+        def submit(children, now: float) -> None:
             for child_id, child_params in children:
                 job = _Job(child_id, request_id, child_params, list(prompt_token_ids), priority, now, policy,
                            context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
                 self._job_of_child[child_id] = job
                 try:
                     self._dispatch(job)
-                except NoRouteError as exc:
-                    self._send_aborts(self.processor.abort(request_id))
+                except NoRouteError as exc:  # the request is aborted as it ends
                     raise RouteUnavailableError(str(exc)) from None
-            while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._send_aborts(self.processor.abort(request_id))
+
+        async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit)) as outs:
+            async for out in outs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
-        self._send_aborts(self.processor.abort(request_id))
+        self.core.abort(request_id)
 
     async def get_stats(self) -> msg.EngineStats:
         self._ensure_started()
@@ -555,7 +546,7 @@ class Router:
 
     def te_stats(self) -> dict[str, dict]:
         """Each live TE's role, group and last reported stats (for benchmarks and the status endpoint)."""
-        return {r.name: {"role": r.role, "group": r.heartbeat.group, **r.heartbeat.stats.__dict__}
+        return {r.name: {"role": r.role, "group": r.heartbeat.group, **msgspec.structs.asdict(r.heartbeat.stats)}
                 for r in self.registry.live()}
 
     async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> msg.AdminReply:
@@ -566,19 +557,23 @@ class Router:
         if op == "context_cache.delete" and "te" not in args:  # the TE that pinned it
             home = self._cache_homes.pop(str(args.get("id")), None)
             if home is None or self.registry.get(home[0]) is None:  # its TE is gone, and its pins with it
-                return msg.AdminReply(query_id=0, data={"id": args.get("id"), "deleted": False})
+                return msg.AdminReply(query_id=0, data=msg.ContextCacheDeleted(id=str(args.get("id")), deleted=False))
             args["te"] = home[0]
         name = args.pop("te", None) or (live[0].name if len(live) == 1 else None)
         record = self.registry.get(name) if name else None
         if record is None:
             return msg.AdminReply(query_id=0, ok=False, error=(
                 f"name the TE with te=NAME; live TEs: {', '.join(sorted(r.name for r in live)) or 'none'}"))
-        query_id = next(self._admin_ids)
+        try:
+            request = msg.AdminRequest.of(0, op, args, reply_to=self.output_addr)
+        except ValueError as exc:
+            return msg.AdminReply(query_id=0, ok=False, error=str(exc))
         fut = asyncio.get_running_loop().create_future()
-        self._admin_waiters[query_id] = fut
-        self._send(record, msg.AdminRequest(query_id=query_id, op=op, args=args, reply_to=self.output_addr))
+        request.query_id = query_id = self.core.replies.open(fut)
+        self._send(record, request)
         try:
             return await asyncio.wait_for(fut, timeout=timeout_s)
-        except asyncio.TimeoutError:
-            self._admin_waiters.pop(query_id, None)
-            return msg.AdminReply(query_id=query_id, ok=False, error=f"TE {name} did not answer {op} in {timeout_s:.0f} s")
+        except TimeoutError:
+            self.core.replies.forget(query_id)
+            return msg.AdminReply(query_id=query_id, ok=False,
+                                  error=f"TE {name} did not answer {op} in {timeout_s:.0f} s")

@@ -3,37 +3,39 @@
 Each (puller, source) pair linked over "dist" gets its own standalone 2-rank process group: NCCL
 when both engines keep their regions on GPUs (two different ones), else Gloo over CPU tensors. The
 source is rank 0, the puller rank 1. No global `init_process_group` state is touched, and no
-`TCPStore` is started: the rendezvous store lives in the source engine (one `HashStore`) and the puller reaches it through the
-source's TCP block server, so the only listening sockets are that server and the group's own, both
-bound to the engine's host.
+`TCPStore` is started: the rendezvous store lives in the source engine (one `HashStore`) and the puller
+reaches it through the source's TCP block server, so the only listening sockets are that server and the
+group's own, both bound to the engine's host.
 
-Ops this module adds to the source's TCP block server (framing in `tcp.py`, one request per connection):
-  {"op": "store", "cmd", "key"?, "keys"?, "value"?, ...}  a rendezvous store call of the puller's group
-  {"op": "dist_link", "link", "backend": "gloo"|"nccl"}    the source starts building rank 0 of a group
-  {"op": "dist_read", "link", "region", "layers", "block_ids", "tag"}
-      reply {"ok", "nbytes"} (or {"ok": false, "error"}); then the selected blocks of the i-th
-      requested layer go to the puller with send(tag + i)
-  {"op": "dist_unlink", "link"}                             the source drops the link's group
+Requests this module adds to the source's TCP block server (headers in `wire.py`, framing in `tcp.py`,
+one request per connection):
+  Store*      a rendezvous store call of the puller's group (StoreSet, StoreGet, StoreWait, ...)
+  DistLink    the source starts building rank 0 of a group (`backend` gloo or nccl)
+  DistRead    reply ReadReply(nbytes) (or a refusal); then the selected blocks of the i-th requested
+              layer go to the puller with send(tag + i)
+  DistUnlink  the source drops the link's group
 A puller links lazily, on its first transfer from a peer, and moves one transfer at a time per link;
 any failure fails that transfer and drops the link on both sides, so the next transfer links afresh.
 """
 from __future__ import annotations
 
-import base64
 import logging
 import re
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from meshserve.transfer import shm as shm_mod
 from meshserve.transfer import tcp as tcp_mod
+from meshserve.transfer import wire
 from meshserve.transfer.tcp import TransferError
+from meshserve.transfer.wire import GroupBackend
 
 try:
     import torch.distributed as dist
@@ -42,9 +44,8 @@ except ImportError:  # a torch build without distributed support
 
 logger = logging.getLogger(__name__)
 
-GROUP_BACKENDS = ("gloo", "nccl")
+GROUP_BACKENDS = tuple(b.value for b in GroupBackend)
 SOURCE_RANK, PULLER_RANK = 0, 1
-_MAX_LINK_ID = 128
 
 # (layer position in the read, blocks about to be sent) -> blocks actually sent; a test hook to stall a read.
 LayerFaultHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -86,12 +87,8 @@ def wire_device(backend: str, preferred: torch.device | None = None) -> torch.de
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _b64(value: bytes | str) -> str:
-    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode())
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _error_text(e: BaseException) -> str:
@@ -105,7 +102,7 @@ def _error_text(e: BaseException) -> str:
 @dataclass
 class _SourceLink:
     id: str
-    backend: str
+    backend: GroupBackend
     ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one read at a time per link
     group: Any = None
@@ -127,9 +124,10 @@ class DistSource:
         self.links_made = 0  # groups built since start, to tell reuse from re-linking
         self.fault_hook: LayerFaultHook | None = None
 
-    def handlers(self) -> dict[str, tcp_mod.OpHandler]:
-        return {"store": self._serve_store, "dist_link": self._serve_link, "dist_read": self._serve_read,
-                "dist_unlink": self._serve_unlink}
+    def handlers(self) -> dict[type[wire.Request], tcp_mod.OpHandler]:
+        store_ops = dict.fromkeys(wire.STORE_REQUESTS, self._serve_store)
+        return {wire.DistLink: self._serve_link, wire.DistRead: self._serve_read, wire.DistUnlink: self._serve_unlink,
+                **store_ops}
 
     @property
     def link_count(self) -> int:
@@ -147,14 +145,10 @@ class DistSource:
             self._forget(link)
 
     # -- links
-    def _serve_link(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        link_id, backend = str(request.get("link", "")), request.get("backend")
+    def _serve_link(self, conn: socket.socket, request: wire.DistLink) -> None:
+        link_id, backend = request.link, request.backend  # the id's form and the backend checked on decode
         error = None
-        if not link_id or len(link_id) > _MAX_LINK_ID or not link_id.isalnum():
-            error = f"link id must be 1-{_MAX_LINK_ID} letters or digits, got {link_id!r}"
-        elif backend not in GROUP_BACKENDS:
-            error = f"group backend must be one of {GROUP_BACKENDS}, got {backend!r}"
-        elif backend == "nccl" and not nccl_usable():
+        if backend == GroupBackend.NCCL and not nccl_usable():
             error = "this engine cannot build NCCL groups (no CUDA device or no NCCL)"
         link = _SourceLink(link_id, backend)
         with self._lock:
@@ -165,11 +159,11 @@ class DistSource:
             if error is None:
                 self._links[link_id] = link
         if error is not None:
-            tcp_mod.send_json(conn, {"ok": False, "error": error})
+            tcp_mod.refuse(conn, error)
             return
         # The group constructor blocks until the puller joins, so it runs beside this connection.
         threading.Thread(target=self._build, args=(link,), name=f"dist-link-{link_id[:8]}", daemon=True).start()
-        tcp_mod.send_json(conn, {"ok": True})
+        tcp_mod.send_header(conn, wire.Reply())
 
     def _build(self, link: _SourceLink) -> None:
         try:
@@ -206,17 +200,17 @@ class DistSource:
         except RuntimeError:
             pass  # only housekeeping; the keys are a few bytes
 
-    def _serve_unlink(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        self._drop(str(request.get("link", "")))
-        tcp_mod.send_json(conn, {"ok": True})
+    def _serve_unlink(self, conn: socket.socket, request: wire.DistUnlink) -> None:
+        self._drop(request.link)
+        tcp_mod.send_header(conn, wire.Reply())
 
     # -- rendezvous store of the puller's rank
-    def _serve_store(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _serve_store(self, conn: socket.socket, request: wire.Request) -> None:
         try:
-            reply = {"ok": True, **self._store_call(request)}
-        except Exception as e:  # a missing key past the timeout, a malformed call: the puller's rendezvous fails
-            reply = {"ok": False, "error": _error_text(e)}
-        tcp_mod.send_json(conn, reply)
+            reply = self._STORE_CALLS[type(request)](self, request)
+        except Exception as e:  # a missing key past the timeout, a key of no link: the puller's rendezvous fails
+            reply = wire.Reply(ok=False, error=_error_text(e))
+        tcp_mod.send_header(conn, reply)
 
     def _check_keys(self, keys: list[str]) -> list[str]:
         with self._lock:
@@ -226,61 +220,67 @@ class DistSource:
                 raise KeyError(f"store key {key!r} belongs to no open link")
         return keys
 
-    def _store_call(self, request: dict[str, Any]) -> dict[str, Any]:
-        cmd, store = request.get("cmd"), self._store
-        if cmd == "num_keys":
-            return {"value": store.num_keys()}
-        if cmd in ("wait", "check"):
-            keys = self._check_keys([str(k) for k in request["keys"]])
-            if cmd == "check":
-                return {"value": bool(store.check(keys))}
-            timeout = min(float(request.get("timeout", self.io_timeout)), self.io_timeout)
-            store.wait(keys, timedelta(seconds=timeout))
-            return {}
-        (key,) = self._check_keys([str(request["key"])])
-        if cmd == "set":
-            store.set(key, _unb64(request["value"]))
-            return {}
-        if cmd == "get":
-            return {"value": _b64(store.get(key))}
-        if cmd == "add":
-            return {"value": int(store.add(key, int(request["amount"])))}
-        if cmd == "compare_set":
-            return {"value": _b64(store.compare_set(key, _unb64(request["expected"]), _unb64(request["desired"])))}
-        if cmd == "delete_key":
-            return {"value": bool(store.delete_key(key))}
-        raise ValueError(f"unknown store command {cmd!r}")
+    def _key(self, key: str) -> str:
+        return self._check_keys([key])[0]
+
+    def _store_set(self, r: wire.StoreSet) -> wire.Reply:
+        self._store.set(self._key(r.key), r.value)
+        return wire.Reply()
+
+    def _store_get(self, r: wire.StoreGet) -> wire.Reply:
+        return wire.BytesReply(value=bytes(self._store.get(self._key(r.key))))
+
+    def _store_add(self, r: wire.StoreAdd) -> wire.Reply:
+        return wire.IntReply(value=int(self._store.add(self._key(r.key), r.amount)))
+
+    def _store_compare_set(self, r: wire.StoreCompareSet) -> wire.Reply:
+        return wire.BytesReply(value=bytes(self._store.compare_set(self._key(r.key), r.expected, r.desired)))
+
+    def _store_delete_key(self, r: wire.StoreDeleteKey) -> wire.Reply:
+        return wire.BoolReply(value=bool(self._store.delete_key(self._key(r.key))))
+
+    def _store_wait(self, r: wire.StoreWait) -> wire.Reply:
+        timeout = self.io_timeout if r.timeout is None else min(r.timeout, self.io_timeout)
+        self._store.wait(self._check_keys(r.keys), timedelta(seconds=timeout))
+        return wire.Reply()
+
+    def _store_check(self, r: wire.StoreCheck) -> wire.Reply:
+        return wire.BoolReply(value=bool(self._store.check(self._check_keys(r.keys))))
+
+    def _store_num_keys(self, r: wire.StoreNumKeys) -> wire.Reply:
+        return wire.IntReply(value=int(self._store.num_keys()))
+
+    _STORE_CALLS = {wire.StoreSet: _store_set, wire.StoreGet: _store_get, wire.StoreAdd: _store_add,
+                    wire.StoreCompareSet: _store_compare_set, wire.StoreDeleteKey: _store_delete_key,
+                    wire.StoreWait: _store_wait, wire.StoreCheck: _store_check, wire.StoreNumKeys: _store_num_keys}
 
     # -- reads
-    def _serve_read(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        link_id = str(request.get("link", ""))
+    def _serve_read(self, conn: socket.socket, request: wire.DistRead) -> None:
+        link_id, tag = request.link, request.tag
         with self._lock:
             link = self._links.get(link_id)
         try:
             if link is None:
                 raise KeyError(f"no open link {link_id!r} (dropped after a failure, or never made)")
-            tag = int(request["tag"])
-            if tag < 0:
-                raise ValueError(f"tag must be >= 0, got {tag}")
             blocks = tcp_mod.select_blocks(self._regions, request)
         except (KeyError, ValueError, IndexError, TypeError) as e:
-            tcp_mod.send_json(conn, {"ok": False, "error": _error_text(e)})
+            tcp_mod.refuse(conn, _error_text(e))
             return
         with link.lock:
             group = link.group if link.ready.wait(self.io_timeout) else None
             if group is None:
                 error = link.error or f"group of link {link_id!r} not ready after {self.io_timeout}s"
-                tcp_mod.send_json(conn, {"ok": False, "error": error})
+                tcp_mod.refuse(conn, error)
                 self._drop(link_id)
                 return
-            tcp_mod.send_json(conn, {"ok": True, "nbytes": sum(b.numel() * b.element_size() for b in blocks)})
+            tcp_mod.send_header(conn, wire.ReadReply(nbytes=sum(b.numel() * b.element_size() for b in blocks)))
             try:
                 for i, layer_blocks in enumerate(blocks):
-                    wire = layer_blocks.to(wire_device(link.backend, layer_blocks.device)).contiguous()
+                    sent = layer_blocks.to(wire_device(link.backend, layer_blocks.device)).contiguous()
                     hook = self.fault_hook
                     if hook is not None:
-                        wire = hook(i, wire)
-                    group.send([wire], PULLER_RANK, tag + i).wait(timedelta(seconds=self.io_timeout))
+                        sent = hook(i, sent)
+                    group.send([sent], PULLER_RANK, tag + i).wait(timedelta(seconds=self.io_timeout))
             except Exception as e:  # the puller died or stopped receiving: drop the link, keep serving others
                 logger.warning("dist link %s: send failed, dropping the link: %s", link_id, _error_text(e))
                 self._drop(link_id)
@@ -295,39 +295,40 @@ class _RemoteStore(dist.Store if dist is not None else object):
         self._address = address
         self._timeout = timeout
 
-    def _call(self, cmd: str, **fields) -> Any:
+    def _call(self, request: wire.Request) -> wire.Reply:
         # A wait or get may block on the source for up to `timeout`: give the reply that long and more.
-        reply = tcp_mod.request(self._address, {"op": "store", "cmd": cmd, **fields}, 2 * self._timeout + 1.0)
-        if not reply.get("ok"):
-            raise RuntimeError(f"rendezvous store {cmd} refused: {reply.get('error')}")
-        return reply.get("value")
+        reply = tcp_mod.request(self._address, request, 2 * self._timeout + 1.0)
+        if not reply.ok:
+            raise RuntimeError(f"rendezvous store {wire.op_of(type(request))} refused: {reply.error}")
+        return reply
 
     def set(self, key, value) -> None:
-        self._call("set", key=key, value=_b64(value))
+        self._call(wire.StoreSet(key=str(key), value=_as_bytes(value)))
 
     def get(self, key) -> bytes:
-        return _unb64(self._call("get", key=key))
+        return self._call(wire.StoreGet(key=str(key))).value
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
         seconds = self._timeout if timeout is None else min(timeout.total_seconds(), self._timeout)
-        self._call("wait", keys=list(keys), timeout=seconds)
+        self._call(wire.StoreWait(keys=[str(k) for k in keys], timeout=max(seconds, 0.0)))
 
     def check(self, keys) -> bool:
-        return bool(self._call("check", keys=list(keys)))
+        return self._call(wire.StoreCheck(keys=[str(k) for k in keys])).value
 
     def add(self, key, amount) -> int:
-        return int(self._call("add", key=key, amount=int(amount)))
+        return self._call(wire.StoreAdd(key=str(key), amount=int(amount))).value
 
     def compare_set(self, key, expected, desired) -> bytes:
-        return _unb64(self._call("compare_set", key=key, expected=_b64(expected), desired=_b64(desired)))
+        request = wire.StoreCompareSet(key=str(key), expected=_as_bytes(expected), desired=_as_bytes(desired))
+        return self._call(request).value
 
     def delete_key(self, key) -> bool:
-        return bool(self._call("delete_key", key=key))
+        return self._call(wire.StoreDeleteKey(key=str(key))).value
 
     def num_keys(self) -> int:
-        return int(self._call("num_keys"))
+        return self._call(wire.StoreNumKeys()).value
 
-    def clone(self) -> "_RemoteStore":
+    def clone(self) -> _RemoteStore:
         return self  # stateless between calls: every call opens its own connection
 
 
@@ -335,7 +336,7 @@ class _RemoteStore(dist.Store if dist is not None else object):
 class _PullLink:
     peer: str
     address: tuple[str, int]
-    backend: str
+    backend: GroupBackend
     device: torch.device  # where received blocks land: CPU for Gloo, this engine's GPU for NCCL
     lock: threading.Lock = field(default_factory=threading.Lock)  # one transfer at a time per link
     id: str | None = None
@@ -364,7 +365,8 @@ class DistPuller:
         if backend not in GROUP_BACKENDS:
             raise ValueError(f"group backend must be one of {GROUP_BACKENDS}, got {backend!r}")
         with self._lock:
-            self._links.setdefault(peer, _PullLink(peer, tuple(address), backend, wire_device(backend, device)))
+            self._links.setdefault(peer, _PullLink(peer, tuple(address), GroupBackend(backend),
+                                                   wire_device(backend, device)))
 
     def remove(self, peer: str) -> None:
         """Forget a peer and tell its engine to drop the group (best effort)."""
@@ -408,10 +410,9 @@ class DistPuller:
 
     def _connect(self, link: _PullLink) -> None:
         link_id = uuid.uuid4().hex
-        reply = tcp_mod.request(link.address, {"op": "dist_link", "link": link_id, "backend": link.backend},
-                                self.io_timeout)
-        if not reply.get("ok"):
-            raise TransferError(f"{link.backend} link refused: {reply.get('error')}")
+        reply = tcp_mod.request(link.address, wire.DistLink(link=link_id, backend=link.backend), self.io_timeout)
+        if not reply.ok:
+            raise TransferError(f"{link.backend} link refused: {reply.error}")
         store = _RemoteStore(link.address, self.io_timeout)
         link.id = link_id  # set first, so a failed build below is still unlinked at the source
         try:
@@ -424,13 +425,13 @@ class DistPuller:
         group, first_tag = link.group, link.next_tag
         link.next_tag += len(layer_ids)  # tags increase per link, one per layer sent
         sizes = [len(block_ids) * shm_mod.layer_nbytes(shapes[i][0][1:], shapes[i][1]) for i in layer_ids]
-        reply = tcp_mod.request(link.address, {
-            "op": "dist_read", "link": link.id, "region": region, "layers": list(layer_ids),
-            "block_ids": list(block_ids), "tag": first_tag}, self.io_timeout)
-        if not reply.get("ok"):
-            raise TransferError(f"read refused: {reply.get('error')}")
-        if int(reply["nbytes"]) != sum(sizes):
-            raise TransferError(f"peer offers {reply['nbytes']} bytes, expected {sum(sizes)}")
+        read = wire.DistRead(link=link.id, region=region, layers=list(layer_ids), block_ids=list(block_ids),
+                             tag=first_tag)
+        reply = tcp_mod.request(link.address, read, self.io_timeout)
+        if not reply.ok:
+            raise TransferError(f"read refused: {reply.error}")
+        if reply.nbytes != sum(sizes):
+            raise TransferError(f"peer offers {reply.nbytes} bytes, expected {sum(sizes)}")
         received = {}
         for i, layer in enumerate(layer_ids):
             shape, dtype = shapes[layer]
@@ -444,6 +445,6 @@ class DistPuller:
         if link_id is None:
             return
         try:  # the source also drops a link whose send fails or whose group never forms
-            tcp_mod.request(link.address, {"op": "dist_unlink", "link": link_id}, min(self.io_timeout, 2.0))
+            tcp_mod.request(link.address, wire.DistUnlink(link=link_id), min(self.io_timeout, 2.0))
         except TransferError:
             pass

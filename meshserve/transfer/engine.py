@@ -16,15 +16,17 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
+import msgspec
 import torch
 
 from meshserve.transfer import dist as dist_mod
 from meshserve.transfer import shm as shm_mod
 from meshserve.transfer import tcp as tcp_mod
 from meshserve.transfer.shm import ShmKVRegion, dtype_from_str, dtype_to_str
+from meshserve.transfer.wire import MAX_CHUNK_BYTES, RegionDescriptor, RegionLayer, ShmSegment
 
 
 def host_id() -> str:
@@ -46,58 +48,10 @@ def _gpu_id(device: torch.device) -> str | None:
     return str(uuid) if uuid is not None else f"cuda:{index}"
 
 
-class TransferStatus(str, Enum):
+class TransferStatus(StrEnum):
     PENDING = "PENDING"
     DONE = "DONE"
     FAILED = "FAILED"
-
-
-@dataclass(frozen=True)
-class RegionDescriptor:
-    """What another process needs to reach a region; `to_dict()` is msgpack/JSON-safe."""
-
-    engine: str
-    region: str
-    layers: list[dict[str, Any]]  # per layer {"shape": [...], "dtype": "bfloat16"}
-    host_id: str
-    tcp_address: tuple[str, int] | None = None
-    shm: list[dict[str, Any]] | None = None  # per layer {"shm_name", "shape", "dtype"} when in shared memory
-    device: str = "cpu"  # device type of the layer tensors ("cpu", "cuda")
-    device_id: str | None = None  # which GPU holds them (its UUID), to never pair two ranks of one GPU in NCCL
-
-    @property
-    def backends(self) -> list[str]:
-        tcp = self.tcp_address is not None
-        return [b for b, ok in (("shm", self.shm is not None), ("tcp", tcp), ("dist", tcp)) if ok]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "region": self.region,
-            "layers": [dict(layer) for layer in self.layers],
-            "host_id": self.host_id,
-            "tcp_address": list(self.tcp_address) if self.tcp_address else None,
-            "shm": [dict(s) for s in self.shm] if self.shm is not None else None,
-            "device": self.device,
-            "device_id": self.device_id,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RegionDescriptor":
-        try:
-            addr = d.get("tcp_address")
-            return cls(
-                engine=str(d["engine"]),
-                region=str(d["region"]),
-                layers=[{"shape": [int(x) for x in layer["shape"]], "dtype": str(layer["dtype"])} for layer in d["layers"]],
-                host_id=str(d["host_id"]),
-                tcp_address=(str(addr[0]), int(addr[1])) if addr else None,
-                shm=[dict(s) for s in d["shm"]] if d.get("shm") is not None else None,
-                device=str(d.get("device") or "cpu"),  # descriptors from before devices were recorded are CPU
-                device_id=str(d["device_id"]) if d.get("device_id") is not None else None,
-            )
-        except (KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"malformed region descriptor: {e!r}") from e
 
 
 @dataclass(frozen=True)
@@ -166,8 +120,8 @@ class TransferEngine:
     ):
         if not name:
             raise ValueError("TransferEngine needs a non-empty name")
-        if not 0 < chunk_size <= tcp_mod.MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_size must be in (0, {tcp_mod.MAX_CHUNK_BYTES}], got {chunk_size}")
+        if not 0 < chunk_size <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_BYTES}], got {chunk_size}")
         self.name = name
         self.host = host
         self.host_id = host_id()
@@ -186,7 +140,8 @@ class TransferEngine:
         self._closed = False
         self._dist = dist_mod.DistPuller(host, io_timeout)
         # serves "dist" pulls of this engine's regions, through the TCP server (None without one)
-        self.dist_source = dist_mod.DistSource(self._region_tensors, host, io_timeout) if serve_tcp and dist_mod.available() else None
+        self.dist_source = (dist_mod.DistSource(self._region_tensors, host, io_timeout)
+                            if serve_tcp and dist_mod.available() else None)
         self.server = (
             tcp_mod.TcpBlockServer(self._region_tensors, self._describe_all, host=host, io_timeout=io_timeout,
                                    extra_ops=self.dist_source.handlers() if self.dist_source else None)
@@ -231,11 +186,14 @@ class TransferEngine:
             raise ValueError(f"region {region_name!r} needs at least one layer tensor")
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.dim() < 3:
-                raise ValueError(f"layer {i} of region {region_name!r} must be a tensor [num_blocks, block_size, *entry]")
+                raise ValueError(f"layer {i} of region {region_name!r} must be a tensor "
+                                 "[num_blocks, block_size, *entry]")
             if t.shape[0] != tensors[0].shape[0]:
-                raise ValueError(f"layer {i} of region {region_name!r} has {t.shape[0]} blocks, layer 0 has {tensors[0].shape[0]}")
+                raise ValueError(f"layer {i} of region {region_name!r} has {t.shape[0]} blocks, "
+                                 f"layer 0 has {tensors[0].shape[0]}")
             if t.device != tensors[0].device:
-                raise ValueError(f"layer {i} of region {region_name!r} is on {t.device}, layer 0 on {tensors[0].device}")
+                raise ValueError(f"layer {i} of region {region_name!r} is on {t.device}, "
+                                 f"layer 0 on {tensors[0].device}")
         specs = [shm_mod.shm_spec_of(t) for t in tensors]
         with self._lock:
             if region_name in self._regions:
@@ -243,10 +201,11 @@ class TransferEngine:
             desc = RegionDescriptor(
                 engine=self.name,
                 region=region_name,
-                layers=[{"shape": list(t.shape), "dtype": dtype_to_str(t.dtype)} for t in tensors],
+                layers=[RegionLayer(list(t.shape), dtype_to_str(t.dtype)) for t in tensors],
                 host_id=self.host_id,
                 tcp_address=self.tcp_address,
-                shm=[s.to_dict() for s in specs] if all(s is not None for s in specs) else None,
+                shm=[ShmSegment(s.shm_name, list(s.shape), s.dtype) for s in specs]
+                if all(s is not None for s in specs) else None,
                 device=tensors[0].device.type,
                 device_id=_gpu_id(tensors[0].device),
             )
@@ -266,9 +225,9 @@ class TransferEngine:
                 raise KeyError(f"no region {region_name!r} on engine {self.name!r}")
             return self._regions[region_name]
 
-    def _describe_all(self) -> list[dict[str, Any]]:
+    def _describe_all(self) -> list[RegionDescriptor]:
         with self._lock:
-            return [d.to_dict() for d in self._descriptors.values()]
+            return list(self._descriptors.values())
 
     # ------------------------------------------------------------------ peers
     def link(
@@ -296,7 +255,7 @@ class TransferEngine:
             descriptors = [RegionDescriptor.from_dict(descriptor_or_address)]
         else:
             address = _parse_address(descriptor_or_address)
-            descriptors = [RegionDescriptor.from_dict(d) for d in tcp_mod.describe_remote(address, self.io_timeout)]
+            descriptors = tcp_mod.describe_remote(address, self.io_timeout)
         for d in descriptors:
             if d.engine != peer_name:
                 raise ValueError(f"descriptor of region {d.region!r} belongs to engine {d.engine!r}, not {peer_name!r}")
@@ -328,7 +287,7 @@ class TransferEngine:
             self._dist.add(peer_name, descriptors[0].tcp_address, group_backend, local_device)
         for d in descriptors:
             if chosen == "shm" and d.region not in peer.attached:
-                peer.attached[d.region] = shm_mod.attach_shm_kv_cache(d.shm)
+                peer.attached[d.region] = shm_mod.attach_shm_kv_cache(msgspec.to_builtins(d.shm))
             peer.regions[d.region] = d
         return chosen
 
@@ -365,18 +324,21 @@ class TransferEngine:
         if len(src_layers) != len(dst_tensors):
             raise ValueError(f"source has {len(src_layers)} layers, destination {dst.region!r} has {len(dst_tensors)}")
         if len(src.block_ids) != len(dst.block_ids) or not dst.block_ids:
-            raise ValueError(f"need equal, non-empty block id lists; got {len(src.block_ids)} source and {len(dst.block_ids)} destination")
+            raise ValueError(f"need equal, non-empty block id lists; got {len(src.block_ids)} source and "
+                             f"{len(dst.block_ids)} destination")
         if len(set(dst.block_ids)) != len(dst.block_ids):
             raise ValueError(f"destination block ids repeat: {list(dst.block_ids)}")
         layer_ids = list(range(len(dst_tensors))) if layers is None else [int(x) for x in layers]
-        if not layer_ids or len(set(layer_ids)) != len(layer_ids) or any(not 0 <= x < len(dst_tensors) for x in layer_ids):
+        num_layers = len(dst_tensors)
+        if not layer_ids or len(set(layer_ids)) != len(layer_ids) or any(not 0 <= x < num_layers for x in layer_ids):
             raise ValueError(f"layers must be distinct indices in [0, {len(dst_tensors)}), got {layers}")
         for i in layer_ids:
             s_shape, s_dtype = src_layers[i]
             d = dst_tensors[i]
             if tuple(s_shape[1:]) != tuple(d.shape[1:]) or s_dtype != d.dtype:
                 raise ValueError(
-                    f"layer {i}: source blocks {tuple(s_shape[1:])} {s_dtype} do not match destination {tuple(d.shape[1:])} {d.dtype}"
+                    f"layer {i}: source blocks {tuple(s_shape[1:])} {s_dtype} do not match destination "
+                    f"{tuple(d.shape[1:])} {d.dtype}"
                 )
             for ref, n in ((src, s_shape[0]), (dst, d.shape[0])):
                 bad = [b for b in ref.block_ids if not 0 <= b < n]
@@ -400,7 +362,7 @@ class TransferEngine:
         desc = peer.regions.get(src.region)
         if desc is None:
             raise ValueError(f"peer {src.engine!r} has no linked region {src.region!r}")
-        shapes = [(tuple(layer["shape"]), dtype_from_str(layer["dtype"])) for layer in desc.layers]
+        shapes = [(tuple(layer.shape), dtype_from_str(layer.dtype)) for layer in desc.layers]
         if peer.backend == "shm":
             return shapes, self._read_local(peer.attached[src.region].tensors)
         if peer.backend == "dist":
@@ -426,7 +388,8 @@ class TransferEngine:
             buf = tcp_mod.read_blocks(
                 desc.tcp_address, desc.region, layer_ids, list(block_ids), sum(sizes), self.chunk_size, self.io_timeout
             )
-            spans = {layer: (off, size) for layer, off, size in zip(layer_ids, itertools.accumulate([0] + sizes), sizes)}
+            offsets = itertools.accumulate([0] + sizes)
+            spans = {layer: (off, size) for layer, off, size in zip(layer_ids, offsets, sizes)}
 
             def read(layer: int, device: torch.device) -> torch.Tensor:
                 shape, dtype = shapes[layer]
@@ -516,7 +479,7 @@ class TransferEngine:
             region.close()
         self._owned_shm.clear()
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc) -> None:

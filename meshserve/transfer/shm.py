@@ -21,7 +21,7 @@ import torch
 
 # data_ptr of a shm-backed layer tensor -> its segment name, so `TransferEngine.register`
 # can tell that plain tensors it is handed live in shared memory.
-_SEGMENT_OF_PTR: dict[int, "ShmLayerSpec"] = {}
+_SEGMENT_OF_PTR: dict[int, ShmLayerSpec] = {}
 _PTR_LOCK = threading.Lock()
 _TRACKER_PATCH_LOCK = threading.Lock()
 
@@ -80,7 +80,7 @@ class ShmLayerSpec:
         return {"shm_name": self.shm_name, "shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ShmLayerSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ShmLayerSpec:
         return cls(shm_name=str(d["shm_name"]), shape=tuple(int(x) for x in d["shape"]), dtype=str(d["dtype"]))
 
 
@@ -130,7 +130,7 @@ class ShmKVRegion:
                     seg.unlink()
         self._segments = []
 
-    def __enter__(self) -> "ShmKVRegion":
+    def __enter__(self) -> ShmKVRegion:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -147,7 +147,8 @@ def allocate_shm_kv_cache(
 ) -> ShmKVRegion:
     """Zero-filled KV cache, one shm segment per layer shaped [num_blocks, block_size, *entry_shape]."""
     if num_layers <= 0 or num_blocks <= 0 or block_size <= 0:
-        raise ValueError(f"num_layers, num_blocks and block_size must be positive, got {num_layers}, {num_blocks}, {block_size}")
+        raise ValueError("num_layers, num_blocks and block_size must be positive, "
+                         f"got {num_layers}, {num_blocks}, {block_size}")
     if not entry_shape or any(int(d) <= 0 for d in entry_shape):
         raise ValueError(f"entry_shape must be non-empty with positive dims, got {entry_shape}")
     shape = (num_blocks, block_size, *(int(d) for d in entry_shape))

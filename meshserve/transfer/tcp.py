@@ -1,13 +1,15 @@
 """Block reads over TCP: a server thread per engine and a pulling client.
 
 Wire format (all integers big-endian), one request per connection:
-  request : u32 length + JSON {"op": "read", "region", "layers", "block_ids", "chunk_size"}
-            or {"op": "describe"} (the server's region descriptors)
-            or an op its owner added (`extra_ops`); the transfer engine adds the torch.distributed
-            backend's "store", "dist_link", "dist_read" and "dist_unlink" (see `dist.py`)
-  reply   : u32 length + JSON header {"ok": bool, "error"?, "nbytes"?, "regions"?}
-  payload : for a read, chunks of u32 length + u32 zlib.crc32 + bytes, until "nbytes" have come;
+  request : u32 length + a msgpack header, one of `wire.Request`'s kinds: `Read` (blocks of a region),
+            `Describe` (the server's region descriptors), or an op its owner added (`extra_ops`); the
+            transfer engine adds the torch.distributed backend's store calls, `DistLink`, `DistRead` and
+            `DistUnlink` (see `dist.py`)
+  reply   : u32 length + a msgpack header, the request type's `reply` (`ok`, `error`, its own fields)
+  payload : for a read, chunks of u32 length + u32 zlib.crc32 + bytes, until `nbytes` have come;
             each layer's selected blocks are sent in order, a chunk never spans two layers.
+A header that does not decode into its struct is refused (`wire.py`): the server answers with an error and
+closes the connection, the client fails its transfer.
 Every socket has a timeout, so a dead or stalled peer fails the read instead of hanging it.
 Every connection opens with the cluster-secret handshake (`cluster_auth.handshake_server` /
 `handshake_client`, one round trip): a peer that does not hold the secret is logged, counted and
@@ -15,16 +17,17 @@ disconnected before it can send a request; the block data after it costs nothing
 """
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import struct
 import threading
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
 
 import torch
 
+from meshserve.transfer import wire
+from meshserve.transfer.wire import DEFAULT_CHUNK_BYTES
 from meshserve.utils import cluster_auth
 
 logger = logging.getLogger(__name__)
@@ -32,13 +35,11 @@ logger = logging.getLogger(__name__)
 _LEN = struct.Struct("!I")
 _CHUNK = struct.Struct("!II")
 MAX_HEADER_BYTES = 16 << 20
-MAX_CHUNK_BYTES = 64 << 20
-DEFAULT_CHUNK_BYTES = 1 << 20
 
 # (chunk_index, payload) -> payload actually sent; a test hook to corrupt or stall the stream.
 ChunkFaultHook = Callable[[int, bytes], bytes]
-# (connection, request) -> None: serves one request of an added op, replying on the connection itself.
-OpHandler = Callable[[socket.socket, dict[str, Any]], None]
+# (connection, request) -> None: serves one request of its type, replying on the connection itself.
+OpHandler = Callable[[socket.socket, wire.Request], None]
 
 
 class TransferError(RuntimeError):
@@ -60,16 +61,30 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
-def send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj).encode()
+def send_header(sock: socket.socket, header: wire.Header) -> None:
+    data = wire.encode(header)
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_json(sock: socket.socket, what: str) -> dict[str, Any]:
+def refuse(sock: socket.socket, error: str) -> None:
+    send_header(sock, wire.Reply(ok=False, error=error))
+
+
+def recv_frame(sock: socket.socket, what: str) -> bytes:
+    """One length-prefixed header, still encoded."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, what))
     if n > MAX_HEADER_BYTES:
         raise TransferError(f"{what} of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
-    return json.loads(_recv_exact(sock, n, what))
+    return _recv_exact(sock, n, what)
+
+
+def recv_reply(sock: socket.socket, request: type[wire.Request], where: str) -> wire.Reply:
+    """The reply to a request of type `request`; TransferError if the peer's header is malformed."""
+    data = recv_frame(sock, f"{wire.op_of(request)} reply")
+    try:
+        return wire.decode_reply(data, request)
+    except wire.HeaderError as e:
+        raise TransferError(f"peer {where} sent a {e}") from e
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
@@ -82,21 +97,22 @@ class TcpBlockServer:
 
     `regions(name)` returns the layer tensors of a region (KeyError if unknown);
     `describe()` returns the region descriptors a peer may link to;
-    `extra_ops` maps further op names to their handlers.
+    `extra_ops` maps further request types to their handlers.
     """
 
     def __init__(
         self,
         regions: Callable[[str], list[torch.Tensor]],
-        describe: Callable[[], list[dict[str, Any]]],
+        describe: Callable[[], list[wire.RegionDescriptor]],
         host: str = "127.0.0.1",
         port: int = 0,
         io_timeout: float = 10.0,
-        extra_ops: dict[str, OpHandler] | None = None,
+        extra_ops: dict[type[wire.Request], OpHandler] | None = None,
     ):
         self._regions = regions
         self._describe = describe
-        self._extra_ops = dict(extra_ops or {})
+        self._handlers: dict[type[wire.Request], OpHandler] = {
+            wire.Describe: self._serve_describe, wire.Read: self._serve_read, **(extra_ops or {})}
         self._secret = cluster_auth.cluster_secret()  # read once: a bad secret fails the engine's start
         self.io_timeout = io_timeout
         self.fault_hook: ChunkFaultHook | None = None
@@ -106,14 +122,15 @@ class TcpBlockServer:
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-block-server:{self.address[1]}", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-block-server:{self.address[1]}",
+                                        daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 break
@@ -126,16 +143,7 @@ class TcpBlockServer:
         try:
             if not cluster_auth.handshake_server(conn, self._secret):
                 return
-            request = recv_json(conn, "request")
-            op = request.get("op")
-            if op == "describe":
-                send_json(conn, {"ok": True, "regions": self._describe()})
-            elif op == "read":
-                self._serve_read(conn, request)
-            elif op in self._extra_ops:
-                self._extra_ops[op](conn, request)
-            else:
-                send_json(conn, {"ok": False, "error": f"unknown op {op!r}"})
+            self._dispatch(conn, recv_frame(conn, "request"))
         except (OSError, TransferError, ValueError):
             pass  # the client sees the broken connection and fails its transfer
         except Exception as exc:  # noqa: BLE001 - a malformed request ends its connection, not the server
@@ -145,20 +153,33 @@ class TcpBlockServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _serve_read(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _dispatch(self, conn: socket.socket, data: bytes) -> None:
+        try:
+            request = wire.decode_request(data)
+        except wire.HeaderError as e:  # a peer holding the secret sent a header this version does not take
+            logger.warning("refused a transfer request from %s: %s", _peer_name(conn), e)
+            refuse(conn, str(e))
+            return
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            refuse(conn, f"op {wire.op_of(type(request))!r} is not served here")
+            return
+        handler(conn, request)
+
+    def _serve_describe(self, conn: socket.socket, request: wire.Describe) -> None:
+        send_header(conn, wire.DescribeReply(regions=self._describe()))
+
+    def _serve_read(self, conn: socket.socket, request: wire.Read) -> None:
         try:
             layers_data = self._select(request)
-            chunk_size = int(request.get("chunk_size", DEFAULT_CHUNK_BYTES))
-            if not 0 < chunk_size <= MAX_CHUNK_BYTES:
-                raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_BYTES}], got {chunk_size}")
         except (KeyError, ValueError, IndexError, TypeError) as e:
-            send_json(conn, {"ok": False, "error": str(e.args[0]) if e.args else repr(e)})
+            refuse(conn, str(e.args[0]) if e.args else repr(e))
             return
-        send_json(conn, {"ok": True, "nbytes": sum(len(v) for v in layers_data)})
+        send_header(conn, wire.ReadReply(nbytes=sum(len(v) for v in layers_data)))
         chunk_index = 0
         for view in layers_data:
-            for off in range(0, len(view), chunk_size):
-                payload = view[off : off + chunk_size]
+            for off in range(0, len(view), request.chunk_size):
+                payload = view[off : off + request.chunk_size]
                 header = _CHUNK.pack(len(payload), zlib.crc32(payload))
                 hook = self.fault_hook
                 if hook is not None:
@@ -167,7 +188,7 @@ class TcpBlockServer:
                 conn.sendall(payload)
                 chunk_index += 1
 
-    def _select(self, request: dict[str, Any]) -> list[memoryview]:
+    def _select(self, request: wire.Read) -> list[memoryview]:
         return [_as_bytes_view(blocks) for blocks in select_blocks(self._regions, request)]
 
     def stop(self) -> None:
@@ -183,25 +204,32 @@ class TcpBlockServer:
                 pass
 
 
-def select_blocks(regions: Callable[[str], list[torch.Tensor]], request: dict[str, Any]) -> list[torch.Tensor]:
-    """Per requested layer, the requested blocks of `request["region"]` (a copy, on the region's device).
+def select_blocks(regions: Callable[[str], list[torch.Tensor]],
+                  request: wire.Read | wire.DistRead) -> list[torch.Tensor]:
+    """Per requested layer, the requested blocks of `request.region` (a copy, on the region's device).
 
-    Raises KeyError, IndexError, ValueError or TypeError on a bad region, layer or block id.
+    Raises KeyError or IndexError on an unknown region or a layer or block id out of range.
     """
-    tensors = regions(str(request["region"]))
-    block_ids = [int(b) for b in request["block_ids"]]
-    layers = [int(layer) for layer in request["layers"]]
+    tensors = regions(request.region)
     out = []
-    for layer in layers:
+    for layer in request.layers:
         if not 0 <= layer < len(tensors):
-            raise IndexError(f"layer {layer} out of range for region {request['region']!r} with {len(tensors)} layers")
+            raise IndexError(f"layer {layer} out of range for region {request.region!r} with {len(tensors)} layers")
         t = tensors[layer]
-        bad = [b for b in block_ids if not 0 <= b < t.shape[0]]
+        bad = [b for b in request.block_ids if not 0 <= b < t.shape[0]]
         if bad:
-            raise IndexError(f"block ids {bad} out of range for region {request['region']!r} with {t.shape[0]} blocks")
-        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            raise IndexError(f"block ids {bad} out of range for region {request.region!r} with {t.shape[0]} blocks")
+        index = torch.tensor(request.block_ids, dtype=torch.long, device=t.device)
         out.append(t.index_select(0, index))
     return out
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "a closed connection"
+    return f"{host}:{port}"
 
 
 def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
@@ -218,24 +246,25 @@ def _connect(address: tuple[str, int], timeout: float) -> socket.socket:
     return sock
 
 
-def request(address: tuple[str, int], message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-    """One request and its JSON reply (not checked for "ok"); TransferError if the exchange fails."""
+def request(address: tuple[str, int], message: wire.Request, timeout: float = 10.0) -> wire.Reply:
+    """One request and its reply (`type(message).reply`, not checked for `ok`); TransferError if the exchange
+    fails or the reply is malformed."""
     with _connect(address, timeout) as sock:
         try:
-            send_json(sock, message)
-            return recv_json(sock, f"{message.get('op')} reply")
-        except socket.timeout as e:
+            send_header(sock, message)
+            return recv_reply(sock, type(message), f"{address[0]}:{address[1]}")
+        except TimeoutError as e:
             raise TransferError(f"timed out after {timeout}s waiting for {address[0]}:{address[1]}") from e
         except OSError as e:
             raise TransferError(f"connection to {address[0]}:{address[1]} failed: {e}") from e
 
 
-def describe_remote(address: tuple[str, int], timeout: float = 10.0) -> list[dict[str, Any]]:
+def describe_remote(address: tuple[str, int], timeout: float = 10.0) -> list[wire.RegionDescriptor]:
     """The region descriptors a remote engine's server publishes."""
-    reply = request(address, {"op": "describe"}, timeout)
-    if not reply.get("ok"):
-        raise TransferError(f"peer refused describe: {reply.get('error')}")
-    return reply["regions"]
+    reply = request(address, wire.Describe(), timeout)
+    if not reply.ok:
+        raise TransferError(f"peer refused describe: {reply.error}")
+    return reply.regions
 
 
 def read_blocks(
@@ -251,15 +280,12 @@ def read_blocks(
     where = f"{address[0]}:{address[1]}"
     with _connect(address, timeout) as sock:
         try:
-            send_json(
-                sock,
-                {"op": "read", "region": region, "layers": layers, "block_ids": block_ids, "chunk_size": chunk_size},
-            )
-            reply = recv_json(sock, "read reply")
-            if not reply.get("ok"):
-                raise TransferError(f"peer {where} refused read of region {region!r}: {reply.get('error')}")
-            if int(reply["nbytes"]) != expected_nbytes:
-                raise TransferError(f"peer {where} offers {reply['nbytes']} bytes, expected {expected_nbytes}")
+            send_header(sock, wire.Read(region=region, layers=layers, block_ids=block_ids, chunk_size=chunk_size))
+            reply = recv_reply(sock, wire.Read, where)
+            if not reply.ok:
+                raise TransferError(f"peer {where} refused read of region {region!r}: {reply.error}")
+            if reply.nbytes != expected_nbytes:
+                raise TransferError(f"peer {where} offers {reply.nbytes} bytes, expected {expected_nbytes}")
             buf = bytearray(expected_nbytes)
             view = memoryview(buf)
             got = 0
@@ -267,14 +293,16 @@ def read_blocks(
             while got < expected_nbytes:
                 length, crc = _CHUNK.unpack(_recv_exact(sock, _CHUNK.size, f"chunk {chunk_index} header"))
                 if length == 0 or length > expected_nbytes - got:
-                    raise TransferError(f"chunk {chunk_index} from {where} has bad length {length} ({got} of {expected_nbytes} bytes received)")
+                    raise TransferError(f"chunk {chunk_index} from {where} has bad length {length} "
+                                        f"({got} of {expected_nbytes} bytes received)")
                 part = view[got : got + length]
                 _recv_exact_into(sock, part, f"chunk {chunk_index}")
                 if zlib.crc32(part) != crc:
-                    raise TransferError(f"checksum mismatch in chunk {chunk_index} from {where} (bytes {got}..{got + length})")
+                    raise TransferError(f"checksum mismatch in chunk {chunk_index} from {where} "
+                                        f"(bytes {got}..{got + length})")
                 got += length
                 chunk_index += 1
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise TransferError(f"timed out after {timeout}s reading from {where}") from e
         except OSError as e:
             raise TransferError(f"connection to {where} failed: {e}") from e

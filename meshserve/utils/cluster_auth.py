@@ -19,7 +19,7 @@ The transfer engine's raw TCP connections open with a mutual challenge-response 
 `handshake_client`); block data after it costs nothing extra. ipc:// and inproc:// sockets are not
 authenticated: they are reachable only through the filesystem (a private directory) or the process.
 
-Nothing of meshserve is imported here, so any process can use it first.
+Nothing of meshserve beyond `meshserve.utils` is imported here, so any process can use it first.
 """
 from __future__ import annotations
 
@@ -41,11 +41,13 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
+from meshserve.utils import envs
+
 logger = logging.getLogger(__name__)
 
-ENV_SECRET = "MESHSERVE_CLUSTER_SECRET"
-ENV_SECRET_FILE = "MESHSERVE_CLUSTER_SECRET_FILE"
-ENV_CACHE = "MESHSERVE_CACHE"
+ENV_SECRET = envs.MESHSERVE_CLUSTER_SECRET.name
+ENV_SECRET_FILE = envs.MESHSERVE_CLUSTER_SECRET_FILE.name
+ENV_CACHE = envs.MESHSERVE_CACHE.name
 SECRET_FILE_NAME = "cluster_secret"
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
@@ -75,14 +77,12 @@ stats = AuthStats()
 # ---------------------------------------------------------------------------------------------- the secret
 def default_secret_path() -> Path:
     """`$MESHSERVE_CACHE/cluster_secret`, else `~/.cache/meshserve/cluster_secret`."""
-    cache = os.environ.get(ENV_CACHE)
-    root = Path(cache).expanduser() if cache else Path.home() / ".cache" / "meshserve"
-    return root / SECRET_FILE_NAME
+    return envs.cache_dir() / SECRET_FILE_NAME
 
 
 def cluster_secret() -> bytes:
     """This process's cluster secret (see the module doc for where it comes from)."""
-    return _secret_of(os.environ.get(ENV_SECRET), os.environ.get(ENV_SECRET_FILE), str(default_secret_path()))
+    return _secret_of(envs.cluster_secret(), envs.cluster_secret_file(), str(default_secret_path()))
 
 
 def use_secret_file(path: str) -> None:

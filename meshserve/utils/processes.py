@@ -1,26 +1,45 @@
-"""Starting and stopping the engine's processes.
+"""Starting and stopping meshserve's processes, and the table of their entry points.
 
-Each is a fresh interpreter running `python -m <module>` with its arguments in
-one JSON blob, so nothing depends on the caller's `__main__` (no multiprocessing
-re-import) and the same command line starts a process on another host.
+Each process is a fresh interpreter running `python -m meshserve.utils.processes MODULE:FUNCTION '<json>'`:
+the function is called with the JSON object as keyword arguments. Nothing depends on the caller's
+`__main__` (no multiprocessing re-import), the same command line starts a process on another host, and
+`ps` names the code a process runs. Entry points are named in one table, so a moved file fails the
+entry-point test, not a start-up; this module imports nothing of meshserve (the table holds strings).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
+# name -> "module:function"; the function takes the JSON-able keyword arguments `launch` was given
+PROCESS_ENTRY_POINTS: dict[str, str] = {
+    "master": "meshserve.core.master:run_master",  # one engine's master (scheduler, KV cache manager)
+    "worker": "meshserve.worker.worker:run_worker",  # one rank of an engine, started by its master
+    "te": "meshserve.entrypoints.te_server:run_te",  # an engine that registers with routers (`meshserve te`)
+    "frontend": "meshserve.entrypoints.openai.frontend:run_frontend",  # a further HTTP server + router
+    "pool-controller": "meshserve.pool.controller:run_controller_process",  # the memory pool's controller
+    "pool-server": "meshserve.pool.server:run_server",  # one memory pool server
+}
+_RUNNER = "meshserve.utils.processes"  # this module, run as `python -m`
 
-def launch_module(module: str, **kwargs: Any) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, json.dumps(kwargs)], stdin=subprocess.DEVNULL)
+
+def launch(name: str, **kwargs: Any) -> subprocess.Popen:
+    """Start the process `name` of PROCESS_ENTRY_POINTS with `kwargs` (JSON-able) as its arguments."""
+    target = PROCESS_ENTRY_POINTS[name]
+    return subprocess.Popen([sys.executable, "-m", _RUNNER, target, json.dumps(kwargs)], stdin=subprocess.DEVNULL)
 
 
-def module_arguments(argv: list[str]) -> dict[str, Any]:
-    if len(argv) != 2:
-        raise SystemExit(f"usage: python -m {argv[0]} '<json arguments>'")
-    return json.loads(argv[1])
+def entry_point(target: str) -> Callable[..., Any]:
+    """The function a "module:function" entry of PROCESS_ENTRY_POINTS names (importing its module)."""
+    if target not in PROCESS_ENTRY_POINTS.values():
+        raise SystemExit(f"not a meshserve entry point: {target!r}")
+    module_name, function_name = target.split(":")
+    return getattr(importlib.import_module(module_name), function_name)
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
@@ -38,7 +57,18 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on `host` now (for the executors' torch.distributed rendezvous)."""
+    """A port that is free on `host` now (for the workers' torch.distributed rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def main(argv: list[str]) -> None:
+    """`python -m meshserve.utils.processes MODULE:FUNCTION '<json arguments>'` (what `launch` runs)."""
+    if len(argv) != 3:
+        raise SystemExit("usage: python -m meshserve.utils.processes MODULE:FUNCTION '<json arguments>'")
+    entry_point(argv[1])(**json.loads(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -5,8 +5,9 @@ import json
 import math
 import os
 import platform
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 DEFAULT_PERCENTILES = (50, 90, 99)
 
@@ -46,7 +47,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lower] + (ordered[upper] - ordered[lower]) * weight
 
 
-def summarize(values: Iterable[float], percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, float | int | None]:
+def summarize(values: Iterable[float],
+              percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, float | int | None]:
     """count, mean, min, max and the given percentiles (keys like "p50"); None fields for an empty sample."""
     sample = [float(v) for v in values]
     summary: dict[str, float | int | None] = {"count": len(sample)}
@@ -69,7 +71,7 @@ def median(values: Sequence[float]) -> float:
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    import torch
+    import torch  # here, not at the top: importing report (the router's heatmap does) must not load torch
 
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
@@ -80,6 +82,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
     }
     try:
+        # start-up: psutil only when machine info is asked for
         import psutil
 
         info["physical_cores"] = psutil.cpu_count(logical=False)
@@ -93,10 +96,10 @@ def machine_info() -> dict[str, Any]:
 
 def new_figure(ncols: int = 1, nrows: int = 1, width_per_panel: float = 5.5, height: float = 4.0):
     """A matplotlib figure drawn off-screen (Agg), so benchmarks run without a display."""
-    import matplotlib
+    import matplotlib  # only when drawing: matplotlib costs start-up time in every process that imports report
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     fig, axes = plt.subplots(nrows, ncols, figsize=(width_per_panel * ncols, height * nrows), squeeze=False)
     return fig, axes
@@ -104,6 +107,7 @@ def new_figure(ncols: int = 1, nrows: int = 1, width_per_panel: float = 5.5, hei
 
 def save_figure(fig, path: str | Path) -> Path:
     """Save a figure as PNG (creating parent directories) and release it."""
+    # start-up: matplotlib only when drawing
     import matplotlib.pyplot as plt
 
     path = Path(path)

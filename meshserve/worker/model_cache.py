@@ -32,17 +32,23 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import msgpack
 import torch
+from safetensors import safe_open
 
-from meshserve.utils.checkpoint_files import (  # noqa: F401 (model_version is part of this module's API)
-    INDEX_FILE, MARKER_FILE, model_version, read_safetensors_header, safetensors_files)
 from meshserve.layers.tensor_parallel import Shard
 from meshserve.models.loader import WeightsReader, iter_safetensors
 from meshserve.pool.sdk import PoolClient
+from meshserve.utils.checkpoint_files import (  # noqa: F401 (model_version is part of this module's API)
+    INDEX_FILE,
+    MARKER_FILE,
+    model_version,
+    read_safetensors_header,
+    safetensors_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +135,8 @@ def chunk_key(model_id: str, version: str, tensor: str, index: int) -> str:
 
 def value_keys(manifest: Manifest) -> list[str]:
     """Every pool key of a model: its chunks, then its manifest."""
-    keys = [chunk_key(manifest.model_id, manifest.version, t.name, i) for t in manifest.tensors for i in range(t.chunks)]
+    keys = [chunk_key(manifest.model_id, manifest.version, t.name, i)
+            for t in manifest.tensors for i in range(t.chunks)]
     return keys + [manifest_key(manifest.model_id, manifest.version)]
 
 
@@ -214,9 +221,10 @@ def put_model(pool: PoolClient, model_dir: str | Path, model_id: str | None = No
     model_id = model_id or default_model_id(model_dir)
     version = model_version(model_dir)
     layout = _tensor_layout(model_dir)
-    tensors = [TensorInfo(name, entry["dtype"], list(entry["shape"]), entry["data_offsets"][1] - entry["data_offsets"][0],
-                          -(-(entry["data_offsets"][1] - entry["data_offsets"][0]) // chunk_bytes))
-               for _, _, name, entry in layout]
+    tensors = []
+    for _, _, name, entry in layout:
+        nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
+        tensors.append(TensorInfo(name, entry["dtype"], list(entry["shape"]), nbytes, -(-nbytes // chunk_bytes)))
     manifest = Manifest(model_id, version, chunk_bytes, tensors, _small_files(model_dir))
     ref = model_ref(model_id, version)
 
@@ -259,7 +267,8 @@ def put_model(pool: PoolClient, model_dir: str | Path, model_id: str | None = No
     if batch:
         flush()
     # The manifest goes last: a reader that finds it knows every chunk was stored.
-    if not pool.put(NAMESPACE, {manifest_key(model_id, version): manifest.encode()}).get(manifest_key(model_id, version)):
+    key = manifest_key(model_id, version)
+    if not pool.put(NAMESPACE, {key: manifest.encode()}).get(key):
         evict_values(pool, manifest)
         raise ModelCacheError(f"the pool refused the manifest of {ref}; nothing of it was kept")
     now = time.time()
@@ -336,8 +345,8 @@ def prefetch_model(pool: PoolClient, model_id: str, version: str | None = None) 
 def fetch_model_files(pool: PoolClient, model_id: str, out_dir: str | Path, version: str | None = None) -> Path:
     """Write a pooled model's small files (config.json, tokenizer, ...) and a marker into `out_dir`.
 
-    `load_model(out_dir, read_weights=pool_weights(pool, out_dir))` then loads the weights from the pool alone (without a disk
-    copy to fall back on, a missing tensor fails the load).
+    `load_model(out_dir, read_weights=pool_weights(pool, out_dir))` then loads the weights from the pool alone
+    (without a disk copy to fall back on, a missing tensor fails the load).
     """
     version = resolve_version(pool, model_id, version)
     manifest = fetch_manifest(pool, model_id, version) if version else None
@@ -488,8 +497,6 @@ class _DiskFallback:
         self._open: dict[Path, object] = {}
 
     def read(self, name: str, shard: Shard | None) -> torch.Tensor:
-        from safetensors import safe_open
-
         self.count += 1
         if self._where is None:
             try:

@@ -15,23 +15,43 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from meshserve.config import EngineConfig
-from meshserve.core.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, StepBatch
-from meshserve.worker.pool_fetch import RankPoolFetches, write_block_into
-from meshserve.worker.sampler import (FAILED_TOKEN, Sampler, SamplerOutput, SamplingRow, describe_error,
-                                      is_process_fault, make_generator)
+from meshserve.core.messages import (
+    EplbCommand,
+    EplbPhase,
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVRegion,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    StepBatch,
+    WorkerEventKind,
+)
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
-from meshserve.worker.model_cache import pool_weights
-from meshserve.moe.placement import load_placement_file
+from meshserve.moe.placement import ExpertPlacement, load_placement_file
 from meshserve.parallel.context import ParallelContext
-from meshserve.pool.context_keys import rank_key
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.worker.kv_connector.base import KVConnectorWorker
+from meshserve.worker.kv_connector.pool import PoolConnectorWorker
+from meshserve.worker.model_cache import pool_weights
+from meshserve.worker.sampler import (
+    FAILED_TOKEN,
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    describe_error,
+    is_process_fault,
+    make_generator,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,59 +83,65 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None) -> None:
         self.config = config
         self.parallel = parallel or ParallelContext.single()
-        self.device = torch.device(config.device)
+        self.device = torch.device(config.model_config.device)
         if self.device.type == "cuda" and self.device.index is None and self.parallel.world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.hf_config = load_hf_config(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.hf_config = load_hf_config(config.model_config.model)
+        self.dtype = resolve_dtype(config.model_config.dtype, self.hf_config)
         self.pool = None  # this rank's client of the memory pool: model weights and context (KV) caching
-        if config.pool_controller:
+        if config.pool_config.pool_controller:
             from meshserve.pool.sdk import PoolClient
 
             # a generous timeout: background block stores must survive a busy host (a dead server
             # still fails fast after its first timeout)
-            self.pool = PoolClient(config.pool_controller, timeout_s=5.0, name=f"executor-{self.parallel.rank}")
+            self.pool = PoolClient(config.pool_config.pool_controller, timeout_s=5.0,
+                                   name=f"worker-{self.parallel.rank}")
         t0 = time.perf_counter()
         # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
-                                read_weights=(pool_weights(self.pool, config.model)
-                                              if self.pool is not None and config.pool_load_weights else None))
-        logger.info("loaded %s in %.1fs", config.model, time.perf_counter() - t0)
+        from_pool = self.pool is not None and config.pool_config.pool_load_weights
+        self.model = load_model(config.model_config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
+                                read_weights=pool_weights(self.pool, config.model_config.model) if from_pool else None)
+        logger.info("loaded %s in %.1fs", config.model_config.model, time.perf_counter() - t0)
         self.layout = self.model.kv_cache_layout(self.dtype)
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
+        cache = config.cache_config
+        if cache.num_kv_blocks is not None:
+            self.num_blocks = cache.num_kv_blocks
         else:
-            self.num_blocks = kv_blocks_for_budget(
-                self.layout.bytes_per_token, config.block_size, config.kv_cache_memory_gb * 2**30)
-        self.block_size = config.block_size
-        self.kv_transfer = None  # disaggregated prefill/decode: this rank's KV cache as a transfer region
-        if config.kv_transfer != "none":
-            from meshserve.worker.kv_transfer import RankKVTransfer
+            self.num_blocks = kv_blocks_for_budget(self.layout.bytes_per_token, cache.block_size,
+                                                   cache.kv_cache_memory_gb * 2**30)
+        self.block_size = cache.block_size
+        # KV connectors' worker halves: P/D transfer (its region is the KV cache), the memory pool
+        self.kv_connectors: list[KVConnectorWorker] = []
+        self.pd_connector = None  # disaggregated prefill/decode: this rank's KV cache as a transfer region
+        if config.kv_transfer_config.kv_transfer != "none":
+            # imported here: only P/D TEs start a transfer engine
+            from meshserve.worker.kv_connector.pd import PDConnectorWorker
 
-            self.kv_transfer = RankKVTransfer(
-                f"{config.te_name}/rank{self.parallel.rank}", config.master_addr, config.kv_transfer_backend,
+            self.pd_connector = PDConnectorWorker(
+                f"{config.te_name}/rank{self.parallel.rank}", config.parallel_config.master_addr,
+                config.kv_transfer_config.kv_transfer_backend,
                 self.layout.num_layers, self.num_blocks, self.block_size, self.layout.entry_shape, self.dtype,
-                self.device)
-            self.kv_caches = self.kv_transfer.kv_caches
+                self.device, self.parallel.attn_tp_rank)
+            self.kv_connectors.append(self.pd_connector)
+            self.kv_caches = self.pd_connector.kv_caches
         else:
             self.kv_caches = self.layout.allocate(self.num_blocks, self.block_size, self.device)
-        # context caching: pool blocks populate the KV cache in the background
-        self.pool_fetches = RankPoolFetches(
-            self.pool, config.pool_namespace, self.parallel.attn_tp_rank, self.parallel.attn_tp_size,
-            self._block_nbytes(), write_block_into(self.kv_caches, self.block_size, self.layout.entry_shape,
-                                                   self.layout.dtype))
+        # context caching: blocks go to the pool and populate the KV cache from it in the background
+        self.kv_connectors.append(PoolConnectorWorker(
+            self.pool, config.pool_config.pool_namespace, self.parallel.attn_tp_rank, self.parallel.attn_tp_size,
+            self.kv_caches))
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token)
-        self.eos_token_ids = eos_token_ids(config.model)
+        self.eos_token_ids = eos_token_ids(config.model_config.model)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         # requests that failed on this rank; steps skip them until the master says to drop them
         self.failed_ids: set[str] = set()
         self.expert_balancer = getattr(self.model, "expert_balancer", None)
-        if config.eplb_placement:
-            self._apply_initial_placement(config.eplb_placement)
+        if config.eplb_config.eplb_placement:
+            self._apply_initial_placement(config.eplb_config.eplb_placement)
         # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
         self._eplb_phase: str | None = None
 
@@ -137,63 +163,70 @@ class ModelRunner:
     def num_logical_experts(self) -> int:
         return self.expert_balancer.shape.num_logical if self.expert_balancer is not None else 0
 
-    def apply_control(self, control: dict) -> None:
-        """Between-step commands; every rank applies them at the same step boundary."""
-        stores = control.get("pool_store", {}).get(self.parallel.dp_rank)
-        if stores:
-            self._store_blocks(stores)
-        for order in control.get("pool_fetch", {}).get(self.parallel.dp_rank, ()):
-            self.pool_fetches.start(order)
-        pulls = control.get("kv_pull", {}).get(self.parallel.dp_rank)
-        if pulls:
-            if self.kv_transfer is None:
-                raise RuntimeError("KV pull ordered on a TE that is not a decode TE")
-            for order in pulls:
-                self.kv_transfer.start_pull(order, order["sources"][self.parallel.attn_tp_rank])
-        eplb = control.get("eplb")
-        if eplb is None:
+    def start_kv_connectors(self, metadata: dict[int, KVConnectorMetadata]) -> None:
+        """This DP group's remote-KV work (pool stores and fetches, KV pulls); every rank of the group
+        starts it at the same step boundary, before the step's forward can overwrite a stored block."""
+        meta = metadata.get(self.parallel.dp_rank)
+        if meta is None:
             return
-        balancer = self.expert_balancer
-        if balancer is None:
-            raise RuntimeError("expert placement command for a model without MoE layers")
-        phase = eplb["phase"]
-        if phase == "prefetch":
-            from meshserve.moe.placement import ExpertPlacement
+        if meta.kv_pulls and self.pd_connector is None:
+            raise RuntimeError("KV pull ordered on a TE that is not a decode TE")
+        for connector in self.kv_connectors:
+            connector.start_load_kv(meta)
 
-            balancer.start_prefetch(ExpertPlacement.from_dict(eplb["placement"]))
-            self._eplb_phase = "prefetching"
-        elif phase == "disable_and_load":
-            balancer.disable_changing_slots()
-            balancer.start_load()
-            self._eplb_phase = "loading"
-        elif phase == "enable":
-            balancer.enable()
-            self._eplb_phase = None
-        elif phase == "abort":  # some rank failed a phase: all drop it at this same step boundary
-            balancer.abort()
-            self._eplb_phase = None
-        else:
-            raise RuntimeError(f"unknown expert placement phase {phase!r}")
+    def take_kv_connector_report(self) -> KVConnectorReport | None:
+        """What the KV connectors finished since the last call; None: nothing."""
+        report = KVConnectorReport(rank=self.parallel.rank, dp_rank=self.parallel.dp_rank)
+        for connector in self.kv_connectors:
+            connector.get_finished(report)
+        return None if report.is_empty else report
+
+    def apply_eplb(self, command: EplbCommand) -> None:
+        """One phase of an expert-placement reconfiguration; every rank applies it at the same step boundary."""
+        if self.expert_balancer is None:
+            raise RuntimeError("expert placement command for a model without MoE layers")
+        self._EPLB_PHASES[command.phase](self, self.expert_balancer, command)
+
+    def _eplb_prefetch(self, balancer, command: EplbCommand) -> None:
+        balancer.start_prefetch(ExpertPlacement.from_dict(command.placement.to_dict()))
+        self._eplb_phase = "prefetching"
+
+    def _eplb_disable_and_load(self, balancer, command: EplbCommand) -> None:
+        balancer.disable_changing_slots()
+        balancer.start_load()
+        self._eplb_phase = "loading"
+
+    def _eplb_enable(self, balancer, command: EplbCommand) -> None:
+        balancer.enable()
+        self._eplb_phase = None
+
+    def _eplb_abort(self, balancer, command: EplbCommand) -> None:
+        """Some rank failed a phase: all drop it at this same step boundary."""
+        balancer.abort()
+        self._eplb_phase = None
+
+    _EPLB_PHASES: ClassVar[dict[EplbPhase, Callable]] = {
+        EplbPhase.PREFETCH: _eplb_prefetch, EplbPhase.DISABLE_AND_LOAD: _eplb_disable_and_load,
+        EplbPhase.ENABLE: _eplb_enable, EplbPhase.ABORT: _eplb_abort}
 
     @property
     def background_busy(self) -> bool:
-        return (self._eplb_phase in ("prefetching", "loading") or self.pool_fetches.busy
-                or (self.kv_transfer is not None and self.kv_transfer.busy))
+        return (self._eplb_phase in ("prefetching", "loading")
+                or any(connector.busy for connector in self.kv_connectors))
 
     @property
-    def kv_region(self) -> dict | None:
-        return self.kv_transfer.descriptor if self.kv_transfer is not None else None
+    def kv_region(self) -> KVRegion | None:
+        return self.pd_connector.region if self.pd_connector is not None else None
 
     def close(self) -> None:
-        if self.kv_transfer is not None:
-            self.kv_transfer.close()  # unlinks the shared-memory KV cache
+        for connector in self.kv_connectors:
+            connector.close()  # the P/D one unlinks the shared-memory KV cache
 
     def poll_background(self) -> list[tuple[str, str]]:
-        """(kind, detail) of background work that finished since the last call."""
-        events = self.kv_transfer.poll() if self.kv_transfer is not None else []
-        return events + self.pool_fetches.poll() + self._poll_eplb()
+        """(kind, detail) of background work that finished since the last call (KV connectors aside)."""
+        return self._poll_eplb()
 
-    def _poll_eplb(self) -> list[tuple[str, str]]:
+    def _poll_eplb(self) -> list[tuple[WorkerEventKind, str]]:
         if self._eplb_phase not in ("prefetching", "loading"):
             return []
         balancer = self.expert_balancer
@@ -201,12 +234,12 @@ class ModelRunner:
             done = balancer.prefetch_done() if self._eplb_phase == "prefetching" else balancer.load_done()
         except Exception as exc:  # reported to the master, which stops the reconfiguration on every rank
             self._eplb_phase = None
-            return [("eplb_failed", f"{type(exc).__name__}: {exc}")]
+            return [(WorkerEventKind.EPLB_FAILED, f"{type(exc).__name__}: {exc}")]
         if not done:
             return []
-        kind = "eplb_prefetched" if self._eplb_phase == "prefetching" else "eplb_loaded"
-        self._eplb_phase = "loaded" if kind == "eplb_loaded" else "prefetched"
-        return [(kind, "")]
+        prefetched = self._eplb_phase == "prefetching"
+        self._eplb_phase = "prefetched" if prefetched else "loaded"
+        return [(WorkerEventKind.EPLB_PREFETCHED if prefetched else WorkerEventKind.EPLB_LOADED, "")]
 
     def take_expert_load(self) -> list[list[int]] | None:
         return self.expert_balancer.take_counts() if self.expert_balancer is not None else None
@@ -216,7 +249,8 @@ class ModelRunner:
         if new.token_ids and (min(new.token_ids) < 0 or max(new.token_ids) >= self.vocab_size):
             bad = next(t for t in new.token_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        params = SamplingParams.from_dict(new.sampling_params)
+        params = new.sampling_params
+        params.validate()  # decoding checked them; a caller in this process may have changed them since
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, self.device)  # on the logits' device, as the sampler needs
@@ -262,11 +296,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def run_batch(self, batch: StepBatch) -> ModelRunnerOutput | None:
         """Apply the batch's control, run this rank's DP group's part; the output the driver reports."""
-        self.apply_control(batch.control)
+        self.start_kv_connectors(batch.kv_connector)
+        if batch.eplb is not None:
+            self.apply_eplb(batch.eplb)
         if not batch.per_dp:  # control only
             return None
         out = self.execute(batch.per_dp[self.parallel.dp_rank])
-        if batch.control.get("report_load"):
+        if batch.report_load:
             out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
         if not self.parallel.is_driver:
             return None
@@ -356,21 +392,6 @@ class ModelRunner:
         self.requests.pop(req_id, None)
         self.failed_ids.add(req_id)
         out.failed[req_id] = error
-
-    # ------------------------------------------------------------------ context caching (memory pool)
-    def _block_nbytes(self) -> int:
-        return self.layout.bytes_per_token * self.block_size
-
-    def _store_blocks(self, stores: list) -> None:
-        """Copy full blocks to the pool (the bytes are taken now; sending runs in the background)."""
-        if self.pool is None:
-            return
-        values = {}
-        for block_id, key in stores:
-            block = torch.stack([kv[block_id] for kv in self.kv_caches]).cpu().contiguous()
-            values[rank_key(key, self.parallel.attn_tp_rank, self.parallel.attn_tp_size)] = \
-                block.view(torch.uint8).numpy().tobytes()
-        self.pool.put_async(self.config.pool_namespace, values)
 
     def _idle_forward(self) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshserve.core.messages import SampleLogprobs
 from meshserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far
-    # per-request RNG seeded from params.seed; the executor keeps it across steps
+    # per-request RNG seeded from params.seed; the worker keeps it across steps
     generator: torch.Generator | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -41,15 +42,15 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # per row: [chosen_logprob, [[token_id, logprob], ...top alternatives]] or None
-    logprobs: list[list | None]
+    # per row: the sampled token's logprobs, None for a row that did not ask for them
+    logprobs: list[SampleLogprobs | None]
     # row index -> why sampling that row failed (its token id is FAILED_TOKEN); sample_isolating only
     failed: dict[int, str] = field(default_factory=dict)
 
 
 def is_process_fault(exc: BaseException) -> bool:
     """Whether an error is the device's or the process's (out of memory, a CUDA or NCCL error) rather
-    than one request's: only such errors may end an executor."""
+    than one request's: only such errors may end an worker."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or (
             accelerator_error is not None and isinstance(exc, accelerator_error)):
@@ -98,7 +99,7 @@ class Sampler:
             index = _index(random, work.device)
             token_ids[index] = _sample_random_rows(work[index], [rows[i] for i in random])
 
-        logprobs: list[list | None] = [None] * len(rows)
+        logprobs: list[SampleLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, wanted, token_ids, rows)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
@@ -110,7 +111,7 @@ class Sampler:
         states = [row.generator.get_state() if row.generator is not None else None for row in rows]
         try:
             return self(logits, rows)
-        except Exception as exc:  # noqa: BLE001 - one request's settings must not end the executor
+        except Exception as exc:  # noqa: BLE001 - one request's settings must not end the worker
             if is_process_fault(exc):
                 raise
             logger.warning("sampling a batch of %d rows failed (%s); sampling them one by one",
@@ -395,7 +396,7 @@ def _exponential_noise(
 
 def _gather_logprobs(
     raw_logprobs: torch.Tensor, wanted: list[int], token_ids: torch.Tensor, rows: list[SamplingRow]
-) -> list[list | None]:
+) -> list[SampleLogprobs | None]:
     """raw_logprobs holds the rows listed in `wanted`, in that order."""
     device = raw_logprobs.device
     chosen_ids = token_ids[_index(wanted, device)]
@@ -404,9 +405,9 @@ def _gather_logprobs(
     if max_top > 0:
         top_values, top_ids = raw_logprobs.topk(max_top, dim=-1)  # sorted, descending
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    result: list[list | None] = [None] * len(rows)
+    result: list[SampleLogprobs | None] = [None] * len(rows)
     for j, i in enumerate(wanted):
         k = rows[i].params.logprobs
-        top = [[top_ids[j][r], top_values[j][r]] for r in range(k)] if k > 0 else []
-        result[i] = [chosen[j], top]
+        top = [(top_ids[j][r], top_values[j][r]) for r in range(k)] if k > 0 else []
+        result[i] = SampleLogprobs(chosen[j], top)
     return result

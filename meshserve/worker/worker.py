@@ -1,10 +1,10 @@
-"""An executor process: one rank's model runner, fed by the master over ZMQ.
+"""A worker process: one rank's model runner, fed by the master over ZMQ.
 
 The master PUSHes the same `StepBatch` to every rank; each rank runs its DP
 group's part of it, in order, in lockstep with the others (the ranks meet in the
 model's collectives over torch.distributed). The driver rank of each DP group
 PUSHes back the group's `ModelRunnerOutput`. If the master disappears the
-executor exits on its own.
+worker exits on its own.
 
 The master starts its local ranks as child processes; a rank on another host joins
 with `join_engine` (`meshserve worker`), which fetches the config and addresses
@@ -12,18 +12,24 @@ from the master and then runs the same loop.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
+import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
-from meshserve.config import EngineConfig
+from meshserve.config import EngineConfig, ParallelConfig
 from meshserve.core import messages as msg
 from meshserve.core.remote_ranks import PeerMonitor, enable_heartbeats
 from meshserve.utils import cluster_auth
+
+if TYPE_CHECKING:
+    from meshserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +37,17 @@ _PARENT_CHECK_MS = 1000
 _BACKGROUND_POLL_MS = 20
 
 
-def init_distributed(config: EngineConfig, rank: int, init_method: str | None) -> None:
+def init_distributed(config: ParallelConfig, device: str, rank: int, init_method: str | None) -> None:
     """Join the TE's torch.distributed world (nothing to do for one rank)."""
     world = config.world_size
     if world == 1:
         return
-    import datetime
-
+    # keeps torch out of this module's importers (the CLI); a rank with a world loads it here
     import torch
 
     from meshserve.parallel.topology import init_world
 
-    backend = config.dist_backend or ("nccl" if config.device.startswith("cuda") else "gloo")
+    backend = config.dist_backend or ("nccl" if device.startswith("cuda") else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     # the rendezvous store listens on the master address only (torch's tcp:// store binds every interface)
@@ -56,8 +61,8 @@ class WorkerJoinError(RuntimeError):
 def join_engine(engine_addr: str, rank: int, timeout_s: float, log_level: int = logging.INFO) -> None:
     """Run `rank` of the TE whose master listens for remote ranks at `engine_addr` (tcp://HOST:PORT)."""
     assignment = _handshake(engine_addr, rank, timeout_s)
-    run_executor(rank, assignment.config, assignment.work_addr, assignment.result_addr,
-                 assignment.dist_init_method, log_level, remote=True)
+    run_worker(rank, assignment.config.to_dict(), assignment.work_addr, assignment.result_addr,
+               assignment.dist_init_method, log_level, remote=True)
 
 
 def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.WorkerHandshake:
@@ -86,6 +91,8 @@ def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.WorkerHands
         raise WorkerJoinError(f"the engine at {engine_addr} answered with {type(reply).__name__}")
     if reply.error is not None:
         raise WorkerJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
+    if reply.config is None:
+        raise WorkerJoinError(f"the engine at {engine_addr} sent no engine config")
     return reply
 
 
@@ -94,15 +101,44 @@ def _parent_gone() -> Callable[[], bool]:
     return lambda: os.getppid() != parent
 
 
-def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist_init_method: str | None = None,
-                 log_level: int = logging.INFO, remote: bool = False) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s executor[{rank}] %(levelname)s %(message)s",
+def run_worker(rank: int, config: dict, work_addr: str, result_addr: str, dist_init_method: str | None = None,
+               log_level: int = logging.INFO, remote: bool = False) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s",
                         force=True)
     if not remote:
         # Ctrl-C reaches the whole process group; the parent stops us in order instead
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    close_runner = None
+    runner = None
+    work, master_link, master_gone = _connect_work(ctx, work_addr, remote)
+    results = cluster_auth.client(ctx.socket(zmq.PUSH), result_addr)
+    results.setsockopt(zmq.LINGER, 2000)
+    results.connect(result_addr)
+    try:
+        runner = _start_runner(rank, EngineConfig.from_dict(config), dist_init_method)
+        results.send(msg.encode(_ready_message(rank, runner)))
+        _serve(rank, runner, work, results, master_gone)
+    except Exception as exc:  # report, then die: the master fails in-flight requests
+        logger.error("worker failed: %s", traceback.format_exc())
+        try:
+            results.send(msg.encode(msg.WorkerFailure(rank=rank, message=f"{type(exc).__name__}: {exc}")))
+        except zmq.ZMQError:
+            pass
+        raise SystemExit(1) from exc
+    finally:
+        if runner is not None:
+            runner.close()
+        if master_link is not None:
+            master_link.close()
+        work.close(0)
+        results.close()
+        ctx.term()
+        _leave_distributed()
+
+
+def _connect_work(ctx: zmq.Context, work_addr: str,
+                  remote: bool) -> tuple[zmq.Socket, PeerMonitor | None, Callable[[], bool]]:
+    """The socket the master's steps arrive on, its heartbeat monitor (remote ranks) and a "master is gone" test."""
     work = ctx.socket(zmq.PULL)
     if remote:
         # not our parent: the master is gone when the work connection drops (or stops answering heartbeats)
@@ -114,80 +150,66 @@ def run_executor(rank: int, config: dict, work_addr: str, result_addr: str, dist
         master_gone = _parent_gone()
     cluster_auth.client(work, work_addr)
     work.connect(work_addr)
-    results = cluster_auth.client(ctx.socket(zmq.PUSH), result_addr)
-    results.setsockopt(zmq.LINGER, 2000)
-    results.connect(result_addr)
-    try:
-        from meshserve.worker.model_runner import ModelRunner, configure_threads
-        from meshserve.parallel.context import ParallelContext
+    return work, master_link, master_gone
 
-        engine_config = EngineConfig.from_dict(config)
-        threads = configure_threads(engine_config.num_threads, engine_config.world_size)
-        init_distributed(engine_config, rank, dist_init_method)
-        parallel = ParallelContext.build(engine_config.strategy, moe_comm=engine_config.moe_comm,
-                                         int8_dispatch=engine_config.int8_dispatch,
-                                         max_tokens_per_step=engine_config.max_num_batched_tokens,
-                                         redundant_experts_per_rank=engine_config.eplb_redundant_experts)
-        runner = ModelRunner(engine_config, parallel)
-        close_runner = runner.close
-        logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
-                    threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)
-        results.send(msg.encode(msg.WorkerReady(rank=rank, num_kv_blocks=runner.num_blocks,
-                                                  kv_bytes_per_token=runner.layout.bytes_per_token,
-                                                  moe_layers=runner.moe_layers,
-                                                  num_logical_experts=runner.num_logical_experts,
-                                                  kv_region=runner.kv_region, vocab_size=runner.vocab_size)))
-        poller = zmq.Poller()
-        poller.register(work, zmq.POLLIN)
-        while True:
-            for kind, detail in runner.poll_background():
-                results.send(msg.encode(msg.WorkerEvent(rank=rank, kind=kind, detail=detail)))
-            # background work (an expert reconfiguration) is reported promptly even when no step comes
-            if not poller.poll(_BACKGROUND_POLL_MS if runner.background_busy else _PARENT_CHECK_MS):
-                if master_gone():
-                    logger.warning("master is gone; exiting")
-                    return
-                continue
-            item = msg.recv_message(work, "executor-work")
-            if isinstance(item, msg.Shutdown):
-                logger.info("shutting down")
+
+def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str | None) -> ModelRunner:
+    """Join the TE's world and build this rank's model runner."""
+    # keeps torch out of this module's importers (the CLI); a rank loads it here
+    from meshserve.parallel.context import ParallelContext
+    from meshserve.worker.model_runner import ModelRunner, configure_threads
+
+    parallel_config = engine_config.parallel_config
+    threads = configure_threads(parallel_config.num_threads, parallel_config.world_size)
+    init_distributed(parallel_config, engine_config.model_config.device, rank, dist_init_method)
+    parallel = ParallelContext.build(
+        parallel_config.strategy, moe_comm=parallel_config.moe_comm, int8_dispatch=parallel_config.int8_dispatch,
+        max_tokens_per_step=engine_config.scheduler_config.max_num_batched_tokens,
+        redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts)
+    runner = ModelRunner(engine_config, parallel)
+    logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
+                threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)
+    return runner
+
+
+def _ready_message(rank: int, runner: ModelRunner) -> msg.WorkerReady:
+    return msg.WorkerReady(rank=rank, num_kv_blocks=runner.num_blocks,
+                           kv_bytes_per_token=runner.layout.bytes_per_token, moe_layers=runner.moe_layers,
+                           num_logical_experts=runner.num_logical_experts, kv_region=runner.kv_region,
+                           vocab_size=runner.vocab_size)
+
+
+def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket,
+           master_gone: Callable[[], bool]) -> None:
+    """Run the master's steps until it says stop or is gone; report background work as it finishes."""
+    poller = zmq.Poller()
+    poller.register(work, zmq.POLLIN)
+    while True:
+        for kind, detail in runner.poll_background():
+            results.send(msg.encode(msg.WorkerEvent(rank=rank, kind=kind, detail=detail)))
+        report = runner.take_kv_connector_report()  # pool fetches, KV pulls that finished
+        if report is not None:
+            results.send(msg.encode(report))
+        # background work (expert reconfiguration, remote KV) is reported promptly even when no step comes
+        if not poller.poll(_BACKGROUND_POLL_MS if runner.background_busy else _PARENT_CHECK_MS):
+            if master_gone():
+                logger.warning("master is gone; exiting")
                 return
-            if not isinstance(item, msg.StepBatch):
-                if item is not None:
-                    msg.drop_frame("executor-work", f"unexpected {type(item).__name__}")
-                continue
-            out = runner.run_batch(item)
-            if out is not None:
-                results.send(msg.encode(out))
-    except Exception as exc:  # report, then die: the master fails in-flight requests
-        logger.error("executor failed: %s", traceback.format_exc())
-        try:
-            results.send(msg.encode(msg.WorkerFailure(rank=rank, message=f"{type(exc).__name__}: {exc}")))
-        except zmq.ZMQError:
-            pass
-        raise SystemExit(1)
-    finally:
-        if close_runner is not None:
-            close_runner()
-        if master_link is not None:
-            master_link.close()
-        work.close(0)
-        results.close()
-        ctx.term()
-        _leave_distributed()
+            continue
+        item = msg.recv_message(work, "worker-work")
+        if isinstance(item, msg.Shutdown):
+            logger.info("shutting down")
+            return
+        if not isinstance(item, msg.StepBatch):
+            if item is not None:
+                msg.drop_frame("worker-work", f"unexpected {type(item).__name__}")
+            continue
+        out = runner.run_batch(item)
+        if out is not None:
+            results.send(msg.encode(out))
 
 
 def _leave_distributed() -> None:
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    import sys
-
-    from meshserve.utils.processes import module_arguments
-
-    run_executor(**module_arguments(sys.argv))

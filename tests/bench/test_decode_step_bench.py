@@ -43,7 +43,7 @@ def test_decode_step_bench_times_both_paths(tmp_path, capsys, monkeypatch):
 
     paths = result["paths"]
     assert set(paths) == {"native", "torch"}
-    for name, path in paths.items():
+    for path in paths.values():
         assert len(path["times_ms_per_step"]) == REPEATS and all(_positive(t) for t in path["times_ms_per_step"])
         assert _positive(path["ms_per_step"]) and _positive(path["tokens_per_s"])
         assert math.isclose(path["tokens_per_s"], BATCH / (path["ms_per_step"] / 1e3))

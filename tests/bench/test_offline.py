@@ -37,7 +37,8 @@ def hf_tiny_dir(tmp_path_factory):
 def _unpadded_greedy(model, prompt, n):
     """One request alone, no padding: what batching must not change."""
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(input_ids=torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -129,12 +130,10 @@ def test_bench_commands_register_under_the_main_cli():
 
 
 @pytest.fixture(scope="module")
-def micro_model_dir(tmp_path_factory):
-    from meshserve.models.factory import make_model
-
+def micro_model_dir(tiny_model):
     overrides = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "moe_intermediate_size": 32,
                  "num_attention_heads": 2, "num_key_value_heads": 2}
-    return make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("bench") / "micro", overrides=overrides)
+    return tiny_model("deepseek_v3", overrides=overrides, name="micro")
 
 
 def test_bench_offline_end_to_end_on_a_micro_model(micro_model_dir, tmp_path):

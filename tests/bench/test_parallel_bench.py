@@ -7,8 +7,8 @@ import pytest
 from meshserve.bench import parallel as pb
 from meshserve.bench.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.bench.workload import WorkloadRequest
-from meshserve.engine.core_client import EngineStartupError
 from meshserve.core.errors import EngineDeadError
+from meshserve.engine.core_client import EngineStartupError
 from meshserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.parallel.analyzer import Cluster
 
@@ -131,14 +131,14 @@ def test_assemble_results_ranks_only_layouts_that_ran_and_checks_tokens():
                    TP2_EP2: _prediction(5000.0)}
     result = pb.assemble_results(baseline, layouts, predictions)
 
-    by_name = {l["strategy"]: l for l in result["layouts"]}
+    by_name = {layout["strategy"]: layout for layout in result["layouts"]}
     assert by_name[DP2]["ratio_to_single_rank"] == pytest.approx(2.5)
     assert by_name[DP2]["tokens_match"] is True
     assert by_name[TP2]["tokens_match"] is False
     assert by_name[TP2]["greedy_check"] == {"compared_requests": 2, "mismatching_requests": 1,
                                             "first_divergence_positions": [1]}
     assert by_name[TP2_EP2]["tokens_match"] is None and "measured_rank" not in by_name[TP2_EP2]
-    assert all("tokens" not in l for l in result["layouts"]) and "tokens" not in result["baseline"]
+    assert all("tokens" not in layout for layout in result["layouts"]) and "tokens" not in result["baseline"]
     assert result["baseline"]["repeats_consistent"] is True
 
     assert result["rankings"]["measured"] == [MIXED, DP2, TP2]
@@ -175,7 +175,7 @@ class FakeEngine:
     def generate(self, prompts, params):
         self.calls += 1
         if self.fail_on_call == self.calls:
-            raise EngineDeadError("executor 1 died")
+            raise EngineDeadError("worker 1 died")
         now = time.time()
         outputs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -219,7 +219,7 @@ def test_rounds_record_unsupported_failed_and_mismatching_layouts(config_only_mo
         assert engine_args["enable_prefix_caching"] is False and model == str(model_dir)
         assert engine_args["num_threads"] == 1 and engine_args["moe_comm"] == "sync"
         if parallel == TP2_EP2:
-            raise EngineStartupError("executor 1 failed to start: ValueError: does not split evenly")
+            raise EngineStartupError("worker 1 failed to start: ValueError: does not split evenly")
         # MIXED's second engine (round 2) dies on its first call, the warm-up
         fail = 1 if parallel == MIXED and sum(1 for e in engines if e.parallel == MIXED) == 1 else None
         engines.append(FakeEngine(parallel, log, corrupt=parallel == TP2, fail_on_call=fail))
@@ -238,11 +238,11 @@ def test_rounds_record_unsupported_failed_and_mismatching_layouts(config_only_mo
     assert sum(kind == "shutdown" for kind, _ in log) == len(engines) == 8
 
     result = json.loads(json_path.read_text())
-    by_name = {l["strategy"]: l for l in result["layouts"]}
+    by_name = {layout["strategy"]: layout for layout in result["layouts"]}
     assert by_name[DP2]["status"] == "ok" and by_name[DP2]["tokens_match"] is True
     assert len(by_name[DP2]["samples"]) == 2
     assert by_name[TP2]["status"] == "ok" and by_name[TP2]["tokens_match"] is False
-    assert by_name[MIXED]["status"] == "failed" and "executor 1 died" in by_name[MIXED]["error"]
+    assert by_name[MIXED]["status"] == "failed" and "worker 1 died" in by_name[MIXED]["error"]
     assert by_name[TP2_EP2]["status"] == "unsupported" and "does not split evenly" in by_name[TP2_EP2]["error"]
     assert set(result["rankings"]["measured"]) == set(result["rankings"]["predicted"]) == {DP2, TP2}
     assert result["ranked_layouts"] == 2 and result["spearman_rho"] in (1.0, -1.0)
@@ -325,7 +325,7 @@ def test_real_tiny_run_at_world_2_matches_the_single_rank(tmp_path, capsys):
     assert pb.main(argv) == 0
 
     result = json.loads(json_path.read_text())
-    assert [l["strategy"] for l in result["layouts"]] == [DP2, TP2]
+    assert [layout["strategy"] for layout in result["layouts"]] == [DP2, TP2]
     for layout in result["layouts"]:
         assert layout["status"] == "ok", layout["error"]
         assert layout["tokens_match"] is True

@@ -9,7 +9,6 @@ import pytest
 
 from meshserve.bench.mixed_workload import LONG_OUTPUT, LONG_PROMPT, Mix, make_mixed_workload
 from meshserve.entrypoints.cli import main
-from meshserve.models.factory import make_model
 from meshserve.router.pd_heatmap import PDHeatmap
 from meshserve.router.routing import POLICIES
 
@@ -17,8 +16,8 @@ ENGINE = ["--num-kv-blocks", "128", "--max-num-seqs", "16"]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny"))
+def model(tiny_model) -> str:
+    return str(tiny_model("deepseek_v3", name="tiny"))
 
 
 def _positive(value) -> bool:
@@ -45,8 +44,8 @@ def test_profile_pd_writes_a_heatmap_the_router_can_read(model, tmp_path, capsys
         for setup in ("colocated", "disaggregated"):
             assert cell[setup]["completed"] == 2 and cell[setup]["failed"] == 0
             assert len(cell[setup]["jct_s"]) == 2 and all(_positive(j) for j in cell[setup]["jct_s"])
-        mean = lambda setup: sum(cell[setup]["jct_s"]) / 2  # noqa: E731
-        assert cell["value"] == pytest.approx(mean("colocated") / mean("disaggregated") - 1)
+        mean = {setup: sum(cell[setup]["jct_s"]) / 2 for setup in ("colocated", "disaggregated")}
+        assert cell["value"] == pytest.approx(mean["colocated"] / mean["disaggregated"] - 1)
     printed = capsys.readouterr().out
     assert "RPS 8" in printed and "combined (sum over RPS)" in printed
 
@@ -114,7 +113,7 @@ def test_bench_routing_runs_every_policy_and_reads_the_heatmap(model, tmp_path, 
                  *mix, *ENGINE]) == 0
     result = json.loads(out.read_text())
     assert list(result["policies"]) == list(POLICIES) and result["baseline"] == "round_robin"
-    for policy, entry in result["policies"].items():
+    for entry in result["policies"].values():
         (run,) = entry["runs"]
         assert run["completed"] == 6 and run["failed"] == 0
         assert all(_positive(run[field]["mean"]) for field in ("jct_ms", "ttft_ms", "tpot_ms"))

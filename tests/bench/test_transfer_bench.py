@@ -26,12 +26,13 @@ def test_transfer_bench_measures_every_backend_and_size(tmp_path, capsys):
                  "--blocks", "2,4", "--repeats", "1"]) == 0
     result = json.loads(out.read_text())
     assert result["config"]["backends"] == ["shm", "tcp", "dist"]
-    assert result["config"]["block_bytes"] == BLOCK_BYTES and result["config"]["region_blocks"] == 8  # twice the largest pull
+    assert result["config"]["block_bytes"] == BLOCK_BYTES
+    assert result["config"]["region_blocks"] == 8  # twice the largest pull
     rows = {(r["backend"], r["mode"], r["blocks"]): r for r in result["rows"]}
     expected = ({(b, "whole", n) for b in ("memcpy", "shm", "tcp", "dist") for n in (2, 4)}
                 | {(b, "by_layer", 4) for b in ("shm", "tcp", "dist")})
     assert set(rows) == expected and len(result["rows"]) == len(expected)
-    for (backend, mode, blocks), row in rows.items():
+    for (_, _, blocks), row in rows.items():
         assert row["bytes"] == blocks * BLOCK_BYTES and row["tokens"] == blocks * BLOCK_SIZE
         assert _positive(row["median_s"]) and _positive(row["gbps"]) and _positive(row["vs_memcpy"])
         assert len(row["times_s"]) == 1

@@ -9,7 +9,6 @@ import sys
 import httpx
 import pytest
 
-from meshserve.models.factory import make_model
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import ExpertPlacement
 from tests.e2e.server_process import running_server
@@ -23,8 +22,8 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny-dsv3", seed=2)
+def server(tmp_path_factory, tiny_model):
+    model_dir = tiny_model("deepseek_v3", seed=2, name="tiny-dsv3")
     args = ["--model", str(model_dir), "--parallel", "attn=TP1+DP4 moe=TP1+EP4",
             "--eplb-redundant-experts", "1", "--eplb-slice-s", "0.5"]
     with running_server(args, tmp_path_factory.mktemp("server") / "server.log", STARTUP_TIMEOUT_S) as base:

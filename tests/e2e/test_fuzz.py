@@ -35,7 +35,6 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from meshserve.models.factory import make_model
 from tests.e2e.server_process import running_server
 
 STARTUP_TIMEOUT_S = 90
@@ -68,9 +67,9 @@ class FuzzTally:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model):
     workdir = tmp_path_factory.mktemp("fuzz")
-    model_dir = make_model("deepseek_v3", "tiny", workdir / "tiny-dsv3")
+    model_dir = tiny_model("deepseek_v3", name="tiny-dsv3")
     # a short context bounds the cost of every generated prompt
     args = ["--model", str(model_dir), "--max-model-len", "256"]
     with running_server(args, workdir / "server.log", STARTUP_TIMEOUT_S) as base:

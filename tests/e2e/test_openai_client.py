@@ -19,7 +19,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from meshserve.models.factory import make_model
 from tests.e2e.server_process import running_server
 
 STARTUP_TIMEOUT_S = 60
@@ -30,8 +29,8 @@ IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return Path(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny-dsv3"))
+def model_dir(tiny_model) -> Path:
+    return tiny_model("deepseek_v3", name="tiny-dsv3")
 
 
 DEPLOYMENT_YAML = """\

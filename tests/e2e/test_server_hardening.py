@@ -26,7 +26,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from meshserve.models.factory import make_model
 from tests.e2e.server_process import free_port, wait_healthy
 
 STARTUP_TIMEOUT_S = 120
@@ -39,12 +38,12 @@ SHUTDOWN_GRACE_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("model") / "tiny-dsv3", seed=3)
+def server(tmp_path_factory, tiny_model) -> Iterator[tuple[str, subprocess.Popen]]:
+    model_dir = tiny_model("deepseek_v3", seed=3, name="tiny-dsv3")
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     port = free_port()
-    command = [sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S),
+    command = [sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S),
                # one torch thread: with two on two shared cores, any other process stalls the step at
                # OpenMP's barrier, and the test would time the machine rather than the server
                "--num-threads", "1"]

@@ -165,16 +165,20 @@ def test_generated_blocks_reach_the_pool_only_when_asked(pool, tmp_path):
         follow_up = first_prompt + list(answer) + [101, 102, 103]
         full_blocks = (len(first_prompt) + len(answer) - 1) // BLOCK  # the last token's KV is never computed
         keys = block_keys(follow_up, BLOCK, model_identity(str(model_dir), "float32"), namespace, full_blocks)
-        with PoolClient(controller, timeout_s=2.0) as client:
-            expected = len(keys) if store_decode else (len(first_prompt) - 1) // BLOCK
-            wait_until(lambda: sum(client.exists(namespace, [rank_key(k, 0, 1) for k in keys])) >= expected, 30,
-                       "the first turn's blocks to reach the pool")
+        expected = len(keys) if store_decode else (len(first_prompt) - 1) // BLOCK
+        _wait_for_pool_blocks(controller, namespace, keys, expected)
         reference, _, _ = _generate(model_dir, [follow_up], enable_prefix_caching=False)
         tokens, cached, _ = _generate(model_dir, [follow_up], pool_controller=controller, pool_namespace=namespace)
         assert tokens == reference
         hits[store_decode] = cached[0]
     assert hits[False] == (len(first_prompt) - 1) // BLOCK * BLOCK
     assert hits[True] == full_blocks * BLOCK > hits[False]
+
+
+def _wait_for_pool_blocks(controller: str, namespace: str, keys: list[str], expected: int) -> None:
+    with PoolClient(controller, timeout_s=2.0) as client:
+        wait_until(lambda: sum(client.exists(namespace, [rank_key(k, 0, 1) for k in keys])) >= expected, 30,
+                   "the first turn's blocks to reach the pool")
 
 
 def test_short_pool_matches_are_computed_when_fetching_costs_more(pool, tmp_path):
@@ -249,7 +253,7 @@ def test_pool_blocks_populate_in_the_background_while_other_requests_decode(tmp_
         with PoolClient(controller, timeout_s=2.0) as client:
             wait_until(lambda: all(client.exists("async", [rank_key(k, 0, 1) for k in keys])), 30,
                        "the first TE's blocks to reach the pool")
-        engine = AsyncEngineClient(EngineConfig(model=str(model_dir), pool_controller=controller,
+        engine = AsyncEngineClient(EngineConfig.from_kwargs(str(model_dir), pool_controller=controller,
                                                 pool_namespace="async", **ENGINE))
         try:
             decoded, fetched = asyncio.run(_decode_while_fetching(engine, server, prompt))

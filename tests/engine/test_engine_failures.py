@@ -1,4 +1,4 @@
-"""A TE whose executor dies reports unhealthy and fails its requests instead of hanging;
+"""A TE whose worker dies reports unhealthy and fails its requests instead of hanging;
 prefix-cache events are published for routers."""
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ import zmq
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
 from meshserve.core import messages as msg
-from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.core.errors import EngineDeadError
-from meshserve.models.factory import make_model
+from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.utils import cluster_auth
 
@@ -27,19 +26,18 @@ LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("m") / "model",
-                          overrides={"num_hidden_layers": 2}))
+def model_dir(tiny_model):
+    return str(tiny_model("deepseek_v3", overrides={"num_hidden_layers": 2}))
 
 
-def _executor_pid(master_pid: int) -> int:
+def _worker_pid(master_pid: int) -> int:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for child in psutil.Process(master_pid).children():
             if "meshserve.worker.worker" in " ".join(child.cmdline()):
                 return child.pid
         time.sleep(0.1)
-    raise AssertionError("no executor process found")
+    raise AssertionError("no worker process found")
 
 
 def _kill_later(pid: int, delay_s: float) -> threading.Timer:
@@ -48,12 +46,12 @@ def _kill_later(pid: int, delay_s: float) -> threading.Timer:
     return timer
 
 
-def test_offline_generate_fails_when_the_executor_dies(model_dir):
+def test_offline_generate_fails_when_the_worker_dies(model_dir):
     llm = LLM(model=model_dir, kv_cache_memory_gb=0.05)
     try:
-        _kill_later(_executor_pid(llm.engine.proc.pid), 1.5)
+        _kill_later(_worker_pid(llm.engine.proc.pid), 1.5)
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="executor 0"):
+        with pytest.raises(EngineDeadError, match="worker 0"):
             llm.generate([[5, 6, 7]] * 4, LONG)
         assert time.monotonic() - start < 30
         assert llm.get_stats().healthy is False
@@ -63,7 +61,7 @@ def test_offline_generate_fails_when_the_executor_dies(model_dir):
 
 
 def test_api_reports_unhealthy_and_fails_in_flight_requests(model_dir):
-    engine = AsyncEngineClient(EngineConfig(model=model_dir, kv_cache_memory_gb=0.05))
+    engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, kv_cache_memory_gb=0.05))
     app = build_app(engine, served_model_name="tiny")
 
     async def scenario():
@@ -79,11 +77,11 @@ def test_api_reports_unhealthy_and_fails_in_flight_requests(model_dir):
             task = asyncio.create_task(consume())
             while not outputs:  # the request is running
                 await asyncio.sleep(0.05)
-            os.kill(_executor_pid(engine.engine.proc.pid), signal.SIGKILL)
+            os.kill(_worker_pid(engine.engine.proc.pid), signal.SIGKILL)
             await asyncio.wait_for(task, timeout=30)
             final = outputs[-1]
             assert final.finished and final.finish_reason == "error"
-            assert "executor" in (final.error or "")
+            assert "worker" in (final.error or "")
             health = await client.get("/health")
             assert health.status_code == 503
             late = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
@@ -113,18 +111,18 @@ def test_prefix_cache_events_are_published(model_dir):
         with LLM(model=model_dir, block_size=8, kv_events_endpoint=endpoint, kv_cache_memory_gb=0.05) as llm:
             time.sleep(0.5)  # let the subscription reach the publisher
             llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-            stored: list[dict] = []
+            stored: list[msg.BlockStored] = []
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and sum(len(e["block_hashes"]) for e in stored) < 5:
+            while time.monotonic() < deadline and sum(len(e.block_hashes) for e in stored) < 5:
                 if sub.poll(200):
                     batch = msg.decode(sub.recv())
                     assert isinstance(batch, msg.KVCacheEvents)
-                    stored += [e for e in batch.events if e["type"] == "BlockStored"]
-        hashes = [h for e in stored for h in e["block_hashes"]]
-        tokens = [t for e in stored for t in e["token_ids"]]
+                    stored += [e for e in batch.events if isinstance(e, msg.BlockStored)]
+        hashes = [h for e in stored for h in e.block_hashes]
+        tokens = [t for e in stored for t in e.token_ids]
         assert len(hashes) == len(set(hashes)) >= 5
         assert tokens[:40] == prompt  # the stored chain spells the prompt, block by block
-        assert stored[0]["parent_block_hash"] is None
+        assert stored[0].parent_block_hash is None
     finally:
         sub.close(0)
         ctx.term()

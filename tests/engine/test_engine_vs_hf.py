@@ -1,11 +1,10 @@
-"""Greedy generation through the whole engine (master + executor processes) equals HF `generate`."""
+"""Greedy generation through the whole engine (master + worker processes) equals HF `generate`."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.models.factory import make_model
 
 OUTPUT_LEN = 24
 
@@ -32,9 +31,9 @@ def _hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
-def model_case(request, tmp_path_factory):
+def model_case(request, tiny_model):
     arch = request.param
-    model_dir = make_model(arch, "tiny", tmp_path_factory.mktemp(arch) / "model", seed=1)
+    model_dir = tiny_model(arch, seed=1)
     prompts = _prompts(32000, [5, 17, 33, 64, 9, 120, 48, 71, 2, 90])
     return arch, model_dir, prompts, _hf_greedy(model_dir, prompts, OUTPUT_LEN)
 

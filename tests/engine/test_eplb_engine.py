@@ -7,7 +7,6 @@ longest gap between tokens is reported against the steady state's).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -16,10 +15,10 @@ import pytest
 import torch
 
 from meshserve.config import EngineConfig
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.models.factory import make_model
 from meshserve.moe.placement import ExpertPlacement
-from meshserve.core.sampling_params import SamplingParams
 
 OUTPUT_LEN = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -68,8 +67,8 @@ async def _wait_idle(client: AsyncEngineClient, timeout_s: float = 60.0) -> dict
     while time.monotonic() < deadline:
         reply = await client.admin("eplb.status")
         assert reply.ok, reply.error
-        if reply.data["phase"] == "idle":
-            return reply.data
+        if reply.data.phase == "idle":
+            return reply.to_json()
         await asyncio.sleep(0.05)
     raise AssertionError("the reconfiguration did not finish")
 
@@ -77,7 +76,7 @@ async def _wait_idle(client: AsyncEngineClient, timeout_s: float = 60.0) -> dict
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
 def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_path):
     model_dir = make_model(arch, "tiny", tmp_path / "model", seed=5)
-    config = EngineConfig(model=str(model_dir), parallel="attn=TP1+DP4 moe=TP1+EP4", eplb_redundant_experts=1,
+    config = EngineConfig.from_kwargs(str(model_dir), parallel="attn=TP1+DP4 moe=TP1+EP4", eplb_redundant_experts=1,
                           eplb_slice_s=0.5, max_num_batched_tokens=64, block_size=8, max_num_seqs=8,
                           num_kv_blocks=128)
     prompts = _prompts()
@@ -88,8 +87,8 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
             off, steady_gap = await _generate(client, prompts, "off")
             load = await client.admin("eplb.load")
             assert load.ok, load.error
-            slices = load.data["counts"]
-            layer_totals = [sum(sum(per_layer[i]) for per_layer in slices) for i in range(len(load.data["moe_layers"]))]
+            slices = load.data.counts
+            layer_totals = [sum(sum(per_layer[i]) for per_layer in slices) for i in range(len(load.data.moe_layers))]
             # every computed token (prompt + outputs but the last) is routed to top-k experts in every MoE layer
             assert len(set(layer_totals)) == 1 and layer_totals[0] > 0
 
@@ -113,7 +112,7 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
             print(f"\n{arch}: longest gap between tokens: steady {steady_gap:.3f} s, during reconfiguration "
                   f"{live_gap:.3f} s, rebalanced {on_gap:.3f} s")
             assert live_gap < STALL_LIMIT_S
-            return off, live, on, load.data["moe_layers"]
+            return off, live, on, load.data.moe_layers
         finally:
             client.shutdown()
 
@@ -122,15 +121,15 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
     assert on == off
 
     # a placement planned with primaries moved too (mode "full") is applied before serving starts
-    placement = _full_placement(config.eplb_redundant_experts, moe_layers)
+    placement = _full_placement(config.eplb_config.eplb_redundant_experts, moe_layers)
     placement_file = tmp_path / "placement.json"
     placement_file.write_text(json.dumps(placement.to_dict()))
 
     async def from_file():
-        client = AsyncEngineClient(dataclasses.replace(config, eplb_placement=str(placement_file)),
+        client = AsyncEngineClient(config.replace(eplb_placement=str(placement_file)),
                                    log_level=logging.WARNING)
         try:
-            status = (await client.admin("eplb.status")).data
+            status = (await client.admin("eplb.status")).to_json()
             assert ExpertPlacement.from_dict(status["placement"]).layers == placement.layers
             return (await _generate(client, prompts, "planned"))[0]
         finally:

@@ -1,7 +1,7 @@
 """A request, a message or an operator command never takes the engine down.
 
-Against a running TE (its master in this process, its executor a real process, its input a real TCP
-socket): requests the master must refuse, requests that fail only inside the executor (the master's
+Against a running TE (its master in this process, its worker a real process, its input a real TCP
+socket): requests the master must refuse, requests that fail only inside the worker (the master's
 checks switched off), garbage frames, and operator commands with bad arguments. Each time the others
 go on unharmed and the TE serves the next request. Also: message decoding, the sampler's and the
 runner's per-request isolation, and the engine client's health when its reader thread dies.
@@ -23,17 +23,16 @@ from zmq.utils.monitor import recv_monitor_message
 from meshserve import LLM
 from meshserve.config import EngineConfig
 from meshserve.core import messages as msg
-from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.core.client_links import RouterLinks
 from meshserve.core.master import EngineCore
 from meshserve.core.messages import NewRequestData, SchedulerOutput
+from meshserve.core.sampling_params import SamplingParams, SamplingParamsError
+from meshserve.engine.async_client import AsyncEngineClient
+from meshserve.moe.placement import ExpertPlacement
+from meshserve.utils import cluster_auth
 from meshserve.worker.model_runner import ModelRunner
 from meshserve.worker.sampler import FAILED_TOKEN, Sampler, SamplingRow
-from meshserve.models.factory import make_model
-from meshserve.moe.placement import ExpertPlacement
-from meshserve.core.sampling_params import SamplingParams, SamplingParamsError
-from meshserve.utils import cluster_auth
-from tests.engine.test_scheduler import FakeExecutor, make_request, make_scheduler, prompt_of
+from tests.core.test_scheduler import FakeWorker, make_request, make_scheduler, prompt_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = {"a": [5, 6, 7, 8], "b": [9, 10, 11]}
@@ -41,9 +40,8 @@ WAIT_S = 60
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("m") / "model",
-                          overrides={"num_hidden_layers": 2}))
+def model_dir(tiny_model):
+    return str(tiny_model("deepseek_v3", overrides={"num_hidden_layers": 2}))
 
 
 def _params(base: SamplingParams = GREEDY, **changes) -> dict:
@@ -58,7 +56,7 @@ class _TE:
     """A TE master running in a thread of this process, and a client on its real sockets."""
 
     def __init__(self, model: str, **engine_args) -> None:
-        self.config = EngineConfig(model=model, kv_cache_memory_gb=0.05, **engine_args)
+        self.config = EngineConfig.from_kwargs(model, kv_cache_memory_gb=0.05, **engine_args)
         self.ctx = zmq.Context()
         self.ipc_dir = tempfile.mkdtemp(prefix="meshserve-test-te-")
         link = RouterLinks(self.ctx, "tcp://127.0.0.1:0", [])
@@ -118,7 +116,10 @@ class _TE:
         return self.ask(msg.StatsQuery(reply_to=self.reply_to), msg.EngineStats)
 
     def admin(self, op: str, args: dict) -> msg.AdminReply:
-        return self.ask(msg.AdminRequest(query_id=1, op=op, args=args, reply_to=self.reply_to), msg.AdminReply)
+        """An operator command as a peer may send it: its fields unchecked (the TE checks them)."""
+        request = msg.AdminRequest(query_id=1, op=op, placement=args.get("placement"), cache_id=args.get("id"),
+                                   reply_to=self.reply_to)
+        return self.ask(request, msg.AdminReply)
 
     def serves(self, prompt: list[int] = (3, 4, 5)) -> list[int]:
         """The tokens of one fresh request: the TE is alive and serving."""
@@ -177,23 +178,23 @@ def test_the_master_refuses_a_bad_request_alone(te, change):
     te.serves()
 
 
-def test_a_request_that_fails_in_the_executor_fails_alone(te, monkeypatch):
-    _poison_the_executor(te, monkeypatch)
+def test_a_request_that_fails_in_the_worker_fails_alone(te, monkeypatch):
+    _poison_the_worker(te, monkeypatch)
 
 
 @pytest.mark.parametrize("parallel", ["attn=TP2+DP1 moe=TP2+EP1", "attn=TP1+DP2 moe=TP1+EP2"])
 def test_ranks_fail_the_same_requests_and_stay_in_lockstep(model_dir, monkeypatch, parallel):
     server = _TE(model_dir, parallel=parallel)
     try:
-        _poison_the_executor(server, monkeypatch)
+        _poison_the_worker(server, monkeypatch)
     finally:
         server.close()
 
 
-def _poison_the_executor(te: _TE, monkeypatch) -> None:
-    """The master's checks off: the poisoned requests reach the executor, which fails them alone."""
+def _poison_the_worker(te: _TE, monkeypatch) -> None:
+    """The master's checks off: the poisoned requests reach the worker, which fails them alone."""
     reference = _reference(te)
-    monkeypatch.setattr(te.core, "_check_add_request", lambda item: SamplingParams.from_dict(item.sampling_params))
+    monkeypatch.setattr(te.core, "_check_add_request", lambda item: item.sampling_params)
     vocab = te.core.vocab_size
     poisoned = {f"stop-{uuid.uuid4().hex[:6]}": ([5, 6, 7], _params(stop_token_ids=[vocab], min_tokens=1)),
                 f"prompt-{uuid.uuid4().hex[:6]}": ([5, vocab + 7], _params())}
@@ -292,7 +293,7 @@ async def _generate(engine: AsyncEngineClient, request_id: str):
 
 
 def test_engine_client_isolates_a_failing_output_and_is_unhealthy_once_its_reader_dies(model_dir, monkeypatch):
-    engine = AsyncEngineClient(EngineConfig(model=model_dir, kv_cache_memory_gb=0.05))
+    engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, kv_cache_memory_gb=0.05))
     process = engine.processor.process
 
     def process_unless_doomed(delta, now):
@@ -350,9 +351,10 @@ def test_decode_rejects_oversized_frames():
 
 def test_decode_round_trips_nested_messages():
     batch = msg.StepBatch(per_dp=[msg.SchedulerOutput(
-        step_id=3, new_reqs=[NewRequestData("r", [1, 2], GREEDY.to_dict(), [0], 0, 2)],
+        step_id=3, new_reqs=[NewRequestData("r", [1, 2], GREEDY, [0], 0, 2)],
         cached_reqs=[msg.CachedRequestData("q", [4], 9)], num_scheduled_tokens={"r": 2, "q": 1})],
-        control={"pool_store": {0: [[1, "key"]]}})
+        kv_connector={0: msg.KVConnectorMetadata(pool_stores=[msg.PoolBlock(1, "key")])},
+        eplb=msg.EplbCommand(msg.EplbPhase.ABORT), report_load=True)
     assert msg.decode(msg.encode(batch)) == batch
     beat = msg.EngineHeartbeat(name="te", role="colocated", group="g", input_addr="tcp://h:1", kv_events_addr="",
                            model="m", max_model_len=64, block_size=8, attn_tp=1, attn_dp=1,
@@ -427,13 +429,22 @@ def test_sampler_lets_a_device_fault_through(monkeypatch):
         Sampler().sample_isolating(torch.zeros(1, 8), [_row(temperature=0.0)])
 
 
+def _unchecked(params: dict) -> SamplingParams:
+    """Sampling params with the given values, past the checks building or decoding them makes."""
+    out = SamplingParams()
+    for name, value in params.items():
+        setattr(out, name, value)
+    return out
+
+
 def _new(req_id: str, prompt: list[int], params: dict) -> NewRequestData:
-    return NewRequestData(req_id=req_id, token_ids=prompt, sampling_params=params, block_ids=[2 * len(req_id)],
+    return NewRequestData(req_id=req_id, token_ids=prompt, sampling_params=_unchecked(params),
+                          block_ids=[2 * len(req_id)],
                           num_computed_tokens=0, num_prompt_tokens=len(prompt))
 
 
 def test_runner_fails_poisoned_requests_and_skips_them_until_dropped(model_dir):
-    runner = ModelRunner(EngineConfig(model=model_dir, num_kv_blocks=32, block_size=16))
+    runner = ModelRunner(EngineConfig.from_kwargs(model_dir, num_kv_blocks=32, block_size=16))
     vocab = runner.vocab_size
     good = [_new("a", [5, 6, 7], _params()), _new("bb", [9, 10], _params())]
     bad = [_new("ccc", [5, 6], _params(stop_token_ids=[vocab], min_tokens=1)),
@@ -443,7 +454,7 @@ def test_runner_fails_poisoned_requests_and_skips_them_until_dropped(model_dir):
     out = runner.execute(step)
     assert out.failed.keys() == {"ccc", "dddd", "eeeee"}
     assert out.sampled.keys() == {"a", "bb"}
-    alone = ModelRunner(EngineConfig(model=model_dir, num_kv_blocks=32, block_size=16)).execute(
+    alone = ModelRunner(EngineConfig.from_kwargs(model_dir, num_kv_blocks=32, block_size=16)).execute(
         SchedulerOutput(step_id=1, new_reqs=good, num_scheduled_tokens={"a": 3, "bb": 2}))
     assert out.sampled == alone.sampled
     # a step queued before the master heard of the failures still names them: they are skipped
@@ -456,15 +467,15 @@ def test_runner_fails_poisoned_requests_and_skips_them_until_dropped(model_dir):
 
 def test_scheduler_finishes_a_failed_request_with_its_error_and_frees_its_blocks():
     sched = make_scheduler(num_blocks=16)
-    executor = FakeExecutor()
+    worker = FakeWorker()
     sched.add_request(make_request("ok", prompt_of(1, 9)))
     sched.add_request(make_request("bad", prompt_of(2, 9)))
     step = sched.schedule()
-    out = executor.execute(step)
+    out = worker.execute(step)
     del out.sampled["bad"]
     out.failed["bad"] = "ValueError: stop token 40000 is outside the vocabulary"
     deltas = {d.req_id: d for d in sched.update_from_output(step, out)}
     assert deltas["bad"].finish_reason == "error" and "outside the vocabulary" in deltas["bad"].error
     assert deltas["ok"].new_token_ids == [out.sampled["ok"]] and deltas["ok"].finish_reason is None
     assert sched.num_running == 1
-    assert sched.schedule().finished_req_ids == ["bad"]  # the executor is told to forget it
+    assert sched.schedule().finished_req_ids == ["bad"]  # the worker is told to forget it

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.core.messages import RequestDelta
-from meshserve.engine.output_processor import OutputProcessor
+from meshserve.core.messages import RequestDelta, SampleLogprobs
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.output_processor import OutputProcessor
 from tests.engine.byte_level_bpe import byte_level_bpe, encode
 
 PROMPT = "Tell me: "
@@ -179,10 +179,10 @@ def test_fail_all_finishes_everything_with_error():
     _add(processor, request_id="b", n=2)
     _stream(processor, "a", encode("held ST"))
     processor.process(RequestDelta("b-0", encode("fine"), finish_reason="length"), now=2.0)
-    outputs = {out.request_id: out for out in processor.fail_all("executor died", now=9.0)}
+    outputs = {out.request_id: out for out in processor.fail_all("worker died", now=9.0)}
     assert set(outputs) == {"a", "b"}
     a, b = outputs["a"], outputs["b"]
-    assert a.finished and a.error == "executor died" and a.finish_reason == "error"
+    assert a.finished and a.error == "worker died" and a.finish_reason == "error"
     assert a.text == "held ST" and a.outputs[0].text_delta == "ST"  # held-back text is flushed
     assert [o.finish_reason for o in b.outputs] == ["length", "error"]
     assert a.metrics.finished_time == 9.0
@@ -218,13 +218,13 @@ def test_logprobs_carry_decoded_tokens_and_accumulate():
     processor = _processor()
     _add(processor, logprobs=2)
     ids = encode("ab c")
-    entries = [[-0.5 * (i + 1), [[ids[i], -0.5 * (i + 1)], [7, -3.0]]] for i in range(len(ids))]
+    entries = [SampleLogprobs(-0.5 * (i + 1), [(ids[i], -0.5 * (i + 1)), (7, -3.0)]) for i in range(len(ids))]
     outs = [processor.process(RequestDelta("r", [t], new_logprobs=[e]), now=1.0)[0] for t, e in zip(ids, entries)]
     final = outs[-1].outputs[0]
     assert [p.chosen.token_id for p in final.logprobs] == ids
     assert [p.chosen.decoded for p in final.logprobs] == [tokenizer.decode([t]) for t in ids]
     assert final.logprobs[0].top[1].decoded == tokenizer.decode([7])
-    assert final.cumulative_logprob == pytest.approx(sum(e[0] for e in entries))
+    assert final.cumulative_logprob == pytest.approx(sum(e.logprob for e in entries))
     assert [len(o.outputs[0].logprobs_delta) for o in outs] == [1] * len(ids)
     assert outs[1].outputs[0].logprobs_delta[0].chosen.logprob == -1.0
 

@@ -1,6 +1,6 @@
 """Every parallel layout of the engine against the single-rank engine (the oracle for parallel paths).
 
-8 prompts x 32 greedy tokens through the whole engine (master + N executor processes over gloo):
+8 prompts x 32 greedy tokens through the whole engine (master + N worker processes over gloo):
 the tokens must be identical and the log-probabilities of the chosen and top-5 tokens (the
 log-softmax of the logits) within 1e-3.
 """
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.models.factory import make_model
 
 NUM_PROMPTS = 8
 OUTPUT_LEN = 32
@@ -40,8 +39,8 @@ def _run(model_dir, prompts, params=GREEDY, **engine_args):
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
-def reference(request, tmp_path_factory):
-    model_dir = make_model(request.param, "tiny", tmp_path_factory.mktemp(request.param) / "model", seed=3)
+def reference(request, tiny_model):
+    model_dir = tiny_model(request.param, seed=3)
     prompts = _prompts()
     return model_dir, prompts, _run(model_dir, prompts)
 

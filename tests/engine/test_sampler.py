@@ -1,13 +1,14 @@
 """Sampler: greedy/top-k/top-p/min-p semantics, seeded reproducibility, distribution, penalties, logprobs."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-import math
-
-from meshserve.worker.sampler import Sampler, SamplingRow, make_generator, process_logits, sampling_logits
+from meshserve.core.messages import SampleLogprobs
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.worker.sampler import Sampler, SamplingRow, make_generator, process_logits, sampling_logits
 
 VOCAB = 32
 
@@ -258,13 +259,13 @@ def test_logprobs_are_raw_log_softmax_with_sorted_alternatives():
     ]
     out = sample(logits, rows)
     reference = torch.log_softmax(logits, -1)
-    chosen, top = out.logprobs[0]
+    chosen, top = out.logprobs[0].logprob, out.logprobs[0].top
     assert chosen == pytest.approx(reference[0, out.token_ids[0]].item(), abs=1e-6)
     values, ids = reference[0].topk(4)
     assert [t for t, _ in top] == ids.tolist()
     assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-6)
     assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
-    assert out.logprobs[1] == [pytest.approx(reference[1].max().item(), abs=1e-6), []]
+    assert out.logprobs[1] == SampleLogprobs(pytest.approx(reference[1].max().item(), abs=1e-6), [])
     assert out.logprobs[2] is None
 
 

@@ -8,10 +8,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from meshserve.layers.metadata import AttentionMetadata
-from meshserve.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, grouped_topk
 from meshserve.layers import cpu_kernels, mla
+from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers.mla import MLABatchPlan
+from meshserve.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE, grouped_topk
 from meshserve.models.loader import load_model
 from tests.models.paged_harness import PagedHarness
 

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from meshserve.models import loader
 from meshserve.layers.metadata import AttentionMetadata
-from meshserve.utils.checkpoint_files import INDEX_FILE
+from meshserve.models import loader
 from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
 from meshserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from meshserve.models.registry import UnsupportedModelError
+from meshserve.utils.checkpoint_files import INDEX_FILE
 from tests.models.qwen3_checkpoints import hf_logits, make_checkpoint
 
 

@@ -16,8 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from meshserve.layers.metadata import AttentionMetadata
-from meshserve.models.factory import make_model
 from meshserve.layers.tensor_parallel import Shard
+from meshserve.models.factory import make_model
 from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, shard_weights
 from meshserve.models.qwen3 import Qwen3ForCausalLM
 from meshserve.parallel.context import ParallelContext

@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
-from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers.attention import PagedGQAAttention
+from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers.paged import write_to_cache
 from meshserve.models.loader import load_model
 from meshserve.models.qwen3 import Qwen3ForCausalLM

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from meshserve.models.factory import make_model
 from meshserve.layers.moe import FusedMoEWeights, fused_experts
+from meshserve.models.factory import make_model
 from meshserve.models.loader import load_model
 from meshserve.moe.placement import EMPTY, ExpertPlacement, PlacementShape
 from meshserve.moe.recorder import ExpertLoadCounter, add_counts

@@ -4,9 +4,9 @@ import math
 import pytest
 import yaml
 
-from meshserve.parallel import analyzer as az
-from meshserve.parallel.analyzer import (AnalyzerError, Cluster, Link, ModelSpec, Workload, analyze)
 from meshserve.entrypoints.plan import CLUSTER_PRESETS, MODEL_PRESETS, load_cluster_file, main
+from meshserve.parallel import analyzer as az
+from meshserve.parallel.analyzer import AnalyzerError, Cluster, Link, ModelSpec, Workload, analyze
 from meshserve.parallel.strategy import ParallelStrategy, enumerate_strategies
 
 # Toy numbers chosen so every expectation below is hand-computable.

@@ -43,8 +43,9 @@ def env_with(secret: str) -> dict[str, str]:
 def start_server(controller: str, secret: str, tmp_path, name: str) -> subprocess.Popen:
     env = env_with(secret)
     with open(tmp_path / f"{name}.log", "a") as log:
-        return subprocess.Popen([sys.executable, "-m", "meshserve.entrypoints.cli", "pool", "server", "--controller", controller,
-                                 "--bind", free_address(), "--dram-gb", "0.01", "--heartbeat", "0.2", "--id", name],
+        return subprocess.Popen([sys.executable, "-m", "meshserve.entrypoints.cli", "pool", "server",
+                                 "--controller", controller, "--bind", free_address(), "--dram-gb", "0.01",
+                                 "--heartbeat", "0.2", "--id", name],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
@@ -63,8 +64,8 @@ def test_a_server_without_the_secret_cannot_register(controller, tmp_path):
 
 
 def run_cli(args: list[str], secret: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshserve.entrypoints.cli", "pool", *args], capture_output=True, text=True,
-                          env=env_with(secret), timeout=60)
+    return subprocess.run([sys.executable, "-m", "meshserve.entrypoints.cli", "pool", *args],
+                          capture_output=True, text=True, env=env_with(secret), timeout=60)
 
 
 def test_the_cli_without_the_secret_is_refused_at_once(controller):

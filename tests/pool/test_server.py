@@ -10,9 +10,9 @@ import msgpack
 import pytest
 import zmq
 
-from meshserve.utils.processes import free_tcp_port, launch_module, stop_process
 from meshserve.pool import messages as m
 from meshserve.utils import cluster_auth
+from meshserve.utils.processes import free_tcp_port, launch, stop_process
 
 TIMEOUT_S = 15.0
 
@@ -90,9 +90,8 @@ class Client:
 
 
 def _start_server(server_id: str, port: int, controller: str, ssd_dir) -> object:
-    return launch_module("meshserve.pool.server", server_id=server_id, bind=f"tcp://127.0.0.1:{port}",
-                         controller=controller, dram_bytes=64 << 20, ssd_dir=str(ssd_dir),
-                         ssd_bytes=256 << 20, heartbeat_s=0.2)
+    return launch("pool-server", server_id=server_id, bind=f"tcp://127.0.0.1:{port}", controller=controller,
+                  dram_bytes=64 << 20, ssd_dir=str(ssd_dir), ssd_bytes=256 << 20, heartbeat_s=0.2)
 
 
 def _terminate(proc) -> int:

@@ -58,4 +58,4 @@ def test_a_process_with_the_secret_pulls_them_intact(source):
     done, dest = pull(descriptor, engine.tcp_address)
     assert done.error is None
     assert torch.equal(dest[:2], layers[1][[1, 3]])
-    assert [d["region"] for d in tcp_mod.describe_remote(engine.tcp_address, timeout=2.0)] == ["kv"]
+    assert tcp_mod.describe_remote(engine.tcp_address, timeout=2.0) == [descriptor]  # typed, validated on decode

@@ -72,15 +72,15 @@ def prefill_main(conn, name: str, use_shm: bool, midway) -> None:
             cmd = conn.recv()
             if cmd[0] == "corrupt":
                 bad_chunk = cmd[1]
-                engine.server.fault_hook = lambda i, p: bytes([p[0] ^ 0xFF]) + p[1:] if i == bad_chunk else p
+                engine.server.fault_hook = lambda i, p, bad=bad_chunk: bytes([p[0] ^ 0xFF]) + p[1:] if i == bad else p
             elif cmd[0] == "stall":
                 stall_at = cmd[1]  # a TCP chunk index, or the position of a layer in a dist read
                 release = threading.Event()  # a fresh gate: an earlier "heal" set the old one
 
-                def stall(i, payload):
-                    if i == stall_at:
+                def stall(i, payload, at=stall_at, gate=release):
+                    if i == at:
                         midway.set()
-                        release.wait(WAIT_S)
+                        gate.wait(WAIT_S)
                     return payload
 
                 engine.server.fault_hook = stall
@@ -253,7 +253,8 @@ def test_stalled_server_times_out_instead_of_hanging(cluster, backend):
         result = decode.ask("pull", "prefill", "gqa", [5], [0], [None])
         (done,) = result["waited"]
         assert done["status"] == "FAILED"
-        timed_out = f"timed out after {IO_TIMEOUT_S}s" if backend == "tcp" else f"Timed out waiting {IO_TIMEOUT_S * 1000:.0f}ms"
+        timed_out = (f"timed out after {IO_TIMEOUT_S}s" if backend == "tcp"
+                     else f"Timed out waiting {IO_TIMEOUT_S * 1000:.0f}ms")
         assert timed_out in done["error"], done["error"]
     finally:
         prefill.ask("heal")
@@ -308,7 +309,8 @@ def test_killed_dist_peer_fails_transfer_and_healthy_peer_still_serves(cluster):
         assert time.monotonic() - killed_at < IO_TIMEOUT_S + 1.0  # the io timeout bounds the wait at worst
         (done,) = result["waited"]
         assert done["status"] == "FAILED" and done["nbytes"] == 0
-        assert done["error"].startswith("TransferError: dist pull of region 'mla' from peer 'victim' at 127.0.0.1:"), done
+        pulled_from_victim = "TransferError: dist pull of region 'mla' from peer 'victim' at 127.0.0.1:"
+        assert done["error"].startswith(pulled_from_victim), done
         assert result["polled"] == result["waited"]
         assert all(not t.any() for t in result["layers"])  # nothing landed from the half-sent read
         # The broken link was dropped: the next pull tries to link again and is refused at once.

@@ -30,27 +30,48 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from meshserve.core.errors import EngineDeadError
 from meshserve.core.messages import EngineStats
-from meshserve.moe.placement import EMPTY as EMPTY_SLOT, ExpertPlacement
-from meshserve.router.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.outputs import RequestOutput
+from meshserve.entrypoints.openai.chat_prompt import ChatTemplateError, encode_chat
 from meshserve.entrypoints.openai.context_caches import (
-    DEFAULT_TTL_S, ContextCache, ContextCacheLimits, ContextCacheNotFound, ContextCacheQuotaExceeded,
-    ContextCacheStore, new_cache_id,
+    DEFAULT_TTL_S,
+    ContextCache,
+    ContextCacheLimits,
+    ContextCacheNotFound,
+    ContextCacheQuotaExceeded,
+    ContextCacheStore,
+    new_cache_id,
 )
-from meshserve.entrypoints.openai.errors import APIError, bad_request, from_exception, install_error_handlers, model_not_found
+from meshserve.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    engine_dead,
+    from_exception,
+    install_error_handlers,
+    model_not_found,
+)
 from meshserve.entrypoints.openai.generation import (
-    ClientDisconnected, EnginePrompt, GenerationRun, ServerStopping, unless_disconnected,
+    ClientDisconnected,
+    EnginePrompt,
+    GenerationRun,
+    ServerStopping,
+    unless_disconnected,
 )
 from meshserve.entrypoints.openai.http_guard import PRINCIPAL_SCOPE_KEY, Principal, RequestGuard, protocol_for
 from meshserve.entrypoints.openai.metrics import ServerMetrics
-from meshserve.entrypoints.openai.chat_prompt import ChatTemplateError, encode_chat
 from meshserve.entrypoints.openai.protocol import (
-    EPLB_REBALANCE_OPENAPI, ChatCompletionRequest, CompletionRequest, ContextCacheCreateRequest,
-    openapi_request_body, usage,
+    EPLB_REBALANCE_OPENAPI,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ContextCacheCreateRequest,
+    openapi_request_body,
+    usage,
 )
 from meshserve.entrypoints.openai.renderers import ChatRenderer, CompletionRenderer, Renderer
 from meshserve.entrypoints.openai.server_options import PROMPT_CHARS_PER_TOKEN, ServerOptions, check_bind
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.moe.placement import EMPTY as EMPTY_SLOT
+from meshserve.moe.placement import ExpertPlacement
+from meshserve.router.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
 
 logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
@@ -353,22 +374,20 @@ class OpenAIServing:
         detail = self.engine.health() if callable(getattr(self.engine, "health", None)) else {}
         if self.engine.healthy:
             return JSONResponse({"status": "ok", **detail})
-        error = APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
-                         code="engine_dead")
+        error = engine_dead(self.engine.dead_error or "unknown error")
         return JSONResponse({**detail, **error.to_dict()}, status_code=503)
 
     async def admin(self, op: str, args: dict | None = None) -> dict[str, Any]:
         """An operator command's result; a refused command is a 400 with the engine's reason."""
         if not self.engine.healthy:
-            raise APIError(503, f"The engine is not running: {self.engine.dead_error or 'unknown error'}",
-                           code="engine_dead")
+            raise engine_dead(self.engine.dead_error or "unknown error")
         try:
             reply = await self.engine.admin(op, args)
         except EngineDeadError as exc:
-            raise APIError(503, f"The engine is not running: {exc}", code="engine_dead") from None
+            raise engine_dead(exc) from None
         if not reply.ok:
             raise APIError(400, reply.error or f"{op} failed")
-        return reply.data
+        return reply.to_json()
 
     async def metrics_page(self) -> Response:
         await self.metrics.refresh(self.engine.get_stats)

@@ -87,10 +87,14 @@ def _contents_as_rendered(messages: list[dict[str, str]], skeleton: str, nonce: 
     raw = [m["content"] for m in messages]
     stripped = [c.strip() for c in raw]
     for contents in (raw, stripped):
-        filled = re.sub(f"\x00{nonce}:(\\d+)\x00", lambda match: contents[int(match.group(1))], skeleton)
-        if filled == text:
+        if _filled(skeleton, nonce, contents) == text:
             return contents
     return raw  # a template that rewrites contents: keep the user's own text
+
+
+def _filled(skeleton: str, nonce: str, contents: list[str]) -> str:
+    """The skeleton with each content marker replaced by its content."""
+    return re.sub(f"\x00{nonce}:(\\d+)\x00", lambda match: contents[int(match.group(1))], skeleton)
 
 
 def _encode_plain(tokenizer: Any, content: str) -> list[int]:

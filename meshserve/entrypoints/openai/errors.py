@@ -8,6 +8,7 @@ OpenAI's error types (`invalid_request_error`, `authentication_error`,
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -101,24 +102,33 @@ def _dotted(loc: tuple) -> str:
     return out
 
 
+def engine_dead(reason: object) -> APIError:
+    return APIError(503, f"The engine is not running: {reason}", code="engine_dead")
+
+
+def _queue_full(exc: QueueFullError, max_queue_hint: int | None) -> APIError:
+    limit = f" (at most {max_queue_hint} requests may wait)" if max_queue_hint else ""
+    reason = str(exc) or "the waiting queue is full"
+    return APIError(503, f"The server is overloaded: {reason}{limit}. Retry later.", code="queue_full")
+
+
+# the engine's errors (admission refusals included) by class; a subclass maps as its nearest listed base
+_ENGINE_ERRORS: dict[type[BaseException], Callable[[Any, int | None], APIError]] = {
+    APIError: lambda exc, _: exc,
+    ValidationError: lambda exc, _: from_validation_error(exc),
+    SamplingParamsError: lambda exc, _: bad_request(str(exc), param=exc.param),
+    RequestTooLongError: lambda exc, _: bad_request(str(exc), code="context_length_exceeded"),
+    InvalidRequestError: lambda exc, _: bad_request(str(exc)),  # e.g. a token id outside the vocabulary
+    QueueFullError: _queue_full,
+    EngineDeadError: lambda exc, _: engine_dead(exc),
+}
+
+
 def from_exception(exc: BaseException, *, max_queue_hint: int | None = None) -> APIError:
     """Map anything a request handler can raise to the status the client should see."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ValidationError):
-        return from_validation_error(exc)
-    if isinstance(exc, SamplingParamsError):
-        return bad_request(str(exc), param=exc.param)
-    if isinstance(exc, RequestTooLongError):
-        return bad_request(str(exc), code="context_length_exceeded")
-    if isinstance(exc, InvalidRequestError):  # the engine refused the request (e.g. a token id outside the vocabulary)
-        return bad_request(str(exc))
-    if isinstance(exc, QueueFullError):
-        limit = f" (at most {max_queue_hint} requests may wait)" if max_queue_hint else ""
-        reason = str(exc) or "the waiting queue is full"
-        return APIError(503, f"The server is overloaded: {reason}{limit}. Retry later.", code="queue_full")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    for cls in type(exc).__mro__:
+        if cls in _ENGINE_ERRORS:
+            return _ENGINE_ERRORS[cls](exc, max_queue_hint)
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
 

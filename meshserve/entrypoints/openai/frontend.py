@@ -9,19 +9,22 @@ from __future__ import annotations
 import logging
 import signal
 
+from meshserve.entrypoints.openai.server_options import server_options
+from meshserve.router.pd_heatmap import PDHeatmap
+
 logger = logging.getLogger(__name__)
 
 
 def make_job_executor(model: str, host: str, register_port: int, policy: str, heatmap_path: str | None,
                       predictor_path: str | None, served_model_name: str | None = None):
+    # keeps torch out of `meshserve` start-up: only a serving router needs it
     from meshserve.router.router import Router
 
     heatmap = predictor = None
     if heatmap_path:
-        from meshserve.router.pd_heatmap import PDHeatmap
-
         heatmap = PDHeatmap.load(heatmap_path)
     if predictor_path:
+        # keeps torch out of the router unless a predictor is given
         from meshserve.router.length_predictor import LengthPredictor
 
         predictor = LengthPredictor.load(predictor_path)
@@ -34,8 +37,8 @@ def run_frontend(model: str, host: str, port: int, register_port: int, policy: s
                  log_level: int = logging.INFO, server: dict | None = None) -> None:
     """An extra frontend process (started by `meshserve serve --deployment`); serves until SIGTERM.
     `server` holds the HTTP settings but the keys, which come from the environment."""
+    # start-up: fastapi and uvicorn only when serving
     from meshserve.entrypoints.openai.api_server import run_server
-    from meshserve.entrypoints.openai.server_options import server_options
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s frontend:{port} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
@@ -47,11 +50,3 @@ def run_frontend(model: str, host: str, port: int, register_port: int, policy: s
                    options=server_options(**(server or {})))
     finally:
         je.shutdown()
-
-
-if __name__ == "__main__":
-    import sys
-
-    from meshserve.utils.processes import module_arguments
-
-    run_frontend(**module_arguments(sys.argv))

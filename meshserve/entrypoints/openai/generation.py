@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 from starlette.requests import Request
 
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.outputs import CompletionOutput, RequestOutput
 from meshserve.entrypoints.openai.metrics import RequestTracker
-from meshserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from meshserve.entrypoints.openai.api_server import EngineClientProtocol
@@ -65,7 +65,7 @@ async def _next_or_none(stream: AsyncIterator[RequestOutput]) -> RequestOutput |
 
 
 class GenerationRun:
-    def __init__(self, engine: "EngineClientProtocol", prompts: list[EnginePrompt], request_id: str,
+    def __init__(self, engine: EngineClientProtocol, prompts: list[EnginePrompt], request_id: str,
                  priority: int, trackers: list[RequestTracker], stopping: asyncio.Event | None = None) -> None:
         self._engine = engine
         self._stopping = stopping

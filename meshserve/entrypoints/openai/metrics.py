@@ -99,7 +99,7 @@ class ServerMetrics:
         self._engine_stats = _EngineStatsCollector(self.token_rate)
         self.registry.register(self._engine_stats)
 
-    def track(self, arrival_time: float) -> "RequestTracker":
+    def track(self, arrival_time: float) -> RequestTracker:
         """A tracker for one engine request; `arrival_time` is on the time.monotonic() clock."""
         return RequestTracker(self, arrival_time)
 

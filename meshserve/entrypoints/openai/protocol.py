@@ -17,12 +17,19 @@ import copy
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
 )
 
+from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from meshserve.engine.outputs import PositionLogprobs
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
-from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
 # OpenAI's default for /v1/completions; chat generates until the context ends
@@ -122,7 +129,7 @@ class _SamplingRequest(_StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _check_common(self) -> "_SamplingRequest":
+    def _check_common(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.logit_bias:
@@ -208,7 +215,7 @@ class CompletionRequest(_SamplingRequest):
         return prompts
 
     @model_validator(mode="after")
-    def _check_completion(self) -> "CompletionRequest":
+    def _check_completion(self) -> CompletionRequest:
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -269,7 +276,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tools:
@@ -307,7 +314,7 @@ class ContextCacheCreateRequest(_StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ContextCacheCreateRequest":
+    def _one_source(self) -> ContextCacheCreateRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         return self

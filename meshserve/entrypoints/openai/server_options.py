@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
-import os
 from dataclasses import dataclass, field
 
 from meshserve.config import ConfigError
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
+from meshserve.utils import envs
 
-API_KEY_ENV = "MESHSERVE_API_KEY"
-ADMIN_KEY_ENV = "MESHSERVE_ADMIN_KEY"
+API_KEY_ENV = envs.MESHSERVE_API_KEY.name
+ADMIN_KEY_ENV = envs.MESHSERVE_ADMIN_KEY.name
 # a token is rarely longer than a few characters; 32 leaves room for long runs of spaces or digits
 PROMPT_CHARS_PER_TOKEN = 32
 _SECRET_FIELDS = ("api_keys", "admin_key")
@@ -118,11 +118,10 @@ def server_options_from_args(args: argparse.Namespace, environ: dict[str, str] |
 
 def server_options(environ: dict[str, str] | None = None, **kwargs) -> ServerOptions:
     """ServerOptions from keyword settings, the keys defaulting to the environment's."""
-    environ = os.environ if environ is None else environ
     if not kwargs.get("api_keys"):
-        kwargs["api_keys"] = tuple(k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip())
+        kwargs["api_keys"] = envs.api_keys(environ)
     if kwargs.get("admin_key") is None:
-        kwargs["admin_key"] = environ.get(ADMIN_KEY_ENV) or None
+        kwargs["admin_key"] = envs.admin_key(environ)
     kwargs["api_keys"] = tuple(kwargs["api_keys"])
     return ServerOptions(**kwargs)
 

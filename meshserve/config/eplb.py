@@ -1,0 +1,19 @@
+"""Expert load balancing (xdeepserve §4.5): redundant experts, load recording, rebalancing."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from meshserve.config.base import ConfigStruct
+
+
+class EplbConfig(ConfigStruct, frozen=True):
+    eplb_redundant_experts: Annotated[int, Meta(
+        ge=0, description="redundant expert slots per EP rank (replicas of hot experts)")] = 0
+    eplb_slice_s: Annotated[float, Meta(gt=0, description="length of one expert-load recording slice (s)")] = 10.0
+    eplb_interval_s: Annotated[float, Meta(
+        gt=0, description="rebalance automatically this often from the recorded load (s; default: never)")
+    ] | None = None
+    eplb_placement: Annotated[str, Meta(
+        description="placement JSON applied before serving (may move primary experts too)")] | None = None

@@ -1,0 +1,18 @@
+"""Which model an engine serves, and on what."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from meshserve.config.base import ConfigStruct
+
+
+class ModelConfig(ConfigStruct, frozen=True):
+    model: Annotated[str, Meta(description="HF-format model directory")]
+    served_model_name: Annotated[str, Meta(
+        description="the model's name in the API (default: the model directory's name)")] | None = None
+    dtype: Annotated[Literal["float32", "bfloat16", "float16", "auto"], Meta(
+        description="weight and activation dtype (auto: the checkpoint's)")] = "float32"
+    device: Annotated[str, Meta(description="torch device the ranks run on (cpu, cuda)")] = "cpu"
+    seed: Annotated[int, Meta(description="the engine's random seed")] = 0

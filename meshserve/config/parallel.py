@@ -1,0 +1,62 @@
+"""How an engine's ranks are laid out: the parallel strategy, collectives, and where the ranks run."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from meshserve.config.base import ConfigError, ConfigStruct
+from meshserve.parallel.strategy import ParallelStrategy, StrategyError, parse_strategy
+
+DEFAULT_ENGINE_PORT = 29600  # where a master with remote ranks listens for them (`meshserve worker`)
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+
+
+class ParallelConfig(ConfigStruct, frozen=True):
+    parallel: Annotated[str, Meta(
+        description="parallel strategy, one worker per rank (MixServe grammar, e.g. 'attn=TP1+DP2 moe=TP1+EP2')")
+    ] = "attn=TP1+DP1 moe=TP1+EP1"
+    moe_comm: Annotated[Literal["fused", "sync"], Meta(
+        description="hybrid TP-EP collectives: fused (MixServe Alg. 1-2, overlapped) or sync")] = "fused"
+    int8_dispatch: Annotated[bool, Meta(
+        description="INT8 expert-parallel dispatch (per-token scale); combine stays full precision")] = False
+    dist_backend: Annotated[Literal["gloo", "nccl"], Meta(
+        description="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")] | None = None
+    num_threads: Annotated[int, Meta(
+        ge=1, description="torch threads per worker (default: the cores divided among the ranks)")] | None = None
+    local_ranks: Annotated[int, Meta(
+        ge=1, description="ranks the master starts on this host; the others join with `meshserve worker "
+                          "--engine tcp://MASTER_ADDR:ENGINE_PORT --rank R` (default: all)")] | None = None
+    master_addr: Annotated[str, Meta(
+        description="this host's address as the other hosts reach it (MASTER_ADDR)")] = "127.0.0.1"
+    engine_port: Annotated[Port, Meta(
+        description="with remote ranks: the port they connect to the master on")] = DEFAULT_ENGINE_PORT
+    master_port: Annotated[Port, Meta(
+        description="torch.distributed rendezvous port on this host (MASTER_PORT; default: a free one)")
+    ] | None = None
+    startup_timeout_s: Annotated[float, Meta(
+        gt=0, description="seconds the engine waits for its workers to start")] = 300.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        world = self.world_size  # parses `parallel`, raising ConfigError on a bad strategy
+        if self.local_ranks is not None and self.local_ranks > world:
+            raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
+                              f"master), got {self.local_ranks}")
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        try:
+            return parse_strategy(self.parallel)
+        except StrategyError as exc:
+            raise ConfigError(f"bad parallel strategy {self.parallel!r}: {exc}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def num_local_ranks(self) -> int:
+        """Ranks the master starts on its own host; the rest join with `meshserve worker`."""
+        return self.world_size if self.local_ranks is None else self.local_ranks

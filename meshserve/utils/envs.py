@@ -1,0 +1,96 @@
+"""Every environment variable meshserve reads: its name, default and meaning, and a typed accessor.
+
+Code reads the environment through these accessors only (a test holds every other module to it), and
+the README's "Environment variables" section lists `ENV_VARS`. Each accessor reads the environment when
+called, so a variable set after start-up (a test's monkeypatch, `--cluster-secret-file`) is seen. Setting a
+variable for child processes to inherit is not reading and stays where it happens.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None  # None: unset unless the environment sets it
+    meaning: str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> str | None:
+        return (os.environ if environ is None else environ).get(self.name, self.default)
+
+
+MESHSERVE_API_KEY = EnvVar(
+    "MESHSERVE_API_KEY", None,
+    "API key(s) the HTTP server requires, comma-separated for several (what `--api-key` gives); "
+    "keeps the keys out of the process listing")
+MESHSERVE_ADMIN_KEY = EnvVar(
+    "MESHSERVE_ADMIN_KEY", None,
+    "the key guarding `/admin/*` and the context-cache listing; `meshserve eplb` sends it too")
+MESHSERVE_CLUSTER_SECRET = EnvVar(
+    "MESHSERVE_CLUSTER_SECRET", None,
+    "the cluster secret every internal TCP socket authenticates with, given directly")
+MESHSERVE_CLUSTER_SECRET_FILE = EnvVar(
+    "MESHSERVE_CLUSTER_SECRET_FILE", None,
+    "a file holding the cluster secret (`--cluster-secret-file` sets it for the processes it starts)")
+MESHSERVE_CACHE = EnvVar(
+    "MESHSERVE_CACHE", "~/.cache/meshserve",
+    "where generated models and the default cluster secret file live")
+MESHSERVE_CPU_KERNELS = EnvVar(
+    "MESHSERVE_CPU_KERNELS", "1",
+    "0 turns the native CPU kernels off (the torch path runs instead)")
+MASTER_ADDR = EnvVar(
+    "MASTER_ADDR", None,
+    "`meshserve worker`: the master's host when `--engine` is not given (torch's name for it)")
+RANK = EnvVar(
+    "RANK", None,
+    "`meshserve worker`: this worker's rank when `--rank` is not given (torch's name for it)")
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
+    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MASTER_ADDR, RANK,
+)
+
+
+def api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    return tuple(k.strip() for k in (MESHSERVE_API_KEY.get(environ) or "").split(",") if k.strip())
+
+
+def admin_key(environ: Mapping[str, str] | None = None) -> str | None:
+    return MESHSERVE_ADMIN_KEY.get(environ) or None
+
+
+def cluster_secret() -> str | None:
+    return MESHSERVE_CLUSTER_SECRET.get()
+
+
+def cluster_secret_file() -> str | None:
+    return MESHSERVE_CLUSTER_SECRET_FILE.get()
+
+
+def cache_dir() -> Path:
+    return Path(MESHSERVE_CACHE.get() or MESHSERVE_CACHE.default).expanduser()
+
+
+def cpu_kernels_enabled() -> bool:
+    return MESHSERVE_CPU_KERNELS.get() != "0"
+
+
+def master_addr() -> str | None:
+    return MASTER_ADDR.get() or None
+
+
+def rank() -> int | None:
+    """RANK as a number; None when unset or not a non-negative integer."""
+    value = (RANK.get() or "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def markdown_table() -> str:
+    """The README's table of ENV_VARS (a test checks the README against it)."""
+    rows = [f"| `{v.name}` | {f'`{v.default}`' if v.default is not None else 'unset'} | {v.meaning} |"
+            for v in ENV_VARS]
+    return "\n".join(["| variable | default | meaning |", "| --- | --- | --- |", *rows])

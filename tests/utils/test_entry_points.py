@@ -1,0 +1,72 @@
+"""Every process entry point and every `meshserve` subcommand handler imports: a moved file fails here."""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from meshserve.entrypoints.cli import build_parser
+from meshserve.utils.processes import PROCESS_ENTRY_POINTS, entry_point
+
+
+@pytest.mark.parametrize("name", sorted(PROCESS_ENTRY_POINTS))
+def test_every_process_entry_point_imports(name):
+    function = entry_point(PROCESS_ENTRY_POINTS[name])
+    assert callable(function)
+    # launch passes JSON keyword arguments: the function must take them by name
+    assert all(p.kind is not inspect.Parameter.POSITIONAL_ONLY for p in inspect.signature(function).parameters.values())
+
+
+def test_the_runner_refuses_what_the_table_does_not_name():
+    command = [sys.executable, "-m", "meshserve.utils.processes", "os:system", json.dumps({"command": "true"})]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "not a meshserve entry point: 'os:system'" in done.stderr
+
+
+def _subcommands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    """(command words, parser) for every leaf subcommand, nested ones (`bench offline`) included."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not actions:
+        yield prefix, parser
+    for action in actions:
+        for word, sub in action.choices.items():
+            yield from _subcommands(sub, (*prefix, word))
+
+
+def _local_imports(function) -> list[tuple[str, str | None]]:
+    """(module, name) for each import inside `function`'s body (handlers import their command lazily)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+    return found
+
+
+SUBCOMMANDS = sorted(_subcommands(build_parser()), key=lambda item: item[0])
+
+
+def test_the_cli_has_its_subcommands():
+    words = {words[0] for words, _ in SUBCOMMANDS}
+    assert {"serve", "te", "worker", "make-model", "plan", "pool", "bench"} <= words
+
+
+@pytest.mark.parametrize("words,parser", SUBCOMMANDS, ids=[" ".join(words) for words, _ in SUBCOMMANDS])
+def test_every_cli_subcommand_handler_imports(words, parser):
+    handler = parser.get_default("func")
+    assert callable(handler), f"`meshserve {' '.join(words)}` has no handler"
+    for module, name in _local_imports(inspect.unwrap(handler)):
+        imported = importlib.import_module(module)
+        if name is not None and name != "*":
+            assert hasattr(imported, name) or importlib.util.find_spec(f"{module}.{name}"), f"{module}.{name}"

@@ -1,0 +1,73 @@
+"""The environment variables meshserve reads are listed in one module and in the README, and read only there."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from meshserve.utils import envs
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "meshserve"
+ENVS_MODULE = PACKAGE / "utils" / "envs.py"
+
+
+def test_the_readme_lists_every_variable_as_envs_does():
+    readme = (ROOT / "README.md").read_text()
+    assert envs.markdown_table() in readme
+    for var in envs.ENV_VARS:
+        assert f"`{var.name}`" in readme
+
+
+def _environment_reads(tree: ast.AST) -> list[tuple[int, ast.expr | None]]:
+    """(line, key expression) of every read of the environment: os.environ.get / [..] / in, os.getenv."""
+    reads = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = ast.unparse(node.func)
+            if target in ("os.environ.get", "os.getenv", "environ.get", "getenv"):
+                reads.append((node.lineno, node.args[0] if node.args else None))
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and ast.unparse(node.value) in ("os.environ", "environ"):
+            reads.append((node.lineno, node.slice))
+        elif isinstance(node, ast.Compare) and any(ast.unparse(c) in ("os.environ", "environ")
+                                                   for c in node.comparators):
+            reads.append((node.lineno, node.left))
+    return reads
+
+
+def test_no_module_but_envs_reads_a_meshserve_variable():
+    """Outside envs.py a read must name its variable literally, and never a MESHSERVE_* one."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == ENVS_MODULE:
+            continue
+        for line, key in _environment_reads(ast.parse(path.read_text(), str(path))):
+            literal = isinstance(key, ast.Constant) and isinstance(key.value, str)
+            if not literal or key.value.startswith("MESHSERVE_") or key.value in {v.name for v in envs.ENV_VARS}:
+                offenders.append(f"{path.relative_to(ROOT)}:{line}")
+    assert offenders == []
+
+
+def test_the_read_check_sees_the_ways_code_reads_the_environment():
+    tree = ast.parse("import os\nos.environ.get('MESHSERVE_X')\nos.getenv(NAME)\nos.environ['RANK']\n"
+                     "'A' in os.environ\nos.environ['PATH'] = 'x'\n")
+    keys = [ast.unparse(key) for _, key in _environment_reads(tree)]
+    assert sorted(keys) == sorted(["'MESHSERVE_X'", "NAME", "'RANK'", "'A'"])  # the assignment is no read
+
+
+@pytest.mark.parametrize("value, keys", [("", ()), ("a", ("a",)), (" a , b,,", ("a", "b"))])
+def test_api_keys_split_on_commas(value, keys):
+    assert envs.api_keys({"MESHSERVE_API_KEY": value}) == keys
+
+
+def test_accessors_read_the_environment_when_called(monkeypatch, tmp_path):
+    monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path))
+    assert envs.cache_dir() == tmp_path
+    monkeypatch.setenv("RANK", "3")
+    assert envs.rank() == 3
+    monkeypatch.setenv("RANK", "three")
+    assert envs.rank() is None
+    monkeypatch.setenv("MESHSERVE_CPU_KERNELS", "0")
+    assert not envs.cpu_kernels_enabled()

@@ -1,0 +1,211 @@
+"""A TE spanning "hosts": the master starts rank 0 and rank 1 joins on its own with
+`meshserve worker --engine tcp://HOST:PORT --rank 1` (loopback here, as another host would).
+
+One world serves every case that leaves it healthy (same greedy tokens as the single-rank
+engine, refused ranks); killing the remote rank comes last and ends it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from meshserve import LLM, SamplingParams
+from meshserve.config import EngineConfig
+from meshserve.core import messages as msg
+from meshserve.core.errors import EngineDeadError
+from meshserve.core.remote_ranks import RemoteRanks
+from meshserve.utils import cluster_auth
+from meshserve.utils.processes import launch, stop_process
+
+PARALLEL = "attn=TP1+DP2 moe=TP1+EP2"
+ENGINE_ARGS = dict(max_num_batched_tokens=64, block_size=8, max_num_seqs=8, num_kv_blocks=128)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[101, 2000, 3000, 77, 5], list(range(200, 260)), [9, 8, 7], list(range(1000, 1033))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_command(port: int, rank: int) -> list[str]:
+    return [sys.executable, "-m", "meshserve.entrypoints.cli", "--log-level", "warning", "worker",
+            "--engine", f"tcp://127.0.0.1:{port}", "--rank", str(rank), "--timeout", "60"]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return str(tiny_model("deepseek_v3", seed=3))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    with LLM(model=model_dir, **ENGINE_ARGS) as llm:
+        return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def remote_te(model_dir, tmp_path_factory):
+    """(LLM, the remote rank's process, the master's port for remote ranks)."""
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("remote") / "worker-1.log", "w")
+    # started before the master on purpose: a rank waits for its master to come up
+    remote = subprocess.Popen(_worker_command(port, 1), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        llm = LLM(model=model_dir, **ENGINE_ARGS, parallel=PARALLEL, local_ranks=1, engine_port=port,
+                  startup_timeout_s=60)
+    except BaseException:
+        _stop(remote)
+        log.close()
+        raise
+    try:
+        yield llm, remote, port
+    finally:
+        llm.shutdown()
+        try:
+            remote.wait(15)  # the master's Shutdown ends a live remote rank on its own
+        finally:
+            _stop(remote)
+            log.close()
+
+
+def test_remote_rank_gives_the_single_rank_tokens(remote_te, reference):
+    llm, remote, _ = remote_te
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [out.outputs[0].token_ids for out in outs] == reference
+    assert all(out.outputs[0].finish_reason == "length" for out in outs)
+    assert remote.poll() is None
+
+
+def test_wrong_ranks_are_refused_with_one_line(remote_te, reference):
+    llm, remote, port = remote_te
+    cases = {5: "rank 5 is outside this engine's world of 2 ranks (0..1)",
+             0: "rank 0 is started by the engine itself; it expects remote rank(s) 1",
+             1: "rank 1 has already joined this engine"}
+    procs = {rank: subprocess.Popen(_worker_command(port, rank), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in cases}
+    try:
+        for rank, expected in cases.items():
+            _, err = procs[rank].communicate(timeout=60)
+            assert procs[rank].returncode == 2
+            lines = err.strip().splitlines()
+            assert len(lines) == 1, err
+            assert lines[0].startswith(f"meshserve: error: the engine at tcp://127.0.0.1:{port} refused rank {rank}")
+            assert lines[0].endswith(expected)
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+    # the refusals left the engine as it was
+    assert remote.poll() is None
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == reference[0]
+
+
+def test_killing_the_remote_rank_fails_in_flight_requests(remote_te):
+    llm, remote, _ = remote_te
+    long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)  # fits the 128 blocks of 8
+    timer = threading.Timer(1.5, os.kill, args=(remote.pid, signal.SIGKILL))
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match="remote worker 1 disconnected"):
+            llm.generate([[5, 6, 7], [8, 9, 10, 11]], long)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 30
+    assert remote.wait(10) == -signal.SIGKILL  # it was killed mid-generation, not finished
+    assert llm.get_stats().healthy is False
+
+
+def test_start_up_fails_naming_a_remote_rank_that_never_joins(model_dir, tmp_path):
+    """The master's own verdict, read off its output socket (a client gives up on its own clock)."""
+    config = EngineConfig.from_kwargs(model_dir, **ENGINE_ARGS, parallel=PARALLEL, local_ranks=1,
+                          engine_port=_free_port(), startup_timeout_s=3)
+    ctx = zmq.Context()
+    to_master, from_master = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_master.bind(f"ipc://{tmp_path}/input")
+    from_master.bind(f"ipc://{tmp_path}/output")
+    master = launch("master", config=config.to_dict(), input_addr=f"ipc://{tmp_path}/input",
+                    output_addr=f"ipc://{tmp_path}/output", ipc_dir=str(tmp_path), log_level=logging.CRITICAL)
+    try:
+        assert from_master.poll(30_000), "the master said nothing"
+        error = msg.decode(from_master.recv())
+        assert isinstance(error, msg.EngineError)
+        assert "remote worker rank(s) [1] did not join within 3s" in error.message
+        port = config.parallel_config.engine_port
+        assert f"meshserve worker --engine tcp://127.0.0.1:{port} --rank R" in error.message
+        assert master.wait(30) == 1  # it stopped its own rank 0 and exited
+    finally:
+        stop_process(master, grace_s=5)
+        to_master.close(0)
+        from_master.close(0)
+        ctx.term()
+
+
+def test_master_side_answers_strangers_and_notices_a_dropped_rank():
+    """The handshake and liveness machinery alone, without processes: quick and deterministic."""
+    config = EngineConfig.from_kwargs("unused", parallel=PARALLEL, local_ranks=1, engine_port=_free_port())
+    ctx = zmq.Context()
+    works = [ctx.socket(zmq.PUSH) for _ in range(2)]
+    addrs = [f"tcp://127.0.0.1:{w.bind_to_random_port('tcp://127.0.0.1')}" for w in works]
+    ranks = RemoteRanks(ctx, config, works, addrs, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+    peer = cluster_auth.client(ctx.socket(zmq.DEALER))
+    peer.connect(ranks.endpoint)
+    rank_work = ctx.socket(zmq.PULL)
+
+    def ask(payload: bytes) -> msg.WorkerHandshake:
+        peer.send(payload)
+        for _ in range(100):  # bounded: 5 s
+            ranks.answer_handshakes()
+            if peer.poll(50):
+                return msg.decode(peer.recv())
+        raise AssertionError("no answer")
+
+    try:
+        assert ask(b"not msgpack").error == "expected an WorkerHandshake message"
+        assert ask(msg.encode(msg.Shutdown())).error == "expected an WorkerHandshake message"
+        assert ranks.missing() == [1]
+        joined = ask(msg.encode(msg.WorkerHandshake(rank=1)))
+        assert joined.error is None and joined.work_addr == addrs[1] and joined.dist_init_method == "tcp://127.0.0.1:2"
+        assert joined.config == config
+        assert ranks.missing() == []
+        rank_work.connect(joined.work_addr)
+        for _ in range(100):
+            ranks.lost_rank()
+            if ranks.monitors[1].connected:
+                break
+            time.sleep(0.05)
+        assert ranks.monitors[1].connected and ranks.lost_rank() is None
+        rank_work.close(0)  # the rank's process goes away
+        lost = None
+        for _ in range(100):
+            lost = ranks.lost_rank()
+            if lost is not None:
+                break
+            time.sleep(0.05)
+        assert lost == 1
+    finally:
+        ranks.close()
+        for sock in (peer, rank_work, *works):
+            sock.close(0)
+        ctx.term()
