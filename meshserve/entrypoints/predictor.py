@@ -24,7 +24,7 @@ from meshserve.bench.workload import make_offline_workload, parse_range, special
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
 from meshserve.core.errors import EngineDeadError, QueueFullError
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.router.length_predictor import DEFAULT_BUCKET_TOKENS, LengthExample, LengthPredictor, bucket_of
+from meshserve.router.length_examples import DEFAULT_BUCKET_TOKENS, LengthExample, bucket_of
 from meshserve.utils import report
 
 # the prompts' and the samplers' seeds are derived from --seed, apart from each other
@@ -115,6 +115,8 @@ def _train(args: argparse.Namespace) -> int:
     train_set, held_out = split_examples(examples, args.held_out, args.seed)
     if args.progress:
         log(f"training on {len(train_set)} requests ({args.epochs} epochs), holding out {len(held_out)}")
+    from meshserve.router.length_predictor import LengthPredictor  # keeps torch out of the CLI's start-up
+
     start = time.perf_counter()
     predictor = LengthPredictor.train(train_set, bucket_tokens=args.bucket_tokens, epochs=args.epochs,
                                       seed=args.seed, hidden=args.hidden)

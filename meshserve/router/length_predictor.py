@@ -26,29 +26,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshserve.router.length_examples import DEFAULT_BUCKET_TOKENS, LengthExample, bucket_of
+
 FORMAT = "meshserve-length-predictor"
 VERSION = 1
-DEFAULT_BUCKET_TOKENS = 128
 DEFAULT_FEATURE_DIM = 4096
 # numbers of the hash below: odd 64-bit constants (splitmix64), and a salt that keeps bigrams off unigram slots
 _MIX_A = np.uint64(0xBF58476D1CE4E5B9)
 _MIX_B = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _BIGRAM_SALT = np.uint64(0x632BE59BD9B4E019)
-
-
-@dataclass(frozen=True)
-class LengthExample:
-    """One observed request: its prompt, the max_tokens it asked for, and how many tokens it got."""
-
-    prompt_token_ids: Sequence[int]
-    max_tokens: int
-    output_tokens: int
-
-
-def bucket_of(tokens: int, bucket_tokens: int) -> int:
-    """The bucket of an output length: (k*B, (k+1)*B] -> k; 0 tokens -> 0."""
-    return max(int(tokens) - 1, 0) // bucket_tokens
 
 
 def _mix(values: np.ndarray) -> np.ndarray:
