@@ -37,6 +37,7 @@ from msgspec import field
 
 from meshserve.config import EngineConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.utils.framing import FrameCodec
 
 logger = logging.getLogger(__name__)
 
@@ -615,18 +616,16 @@ _MESSAGE_TYPES = {
 }
 
 
-_ENCODER = msgspec.msgpack.Encoder()
-_ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
-_DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _MESSAGE_TYPES.items()}
-
-
 def encode(msg: Message) -> bytes:
-    return _ENCODER.encode((type(msg).__name__, msg))
+    return _CODEC.encode(msg)
 
 
 # ---------------------------------------------------------------- decoding and validation
 class MessageError(ValueError):
     """A frame that is not a valid message: its receiver logs it, counts it and drops it."""
+
+
+_CODEC = FrameCodec(_MESSAGE_TYPES.values(), MessageError, "message")
 
 
 # the largest frame any internal socket takes: far above the largest legitimate message (a step
@@ -701,17 +700,9 @@ def decode(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     (a MessageError) for a request that can still be answered."""
     if len(data) > max_bytes:
         raise MessageError(f"a frame of {len(data)} bytes exceeds the limit of {max_bytes}")
+    name, fields = _CODEC.open(data)
     try:
-        name, fields = _ENVELOPE.decode(data)
-    except msgspec.ValidationError:
-        raise MessageError("not a [message type, fields] pair") from None
-    except Exception as exc:  # noqa: BLE001 - bad bytes must only ever be a MessageError
-        raise MessageError(f"not msgpack: {type(exc).__name__}: {exc}") from None
-    decoder = _DECODERS.get(name)
-    if decoder is None:
-        raise MessageError(f"unknown message type {name[:64]!r}")
-    try:
-        return decoder.decode(fields)
+        return _CODEC.decode_fields(name, fields)
     except msgspec.ValidationError as exc:
         raise _refusal(name, fields, str(exc)) from None
     except msgspec.DecodeError as exc:

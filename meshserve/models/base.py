@@ -1,15 +1,6 @@
-"""The contract between the engine's runner and every model (batch layout: `meshserve.layers.metadata`).
+"""The contract between the engine's runner and every model.
 
-Tokens of a batch are flattened into one dimension (T tokens in all). Sequences
-appear in the order the runner lays them out: first the `num_decodes` decode
-sequences (one new token each, their context already in the paged cache), then
-the prefill sequences (one or more new tokens each; a prefill may continue a
-chunk or start after a prefix-cache hit, so it can also have earlier context
-in the cache).
-
-The KV cache is one tensor per attention layer, shaped
-`[num_blocks, block_size, *layout.entry_shape]`. A token at flat slot `s` lives
-at `cache.view(-1, *entry_shape)[s]`, with `s = block_id * block_size + offset`.
+How a batch and its paged KV cache are laid out is `meshserve.layers.metadata`.
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import msgspec
 
+from meshserve.utils.framing import FrameCodec
+
 
 class PoolMessage(msgspec.Struct, forbid_unknown_fields=True):
     """Base of every pool message: a frame naming a field the receiver's struct lacks is refused."""
@@ -148,17 +150,15 @@ _TYPES = {cls.__name__: cls for cls in (
     Put, PutReply, Get, GetReply, Exists, ExistsReply, Delete, DeleteReply, ServerStatsQuery, ServerStats,
     Register, RegisterReply, Heartbeat, ViewQuery, View, CreateNamespace, NamespaceReply, Error)}
 
-_ENCODER = msgspec.msgpack.Encoder()
-_ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
-_DECODERS = {name: msgspec.msgpack.Decoder(cls) for name, cls in _TYPES.items()}
-
-
 def encode(message: PoolMessage) -> bytes:
-    return _ENCODER.encode((type(message).__name__, message))
+    return _CODEC.encode(message)
 
 
 class PoolMessageError(ValueError):
     """A frame that is not a well-formed pool message."""
+
+
+_CODEC = FrameCodec(_TYPES.values(), PoolMessageError, "pool message")
 
 
 decode_errors = 0  # frames refused by `decode` in this process (a metric)
@@ -176,16 +176,8 @@ def decode(data: bytes) -> PoolMessage:
 
 
 def _decode(data: bytes) -> PoolMessage:
+    name, fields = _CODEC.open(data)
     try:
-        name, fields = _ENVELOPE.decode(data)
-    except msgspec.ValidationError:
-        raise PoolMessageError("a pool message is [type name, fields]") from None
-    except Exception as exc:  # noqa: BLE001 - bad bytes must only ever be a PoolMessageError
-        raise PoolMessageError(f"not a msgpack frame ({type(exc).__name__})") from None
-    decoder = _DECODERS.get(name)
-    if decoder is None:
-        raise PoolMessageError(f"unknown pool message {name[:64]!r}")
-    try:
-        return decoder.decode(fields)
+        return _CODEC.decode_fields(name, fields)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PoolMessageError(f"{name}: {exc}") from None
