@@ -13,6 +13,7 @@ from meshserve.bench.offline import OfflineOptions, plot_offline, run_offline_be
 from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 from meshserve.bench.pd import add_pd_arguments
 from meshserve.bench.routing import add_routing_arguments
+from meshserve.bench.spec import add_spec_arguments
 from meshserve.bench.workload import WorkloadError, make_offline_workload, parse_range, special_token_ids
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
 from meshserve.models.factory import ensure_default_model
@@ -21,8 +22,8 @@ from meshserve.utils import report
 
 
 def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd` and
-    `routing` to the `bench` subcommand's subparsers."""
+    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd`,
+    `routing` and `spec` to the `bench` subcommand's subparsers."""
     # keeps torch out of importing this module: these benchmarks load it at import
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
@@ -65,6 +66,9 @@ def register_bench_commands(subparsers) -> None:
     add_routing_arguments(subparsers.add_parser(
         "routing", help="the job executor's routing policies on one deployment with shared prefixes: "
                         "JCT, TTFT, TPOT, prefix-cache hit rate"))
+    add_spec_arguments(subparsers.add_parser(
+        "spec", help="MTP speculative decoding against plain decoding per batch size and k: decode tokens/s, "
+                     "TPOT, acceptance per draft position, and where drafting stops paying"))
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

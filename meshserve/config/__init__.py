@@ -1,5 +1,5 @@
 """Engine settings, shared by the CLI, the offline `LLM` and every engine process: one struct per concern
-(model, cache, scheduler, parallel, EPLB, pool, KV transfer) composed into `EngineConfig`."""
+(model, cache, scheduler, parallel, EPLB, pool, KV transfer, speculative decoding) composed into `EngineConfig`."""
 from meshserve.config.base import ConfigError, ConfigStruct, Setting, settings_of
 from meshserve.config.cache import CacheConfig
 from meshserve.config.deployment import Deployment, read_deployment_yaml
@@ -10,9 +10,10 @@ from meshserve.config.model import ModelConfig
 from meshserve.config.parallel import DEFAULT_ENGINE_PORT, ParallelConfig
 from meshserve.config.pool import PoolConfig
 from meshserve.config.scheduler import SchedulerConfig
+from meshserve.config.speculative import SpeculativeConfig
 
 __all__ = [
     "CONCERNS", "CONCERN_OF", "DEFAULT_ENGINE_PORT", "CacheConfig", "ConfigError", "ConfigStruct", "Deployment",
     "EngineConfig", "EplbConfig", "KVTransferConfig", "ModelConfig", "ParallelConfig", "PoolConfig",
-    "SchedulerConfig", "Setting", "engine_settings", "read_deployment_yaml", "settings_of",
+    "SchedulerConfig", "Setting", "SpeculativeConfig", "engine_settings", "read_deployment_yaml", "settings_of",
 ]

@@ -20,6 +20,7 @@ from meshserve.config.model import ModelConfig
 from meshserve.config.parallel import ParallelConfig
 from meshserve.config.pool import PoolConfig
 from meshserve.config.scheduler import SchedulerConfig
+from meshserve.config.speculative import SpeculativeConfig
 
 
 class EngineConfig(ConfigStruct, frozen=True):
@@ -30,6 +31,7 @@ class EngineConfig(ConfigStruct, frozen=True):
     eplb_config: EplbConfig = msgspec.field(default_factory=EplbConfig)
     pool_config: PoolConfig = msgspec.field(default_factory=PoolConfig)
     kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
+    speculative_config: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     te_name: Annotated[str, Meta(
         description="this engine's name in a deployment (transfer peers and routing tables use it)")] = "te"
 
@@ -72,7 +74,7 @@ class EngineConfig(ConfigStruct, frozen=True):
 CONCERNS: dict[str, type[ConfigStruct]] = {
     "model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig, "eplb_config": EplbConfig, "pool_config": PoolConfig,
-    "kv_transfer_config": KVTransferConfig,
+    "kv_transfer_config": KVTransferConfig, "speculative_config": SpeculativeConfig,
 }
 # flat setting name -> the attribute of its concern (None: EngineConfig's own field)
 CONCERN_OF: dict[str, str | None] = {

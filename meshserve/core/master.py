@@ -35,6 +35,7 @@ from meshserve.core.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.core.request import Request
 from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from meshserve.core.scheduler import Scheduler
+from meshserve.core.spec_controller import SpeculationController
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import PlacementShape, load_placement_file
 from meshserve.utils import cluster_auth
@@ -229,13 +230,18 @@ class EngineCore:
         # remote KV (memory pool, prefill -> decode) comes through KV connectors, one set per DP group
         self.kv_connectors = KVConnectors(config, ready, self.kv_managers, link.listen_addr, link.send_to)
         scheduler_config = msgspec.structs.replace(config.scheduler_config, max_model_len=self.max_model_len)
-        self.schedulers = [Scheduler(scheduler_config, kv_manager, self.kv_connectors.per_group[group])
+        self.spec_config = config.speculative_config
+        self.spec_controller = SpeculationController(self.spec_config.speculative_max_batch)
+        self.schedulers = [Scheduler(scheduler_config, kv_manager, self.kv_connectors.per_group[group],
+                                     num_speculative_tokens=self.spec_config.num_draft_tokens)
                            for group, kv_manager in enumerate(self.kv_managers)]
         # requests no DP group has taken yet (DP > 1 only), in queue order; and where each placed one went
         self.pending: list[Request] = []
         self._pending_seq = 0
         self._pending_keys: dict[str, tuple] = {}  # queue order: priority, then arrival
         self.owner: dict[str, int] = {}
+        # under speculative decoding a step that drafts is never overlapped: how many drafts the next step
+        # accepts decides the inputs of the one after (see _may_schedule)
         self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
         self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
         self.dead_error: str | None = None
@@ -535,6 +541,7 @@ class EngineCore:
         if item.step_id != sched.step_id:
             self._fail(f"DP group {group} returned step {item.step_id}, expected {sched.step_id}")
             return
+        self._observe_speculation(sched, item)
         deltas = self.schedulers[group].update_from_output(sched, item)
         if self.dp_size > 1:
             for delta in deltas:
@@ -592,13 +599,23 @@ class EngineCore:
     def _steps_in_flight(self) -> int:
         return max(len(queue) for queue in self.in_flight)
 
+    def _may_schedule(self) -> bool:
+        """Room in the pipeline, and no drafting step in flight (its drafts are verified by the next step, which
+        produces a number of tokens per sequence only its output tells)."""
+        if self._steps_in_flight() >= self.pipeline_depth:
+            return False
+        if self.config.kv_transfer_config.kv_transfer == "producer":  # a prefill TE fills the MTP cache, never drafts
+            return True
+        return not any(queue and queue[-1].num_draft_tokens for queue in self.in_flight)
+
     def _has_work(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.schedulers)
 
     def _schedule(self) -> None:
         if self.dp_size > 1 and self.dead_error is None:
             self._place_pending()
-        while self.dead_error is None and self._steps_in_flight() < self.pipeline_depth and self._has_work():
+        while self.dead_error is None and self._may_schedule() and self._has_work():
+            self._decide_speculation()
             scheds = [s.schedule() for s in self.schedulers]
             if all(sched.is_empty for sched in scheds):
                 break
@@ -613,6 +630,24 @@ class EngineCore:
             # no step carried it: send the control on its own (ranks apply it without a forward)
             eplb = self.eplb.idle_control()
             self.workers.send(msg.StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
+
+    def _decide_speculation(self) -> None:
+        """Whether this step drafts (spec_controller.py). One decision for all DP groups: the MTP layers'
+        MoE collectives run in lockstep."""
+        if not self.spec_config.enabled:
+            return
+        speculating, catch_up = self.spec_controller.decide(max(s.num_running for s in self.schedulers))
+        for scheduler in self.schedulers:
+            scheduler.speculating, scheduler.mtp_catch_up = speculating, catch_up
+
+    def _observe_speculation(self, sched: msg.SchedulerOutput, out: msg.ModelRunnerOutput) -> None:
+        """Feed a decode-only step's throughput to the controller (prefill work would blur it)."""
+        if not self.spec_config.enabled or sched.new_reqs or not sched.num_scheduled_tokens:
+            return
+        if sched.total_num_scheduled_tokens > len(sched.num_scheduled_tokens) * (1 + self.spec_config.num_draft_tokens):
+            return
+        self.spec_controller.observe(len(sched.num_scheduled_tokens), sched.num_draft_tokens > 0,
+                                     sum(len(tokens) for tokens in out.sampled.values()), out.execute_seconds)
 
     def _connector_metadata(self) -> dict[int, msg.KVConnectorMetadata]:
         """Each DP group's KV connector work not yet sent (loads, stores)."""
@@ -636,6 +671,7 @@ class EngineCore:
             kv_transfer_holds=sum(p.kv_transfer_holds for p in parts),
             kv_pulled=sum(p.kv_pulled for p in parts),
             kv_pull_recomputed=sum(p.kv_pull_recomputed for p in parts),
+            **msg.spec_totals(parts),
             dropped_frames=msg.dropped_frames(),
             healthy=self.dead_error is None,
             error=self.dead_error,

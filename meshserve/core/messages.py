@@ -263,6 +263,12 @@ class SchedulerOutput(Message):
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # requests the worker must forget (finished, aborted or preempted) before this step
     finished_req_ids: list[str] = field(default_factory=list)
+    # speculative decoding: drafts the MTP layers propose after this step for every request that produced a token
+    # (0: none this step). A decode scheduled for 1 + j tokens verifies up to j of its drafts.
+    num_draft_tokens: int = 0
+    # the MTP layer fills its KV for the positions this step makes final even without drafting (false only where
+    # speculation is off for large batches, whose cost it would add to)
+    mtp_catch_up: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -299,10 +305,13 @@ class ModelRunnerOutput(Message):
     dp_rank: int = 0  # the DP group whose driver rank reports this step
     # tokens per logical expert of each MoE layer since the last report ([layer][expert]), when asked
     expert_load: list[list[int]] | None = None
-    # one entry per request that produced a token this step (its prefill completed or it decoded)
-    sampled: dict[str, int] = field(default_factory=dict)
-    # req_id -> the sampled token's logprobs, for requests that asked for them
-    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    # one entry per request that produced tokens this step (its prefill completed or it decoded): one token, or
+    # under speculative decoding its accepted drafts followed by one token sampled from the main model
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> each produced token's logprobs, for requests that asked for them
+    logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    # req_id -> drafts verified this step (speculative decoding; len(sampled) - 1 of them were accepted)
+    num_drafts: dict[str, int] = field(default_factory=dict)
     # req_id -> why that request failed on the worker (e.g. its sampler raised); the step's other
     # requests are unharmed, and the worker no longer runs the failed ones
     failed: dict[str, str] = field(default_factory=dict)
@@ -410,10 +419,29 @@ class EngineStats(Message):
     kv_transfer_holds: int = 0  # requests whose KV blocks wait for a decode TE to pull them
     kv_pulled: int = 0  # requests whose prompt KV came from a prefill TE
     kv_pull_recomputed: int = 0  # ... of which the pull failed and the prompt was computed here instead
+    # speculative decoding, since start: per draft position, drafts verified and drafts accepted; decode steps
+    # (one per request and step) that verified drafts, and the tokens those steps produced
+    spec_drafted: list[int] = field(default_factory=list)
+    spec_accepted: list[int] = field(default_factory=list)
+    spec_verify_steps: int = 0
+    spec_tokens: int = 0
     # bad frames the TE's master dropped, per receiving socket (e.g. "te-inbox", "worker-results")
     dropped_frames: dict[str, int] = field(default_factory=dict)
     healthy: bool = True
     error: str | None = None
+
+
+def spec_totals(parts: list[EngineStats]) -> dict[str, object]:
+    """The speculative-decoding counters of several schedulers or engines, summed (as EngineStats fields)."""
+    width = max((len(p.spec_drafted) for p in parts), default=0)
+
+    def column_sums(rows: list[list[int]]) -> list[int]:
+        return [sum(row[i] for row in rows if i < len(row)) for i in range(width)]
+
+    return {"spec_drafted": column_sums([p.spec_drafted for p in parts]),
+            "spec_accepted": column_sums([p.spec_accepted for p in parts]),
+            "spec_verify_steps": sum(p.spec_verify_steps for p in parts),
+            "spec_tokens": sum(p.spec_tokens for p in parts)}
 
 
 class EngineReady(Message):

@@ -13,6 +13,14 @@ next `schedule()` may already feed that placeholder to the worker as the next
 decode input (the worker knows the sampled id); `update_from_output` swaps the
 placeholder for the real token.
 
+Speculative decoding (MTP): a decode may also verify up to k drafts its worker
+proposed after the previous step; it is scheduled for 1 + j tokens, with KV
+slots for the drafts the MTP layers write after it, and it books one token;
+the worker reports the accepted drafts with the sampled token, and the KV of
+the accepted ones counts as computed. Drafts live in the worker; the scheduler
+only learns how far each sequence advanced. Slots of rejected drafts stay in
+the request's table and are written again next step; they return with it.
+
 Remote KV (the memory pool, a prefill TE's hand-off) comes through KV connectors
 (`meshserve.core.kv_connector`): a waiting request whose tokens a connector can load
 waits in WAITING_FOR_REMOTE_KV with its blocks allocated while the ranks load them
@@ -56,6 +64,7 @@ class _Scheduled:
     req: Request
     num_tokens: int
     num_computed_before: int
+    num_drafts: int = 0  # of num_tokens, drafts to verify (speculative decoding)
 
 
 @dataclass
@@ -65,8 +74,8 @@ class _StepPlan:
     budget: int
     entries: dict[str, _Scheduled] = field(default_factory=dict)
 
-    def add(self, req: Request, num_tokens: int) -> None:
-        self.entries[req.req_id] = _Scheduled(req, num_tokens, req.num_computed_tokens)
+    def add(self, req: Request, num_tokens: int, num_drafts: int = 0) -> None:
+        self.entries[req.req_id] = _Scheduled(req, num_tokens, req.num_computed_tokens, num_drafts)
         self.budget -= num_tokens
 
     def withdraw(self, req: Request) -> None:
@@ -102,10 +111,11 @@ def _victim_key(req: Request) -> tuple:
 
 class Scheduler:
     """One DP group's scheduler. `config.max_model_len` must be resolved (the model's limit when unset);
-    `connectors` are asked in order for the remote KV of waiting requests."""
+    `connectors` are asked in order for the remote KV of waiting requests; `num_speculative_tokens` drafts per
+    decode are verified when speculative decoding is on (the master switches `speculating` per step)."""
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 connectors: Sequence[KVConnectorScheduler] = ()) -> None:
+                 connectors: Sequence[KVConnectorScheduler] = (), num_speculative_tokens: int = 0) -> None:
         if config.max_model_len is None:
             raise ValueError("the scheduler needs max_model_len (the model's limit when the setting is unset)")
         self.config = config
@@ -113,6 +123,15 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
         self.connectors = list(connectors)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculating = num_speculative_tokens > 0  # this step drafts and verifies (the master decides)
+        # without drafting, the MTP layer still fills its cache (the master turns this off with drafting for
+        # batches where speculation does not pay)
+        self.mtp_catch_up = num_speculative_tokens > 0
+        self._spec_drafted = [0] * num_speculative_tokens  # per draft position: verified, accepted
+        self._spec_accepted = [0] * num_speculative_tokens
+        self._spec_verify_steps = 0
+        self._spec_tokens = 0
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._running: list[Request] = []
         self._waiting: list[Request] = []  # sorted by queue_key
@@ -217,10 +236,27 @@ class Scheduler:
             num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
-            if not self._allocate(req, req.num_computed_tokens + num_new, plan, preempted_now):
+            num_drafts = self._num_drafts(req, num_new, plan.budget)
+            num_tokens = req.num_computed_tokens + num_new + num_drafts
+            if not self._allocate(req, num_tokens + self._draft_slots(req, num_tokens), plan, preempted_now):
                 self._preempt(req, plan, preempted_now)
                 continue
-            plan.add(req, num_new)
+            plan.add(req, num_new + num_drafts, num_drafts)
+
+    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """Drafts a decode verifies this step: up to k, within the token budget and the tokens it may still
+        produce (1 + j tokens come out of a step that verifies j)."""
+        if not self.speculating or num_new != 1 or req.is_kv_producer:
+            return 0
+        room = self._max_total_tokens(req) - req.num_tokens_with_placeholders - 1
+        return max(0, min(self.num_speculative_tokens, room, budget - 1))
+
+    def _draft_slots(self, req: Request, num_tokens: int) -> int:
+        """KV slots past `num_tokens` the MTP layers write when a step reaching the end of req's known tokens
+        drafts k > 1 tokens (each draft after the first runs the MTP layer one position further)."""
+        if not self.speculating or num_tokens < req.num_tokens_with_placeholders:
+            return 0
+        return max(0, min(self.num_speculative_tokens - 1, self.max_model_len - num_tokens))
 
     def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
         index = 0  # the requests before it wait for a connector's lookup: the ones behind them go first
@@ -266,7 +302,8 @@ class Scheduler:
         if remaining > plan.budget and not may_chunk:
             return False
         num_new = min(remaining, plan.budget)
-        if not self._take_blocks(req, hit_blocks, num_hit + num_new, plan, preempted_now):
+        num_slots = num_hit + num_new + self._draft_slots(req, num_hit + num_new)
+        if not self._take_blocks(req, hit_blocks, num_slots, plan, preempted_now):
             return False
         req.num_computed_tokens = req.num_kv_ready_tokens = num_hit
         req.num_inserted_blocks = num_local
@@ -404,7 +441,9 @@ class Scheduler:
             req.in_worker = False
 
     def _finalize(self, plan: _StepPlan) -> SchedulerOutput:
-        out = SchedulerOutput(step_id=self._step_id)
+        out = SchedulerOutput(step_id=self._step_id,
+                              num_draft_tokens=self.num_speculative_tokens if self.speculating else 0,
+                              mtp_catch_up=self.mtp_catch_up or self.speculating)
         if not plan.entries:
             return out  # the drop list waits for a step that reaches the worker
         progress: dict[str, tuple[int, int]] = {}
@@ -427,7 +466,8 @@ class Scheduler:
                 ))
                 req.in_worker = True
             req.num_blocks_sent = len(req.block_ids)
-            req.num_computed_tokens = entry.num_computed_before + entry.num_tokens
+            # a verification books its first token; the accepted drafts count when the output says which
+            req.num_computed_tokens = entry.num_computed_before + entry.num_tokens - entry.num_drafts
             if req.num_computed_tokens == req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1
                 req.pending_sample_steps.append(self._step_id)
@@ -457,15 +497,43 @@ class Scheduler:
             if req.pending_sample_steps and req.pending_sample_steps[0] == sched.step_id:
                 req.pending_sample_steps.popleft()
                 req.num_output_placeholders -= 1
-                token = out.sampled.get(req_id)
-                if token is None:
-                    message = f"the worker returned no token for request {req_id} in step {sched.step_id}"
+                tokens = out.sampled.get(req_id)
+                num_drafts = out.num_drafts.get(req_id, 0)
+                if not tokens or len(tokens) > num_drafts + 1 or num_drafts > sched.num_scheduled_tokens[req_id] - 1:
+                    got = f"{tokens} after {num_drafts} drafts" if tokens else "no token"
+                    message = f"the worker returned {got} for request {req_id} in step {sched.step_id}"
                     deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=message))
                     continue
-                deltas.append(self._accept_token(req, token, out.logprobs.get(req_id)))
+                if num_drafts:
+                    self._count_spec(num_drafts, len(tokens))
+                    # the accepted drafts' KV was computed by this step, as the first token's was
+                    req.num_computed_tokens += len(tokens) - 1
+                    req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready + len(tokens) - 1)
+                deltas.append(self._accept_tokens(req, tokens, out.logprobs.get(req_id)))
             if not req.is_finished:
                 self._cache_full_blocks(req, req.num_kv_ready_tokens)
         return deltas
+
+    def _count_spec(self, num_drafts: int, num_tokens: int) -> None:
+        self._spec_verify_steps += 1
+        self._spec_tokens += num_tokens
+        for position in range(num_drafts):
+            self._spec_drafted[position] += 1
+            self._spec_accepted[position] += position < num_tokens - 1
+
+    def _accept_tokens(self, req: Request, tokens: list[int], logprobs: list[SampleLogprobs] | None) -> RequestDelta:
+        """Append a step's tokens in order until one finishes the request; the ones after it are dropped."""
+        delta = self._accept_token(req, tokens[0], logprobs[0] if logprobs else None)
+        for i in range(1, len(tokens)):
+            if req.is_finished:
+                break
+            more = self._accept_token(req, tokens[i], logprobs[i] if logprobs else None)
+            delta.new_token_ids.extend(more.new_token_ids)
+            if more.new_logprobs:
+                delta.new_logprobs = (delta.new_logprobs or []) + more.new_logprobs
+            delta.finish_reason, delta.stop_reason = more.finish_reason, more.stop_reason
+            delta.kv_transfer_params = more.kv_transfer_params
+        return delta
 
     def _accept_token(self, req: Request, token: int, logprobs: SampleLogprobs | None) -> RequestDelta:
         req.append_output_token(token)
@@ -592,7 +660,12 @@ class Scheduler:
             prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False)
         pinned = self._match_context_cache(req.context_cache_id, tokens, limit)
         # a block's KV depends only on the tokens up to it, so pinned and tree blocks of equal tokens mix freely
-        return pinned + prefix[len(pinned):]
+        hit = pinned + prefix[len(pinned):]
+        if self.num_speculative_tokens and hit:
+            # ... except the MTP layer's entry at a block's last position, made from the token after the block:
+            # the last hit block is computed again, so that entry is this request's
+            hit = hit[:-1]
+        return hit
 
     def _match_context_cache(self, cache_id: str | None, tokens: list[int], limit: int) -> list[int]:
         """The pinned blocks of `cache_id` that lead `tokens` (within `limit` tokens); none for an id this
@@ -683,6 +756,10 @@ class Scheduler:
             prefix_cache_queries=self.kv_manager.prefix_queries,
             prefix_cache_hits=self.kv_manager.prefix_hits,
             num_preemptions=self.num_preemptions,
+            spec_drafted=list(self._spec_drafted),
+            spec_accepted=list(self._spec_accepted),
+            spec_verify_steps=self._spec_verify_steps,
+            spec_tokens=self._spec_tokens,
         )
         for connector in self.connectors:
             connector.fill_stats(stats)

@@ -190,18 +190,31 @@ class OutputProcessor:
     # ------------------------------------------------------------ internals
 
     def _add_tokens(self, request: _Request, completion: _Completion, delta: RequestDelta) -> None:
-        params = request.params
         new_ids = list(delta.new_token_ids)
+        if not request.params.stop or len(new_ids) < 2:
+            self._append(request, completion, delta, new_ids, delta.new_logprobs)
+            return
+        # several tokens (speculative decoding): one at a time, so a stop string ends the output at the token
+        # that completes it and the tokens after it are dropped, as when they come one per step
+        for i, token_id in enumerate(new_ids):
+            self._append(request, completion, delta, [token_id],
+                         delta.new_logprobs[i:i + 1] if delta.new_logprobs else None, last=i == len(new_ids) - 1)
+            if completion.finished:
+                return
+
+    def _append(self, request: _Request, completion: _Completion, delta: RequestDelta, new_ids: list[int],
+                new_logprobs: list[SampleLogprobs] | None, last: bool = True) -> None:
+        params = request.params
         completion.token_ids.extend(new_ids)
-        if completion.logprobs is not None and delta.new_logprobs:
-            for token_id, entry in zip(new_ids, delta.new_logprobs):
+        if completion.logprobs is not None and new_logprobs:
+            for token_id, entry in zip(new_ids, new_logprobs):
                 position = self._position_logprobs(token_id, entry)
                 completion.logprobs.append(position)
                 completion.cumulative_logprob += position.chosen.logprob
 
         # a stop token (or eos) that ended the request is not part of the text unless asked for
         text_ids = new_ids
-        if delta.finish_reason == "stop" and not params.include_stop_str_in_output:
+        if last and delta.finish_reason == "stop" and not params.include_stop_str_in_output:
             text_ids = new_ids[:-1]
         completion.text += completion.detokenizer.append(text_ids)
         if params.stop and len(completion.token_ids) > params.min_tokens:

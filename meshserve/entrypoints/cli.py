@@ -1,4 +1,4 @@
-"""`meshserve` command line: serve, make-model, profile, bench."""
+"""`meshserve` command line: serve, make-model, train, profile, bench."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ from meshserve.entrypoints.pool import add_pool_commands
 from meshserve.entrypoints.profile_pd import add_profile_commands
 from meshserve.entrypoints.serve import serve as serve_main
 from meshserve.entrypoints.te_server import add_te_parser
+from meshserve.entrypoints.train import add_train_parser
 from meshserve.models.factory import add_make_model_arguments, make_model_main
 from meshserve.utils import cluster_auth, envs
 from meshserve.worker.worker import WorkerJoinError, join_engine
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     make = sub.add_parser("make-model", help="write a random, deterministic HF-format checkpoint")
     add_make_model_arguments(make)
     make.set_defaults(func=make_model_main)
+
+    add_train_parser(sub)
 
     plan = sub.add_parser("plan", help="rank parallel strategies for a model on a cluster (MixServe cost model)")
     # start-up: yaml only once the parser is built

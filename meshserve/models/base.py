@@ -20,6 +20,8 @@ class CausalLM(torch.nn.Module):
       compute_logits(hidden[N, H]) -> float32 logits [N, vocab_size]
       kv_cache_layout(dtype) -> KVCacheLayout
       load_weights(iterable of (hf_name, tensor)) -> set of loaded parameter names
+    Models with multi-token-prediction layers (speculative decoding) also implement
+      num_mtp_layers, kv_cache_layout(dtype, num_mtp_layers), forward_mtp(...), compute_mtp_logits(...)
     and are constructed as Model(hf_config: dict, dtype: torch.dtype, parallel: ParallelContext | None).
 
     Under a parallel strategy a model keeps only this rank's part of the weights. The loader asks
@@ -56,7 +58,11 @@ class CausalLM(torch.nn.Module):
             return attention_tp_shard(parallel, 1)
         return None
 
-    def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:  # pragma: no cover - abstract
+    # MTP layers loaded from the checkpoint (DeepSeek-V3 `num_nextn_predict_layers`); 0: no speculative drafts
+    num_mtp_layers: int = 0
+
+    def kv_cache_layout(self, dtype: torch.dtype | None = None,
+                        num_mtp_layers: int = 0) -> KVCacheLayout:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract

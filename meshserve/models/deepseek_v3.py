@@ -2,7 +2,7 @@
 
 Matches HF `transformers.DeepseekV3ForCausalLM` on the same weights. MTP layers
 (`num_nextn_predict_layers`, stored after the last decoder layer) are loaded into
-`self.mtp` but not run by `forward`.
+`self.mtp` and run by `forward_mtp` (speculative decoding drafts with them).
 
 Under a parallel strategy (`parallel`), attention heads, dense and shared-expert MLP
 columns, the embedding and the LM head are split over the attention TP group, the
@@ -389,6 +389,16 @@ class DeepseekV3MTPLayer(torch.nn.Module):
             return name
         return "block." + self.block.load_hf_weight(name, tensor)
 
+    def forward(self, previous_hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The hidden state at each position (before shared_head), from the previous depth's hidden state there
+        and the embedding of the token after it: eh_proj([enorm(emb), hnorm(h)]) through one decoder block."""
+        if previous_hidden.shape[0] == 0:
+            hidden = previous_hidden  # an idle DP group still joins the block's MoE collectives
+        else:
+            hidden = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(previous_hidden)), dim=-1))
+        return self.block(hidden, cos, sin, plan, kv_cache)
+
 
 class DeepseekV3ForCausalLM(CausalLM):
     model_type = "deepseek_v3"
@@ -427,9 +437,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         moe_blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, DeepseekV3MoE)}
         self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None
 
-    def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp)
+
+    def kv_cache_layout(self, dtype: torch.dtype | None = None, num_mtp_layers: int = 0) -> KVCacheLayout:
+        """The decoder layers' caches, then `num_mtp_layers` MTP layers' (their blocks move and cache with the rest)."""
+        if num_mtp_layers > len(self.mtp):
+            raise ValueError(f"{num_mtp_layers} MTP layer caches asked, the checkpoint has {len(self.mtp)} MTP layers")
         return KVCacheLayout(
-            num_layers=self.params.num_hidden_layers,
+            num_layers=self.params.num_hidden_layers + num_mtp_layers,
             entry_shape=(self.params.kv_lora_rank + self.params.qk_rope_head_dim,),
             dtype=dtype or self.dtype,
         )
@@ -447,6 +464,28 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head.weight)
+
+    def forward_mtp(self, previous_hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                    attn: AttentionMetadata, kv_cache: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """MTP layer `layer` over a batch laid out like `forward`'s: row i is position positions[i], with the
+        previous depth's hidden state there (the main model's final-normed output, or this layer's own output
+        when applied recursively) and the id of the token that follows it. Returns the layer's hidden states
+        [T, H]; `compute_mtp_logits` turns them into the distribution of the token after next."""
+        mtp = self.mtp[layer]
+        embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.embed_tokens
+        next_embeds = embed(next_token_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, next_embeds.dtype)
+        plan = MLABatchPlan.build(attn, next_embeds.dtype, next_embeds.device)
+        return mtp(previous_hidden, next_embeds, cos, sin, plan, kv_cache)
+
+    def compute_mtp_logits(self, mtp_hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        head = self.mtp[layer].shared_head
+        return vocab_parallel_logits(self.parallel, head.norm(mtp_hidden), head.head.weight)
+
+    def mtp_head(self, layer: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
+        """MTP layer `layer`'s output norm and (this rank's rows of) its head weight."""
+        head = self.mtp[layer].shared_head
+        return head.norm, head.head.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names (as in `named_parameters`) of the parameters written.

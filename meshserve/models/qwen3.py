@@ -237,8 +237,10 @@ class Qwen3ForCausalLM(CausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head_weight)
 
-    def kv_cache_layout(self, dtype: torch.dtype | None = None) -> KVCacheLayout:
+    def kv_cache_layout(self, dtype: torch.dtype | None = None, num_mtp_layers: int = 0) -> KVCacheLayout:
         """Per rank: the KV heads of this rank's attention TP slice."""
+        if num_mtp_layers:
+            raise ValueError(f"{type(self).__name__} has no MTP layers")
         num_kv_heads = attention_tp_part(self.parallel, self.dims.num_kv_heads, "num_key_value_heads")
         return KVCacheLayout(num_layers=self.dims.num_layers, entry_shape=(2, num_kv_heads, self.dims.head_dim),
                              dtype=dtype or self.dtype)

@@ -19,10 +19,11 @@ from meshserve.utils.checkpoint_files import content_version
 _TOKEN = struct.Struct("<I")
 
 
-def model_identity(model_dir: str, dtype: str) -> str:
+def model_identity(model_dir: str, kv_layout: str) -> str:
     """The model's content version (`checkpoint_files.content_version`: the same for every copy of
-    the weights, and for a directory that loads them from the pool) and the KV dtype."""
-    return f"{content_version(model_dir)}-{dtype}"
+    the weights, and for a directory that loads them from the pool) and the KV layout (its dtype, plus
+    "+mtp" where the blocks also hold the MTP layer's KV)."""
+    return f"{content_version(model_dir)}-{kv_layout}"
 
 
 def key_root(model_id: str, namespace: str) -> str:

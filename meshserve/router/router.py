@@ -542,7 +542,7 @@ class Router:
             pool_hit_tokens=sum(s.pool_hit_tokens for s in stats),
             waiting_tokens=sum(s.waiting_tokens for s in stats), running_tokens=sum(s.running_tokens for s in stats),
             kv_transfer_holds=sum(s.kv_transfer_holds for s in stats), kv_pulled=sum(s.kv_pulled for s in stats),
-            kv_pull_recomputed=sum(s.kv_pull_recomputed for s in stats), healthy=True)
+            kv_pull_recomputed=sum(s.kv_pull_recomputed for s in stats), **msg.spec_totals(stats), healthy=True)
 
     def te_stats(self) -> dict[str, dict]:
         """Each live TE's role, group and last reported stats (for benchmarks and the status endpoint)."""

@@ -5,6 +5,12 @@ the sampling state, so the master only sends what changed each step. Decode
 inputs come from the runner's own last sampled token; this is what lets the
 master schedule step n+1 before step n has returned.
 
+Under speculative decoding (MTP) the runner also keeps each sequence's drafts:
+a decode scheduled for 1 + j tokens verifies up to j of them as one-token rows
+(each attends to the cache up to its own position, so the decode attention
+kernels serve verification unchanged), accepts or rejects them here, and
+reports the tokens it produced; the MTP proposer then drafts the next ones.
+
 A request whose settings make it fail here (its sampler raises, its token ids
 lie outside the vocabulary) fails alone: it is reported in
 `ModelRunnerOutput.failed`, this rank stops running it at once (a step already
@@ -30,12 +36,14 @@ from meshserve.core.messages import (
     KVRegion,
     ModelRunnerOutput,
     NewRequestData,
+    SampleLogprobs,
     SchedulerOutput,
     StepBatch,
     WorkerEventKind,
 )
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.layers.metadata import AttentionMetadata
+from meshserve.models.draft_vocab import load_draft_vocab
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
 from meshserve.moe.placement import ExpertPlacement, load_placement_file
@@ -43,6 +51,7 @@ from meshserve.parallel.context import ParallelContext
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.model_cache import pool_weights
+from meshserve.worker.mtp_proposer import CatchUp, MTPProposer
 from meshserve.worker.sampler import (
     FAILED_TOKEN,
     Sampler,
@@ -52,8 +61,11 @@ from meshserve.worker.sampler import (
     is_process_fault,
     make_generator,
 )
+from meshserve.worker.spec_decode import DraftRow, VerifyOutput, verify_drafts
 
 logger = logging.getLogger(__name__)
+
+_NO_TOKEN = -2  # padding of the verified tokens a driver shares with its attention TP group
 
 
 @dataclass
@@ -66,10 +78,24 @@ class RequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     prompt_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts to verify next step
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class _StepSeq:
+    """One sequence's part of a step."""
+
+    state: RequestState
+    start: int  # position of its first token this step
+    row: int  # its first row in the step's flattened batch
+    num_rows: int
+    drafts: list[int]  # drafts it verifies: its rows are [last token, *drafts], one-token decode rows each
+    is_decode: bool  # its rows are one-token decode rows (a decode, or a verification)
+    samples: bool  # the step reaches the end of its known tokens: it produces tokens
 
 
 def kv_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: float) -> int:
@@ -102,7 +128,13 @@ class ModelRunner:
         self.model = load_model(config.model_config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
                                 read_weights=pool_weights(self.pool, config.model_config.model) if from_pool else None)
         logger.info("loaded %s in %.1fs", config.model_config.model, time.perf_counter() - t0)
-        self.layout = self.model.kv_cache_layout(self.dtype)
+        spec = config.speculative_config
+        if spec.enabled and not self.model.num_mtp_layers:
+            raise ValueError(f"--speculative mtp: {config.model_config.model} has no MTP layers "
+                             "(its config.json counts no num_nextn_predict_layers, or the checkpoint holds none)")
+        num_mtp_caches = 1 if spec.enabled else 0  # one MTP layer, reused for k > 1 drafts
+        self.layout = self.model.kv_cache_layout(self.dtype, num_mtp_caches)
+        self.num_model_layers = self.layout.num_layers - num_mtp_caches
         cache = config.cache_config
         if cache.num_kv_blocks is not None:
             self.num_blocks = cache.num_kv_blocks
@@ -139,11 +171,28 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # requests that failed on this rank; steps skip them until the master says to drop them
         self.failed_ids: set[str] = set()
+        self.model_kv_caches = self.kv_caches[:self.num_model_layers]
+        self.proposer = None
+        if spec.enabled:
+            self.proposer = MTPProposer(self.model, spec.num_draft_tokens, self.kv_caches[self.num_model_layers],
+                                        self.block_size, self.device, lockstep=self.parallel.world_size > 1,
+                                        draft_vocab=self._draft_vocab(spec.speculative_draft_vocab))
+        # a prefill TE hands its requests over after their first token: it fills the MTP cache, never drafts
+        self.drafts_wanted = config.kv_transfer_config.kv_transfer != "producer"
         self.expert_balancer = getattr(self.model, "expert_balancer", None)
         if config.eplb_config.eplb_placement:
             self._apply_initial_placement(config.eplb_config.eplb_placement)
         # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
         self._eplb_phase: str | None = None
+
+    def _draft_vocab(self, size: int) -> list[int] | None:
+        """The tokens drafts choose from; None: the whole vocabulary (also under attention TP, where each rank
+        already holds only its slice of the head)."""
+        if not size or size >= self.vocab_size or self.parallel.attn_tp_size > 1:
+            return None
+        ids, source = load_draft_vocab(self.config.model_config.model, size, self.vocab_size)
+        logger.info("MTP drafts from the %d most frequent tokens (ranked by %s)", size, source)
+        return ids
 
     # ------------------------------------------------------------------ expert placement (xdeepserve §4.5)
     def _apply_initial_placement(self, path: str) -> None:
@@ -317,57 +366,116 @@ class ModelRunner:
         num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}
         if not num_tokens:
             if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
-                self._idle_forward()
+                self._idle_forward(sched)
             return ModelRunnerOutput(step_id=sched.step_id, failed=failed)
-        # decodes (one token) first: the attention kernels expect that layout
-        order = sorted(num_tokens.items(), key=lambda kv: kv[1] != 1)
+        seqs = self._lay_out(num_tokens)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []  # index into the flattened tokens of each sampled sequence's last token
-        sample_states: list[RequestState] = []
-        for req_id, n in order:
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            if start + n > len(state.token_ids):
-                raise RuntimeError(
-                    f"request {req_id}: scheduled tokens [{start}, {start + n}) but only {len(state.token_ids)} known")
-            input_ids.extend(state.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            context_lens.append(start)
-            tables.append(state.block_ids)
-            state.num_computed_tokens = start + n
-            if start + n == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_states.append(state)
+        for seq in seqs:
+            state = seq.state
+            if seq.is_decode:
+                input_ids.append(state.token_ids[seq.start])
+                input_ids.extend(seq.drafts)
+                query_lens.extend([1] * seq.num_rows)
+                context_lens.extend(range(seq.start, seq.start + seq.num_rows))
+                tables.extend([state.block_ids] * seq.num_rows)
+            else:
+                input_ids.extend(state.token_ids[seq.start:seq.start + seq.num_rows])
+                query_lens.append(seq.num_rows)
+                context_lens.append(seq.start)
+                tables.append(state.block_ids)
+            positions.extend(range(seq.start, seq.start + seq.num_rows))
         attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, attn, self.kv_caches)
+        hidden = self.model(ids, pos, attn, self.model_kv_caches)
         out = ModelRunnerOutput(step_id=sched.step_id, failed=failed)
-        if sample_rows:
-            index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
-            rows = [
-                SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
-                            output_token_ids=s.output_token_ids, generator=s.generator,
-                            eos_token_ids=self.eos_token_ids)
-                for s in sample_states
-            ]
-            sampled = self._sample(logits, rows)
-            for i, (state, token, lp) in enumerate(zip(sample_states, sampled.token_ids, sampled.logprobs)):
-                if i in sampled.failed:
-                    self._fail_request(state.req_id, sampled.failed[i], out)
-                    continue
-                state.token_ids.append(token)
-                out.sampled[state.req_id] = token
-                if lp is not None:
-                    out.logprobs[state.req_id] = lp
+        produced = self._produce_tokens(hidden, [seq for seq in seqs if seq.samples], out)
+        if self.proposer is not None and sched.mtp_catch_up:
+            self._propose(hidden, seqs, produced, drafting=sched.num_draft_tokens > 0)
         out.execute_seconds = time.perf_counter() - t0
         return out
+
+    def _lay_out(self, num_tokens: dict[str, int]) -> list[_StepSeq]:
+        """The step's sequences in batch order (one-token decode rows first, as the attention kernels expect),
+        each request's progress booked."""
+        seqs = []
+        for req_id, n in num_tokens.items():
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            known = len(state.token_ids)
+            is_decode = start == known - 1
+            if not is_decode and start + n > known:
+                raise RuntimeError(f"request {req_id}: scheduled tokens [{start}, {start + n}) but only {known} known")
+            drafts = state.draft_token_ids[:n - 1] if is_decode else []
+            state.draft_token_ids = []
+            num_rows = 1 + len(drafts) if is_decode else n
+            # a verification books its first token; accepted drafts are added once known
+            state.num_computed_tokens = start + (1 if is_decode else n)
+            seqs.append(_StepSeq(state, start, 0, num_rows, drafts, is_decode, samples=start + num_rows >= known))
+        seqs.sort(key=lambda seq: not seq.is_decode)
+        row = 0
+        for seq in seqs:
+            seq.row = row
+            row += seq.num_rows
+        return seqs
+
+    def _produce_tokens(self, hidden: torch.Tensor, sampling: list[_StepSeq],
+                        out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Sample (or verify the drafts of) each sequence that reached its end; the tokens each produced."""
+        if not sampling:
+            return {}
+        rows = [row for seq in sampling
+                for row in (range(seq.row, seq.row + seq.num_rows) if seq.is_decode else [seq.row + seq.num_rows - 1])]
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        sampling_rows = [
+            SamplingRow(params=seq.state.params, prompt_token_ids=seq.state.prompt_token_ids,
+                        output_token_ids=seq.state.output_token_ids, generator=seq.state.generator,
+                        eos_token_ids=self.eos_token_ids)
+            for seq in sampling
+        ]
+        if any(seq.drafts for seq in sampling):
+            tokens, logprobs, failures = self._verify(logits, sampling_rows, [seq.drafts for seq in sampling])
+        else:
+            sampled = self._sample(logits, sampling_rows)
+            tokens = [[token] for token in sampled.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in sampled.logprobs]
+            failures = sampled.failed
+        produced = {}
+        for i, seq in enumerate(sampling):
+            state = seq.state
+            if i in failures:
+                self._fail_request(state.req_id, failures[i], out)
+                continue
+            state.token_ids.extend(tokens[i])
+            if seq.is_decode:
+                state.num_computed_tokens += len(tokens[i]) - 1
+            produced[state.req_id] = out.sampled[state.req_id] = tokens[i]
+            if seq.drafts:
+                out.num_drafts[state.req_id] = len(seq.drafts)
+            if logprobs[i] is not None:
+                out.logprobs[state.req_id] = logprobs[i]
+        return produced
+
+    def _propose(self, hidden: torch.Tensor, seqs: list[_StepSeq], produced: dict[str, list[int]],
+                 drafting: bool) -> None:
+        """Fill the MTP layer's cache for the positions this step made final and draft the next tokens."""
+        catch_up = []
+        for seq in seqs:
+            state = seq.state
+            if state.req_id in self.failed_ids:
+                continue
+            count = len(produced[state.req_id]) if seq.is_decode else seq.num_rows
+            catch_up.append(CatchUp(
+                req_id=state.req_id, block_ids=state.block_ids, start=seq.start,
+                hidden_rows=list(range(seq.row, seq.row + count)),
+                next_token_ids=state.token_ids[seq.start + 1:seq.start + 1 + count],
+                one_token_rows=seq.is_decode, drafts=self.drafts_wanted and state.req_id in produced))
+        for req_id, drafts in self.proposer.propose(hidden, catch_up, drafting).items():
+            self.requests[req_id].draft_token_ids = drafts
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample on the driver; the other ranks of its attention TP group receive the tokens, a failed
@@ -393,9 +501,30 @@ class ModelRunner:
         self.failed_ids.add(req_id)
         out.failed[req_id] = error
 
-    def _idle_forward(self) -> None:
+    def _verify(self, logits: torch.Tensor, rows: list[SamplingRow],
+                drafts: list[list[int]]) -> tuple[list[list[int]], list[list[SampleLogprobs] | None], dict[int, str]]:
+        """Accept or reject each sequence's drafts on the driver (the other ranks of its attention TP group
+        receive the tokens): per sequence its produced tokens and their logprobs, and the failed sequences."""
+        width = 1 + max(len(d) for d in drafts)
+        packed = torch.full((len(rows), width), _NO_TOKEN, dtype=torch.int64, device=self.device)
+        verified = VerifyOutput(token_ids=[], logprobs=[None] * len(rows))
+        if self.parallel.is_driver:
+            verified = verify_drafts(self.sampler, logits, [DraftRow(row, d) for row, d in zip(rows, drafts)])
+            for i, tokens in enumerate(verified.token_ids):
+                packed[i, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+        if self.parallel.attn_tp_size > 1:
+            self.parallel.attn_broadcast_from_driver(packed)
+        tokens = [[t for t in row if t != _NO_TOKEN] for row in packed.tolist()]
+        failed = verified.failed
+        if not self.parallel.is_driver:
+            failed = {i: "sampling failed on the driver rank" for i, t in enumerate(tokens) if t[0] == FAILED_TOKEN}
+        return tokens, verified.logprobs, failed
+
+    def _idle_forward(self, sched: SchedulerOutput) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.model(empty, empty, AttentionMetadata.empty(self.device), self.kv_caches)
+        self.model(empty, empty, AttentionMetadata.empty(self.device), self.model_kv_caches)
+        if sched.mtp_catch_up and self.proposer is not None:
+            self.proposer.idle(drafting=sched.num_draft_tokens > 0)
 
 
 def configure_threads(num_threads: int | None, world_size: int = 1) -> int:

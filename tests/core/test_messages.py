@@ -34,7 +34,8 @@ REGION = msg.KVRegion(engine="prefill-0", region="kv", layers=[LAYER], host_id="
 STATS = msg.EngineStats(num_running=3, num_waiting=2, kv_usage=0.25, num_kv_blocks=512, prefix_cache_queries=100,
                         prefix_cache_hits=40, num_preemptions=1, pool_hit_tokens=32, waiting_tokens=900,
                         running_tokens=700, kv_transfer_holds=1, kv_pulled=2, kv_pull_recomputed=1,
-                        dropped_frames={"te-inbox": 2}, healthy=False, error="worker 1 died")
+                        dropped_frames={"te-inbox": 2}, healthy=False, error="worker 1 died",
+                        spec_drafted=[10, 8], spec_accepted=[7, 4], spec_verify_steps=10, spec_tokens=21)
 TRANSFER = msg.KVTransferParams(role=msg.KVTransferRole.CONSUMER, engine="prefill-0", engine_addr="tcp://10.0.0.5:5555",
                                 dp_rank=1, attn_tp=2, attn_dp=2, regions=[REGION], block_ids=[4, 9],
                                 num_tokens=32, num_cached_tokens=16, hold_s=30.0, hold_expires_at=1.7e9,
@@ -55,7 +56,8 @@ SAMPLES: dict[type, object] = {
     msg.SchedulerOutput: msg.SchedulerOutput(
         step_id=9, new_reqs=[msg.NewRequestData("r1", [5, 6, 7], PARAMS, [3], 0, 3)],
         cached_reqs=[msg.CachedRequestData("r2", [8], 17)], num_scheduled_tokens={"r1": 3, "r2": 1},
-        finished_req_ids=["r0"]),
+        finished_req_ids=["r0"], num_draft_tokens=2,
+        mtp_catch_up=True),
     msg.KVRegionLayer: LAYER,
     msg.KVShmSegment: msg.KVShmSegment(shm_name="kv-1", shape=[64, 2, 16, 128], dtype="float16"),
     msg.KVRegion: REGION,
@@ -67,14 +69,15 @@ SAMPLES: dict[type, object] = {
         pool_stores=[POOL_BLOCK], pool_fetches=[msg.PoolFetch("r1", [POOL_BLOCK])],
         kv_pulls=[msg.KVPull("r3", [4], [1], [REGION])]),
     msg.StepBatch: msg.StepBatch(
-        per_dp=[msg.SchedulerOutput(step_id=9)],
+        per_dp=[msg.SchedulerOutput(step_id=9, num_draft_tokens=2)],
         eplb=msg.EplbCommand(msg.EplbPhase.PREFETCH, PLACEMENT), report_load=True,
         kv_connector={1: msg.KVConnectorMetadata(pool_stores=[POOL_BLOCK])}),
     # ---- worker -> master
     msg.SampleLogprobs: LOGPROBS,
     msg.ModelRunnerOutput: msg.ModelRunnerOutput(step_id=9, dp_rank=1, expert_load=[[3, 0, 5, 1]],
-                                                 sampled={"r1": 42},
-                                                 logprobs={"r1": msg.SampleLogprobs(-0.2, [(42, -0.2)])},
+                                                 sampled={"r1": [42, 7]}, num_drafts={"r1": 2},
+                                                 logprobs={"r1": [msg.SampleLogprobs(-0.2, [(42, -0.2)]),
+                                                                  msg.SampleLogprobs(-0.5, [])]},
                                                  failed={"r2": "ValueError: stop token 99 is outside the vocabulary"},
                                                  execute_seconds=0.012),
     msg.WorkerReady: msg.WorkerReady(rank=1, num_kv_blocks=512, kv_bytes_per_token=4096, kv_region=REGION,

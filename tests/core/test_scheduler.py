@@ -95,7 +95,7 @@ class FakeWorker:
             if end == len(held.tokens):
                 token = next_token(held.tokens)
                 held.tokens.append(token)
-                sampled[req_id] = token
+                sampled[req_id] = [token]
                 self.samples[req_id] += 1
         return ModelRunnerOutput(step_id=sched.step_id, sampled=sampled)
 
@@ -524,7 +524,7 @@ def test_logprobs_are_passed_through():
     sched.add_request(make_request("a", prompt_of(1, 4), max_tokens=2, logprobs=1))
     step = sched.schedule()
     entry = SampleLogprobs(-0.5, [(7, -0.5), (8, -1.5)])
-    out = ModelRunnerOutput(step_id=step.step_id, sampled={"a": 7}, logprobs={"a": entry})
+    out = ModelRunnerOutput(step_id=step.step_id, sampled={"a": [7]}, logprobs={"a": [entry]})
     (delta,) = sched.update_from_output(step, out)
     assert delta.new_token_ids == [7] and delta.new_logprobs == [entry]
 

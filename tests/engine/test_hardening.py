@@ -476,6 +476,6 @@ def test_scheduler_finishes_a_failed_request_with_its_error_and_frees_its_blocks
     out.failed["bad"] = "ValueError: stop token 40000 is outside the vocabulary"
     deltas = {d.req_id: d for d in sched.update_from_output(step, out)}
     assert deltas["bad"].finish_reason == "error" and "outside the vocabulary" in deltas["bad"].error
-    assert deltas["ok"].new_token_ids == [out.sampled["ok"]] and deltas["ok"].finish_reason is None
+    assert deltas["ok"].new_token_ids == out.sampled["ok"] and deltas["ok"].finish_reason is None
     assert sched.num_running == 1
     assert sched.schedule().finished_req_ids == ["bad"]  # the worker is told to forget it

@@ -52,6 +52,27 @@ def test_stop_string_split_across_tokens_truncates_and_aborts():
     assert not processor.has_unfinished()
 
 
+def test_a_stop_string_inside_a_multi_token_delta_drops_the_tokens_after_it():
+    """Speculative decoding delivers several tokens per delta: the output ends where it would have ended
+    one token per delta, token ids and logprobs included."""
+    ids = encode("go STOP and more")
+    reference = _stream(_processor_with(stop=["STOP"], logprobs=0), "r", ids)
+    expected = next(out for out, aborts in reference if aborts)
+    processor = _processor_with(stop=["STOP"], logprobs=0)
+    entries = [SampleLogprobs(-0.1 * (i + 1), []) for i in range(len(ids))]
+    out, aborts = processor.process(RequestDelta("r", ids, new_logprobs=entries), now=10.0)
+    assert aborts == ["r"] and out.finished and out.finish_reason == "stop"
+    assert out.text == expected.text == "go "
+    assert out.token_ids == expected.token_ids and len(out.token_ids) < len(ids)
+    assert len(out.outputs[0].logprobs) == len(out.token_ids)
+
+
+def _processor_with(**params) -> OutputProcessor:
+    processor = _processor()
+    _add(processor, max_tokens=100, **params)
+    return processor
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string_only():
     processor = _processor()
     _add(processor, stop=["STOP"], include_stop_str_in_output=True)

@@ -73,3 +73,28 @@ def test_dp2_with_an_idle_dp_group_matches_single_rank(reference):
     with LLM(model=str(model_dir), **ENGINE_ARGS, parallel="attn=TP1+DP2 moe=TP1+EP2") as llm:
         outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in prompts[:2]]
     _assert_same(outs, refs[:2])
+
+
+# ---------------------------------------------------------------- MTP speculative decoding (issue 15)
+# the single-rank engine without speculation stays the oracle; the tiny model's MTP layer is random, so nearly
+# every draft is rejected: each step verifies two drafts over the paged cache, rolls them back and drafts again
+SPEC = dict(speculative="mtp", num_speculative_tokens=2)
+SPEC_LAYOUTS = ("TP2", "DP2+EP2")
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("layout", SPEC_LAYOUTS)
+def test_layout_with_mtp_matches_single_rank_without(reference, layout):
+    model_dir, prompts, refs = reference
+    _assert_same(_run(model_dir, prompts, **LAYOUTS[layout], **SPEC), refs)
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+def test_dp2_with_an_idle_dp_group_and_mtp_matches_single_rank_without(reference):
+    """The idle DP group joins the MoE collectives of the main model's forward and of every MTP forward."""
+    model_dir, prompts, refs = reference
+    with LLM(model=str(model_dir), **ENGINE_ARGS, parallel="attn=TP1+DP2 moe=TP1+EP2", **SPEC) as llm:
+        outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in prompts[:2]]
+        stats = llm.get_stats()
+    _assert_same(outs, refs[:2])
+    assert stats.spec_verify_steps > 0 and stats.spec_tokens == stats.spec_verify_steps + sum(stats.spec_accepted)

@@ -182,6 +182,30 @@ def test_prefill_and_decode_with_different_layouts(models, colocated, arch, pref
         wait_until_released(je, names(procs, "prefill"))
 
 
+def test_disaggregated_with_mtp_outputs_equal_colocated(models, colocated):
+    """MTP speculative decoding (k = 2) on both TEs (issue 15): the prefill TE fills the MTP layer's cache for
+    the prompt and hands off without drafting; the decode TE pulls that cache with the rest and verifies drafts
+    from its first step. Greedy tokens equal the colocated TE's without speculation."""
+    spec = {"engine": {"speculative": "mtp", "num_speculative_tokens": 2}}
+    layout = deployment(pd_groups("1p1d", "shm", prefill=spec, decode=spec))
+    with running_deployment(models["deepseek_v3"], layout, engine={},
+                            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as (jes, procs):
+        je = jes[0]
+        (prefill_te,), (decode_te,) = names(procs, "prefill"), names(procs, "decode")
+        for workload in ("mixed", "shared"):
+            prompts, max_tokens = WORKLOADS[workload]
+            outputs = asyncio.run(generate_all(je, prompts, max_tokens))
+            assert token_ids(outputs) == colocated["deepseek_v3"][workload], workload
+            assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+        assert_pulled_without_recompute(je, [decode_te], expected_total=len(MIXED) + len(SHARED))
+        decode, prefill = stats(je, decode_te), stats(je, prefill_te)
+        # every request decoded (max_tokens - 1 tokens on the decode TE) through verifying steps
+        assert decode["spec_verify_steps"] >= len(MIXED) + len(SHARED)
+        assert decode["spec_tokens"] == decode["spec_verify_steps"] + sum(decode["spec_accepted"])
+        assert prefill["spec_verify_steps"] == 0  # the prefill TE only samples the first token
+        wait_until_released(je, [prefill_te])
+
+
 # ---------------------------------------------------------------- must show 2: a full decode TE
 def test_a_full_decode_te_makes_prefill_hold_and_loses_nothing(models, colocated):
     # 6 blocks of 16 tokens: about two of the crowd's requests (up to 3 blocks each) fit at a time

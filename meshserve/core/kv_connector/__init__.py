@@ -49,7 +49,9 @@ class KVConnectors:
         # one rank's share of a block crosses the pool; its ranks fetch in parallel
         cost = FetchCostModel(kv_bytes_per_token * block_size, block_size, pool_config.pool_fetch_latency_ms / 1000,
                               pool_config.pool_fetch_gbps * 1e9)
-        model_id = model_identity(config.model_config.model, config.model_config.dtype)
+        # an engine that drafts keeps the MTP layer's KV in every block too: its blocks are another layout
+        kv_layout = config.model_config.dtype + ("+mtp" if config.speculative_config.enabled else "")
+        model_id = model_identity(config.model_config.model, kv_layout)
         for connectors in self.per_group:
             connectors.append(PoolConnector(pool_config, self._pool, model_id, block_size, attn_tp, cost))
 

@@ -67,12 +67,35 @@ class _EngineStatsCollector(Collector):
                                   s.prefix_cache_queries)
         yield CounterMetricFamily("meshserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   s.prefix_cache_hits)
+        yield from _spec_decode_metrics(s)
         # this process's sockets and the engine master's (its socket names differ from ours)
         dropped = CounterMetricFamily("meshserve_dropped_frames", "Bad frames internal sockets dropped, by socket.",
                                       labels=["socket"])
         for socket_name, count in sorted({**s.dropped_frames, **dropped_frames()}.items()):
             dropped.add_metric([socket_name], count)
         yield dropped
+
+
+def _spec_decode_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding (MTP): accepted tokens per verifying step and acceptance per draft position."""
+    yield CounterMetricFamily("meshserve_spec_decode_verify_steps",
+                              "Decode steps (per request) that verified drafts, since start.", s.spec_verify_steps)
+    yield CounterMetricFamily("meshserve_spec_decode_tokens",
+                              "Tokens produced by decode steps that verified drafts, since start.", s.spec_tokens)
+    yield GaugeMetricFamily("meshserve_spec_decode_tokens_per_step",
+                            "Tokens per verifying decode step (accepted drafts + 1), since start.",
+                            s.spec_tokens / s.spec_verify_steps if s.spec_verify_steps else 0.0)
+    drafted = CounterMetricFamily("meshserve_spec_decode_draft_tokens", "Drafts verified, by draft position.",
+                                  labels=["position"])
+    accepted = CounterMetricFamily("meshserve_spec_decode_accepted_tokens", "Drafts accepted, by draft position.",
+                                   labels=["position"])
+    rate = GaugeMetricFamily("meshserve_spec_decode_acceptance_rate",
+                             "Accepted / verified drafts by draft position, since start.", labels=["position"])
+    for position, (num_drafted, num_accepted) in enumerate(zip(s.spec_drafted, s.spec_accepted)):
+        drafted.add_metric([str(position)], num_drafted)
+        accepted.add_metric([str(position)], num_accepted)
+        rate.add_metric([str(position)], num_accepted / num_drafted if num_drafted else 0.0)
+    yield from (drafted, accepted, rate)
 
 
 class ServerMetrics:

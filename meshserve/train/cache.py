@@ -1,0 +1,42 @@
+"""The cached trained models: `<cache>/models/<arch>-<preset>-trained`, trained once with the preset's
+defaults (seed 0) on first use and reused by later calls and processes."""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from meshserve.models.factory import _STAGING_PREFIX, _file_lock, default_cache_dir, preset_config
+from meshserve.train.trainer import REPORT_FILE, settings_for, train
+
+logger = logging.getLogger(__name__)
+
+
+def trained_model_dir(arch: str = "deepseek_v3", preset: str = "small") -> Path:
+    return default_cache_dir() / "models" / f"{arch}-{preset}-trained"
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / REPORT_FILE).is_file()
+
+
+def ensure_trained_model(arch: str = "deepseek_v3", preset: str = "small", progress: bool = True) -> Path:
+    """The trained `arch`/`preset` model's directory, training it first if the cache has none
+    (deepseek_v3 small: about 20-25 minutes on 2 CPU cores; another process asking meanwhile waits)."""
+    preset_config(arch, preset)  # fail fast on bad names
+    target = trained_model_dir(arch, preset)
+    if _is_complete(target):
+        logger.info("reusing trained model %s", target)
+        return target
+    models_dir = target.parent
+    models_dir.mkdir(parents=True, exist_ok=True)
+    # The lock makes a second process wait for the first one's training instead of repeating it.
+    with _file_lock(models_dir / f".{target.name}.lock"):
+        if _is_complete(target):
+            logger.info("reusing trained model %s (trained by another process)", target)
+            return target
+        # Under the lock, staging directories for this name can only be left by crashed trainers.
+        for stale in models_dir.glob(f"{_STAGING_PREFIX.format(name=target.name)}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        logger.info("training %s/%s into %s (first use)", arch, preset, target)
+        return train(settings_for(arch, preset), target, progress=progress)

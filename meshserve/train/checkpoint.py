@@ -1,0 +1,125 @@
+"""HF transformers modules <-> the factory's checkpoint layout (per-expert tensors, MTP layers after the decoder).
+
+HF transformers 5 keeps each MoE layer's routed experts as two fused tensors (`experts.gate_up_proj`
+[E, 2I, H] with the gate rows first, `experts.down_proj` [E, H, I]); checkpoints (the factory's, real
+ones) store one tensor per expert and projection. `write_checkpoint` writes a trained model with the
+same files, names and shard plan as `models.factory.make_model`.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from meshserve.models import tokenizer_assets as tok
+from meshserve.models.factory import (
+    DEFAULT_MAX_SHARD_BYTES,
+    _shard_file_names,
+    _write_json,
+    checkpoint_tensor_shapes,
+    generation_config,
+)
+
+_FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def split_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF module tensors -> checkpoint tensors: fused expert tensors become one tensor per expert."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        for expert in range(tensor.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{expert}.down_proj.weight"] = tensor[expert]
+            else:
+                gate, up = tensor[expert].chunk(2, dim=0)
+                out[f"{prefix}.{expert}.gate_proj.weight"] = gate
+                out[f"{prefix}.{expert}.up_proj.weight"] = up
+    return out
+
+
+def fuse_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> HF module tensors (the inverse of `split_experts`)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        match = _PER_EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, expert, kind = match.groups()
+        experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = tensor
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        if order != list(range(len(order))):
+            raise ValueError(f"{prefix}: experts {order} are not numbered 0..{len(order) - 1}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+    return out
+
+
+def check_layout(tensors: Mapping[str, torch.Tensor], config: dict) -> list[str]:
+    """The checkpoint order of `tensors`' names; raises unless they are exactly the factory's layout for
+    `config` (an MTP layer's own `embed_tokens` may be left out: the main embedding is then meant)."""
+    expected = checkpoint_tensor_shapes(config)
+    optional = {name for name in expected if re.fullmatch(r"model\.layers\.\d+\.embed_tokens\.weight", name)}
+    missing = sorted(set(expected) - set(tensors) - optional)
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint layout differs from the factory's: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the layout says {expected[name]}")
+    return [name for name in expected if name in tensors]
+
+
+def _plan_shards(tensors: Mapping[str, torch.Tensor], order: list[str], max_shard_bytes: int) -> list[list[str]]:
+    # the factory's rule: fill shards in checkpoint order, start a new one before exceeding the limit
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in order:
+        size = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_checkpoint(out_dir: Path, config: dict, tensors: Mapping[str, torch.Tensor],
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write config, generation config, tokenizer files and the weights into the existing `out_dir`."""
+    order = check_layout(tensors, config)
+    dtype = getattr(torch, config["torch_dtype"])
+    # e_score_correction_bias stays fp32 on disk, as HF keeps it
+    on_disk: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        tensor = (tensor if name.endswith("e_score_correction_bias") else tensor.to(dtype)).detach().contiguous()
+        if tensor.data_ptr() in seen:  # a tied head: safetensors stores each tensor on its own
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        on_disk[name] = tensor
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", generation_config())
+    tok.write_tokenizer_files(out_dir, model_max_length=config["max_position_embeddings"])
+    shards = _plan_shards(on_disk, order, max_shard_bytes)
+    files = _shard_file_names(len(shards))
+    for file_name, names in zip(files, shards):
+        (out_dir / file_name).write_bytes(save({n: on_disk[n] for n in names}, metadata={"format": "pt"}))
+    if len(files) > 1:
+        weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
+        total = sum(t.numel() * t.element_size() for t in on_disk.values())
+        _write_json(out_dir / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
