@@ -646,7 +646,7 @@ class EngineCore:
             return
         if sched.total_num_scheduled_tokens > len(sched.num_scheduled_tokens) * (1 + self.spec_config.num_draft_tokens):
             return
-        self.spec_controller.observe(len(sched.num_scheduled_tokens), sched.num_draft_tokens > 0,
+        self.spec_controller.observe(len(sched.num_scheduled_tokens), sched.num_draft_tokens > 0, bool(out.num_drafts),
                                      sum(len(tokens) for tokens in out.sampled.values()), out.execute_seconds)
 
     def _connector_metadata(self) -> dict[int, msg.KVConnectorMetadata]:

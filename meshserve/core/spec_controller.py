@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 MEASURE = -1  # speculative_max_batch: measure where drafting pays
 _MIN_SAMPLES = 3  # steps of a mode in a bucket before its figure is trusted
-_EXPLORE_EVERY = 32  # steps of a bucket between runs of the mode it is not using
+_EXPLORE_EVERY = 64  # steps of a bucket between runs of the mode it is not using
+_EXPLORE_STEPS = 4  # ... each run this long: a mode's first step is a transition, not a sample of it
 _SMOOTHING = 0.2  # weight of the newest step in a moving average
 
 
@@ -58,13 +59,15 @@ class SpeculationController:
         if best != bucket.choice:
             self._report(batch_size, bucket, best)
         bucket.choice = best
-        if bucket.steps % _EXPLORE_EVERY == 0:
+        if bucket.steps % _EXPLORE_EVERY < _EXPLORE_STEPS:
             return not best, True
         return best, best
 
-    def observe(self, batch_size: int, drafting: bool, num_tokens: int, seconds: float) -> None:
-        """A decode-only step's outcome: the tokens it produced and its step time."""
-        if self.max_batch != MEASURE or seconds <= 0 or num_tokens <= 0:
+    def observe(self, batch_size: int, drafting: bool, verified: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step's outcome: the tokens it produced and its step time. A step counts for a mode only
+        when it drafted and verified drafts, or did neither: the first step after a switch is a transition (a
+        drafting step right after a plain one has no drafts to verify yet)."""
+        if self.max_batch != MEASURE or seconds <= 0 or num_tokens <= 0 or drafting != verified:
             return
         bucket = self._buckets.setdefault(self.bucket_of(batch_size), _Bucket())
         rate = num_tokens / seconds

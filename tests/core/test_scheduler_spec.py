@@ -219,12 +219,18 @@ def test_a_fixed_limit_drafts_up_to_that_batch():
 def test_the_measuring_controller_drafts_where_it_pays_and_keeps_checking():
     controller = SpeculationController(MEASURE)
     decisions = {1: [], 64: []}
+    drafted_before = {1: False, 64: False}
     for _ in range(200):
         for batch, (with_drafts, without) in {1: (150.0, 100.0), 64: (800.0, 1000.0)}.items():
             drafting, catch_up = controller.decide(batch)
             assert catch_up or not drafting
             decisions[batch].append(drafting)
-            controller.observe(batch, drafting, int(with_drafts if drafting else without), 1.0)
+            # a step verifies drafts only when the step before it drafted; a transition step is slow either way
+            verified = drafted_before[batch]
+            steady = drafting == verified
+            rate = (with_drafts if drafting else without) if steady else 50.0
+            controller.observe(batch, drafting, verified, int(rate), 1.0)
+            drafted_before[batch] = drafting
     assert sum(decisions[1][-100:]) > 90  # drafts at batch 1 ...
     assert sum(decisions[64][-100:]) < 10  # ... not at batch 64, but still tries now and then
     assert 0 < sum(decisions[64][-100:])
