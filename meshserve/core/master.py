@@ -240,8 +240,7 @@ class EngineCore:
         self._pending_seq = 0
         self._pending_keys: dict[str, tuple] = {}  # queue order: priority, then arrival
         self.owner: dict[str, int] = {}
-        # under speculative decoding a step that drafts is never overlapped: how many drafts the next step
-        # accepts decides the inputs of the one after (see _may_schedule)
+        # step n + 1 is scheduled while step n runs (verifications included, see _may_schedule)
         self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
         self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
         self.dead_error: str | None = None
@@ -600,13 +599,9 @@ class EngineCore:
         return max(len(queue) for queue in self.in_flight)
 
     def _may_schedule(self) -> bool:
-        """Room in the pipeline, and no drafting step in flight (its drafts are verified by the next step, which
-        produces a number of tokens per sequence only its output tells)."""
-        if self._steps_in_flight() >= self.pipeline_depth:
-            return False
-        if self.config.kv_transfer_config.kv_transfer == "producer":  # a prefill TE fills the MTP cache, never drafts
-            return True
-        return not any(queue and queue[-1].num_draft_tokens for queue in self.in_flight)
+        """Room in the pipeline. A verification in flight does not hold the next step back: the scheduler books
+        it as if no draft were accepted and leaves the worker slots for all of them (see scheduler.py)."""
+        return self._steps_in_flight() < self.pipeline_depth
 
     def _has_work(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.schedulers)

@@ -79,6 +79,9 @@ class Request:
         # tokens sampled by scheduled steps whose output has not come back yet
         self.num_output_placeholders = 0
         self.pending_sample_steps: deque[int] = deque()  # step ids that owe this request a token
+        # drafts of scheduled verifications whose output has not come back: the worker may be up to this many
+        # positions past `num_computed_tokens` (speculative decoding with overlapped steps)
+        self.num_unverified_drafts = 0
         self.num_kv_ready_tokens = 0  # KV computed by steps that have returned
         self.num_inserted_blocks = 0  # full blocks already offered to the prefix cache
         self.num_blocks_sent = 0  # block ids the worker has been told about

@@ -20,6 +20,10 @@ the worker reports the accepted drafts with the sampled token, and the KV of
 the accepted ones counts as computed. Drafts live in the worker; the scheduler
 only learns how far each sequence advanced. Slots of rejected drafts stay in
 the request's table and are written again next step; they return with it.
+Verifications overlap like plain decodes: while one is in flight the next is
+scheduled from the position it books (no draft accepted), with KV slots for
+all of its drafts accepted, and the worker lays the step out at the position it
+knows; a request within reach of its last token waits for the outcome instead.
 
 Remote KV (the memory pool, a prefill TE's hand-off) comes through KV connectors
 (`meshserve.core.kv_connector`): a waiting request whose tokens a connector can load
@@ -65,6 +69,15 @@ class _Scheduled:
     num_tokens: int
     num_computed_before: int
     num_drafts: int = 0  # of num_tokens, drafts to verify (speculative decoding)
+
+
+@dataclass
+class _Progress:
+    """What a scheduled step books for one request, checked when its output comes back."""
+
+    incarnation: int  # the request's preemption count then: a preempted request's output is stale
+    num_kv_ready: int  # positions whose KV the step leaves computed (shifted by verifications before it)
+    num_drafts: int
 
 
 @dataclass
@@ -139,7 +152,7 @@ class Scheduler:
         self._front_seq = 0  # preempted requests go to the front of their priority class
         self._step_id = 0
         # per in-flight step: req_id -> (incarnation, tokens whose KV the step completes)
-        self._step_progress: dict[int, dict[str, tuple[int, int]]] = {}
+        self._step_progress: dict[int, dict[str, _Progress]] = {}
         self._worker_must_drop: list[str] = []
         self.num_preemptions = 0
         # requests whose blocks a connector is loading (WAITING_FOR_REMOTE_KV), aborted ones included until the
@@ -236,9 +249,14 @@ class Scheduler:
             num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
+            if req.num_unverified_drafts and (req.num_tokens_with_placeholders + req.num_unverified_drafts
+                                              + 1 + self.num_speculative_tokens > self._max_total_tokens(req)):
+                continue  # it may end in the verification in flight: the outcome decides what comes next
             num_drafts = self._num_drafts(req, num_new, plan.budget)
             num_tokens = req.num_computed_tokens + num_new + num_drafts
-            if not self._allocate(req, num_tokens + self._draft_slots(req, num_tokens), plan, preempted_now):
+            # the worker lays this step out up to `num_unverified_drafts` positions further than booked
+            num_slots = num_tokens + req.num_unverified_drafts + self._draft_slots(req, num_tokens)
+            if not self._allocate(req, num_slots, plan, preempted_now):
                 self._preempt(req, plan, preempted_now)
                 continue
             plan.add(req, num_new + num_drafts, num_drafts)
@@ -435,6 +453,7 @@ class Scheduler:
         req.num_inserted_blocks = 0
         req.num_output_placeholders = 0
         req.pending_sample_steps.clear()
+        req.num_unverified_drafts = 0
         req.num_blocks_sent = 0
         if req.in_worker:
             self._worker_must_drop.append(req.req_id)
@@ -446,7 +465,7 @@ class Scheduler:
                               mtp_catch_up=self.mtp_catch_up or self.speculating)
         if not plan.entries:
             return out  # the drop list waits for a step that reaches the worker
-        progress: dict[str, tuple[int, int]] = {}
+        progress: dict[str, _Progress] = {}
         for req_id, entry in plan.entries.items():
             req = entry.req
             if req.in_worker:
@@ -468,11 +487,12 @@ class Scheduler:
             req.num_blocks_sent = len(req.block_ids)
             # a verification books its first token; the accepted drafts count when the output says which
             req.num_computed_tokens = entry.num_computed_before + entry.num_tokens - entry.num_drafts
+            req.num_unverified_drafts += entry.num_drafts
             if req.num_computed_tokens == req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1
                 req.pending_sample_steps.append(self._step_id)
             out.num_scheduled_tokens[req_id] = entry.num_tokens
-            progress[req_id] = (req.num_preemptions, req.num_computed_tokens)
+            progress[req_id] = _Progress(req.num_preemptions, req.num_computed_tokens, entry.num_drafts)
         out.finished_req_ids = self._worker_must_drop
         self._worker_must_drop = []
         self._step_progress[self._step_id] = progress
@@ -484,10 +504,12 @@ class Scheduler:
         for connector in self.connectors:  # the prefill rate a fetch-vs-recompute decision weighs
             connector.observe_step(sched.total_num_scheduled_tokens, out.execute_seconds)
         deltas: list[RequestDelta] = []
-        for req_id, (incarnation, kv_ready) in progress.items():
+        for req_id, booked in progress.items():
             req = self._requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != incarnation:
+            if req is None or req.status is not RequestStatus.RUNNING or req.num_preemptions != booked.incarnation:
                 continue  # finished, aborted or preempted while the step was in flight
+            req.num_unverified_drafts -= booked.num_drafts
+            kv_ready = booked.num_kv_ready
             if req_id in out.failed:  # its settings made the worker fail it; the step's others go on
                 deltas.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=out.failed[req_id]))
                 continue
@@ -509,10 +531,18 @@ class Scheduler:
                     # the accepted drafts' KV was computed by this step, as the first token's was
                     req.num_computed_tokens += len(tokens) - 1
                     req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready + len(tokens) - 1)
+                    self._shift_later_steps(req_id, len(tokens) - 1)
                 deltas.append(self._accept_tokens(req, tokens, out.logprobs.get(req_id)))
             if not req.is_finished:
                 self._cache_full_blocks(req, req.num_kv_ready_tokens)
         return deltas
+
+    def _shift_later_steps(self, req_id: str, num_accepted: int) -> None:
+        """The steps scheduled after a verification ran `num_accepted` positions further than they booked."""
+        for progress in self._step_progress.values():
+            booked = progress.get(req_id)
+            if booked is not None:
+                booked.num_kv_ready += num_accepted
 
     def _count_spec(self, num_drafts: int, num_tokens: int) -> None:
         self._spec_verify_steps += 1

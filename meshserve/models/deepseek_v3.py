@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
+from meshserve.layers.fp8 import fp8_block_size
 from meshserve.layers.linear import attach_packed, linear
 from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
 from meshserve.layers.mla import (
@@ -96,8 +97,7 @@ class DeepseekV3Params:
             raise ValueError(f"unsupported scoring_func {cfg['scoring_func']!r} (supported: sigmoid)")
         if cfg.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
             raise ValueError(f"unsupported topk_method {cfg['topk_method']!r} (supported: noaux_tc)")
-        if cfg.get("quantization_config"):
-            raise ValueError("quantized DeepSeek-V3 checkpoints are not supported; convert the weights first")
+        fp8_block_size(cfg)  # FP8 block checkpoints are dequantized at load; other formats are refused here
 
         def opt(key: str, default, *aliases: str):
             for k in (key, *aliases):

@@ -538,8 +538,9 @@ def _is_nonempty_dir(path: Path) -> bool:
 
 
 def make_model(arch: str, preset: str, out_dir: str | Path, seed: int = 0, overrides: dict | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write a random HF checkpoint of `arch`/`preset` (config patched by `overrides`) to `out_dir`.
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, fp8: bool = False) -> Path:
+    """Write a random HF checkpoint of `arch`/`preset` (config patched by `overrides`) to `out_dir`; with
+    `fp8`, its linear projections in the FP8 block format of the published DeepSeek-V3 checkpoints.
 
     The directory appears complete or not at all: files go to a temporary sibling that is renamed
     into place. An existing non-empty `out_dir` is never overwritten (FileExistsError).
@@ -562,6 +563,8 @@ def make_model(arch: str, preset: str, out_dir: str | Path, seed: int = 0, overr
         _write_json(staging / "generation_config.json", generation_config())
         tok.write_tokenizer_files(staging, model_max_length=config["max_position_embeddings"])
         _write_weights(staging, config, seed, max_shard_bytes)
+        if fp8:
+            _convert_to_fp8(staging)
         try:
             os.rename(staging, out_dir)  # atomic; replaces only an empty directory
         except OSError as exc:
@@ -573,6 +576,20 @@ def make_model(arch: str, preset: str, out_dir: str | Path, seed: int = 0, overr
         raise
     logger.info("wrote %s", out_dir)
     return out_dir
+
+
+def _convert_to_fp8(staging: Path) -> None:
+    from meshserve.layers.fp8 import write_fp8_checkpoint  # torch stays out of `meshserve` start-up
+
+    converted = staging.with_name(staging.name + "-fp8")
+    try:
+        write_fp8_checkpoint(staging, converted)
+        for path in staging.iterdir():
+            path.unlink()
+        for path in converted.iterdir():
+            path.rename(staging / path.name)
+    finally:
+        shutil.rmtree(converted, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,13 +645,16 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
     parser.add_argument("--dtype", default=None,
                         help=f"weights dtype on disk, one of: {', '.join(DTYPES)} (default: float32)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="store the linear projections in FP8 (e4m3) with 128x128 block scales, as the "
+                             "published DeepSeek-V3/R1 and Kimi-K2 checkpoints")
 
 
 def make_model_main(args: argparse.Namespace) -> int:
     """Run `meshserve make-model`: print the directory written, or one error line on stderr."""
     overrides = {"torch_dtype": args.dtype} if args.dtype else None
     try:
-        path = make_model(args.arch, args.preset, args.out, seed=args.seed, overrides=overrides)
+        path = make_model(args.arch, args.preset, args.out, seed=args.seed, overrides=overrides, fp8=args.fp8)
     except (ValueError, OSError) as exc:
         print(f"meshserve make-model: error: {exc}", file=sys.stderr)
         return 2

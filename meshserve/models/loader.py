@@ -8,6 +8,10 @@ only this rank's piece is read (safetensors slices).
 `read_weights` replaces the checkpoint files as the source: called as `read_weights(wanted, shard_of)`,
 it yields (name, tensor or this rank's piece). The worker passes the memory pool's model cache this
 way (`meshserve.worker.model_cache.iter_pool_tensors`), so the model code never imports the pool.
+
+FP8 block-quantized checkpoints (`meshserve.layers.fp8`) are dequantized to the serving dtype as they
+stream: their FP8 weights and scales are read whole (a block scale spans rows of several ranks' pieces),
+dequantized, and then cut to this rank's piece.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from meshserve.layers import fp8
 from meshserve.layers.linear import pack_linears
 from meshserve.layers.tensor_parallel import Shard
 from meshserve.models.base import CausalLM
@@ -89,6 +94,21 @@ def shard_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) 
             yield name, (tensor if shard is None else shard.take(tensor, name))
 
 
+def _dequantized(model: CausalLM, read: WeightsReader, wanted: Callable[[str], bool], block: tuple[int, int],
+                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors as `model` loads them: FP8 weights dequantized, then cut to this rank."""
+    def wanted_or_its_scale(name: str) -> bool:
+        return wanted(fp8.weight_name_of_scale(name) if fp8.is_scale_name(name) else name)
+
+    def shard_of(name: str) -> Shard | None:
+        whole = fp8.is_scale_name(name) or fp8.is_quantized_name(name)
+        return None if whole else model.weight_shard(name)
+
+    for name, tensor in fp8.dequantize_weights(read(wanted_or_its_scale, shard_of), block, dtype):
+        shard = model.weight_shard(name) if fp8.is_quantized_name(name) else None
+        yield name, (tensor if shard is None else shard.take(tensor, name))
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                name_filter: Callable[[str], bool] | None = None, parallel: ParallelContext | None = None,
                read_weights: WeightsReader | None = None) -> CausalLM:
@@ -106,10 +126,12 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     def wanted(name: str) -> bool:
         return model.wants_weight(name) and (name_filter is None or name_filter(name))
 
-    if read_weights is None:
-        weights = iter_safetensors(model_dir, wanted, model.weight_shard)
+    read = read_weights or (lambda want, shard_of: iter_safetensors(model_dir, want, shard_of))
+    block = fp8.fp8_block_size(config)
+    if block is None:
+        weights = read(wanted, model.weight_shard)
     else:
-        weights = read_weights(wanted, model.weight_shard)
+        weights = _dequantized(model, read, wanted, block, torch_dtype)
     loaded = model.load_weights(weights)
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
     if missing:

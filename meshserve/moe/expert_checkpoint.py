@@ -2,7 +2,8 @@
 
 Experts are stored per expert (`{prefix}.{e}.gate_proj.weight`, `up_proj`, `down_proj`, as
 transformers writes them) or packed per layer (`{prefix}.gate_up_proj` [E, 2I, H] with gate
-rows then up rows, `{prefix}.down_proj` [E, H, I]). Only the requested slices are read.
+rows then up rows, `{prefix}.down_proj` [E, H, I]). Only the requested slices are read, except of FP8 block-quantized
+weights (`meshserve.layers.fp8`), which are read whole with their scales and dequantized first.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from meshserve.layers import fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,6 +39,8 @@ class ExpertCheckpoint:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self.files = tensor_files(model_dir)
+        config = Path(model_dir) / "config.json"
+        self.fp8_block = fp8.fp8_block_size(json.loads(config.read_text())) if config.is_file() else None
         self._open: dict[Path, object] = {}
 
     def __enter__(self) -> ExpertCheckpoint:
@@ -55,14 +60,21 @@ class ExpertCheckpoint:
             handle = self._open[path] = safe_open(str(path), framework="pt").__enter__()
         return handle.get_slice(name)
 
+    def _weight(self, name: str):
+        """A per-expert weight to slice: the stored slice handle, or the dequantized tensor of an FP8 one."""
+        scale = name + fp8.SCALE_SUFFIX
+        if self.fp8_block is None or scale not in self.files:
+            return self._slice(name)
+        return fp8.dequantize_block(self._slice(name)[:], self._slice(scale)[:], self.fp8_block)
+
     def read(self, prefix: str, expert: int, columns: tuple[int, int], intermediate: int,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [2 * (hi - lo), H], w2 [H, hi - lo]) of expert `expert` under `prefix` (`...mlp.experts`)."""
         lo, hi = columns
         if f"{prefix}.{expert}.gate_proj.weight" in self.files:
-            gate = self._slice(f"{prefix}.{expert}.gate_proj.weight")[lo:hi]
-            up = self._slice(f"{prefix}.{expert}.up_proj.weight")[lo:hi]
-            down = self._slice(f"{prefix}.{expert}.down_proj.weight")[:, lo:hi]
+            gate = self._weight(f"{prefix}.{expert}.gate_proj.weight")[lo:hi]
+            up = self._weight(f"{prefix}.{expert}.up_proj.weight")[lo:hi]
+            down = self._weight(f"{prefix}.{expert}.down_proj.weight")[:, lo:hi]
         elif f"{prefix}.gate_up_proj" in self.files:
             gate_up = self._slice(f"{prefix}.gate_up_proj")
             gate = gate_up[expert:expert + 1, lo:hi][0]

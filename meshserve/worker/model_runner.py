@@ -339,7 +339,13 @@ class ModelRunner:
                 continue
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            # the master may not have seen the drafts the last verification accepted yet: this count leads
+            if state.num_computed_tokens < cached.num_computed_tokens:
+                failed[cached.req_id] = (f"the master booked {cached.num_computed_tokens} computed tokens, "
+                                         f"the worker only {state.num_computed_tokens}")
+                self.requests.pop(cached.req_id)
+                self.failed_ids.add(cached.req_id)
+                logger.error("request %s failed: %s", cached.req_id, failed[cached.req_id])
         return failed
 
     # ------------------------------------------------------------------ one step

@@ -9,6 +9,7 @@ checks that each step's table holds the slots the MTP layer writes when it draft
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -44,6 +45,8 @@ class DraftingWorker(FakeWorker):
 
     num_right: dict[str, int] = field(default_factory=dict)
     drafts_verified: int = 0
+    max_unseen_accepted: int = 0  # overlapped steps: drafts the master may not know were accepted
+    scheduled_behind: int = 0  # decodes scheduled while a verification of theirs was in flight
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(sched)
@@ -53,7 +56,8 @@ class DraftingWorker(FakeWorker):
             self.held[new.req_id] = _Held(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
         for cached in sched.cached_reqs:
             held = self.held[cached.req_id]
-            assert cached.num_computed_tokens == held.num_computed
+            # overlapped: the master has not seen what the verification in flight accepted
+            assert held.num_computed - self.max_unseen_accepted <= cached.num_computed_tokens <= held.num_computed
             held.blocks += cached.new_block_ids
         out = ModelRunnerOutput(step_id=sched.step_id)
         for req_id, n in sched.num_scheduled_tokens.items():
@@ -118,14 +122,40 @@ def run_spec(sched: Scheduler, worker: DraftingWorker, max_steps: int = 3000):
     raise AssertionError("requests did not finish")
 
 
+def run_spec_overlapped(sched: Scheduler, worker: DraftingWorker, max_steps: int = 3000):
+    """As the master runs it: step n + 1 is scheduled (and executed) before step n's output is applied."""
+    worker.max_unseen_accepted = sched.num_speculative_tokens
+    outputs, finish = {}, {}
+    in_flight: deque = deque()
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and not in_flight:
+            return outputs, finish
+        behind = {req_id for step, _ in in_flight for req_id in step.num_scheduled_tokens
+                   if (req := sched.get_request(req_id)) is not None and req.num_unverified_drafts}
+        out = sched.schedule()
+        check_step(sched, out)
+        worker.scheduled_behind += len(behind & out.num_scheduled_tokens.keys())
+        if not out.is_empty:
+            in_flight.append((out, worker.execute(out)))
+        assert in_flight, "nothing scheduled and nothing in flight"
+        if len(in_flight) == 2 or out.is_empty:
+            done, result = in_flight.popleft()
+            collect(sched.update_from_output(done, result), outputs, finish)
+    raise AssertionError("requests did not finish")
+
+
+RUNNERS = [run_spec, run_spec_overlapped]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_outputs_match_the_oracle_whatever_is_accepted(k):
+def test_outputs_match_the_oracle_whatever_is_accepted(k, runner):
     sched = make_spec_scheduler(k, max_num_batched_tokens=16, max_num_seqs=4)
     worker = DraftingWorker(num_right={"r0": 0, "r1": 1, "r3": 0})  # r2, r4, r5: every draft right
     reqs = [make_request(f"r{i}", prompt_of(i, 3 + 7 * i), max_tokens=5 + 3 * i) for i in range(6)]
     for r in reqs:
         sched.add_request(r)
-    outputs, finish = run_spec(sched, worker)
+    outputs, finish = runner(sched, worker)
     for r in reqs:
         assert outputs[r.req_id] == expected_outputs(r.prompt_token_ids, r.sampling_params.max_tokens)
         assert finish[r.req_id].finish_reason == "length"
@@ -136,9 +166,12 @@ def test_outputs_match_the_oracle_whatever_is_accepted(k):
     # a request whose drafts are all right advances k + 1 tokens per verifying step
     steps_of_r5 = [s for s in worker.steps if s.num_scheduled_tokens.get("r5", 0) == 1 + k]
     assert len(steps_of_r5) < reqs[5].sampling_params.max_tokens - 1
+    if runner is run_spec_overlapped:  # verifications did overlap the next step
+        assert worker.scheduled_behind > 0
 
 
-def test_a_stop_token_in_the_middle_of_the_accepted_drafts_drops_the_rest():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_stop_token_in_the_middle_of_the_accepted_drafts_drops_the_rest(runner):
     prompt = prompt_of(3, 9)
     truth = expected_outputs(prompt, 12)
     stop = truth[5]
@@ -146,19 +179,20 @@ def test_a_stop_token_in_the_middle_of_the_accepted_drafts_drops_the_rest():
     sched = make_spec_scheduler(3)
     worker = DraftingWorker()
     sched.add_request(make_request("a", prompt, max_tokens=12, eos=[stop]))
-    outputs, finish = run_spec(sched, worker)
+    outputs, finish = runner(sched, worker)
     assert outputs["a"] == truth[:6]
     assert finish["a"].finish_reason == "stop" and finish["a"].stop_reason == stop
     assert worker.samples["a"] > 6  # the worker produced tokens past the stop; none was emitted
 
 
-def test_drafts_never_run_past_max_tokens_or_the_budget():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_drafts_never_run_past_max_tokens_or_the_budget(runner):
     sched = make_spec_scheduler(3, max_num_batched_tokens=6, max_num_seqs=4)
     worker = DraftingWorker()
     reqs = [make_request(f"r{i}", prompt_of(i, 2), max_tokens=3 + i) for i in range(4)]
     for r in reqs:
         sched.add_request(r)
-    outputs, _ = run_spec(sched, worker)
+    outputs, _ = runner(sched, worker)
     for r in reqs:
         assert outputs[r.req_id] == expected_outputs(r.prompt_token_ids, r.sampling_params.max_tokens)
         # nothing was verified that could not become an output
@@ -166,7 +200,8 @@ def test_drafts_never_run_past_max_tokens_or_the_budget():
     assert all(s.total_num_scheduled_tokens <= 6 for s in worker.steps)
 
 
-def test_preemption_and_prefix_hits_under_speculation():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_preemption_and_prefix_hits_under_speculation(runner):
     sched = make_spec_scheduler(2, num_blocks=14, max_num_batched_tokens=32)
     worker = DraftingWorker(num_right={"b": 1})
     shared = prompt_of(7, 12)
@@ -174,13 +209,13 @@ def test_preemption_and_prefix_hits_under_speculation():
             make_request("c", prompt_of(8, 10), max_tokens=20)]
     for r in reqs:
         sched.add_request(r)
-    outputs, _ = run_spec(sched, worker)
+    outputs, _ = runner(sched, worker)
     for r in reqs:
         assert outputs[r.req_id] == expected_outputs(r.prompt_token_ids, 20)
     assert sched.num_preemptions > 0
     again = make_request("a2", shared + [1], max_tokens=4)
     sched.add_request(again)
-    outputs, _ = run_spec(sched, worker)
+    outputs, _ = runner(sched, worker)
     assert outputs["a2"] == expected_outputs(again.prompt_token_ids, 4)
     assert sched.stats().prefix_cache_hits >= 12
     assert sched.kv_manager.usage == 0.0

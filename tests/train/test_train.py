@@ -3,6 +3,7 @@ on the standard-library corpus, its checkpoint in meshserve and HF transformers,
 the CLI's error path."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -152,7 +153,8 @@ def test_ensure_trained_model_trains_once_then_reuses(tmp_path, monkeypatch):
         calls.append((settings.arch, settings.preset))
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
-        (out_dir / trainer.REPORT_FILE).write_text("{}")
+        report = {"settings": dataclasses.asdict(settings)}
+        (out_dir / trainer.REPORT_FILE).write_text(json.dumps(report))
         return out_dir
 
     monkeypatch.setattr(cache, "train", fake_train)
@@ -162,6 +164,11 @@ def test_ensure_trained_model_trains_once_then_reuses(tmp_path, monkeypatch):
     assert path == tmp_path / "models" / "qwen3-tiny-trained"
     assert cache.ensure_trained_model("qwen3", "tiny") == path
     assert calls == [("qwen3", "tiny")] and not stale.exists()
+    # the preset's defaults changed since: the cached model is trained again
+    monkeypatch.setitem(trainer.PRESET_DEFAULTS, "tiny", {**trainer.PRESET_DEFAULTS["tiny"], "steps": 7})
+    assert cache.ensure_trained_model("qwen3", "tiny") == path
+    assert calls == [("qwen3", "tiny")] * 2
+    assert json.loads((path / trainer.REPORT_FILE).read_text())["settings"]["steps"] == 7
 
 
 @pytest.mark.parametrize("argv,message", [
