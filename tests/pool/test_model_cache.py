@@ -38,7 +38,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"deepseek_v3": make_model("deepseek_v3", "tiny", root / "ds" / "tiny-model"),
             "qwen3_moe": make_model("qwen3_moe", "tiny", root / "qwen3_moe"),
             # same directory name and shapes as the first, other weights: a second version of one model id
-            "deepseek_v3_retrained": make_model("deepseek_v3", "tiny", root / "ds2" / "tiny-model", seed=1)}
+            "deepseek_v3_retrained": make_model("deepseek_v3", "tiny", root / "ds2" / "tiny-model", seed=1),
+            # FP8 block weights with their scales: stored as they are, dequantized by the loader
+            "deepseek_v3_fp8": make_model("deepseek_v3", "tiny", root / "fp8" / "fp8-model", fp8=True,
+                                          overrides={"num_hidden_layers": 2})}
 
 
 def _shard_worker(rank: int, world_size: int, controller: str, disk_dir: str, pool_only_dir: str,
@@ -87,6 +90,15 @@ def test_put_load_shards_versions_eviction_and_failover(models, tmp_path, capsys
                 assert_same_params(load_model(pool_only, read_weights=mc.pool_weights(pool, pool_only)), reference)
                 from_pool = load_model(models[arch], read_weights=mc.pool_weights(pool, models[arch]))
                 assert_same_params(from_pool, reference)
+            # an FP8 checkpoint: its FP8 tensors and scales come from the pool, the same weights as from disk
+            fp8_dir = models["deepseek_v3_fp8"]
+            assert put_model_cli(controller, fp8_dir) == 0
+            capsys.readouterr()
+            fp8_from_pool = mc.fetch_model_files(pool, "fp8-model", tmp_path / "fp8-from-pool")
+            assert_same_params(load_model(fp8_from_pool, read_weights=mc.pool_weights(pool, fp8_from_pool)),
+                               load_model(fp8_dir))
+            assert main(["pool", "models", "--controller", controller, "--evict", "fp8-model"]) == 0
+            capsys.readouterr()
             # storing it again only stamps it as used
             assert put_model_cli(controller, models["qwen3_moe"]) == 0
             assert "already in the pool" in capsys.readouterr().out
