@@ -4,8 +4,9 @@ One engine per configuration (no drafts; MTP with each k of `--num-speculative-t
 kept alive. Each repetition runs every batch size on every engine in turn, the order rotating between
 repetitions, so drift on a shared machine hits all of them; every speedup is the ratio of two runs of the
 same repetition, and the medians over repetitions are reported. Prompts are windows of the corpus's held-out
-files (meshserve/train/corpus.py); greedy, EOS ignored, so every run decodes the same number of tokens, and
-prefix caching is off, so every run prefills the same way.
+files (meshserve/train/corpus.py), and a batch size below MIN_REQUESTS runs that many requests in consecutive
+batches; greedy, EOS ignored, so every run decodes the same number of tokens, and prefix caching is off, so
+every run prefills the same way.
 
 Prefill is left out: TPOT is each request's (last token - first token) / (tokens - 1) from the engine's
 token timestamps, and the decode rate is the batch's tokens after the first over the window from the
@@ -47,6 +48,7 @@ BASELINE = "baseline"
 DEFAULT_OUT = "bench-results/spec"
 RESULT_FILE = "spec.json"
 DEFAULT_DRAFT_VOCAB = 4096
+MIN_REQUESTS = 8  # a batch size below this runs that many requests in consecutive batches
 # the large-batch rule's engines: MTP with the chosen k always, up to the measured threshold, self-measuring
 ALWAYS, THRESHOLD, AUTO = "always", "threshold", "auto"
 
@@ -215,30 +217,45 @@ def _counter_delta(after: list[int], before: list[int]) -> list[int]:
     return [a - b for a, b in itertools.zip_longest(after, before, fillvalue=0)]
 
 
-def measure(llm, prompts: list[list[int]], output_len: int) -> tuple[dict, list[list[int]]]:
-    """One greedy run of `prompts`: decode rate, TPOT, the speculative counters' change; and the tokens."""
+def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """The prompts a batch size runs: one batch of `batch`, or below MIN_REQUESTS, that many requests in
+    consecutive batches (one prompt's acceptance says little: greedy outputs fall into loops the MTP layer
+    guesses all or nothing of)."""
+    groups = max(1, -(-MIN_REQUESTS // batch))
+    if groups * batch > len(prompts):
+        raise SpecBenchError(f"batch {batch} needs {groups * batch} prompts, got {len(prompts)}")
+    return [prompts[i * batch:(i + 1) * batch] for i in range(groups)]
+
+
+def measure(llm, groups: list[list[list[int]]], output_len: int) -> tuple[dict, list[list[int]]]:
+    """Greedy runs of each group of prompts in turn: decode rate, TPOT, the speculative counters' change; and
+    the tokens of every request."""
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     before = llm.get_stats()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs, window, spread = [], 0.0, 0.0
+    for group in groups:
+        outs = llm.generate(group, params)
+        short = [len(o.token_ids) for o in outs if len(o.token_ids) != output_len]
+        if short:
+            raise SpecBenchError(f"expected {output_len} tokens per request, got {short[:4]}")
+        firsts = [o.metrics.first_token_time for o in outs]
+        window += statistics.median(o.metrics.last_token_time for o in outs) - statistics.median(firsts)
+        spread = max(spread, max(firsts) - min(firsts))
+        outputs += outs
     elapsed = time.perf_counter() - start
     after = llm.get_stats()
-    short = [len(o.token_ids) for o in outputs if len(o.token_ids) != output_len]
-    if short:
-        raise SpecBenchError(f"expected {output_len} tokens per request, got {short[:4]}")
-    firsts = [o.metrics.first_token_time for o in outputs]
-    lasts = [o.metrics.last_token_time for o in outputs]
-    window = statistics.median(lasts) - statistics.median(firsts)
     if window <= 0:
         raise SpecBenchError("decode took no measurable time: increase --output-len")
-    tpots = [(last - first) / (output_len - 1) for first, last in zip(firsts, lasts)]
+    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (output_len - 1) for o in outputs]
     record = {
-        "decode_tokens_per_s": len(prompts) * (output_len - 1) / window,
+        "requests": len(outputs),
+        "decode_tokens_per_s": len(outputs) * (output_len - 1) / window,
         "tpot_ms": statistics.fmean(tpots) * 1e3,
         "ttft_ms": statistics.fmean(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs) * 1e3,
         "decode_window_s": window,
         "elapsed_s": elapsed,
-        "first_token_spread_ms": (max(firsts) - min(firsts)) * 1e3,
+        "first_token_spread_ms": spread * 1e3,
         "spec_drafted": _counter_delta(after.spec_drafted, before.spec_drafted),
         "spec_accepted": _counter_delta(after.spec_accepted, before.spec_accepted),
         "spec_verify_steps": after.spec_verify_steps - before.spec_verify_steps,
@@ -264,7 +281,7 @@ def run_rounds(engines: dict, prompts: list[list[int]], batch_sizes: tuple[int, 
         for batch in batch_sizes:
             tokens = {}
             for name in _rotated(names, run):
-                record, tokens[name] = measure(engines[name], prompts[:batch], settings.output_len)
+                record, tokens[name] = measure(engines[name], batch_groups(prompts, batch), settings.output_len)
                 record |= {"phase": phase, "run": run, "batch_size": batch, "config": name}
                 records.append(record)
                 log(LOG_PREFIX, f"{phase} run {run + 1}/{settings.runs} batch {batch:>3} {name:<9}: "
@@ -324,7 +341,7 @@ def summarize_config(records: list[dict], baseline: list[dict], output_len: int)
     }
     drafted, accepted = _summed(records, "spec_drafted"), _summed(records, "spec_accepted")
     steps, tokens = sum(r["spec_verify_steps"] for r in records), sum(r["spec_tokens"] for r in records)
-    decode_tokens = sum(r["batch_size"] * (output_len - 1) for r in records)
+    decode_tokens = sum(r["requests"] * (output_len - 1) for r in records)
     summary |= {
         "spec_drafted": drafted, "spec_accepted": accepted, "spec_verify_steps": steps, "spec_tokens": tokens,
         "acceptance_rate": acceptance_rates(drafted, accepted) if steps else None,
@@ -381,7 +398,8 @@ def run_spec_benchmark(settings: SpecBenchSettings) -> dict:
 
     trained = not settings.model_dir
     settings = resolve_model(settings)
-    prompts = heldout_prompts(settings.batch_sizes[-1], settings.prompt_len, seed=settings.seed)
+    needed = max(batch * len(range(0, MIN_REQUESTS, batch)) for batch in settings.batch_sizes)
+    prompts = heldout_prompts(max(needed, settings.batch_sizes[-1]), settings.prompt_len, seed=settings.seed)
     log(LOG_PREFIX, f"{len(prompts)} held-out prompts of {settings.prompt_len} tokens; model {settings.model_dir}")
     engines: dict = {}
     try:

@@ -16,8 +16,8 @@ import sys
 
 from meshserve.models.factory import ARCHITECTURES, PRESET_NAMES
 
-_TRAINING_FLAGS = ("steps", "seq_len", "batch_size", "lr", "mtp_loss_weight", "eval_sequences", "threads",
-                   "init_dir", "overrides")
+_TRAINING_FLAGS = ("steps", "seq_len", "batch_size", "lr", "mtp_loss_weight", "mtp_distill_steps", "mtp_distill_lr",
+                   "eval_sequences", "threads", "init_dir", "overrides")
 
 
 def add_train_parser(subparsers) -> None:
@@ -41,6 +41,11 @@ def add_train_parser(subparsers) -> None:
     train.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
     train.add_argument("--mtp-loss-weight", dest="mtp_loss_weight", type=float, default=None,
                        help="weight of the MTP loss next to the next-token loss (default: 0.3)")
+    train.add_argument("--mtp-distill-steps", dest="mtp_distill_steps", type=int, default=None,
+                       help="then train the MTP layer alone on the main model's own predictions of token t+2 "
+                            "(self-distillation, what drafts are checked against) (default: the preset's)")
+    train.add_argument("--mtp-distill-lr", dest="mtp_distill_lr", type=float, default=None,
+                       help="peak learning rate of that stage (default: 1e-3)")
     train.add_argument("--eval-sequences", dest="eval_sequences", type=int, default=None,
                        help="held-out sequences per evaluation (default: 16)")
     train.add_argument("--fp32", dest="bf16", action="store_false", default=None,

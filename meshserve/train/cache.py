@@ -33,7 +33,7 @@ def _is_current(target: Path, arch: str, preset: str) -> bool:
 
 def ensure_trained_model(arch: str = "deepseek_v3", preset: str = "small", progress: bool = True) -> Path:
     """The trained `arch`/`preset` model's directory, training it first if the cache has none
-    (deepseek_v3 small: about 50 minutes on 2 CPU cores; another process asking meanwhile waits)."""
+    (deepseek_v3 small: about an hour on 2 CPU cores; another process asking meanwhile waits)."""
     preset_config(arch, preset)  # fail fast on bad names
     target = trained_model_dir(arch, preset)
     if _is_current(target, arch, preset):

@@ -46,11 +46,11 @@ logger = logging.getLogger(__name__)
 REPORT_FILE = "train_report.json"
 
 # Per preset: steps, sequence length and batch chosen from measured throughput on 2 CPU cores
-# (deepseek_v3 with its MTP layer: tiny a few minutes, small about 50 minutes: enough for its MTP drafts to
-# pay at batch 1).
+# (deepseek_v3 with its MTP layer: tiny a few minutes; small about an hour with its MTP distillation, enough for
+# its drafts to pay at batch 1).
 PRESET_DEFAULTS: dict[str, dict] = {
     "tiny": {"steps": 120, "seq_len": 256, "batch_size": 8, "lr": 4e-3},
-    "small": {"steps": 320, "seq_len": 256, "batch_size": 4, "lr": 3e-3},
+    "small": {"steps": 320, "seq_len": 256, "batch_size": 4, "lr": 3e-3, "mtp_distill_steps": 150},
 }
 
 
@@ -81,6 +81,11 @@ class TrainSettings:
     # torch threads while training. One by default: on a shared machine two OpenMP threads spin-wait for each
     # other (2-7x slower than one measured here), and a fixed count keeps the weights the same on every machine.
     threads: int = 1
+    # Stage 2 (DeepSeek-V3): steps that train the MTP layer alone, the main model frozen, to predict the main
+    # model's own distribution of token t+2 (self-distillation: greedy drafts are checked against the main
+    # model, not against the text), at this peak learning rate.
+    mtp_distill_steps: int = 0
+    mtp_distill_lr: float = 1e-3
     overrides: dict | None = None  # config.json overrides (e.g. fewer layers for tests)
     init_dir: str | None = None  # start from this checkpoint instead of the factory's seeded init
 
@@ -98,6 +103,8 @@ def _check(s: TrainSettings) -> None:
     for name in ("steps", "batch_size", "eval_sequences", "threads"):
         if getattr(s, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(s, name)}")
+    if s.mtp_distill_steps < 0 or not s.mtp_distill_lr > 0:
+        raise ValueError("mtp_distill_steps must not be negative and mtp_distill_lr must be positive")
     if s.seq_len < 4:
         raise ValueError(f"seq_len must be at least 4 (MTP predicts token t+2), got {s.seq_len}")
     if not s.lr > 0 or s.mtp_loss_weight < 0 or s.eval_every < 0 or s.head_init_scale < 0:
@@ -408,6 +415,65 @@ def _run_training(models: Models, corpus: Corpus, settings: TrainSettings, progr
     }
 
 
+def distill_mtp(models: Models, corpus: Corpus, settings: TrainSettings, progress: bool = True) -> dict:
+    """Stage 2: the MTP layer learns the main model's distribution of token t+2 given the tokens up to t+1 (the
+    KL divergence from the main model's softmax at t+1), the main model and the shared head frozen. Its own
+    seed and batches, so it gives the same result straight after stage 1 or from stage 1's checkpoint."""
+    with _torch_threads(settings.threads):
+        return _distill_mtp(models, corpus, settings, progress)
+
+
+def _distill_mtp(models: Models, corpus: Corpus, settings: TrainSettings, progress: bool) -> dict:
+    torch.manual_seed(settings.seed + 1)
+    stage = dataclasses.replace(settings, steps=settings.mtp_distill_steps, lr=settings.mtp_distill_lr)
+    eval_set = heldout_batches(corpus, settings.eval_sequences, settings.seq_len, settings.batch_size)
+    before = evaluate(models, eval_set, settings)
+    params = [p for name, p in models.mtp.named_parameters() if not name.startswith("shared_head.head")]
+    frozen = [p for _, p in models.main.named_parameters()]
+    for param in frozen:
+        param.requires_grad_(False)
+    optimizer = torch.optim.AdamW(params, lr=stage.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True)
+    batches = train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed + 1)
+    history = []
+    models.train(True)
+    start = time.perf_counter()
+    try:
+        with tqdm(total=stage.steps, desc=f"distill MTP {settings.arch}-{settings.preset}", unit="step",
+                  disable=not progress, mininterval=0.5 if sys.stderr.isatty() else 30.0) as bar:
+            for step in range(stage.steps):
+                for group in optimizer.param_groups:
+                    group["lr"] = stage.lr * lr_factor(step, stage)
+                loss = _distill_loss(models, next(batches), settings)
+                loss.backward()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                kl = float(loss.detach())
+                history.append({"step": step + 1, "kl": round(kl, 4), "grad_norm": round(grad_norm, 3)})
+                bar.set_postfix(kl=f"{kl:.3f}", refresh=False)
+                bar.update(1)
+    finally:
+        for param in frozen:
+            param.requires_grad_(True)
+    seconds = time.perf_counter() - start
+    after = evaluate(models, eval_set, settings)
+    logger.info("MTP distillation: agreement with the main model %.3f -> %.3f", before.get("mtp_agrees_with_main", 0),
+                after.get("mtp_agrees_with_main", 0))
+    return {"steps": stage.steps, "seconds": round(seconds, 1), "before": before, "after": after, "history": history}
+
+
+def _distill_loss(models: Models, ids: torch.Tensor, settings: TrainSettings) -> torch.Tensor:
+    main = models.main
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+        with torch.no_grad():
+            hidden = main.model(input_ids=ids).last_hidden_state
+            # the main model at t+1 predicts token t+2, as the MTP layer at t does
+            target = F.log_softmax(main.lm_head(hidden[:, 1:-1]).float(), dim=-1)
+        mtp_logits = models.mtp(main, ids[:, :-1], hidden[:, :-1])
+    log_probs = F.log_softmax(mtp_logits.float(), dim=-1)
+    return F.kl_div(log_probs.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
 def train(settings: TrainSettings, out_dir: str | Path, progress: bool = True) -> Path:
     """Train per `settings` and write the checkpoint and `train_report.json` to `out_dir`.
 
@@ -428,6 +494,8 @@ def train(settings: TrainSettings, out_dir: str | Path, progress: bool = True) -
         with tempfile.TemporaryDirectory(dir=staging) as workdir:
             models = build_models(settings, Path(workdir))
             report = run_training(models, corpus, settings, progress)
+            if models.mtp is not None and settings.mtp_distill_steps:
+                report["mtp_distill"] = distill_mtp(models, corpus, settings, progress)
         write_checkpoint(staging, models.config, models.checkpoint_tensors())
         # the tokens speculative decoding's drafts score first (FR-Spec): ranked by the training text's counts
         counts = torch.bincount(corpus.train, minlength=int(models.config["vocab_size"]))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from meshserve.bench.spec import BASELINE, choose_rule, summarize_batches
+from meshserve.bench.spec import BASELINE, MIN_REQUESTS, choose_rule, summarize_batches
 from meshserve.entrypoints.cli import main
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,7 +42,7 @@ def test_spec_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
             assert summary["mismatching_requests"] == 0  # greedy: drafts never change the tokens
         assert math.isclose(k1["speedup"], k1["decode_tokens_per_s"] / baseline["decode_tokens_per_s"])
         # one verifying step per request and decode step after the first (which has no draft yet)
-        assert 0 < k1["spec_verify_steps"] <= row["batch_size"] * (OUTPUT_LEN - 1)
+        assert 0 < k1["spec_verify_steps"] <= MIN_REQUESTS * (OUTPUT_LEN - 1)
         assert k1["spec_drafted"] == [k1["spec_verify_steps"]]
         assert k1["spec_tokens"] == k1["spec_verify_steps"] + k1["spec_accepted"][0]  # k=1: 1 + accepted
         assert 0 <= k1["acceptance_rate"][0] <= 1
@@ -55,6 +55,8 @@ def test_spec_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert {"always", "auto"} <= set(rule["verdict_at_largest"])
     assert {b["batch_size"] for b in rule["batches"]} == {1, 2}
     assert len(result["runs"]) == 2 * 2  # one per batch size and engine
+    # batches below MIN_REQUESTS run that many requests one batch after another
+    assert [r["requests"] for r in result["runs"]] == [MIN_REQUESTS] * 4
     phases = [row["phase"] for row in result["table"]]
     assert phases[:4] == ["main"] * 4 and set(phases[4:]) == {"rule"}
 
@@ -64,7 +66,8 @@ def test_spec_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
 
 def _records(rates: dict[str, dict[int, list[float]]]) -> list[dict]:
     """Made-up runs: config -> batch size -> decode rate per run."""
-    return [{"config": name, "batch_size": batch, "run": run, "decode_tokens_per_s": rate, "tpot_ms": 1e3 / rate,
+    return [{"config": name, "batch_size": batch, "requests": max(batch, MIN_REQUESTS), "run": run,
+             "decode_tokens_per_s": rate, "tpot_ms": 1e3 / rate,
              "ttft_ms": 1.0, "spec_drafted": [], "spec_accepted": [], "spec_verify_steps": 0, "spec_tokens": 0}
             for name, per_batch in rates.items() for batch, runs in per_batch.items() for run, rate in enumerate(runs)]
 
