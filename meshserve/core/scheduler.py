@@ -151,7 +151,7 @@ class Scheduler:
         self._add_seq = 0
         self._front_seq = 0  # preempted requests go to the front of their priority class
         self._step_id = 0
-        # per in-flight step: req_id -> (incarnation, tokens whose KV the step completes)
+        # per in-flight step: what it booked for each of its requests
         self._step_progress: dict[int, dict[str, _Progress]] = {}
         self._worker_must_drop: list[str] = []
         self.num_preemptions = 0
