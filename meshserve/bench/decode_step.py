@@ -23,7 +23,6 @@ import dataclasses
 import math
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from meshserve.bench.deployment_load import one_line_errors
+from meshserve.bench.deployment_load import one_line_errors, run_bench_cli
 from meshserve.config import EngineConfig
 from meshserve.layers import cpu_kernels
 from meshserve.layers.metadata import AttentionMetadata
@@ -108,22 +107,16 @@ def settings_from_args(args: argparse.Namespace) -> DecodeStepSettings:
 
 
 def decode_step_main(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = run_decode_step_benchmark(settings)
-    except (DecodeStepError, OSError, ValueError) as exc:  # no kernels, an unloadable model, paths that disagree
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+    errors = (DecodeStepError, OSError, ValueError)  # no kernels, an unloadable model, paths that disagree
+    return run_bench_cli(PROG, args, settings_from_args, run_decode_step_benchmark, errors, _report_decode_step)
+
+
+def _report_decode_step(settings, result: dict) -> None:
     json_path = report.write_json(settings.json_path, result)
     png_path = plot_decode_step(result, report.png_path_for(json_path))
     for line in summary_lines(result):
         print(line)
     print(f"wrote {json_path} and {png_path}")
-    return 0
 
 
 def _progress(message: str) -> None:

@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -265,6 +265,24 @@ def one_line_errors(parser: argparse.ArgumentParser, prog: str) -> argparse.Argu
 
     parser.error = error
     return parser
+
+
+def run_bench_cli(prog: str, args: argparse.Namespace, parse: Callable, run: Callable,
+                  errors: tuple[type[BaseException], ...], report: Callable) -> int:
+    """A benchmark command's frame: its settings from `args` (a ValueError is one line and exit 2), the run (an
+    exception in `errors` is one line and exit 1), then `report(settings, result)` writes and prints."""
+    try:
+        settings = parse(args)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run(settings)
+    except errors as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    report(settings, result)
+    return 0
 
 
 def log(prefix: str, message: str) -> None:

@@ -26,13 +26,12 @@ import dataclasses
 import itertools
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from meshserve.bench import BENCH_ENGINE_SETTINGS
-from meshserve.bench.deployment_load import log, one_line_errors
+from meshserve.bench.deployment_load import log, one_line_errors, run_bench_cli
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
 from meshserve.config.base import ConfigError
 from meshserve.config.cache import CacheConfig
@@ -153,24 +152,20 @@ def _engine_args(given: dict, batch_sizes: tuple[int, ...], ks: tuple[int, ...],
     return args
 
 
+# a model without MTP layers, an engine that died, a short run, ...
+_SPEC_ERRORS = (SpecBenchError, ConfigError, EngineStartupError, EngineDeadError, OSError, ValueError)
+
+
 def spec_main(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = run_spec_benchmark(settings)
-    # a model without MTP layers, an engine that died, a short run, ...
-    except (SpecBenchError, ConfigError, EngineStartupError, EngineDeadError, OSError, ValueError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+    return run_bench_cli(PROG, args, settings_from_args, run_spec_benchmark, _SPEC_ERRORS, _report_spec)
+
+
+def _report_spec(settings, result: dict) -> None:
     json_path = report.write_json(Path(settings.out_dir) / RESULT_FILE, result)
     png_path = plot_spec(result, report.png_path_for(json_path))
     print(result["table_text"])
     print(result["summary"])
     print(f"wrote {json_path} and {png_path}")
-    return 0
 
 
 # ---------------------------------------------------------------- engines and runs

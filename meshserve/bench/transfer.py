@@ -25,7 +25,6 @@ import functools
 import multiprocessing as mp
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from meshserve.bench.deployment_load import one_line_errors
+from meshserve.bench.deployment_load import one_line_errors, run_bench_cli
 from meshserve.transfer import BlockRef, TransferEngine, TransferStatus
 from meshserve.transfer import dist as dist_mod
 from meshserve.transfer import tcp as tcp_mod
@@ -141,22 +140,16 @@ def settings_from_args(args: argparse.Namespace) -> TransferSettings:
 
 
 def transfer_main(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = run_transfer_benchmark(settings)
-    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:  # a failed or wrong pull, a dead source
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+    errors = (RuntimeError, TimeoutError, OSError, ValueError)  # a failed or wrong pull, a dead source
+    return run_bench_cli(PROG, args, settings_from_args, run_transfer_benchmark, errors, _report_transfer)
+
+
+def _report_transfer(settings, result: dict) -> None:
     json_path = report.write_json(settings.json_path, result)
     png_path = plot_transfer(result, report.png_path_for(json_path))
     for line in summary_lines(result):
         print(line)
     print(f"wrote {json_path} and {png_path}")
-    return 0
 
 
 # ---------------------------------------------------------------- the source process

@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from meshserve.models import tokenizer_assets as tok
@@ -461,13 +461,18 @@ def _tensor_bytes(name: str, shape: tuple[int, ...], config: dict) -> int:
 
 
 def plan_shards(config: dict, max_shard_bytes: int) -> list[list[str]]:
-    """Tensor names per shard: fill shards in checkpoint order, starting a new one before exceeding the limit."""
+    """Tensor names per shard of the factory's checkpoint of `config` (see `shard_by_size`)."""
+    sizes = [(name, _tensor_bytes(name, shape, config)) for name, shape in checkpoint_tensor_shapes(config).items()]
+    return shard_by_size(sizes, max_shard_bytes)
+
+
+def shard_by_size(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard: fill shards in the given order, starting a new one before exceeding the limit."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     shards: list[list[str]] = [[]]
     used = 0
-    for name, shape in checkpoint_tensor_shapes(config).items():
-        size = _tensor_bytes(name, shape, config)
+    for name, size in sizes:
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
             used = 0
@@ -533,6 +538,29 @@ def _write_json(path: Path, obj: dict) -> None:
 _STAGING_PREFIX = ".{name}.partial-"
 
 
+def make_staging_dir(out_dir: str | Path) -> tuple[Path, Path]:
+    """(absolute `out_dir`, a new empty staging sibling to fill and `rename_into_place`): a directory written
+    this way appears complete or not at all. FileExistsError when `out_dir` is a file or not empty."""
+    out_dir = Path(out_dir).expanduser().absolute()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if _is_nonempty_dir(out_dir):
+        raise FileExistsError(f"{out_dir} already exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / (_STAGING_PREFIX.format(name=out_dir.name) + uuid.uuid4().hex[:12])
+    staging.mkdir()
+    return out_dir, staging
+
+
+def rename_into_place(staging: Path, out_dir: Path) -> None:
+    try:
+        os.rename(staging, out_dir)  # atomic; replaces only an empty directory
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(f"{out_dir} was written by someone else meanwhile") from exc
+        raise
+
+
 def _is_nonempty_dir(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
 
@@ -548,14 +576,7 @@ def make_model(arch: str, preset: str, out_dir: str | Path, seed: int = 0, overr
     config = preset_config(arch, preset, overrides)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    out_dir = Path(out_dir).expanduser().absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if _is_nonempty_dir(out_dir):
-        raise FileExistsError(f"{out_dir} already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / (_STAGING_PREFIX.format(name=out_dir.name) + uuid.uuid4().hex[:12])
-    staging.mkdir()
+    out_dir, staging = make_staging_dir(out_dir)
     params = count_parameters(config, include_mtp=True)
     logger.info("writing %s/%s (%.1fM parameters, seed %d) to %s", arch, preset, params / 1e6, seed, out_dir)
     try:
@@ -565,12 +586,7 @@ def make_model(arch: str, preset: str, out_dir: str | Path, seed: int = 0, overr
         _write_weights(staging, config, seed, max_shard_bytes)
         if fp8:
             _convert_to_fp8(staging)
-        try:
-            os.rename(staging, out_dir)  # atomic; replaces only an empty directory
-        except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise FileExistsError(f"{out_dir} was written by someone else meanwhile") from exc
-            raise
+        rename_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

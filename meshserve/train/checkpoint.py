@@ -21,6 +21,7 @@ from meshserve.models.factory import (
     _write_json,
     checkpoint_tensor_shapes,
     generation_config,
+    shard_by_size,
 )
 
 _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
@@ -83,20 +84,6 @@ def check_layout(tensors: Mapping[str, torch.Tensor], config: dict) -> list[str]
     return [name for name in expected if name in tensors]
 
 
-def _plan_shards(tensors: Mapping[str, torch.Tensor], order: list[str], max_shard_bytes: int) -> list[list[str]]:
-    # the factory's rule: fill shards in checkpoint order, start a new one before exceeding the limit
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name in order:
-        size = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and used + size > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
 def write_checkpoint(out_dir: Path, config: dict, tensors: Mapping[str, torch.Tensor],
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write config, generation config, tokenizer files and the weights into the existing `out_dir`."""
@@ -114,7 +101,8 @@ def write_checkpoint(out_dir: Path, config: dict, tensors: Mapping[str, torch.Te
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config())
     tok.write_tokenizer_files(out_dir, model_max_length=config["max_position_embeddings"])
-    shards = _plan_shards(on_disk, order, max_shard_bytes)
+    sizes = [(name, on_disk[name].numel() * on_disk[name].element_size()) for name in order]
+    shards = shard_by_size(sizes, max_shard_bytes)
     files = _shard_file_names(len(shards))
     for file_name, names in zip(files, shards):
         (out_dir / file_name).write_bytes(save({n: on_disk[n] for n in names}, metadata={"format": "pt"}))

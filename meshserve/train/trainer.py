@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from meshserve.models.draft_vocab import write_draft_vocab
-from meshserve.models.factory import _STAGING_PREFIX, _is_nonempty_dir, make_model, preset_config
+from meshserve.models.factory import make_model, make_staging_dir, preset_config, rename_into_place
 from meshserve.train.checkpoint import split_experts, write_checkpoint
 from meshserve.train.corpus import Corpus, heldout_batches, load_corpus, train_batches
 from meshserve.train.mtp import MTPLayer, from_pretrained_quietly, read_layer_tensors
@@ -480,17 +477,10 @@ def train(settings: TrainSettings, out_dir: str | Path, progress: bool = True) -
     The directory appears complete or not at all (a staging sibling renamed into place); an existing
     non-empty `out_dir` is never overwritten (FileExistsError).
     """
-    out_dir = Path(out_dir).expanduser().absolute()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if _is_nonempty_dir(out_dir):
-        raise FileExistsError(f"{out_dir} already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    corpus = load_corpus()
-    staging = out_dir.parent / (_STAGING_PREFIX.format(name=out_dir.name) + uuid.uuid4().hex[:12])
-    staging.mkdir()
+    out_dir, staging = make_staging_dir(out_dir)
     try:
+        corpus = load_corpus()
         with tempfile.TemporaryDirectory(dir=staging) as workdir:
             models = build_models(settings, Path(workdir))
             report = run_training(models, corpus, settings, progress)
@@ -503,20 +493,11 @@ def train(settings: TrainSettings, out_dir: str | Path, progress: bool = True) -
         report = {"arch": settings.arch, "preset": settings.preset, "settings": dataclasses.asdict(settings),
                   "corpus": corpus.summary(), "wall_seconds": round(time.perf_counter() - start, 1)} | report
         (staging / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        _rename_into_place(staging, out_dir)
+        rename_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
-
-
-def _rename_into_place(staging: Path, out_dir: Path) -> None:
-    try:
-        os.rename(staging, out_dir)  # atomic; replaces only an empty directory
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise FileExistsError(f"{out_dir} was written by someone else meanwhile") from exc
-        raise
 
 
 def summary(report: dict) -> dict:

@@ -12,7 +12,9 @@ the batch raises, it samples row by row and fails only the rows that raise.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +22,7 @@ from meshserve.core.messages import SampleLogprobs
 from meshserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _NEG_INF = float("-inf")
 FAILED_TOKEN = -1  # the token id of a row whose sampling failed (see SamplerOutput.failed)
@@ -108,17 +111,9 @@ class Sampler:
         """Sample the batch; if that raises for a reason other than a process fault, sample each row
         on its own and fail only the rows that raise. Seeded rows are rewound first, so every other
         row gets the very token it would have got in a batch without the failing ones."""
-        states = [row.generator.get_state() if row.generator is not None else None for row in rows]
-        try:
-            return self(logits, rows)
-        except Exception as exc:  # noqa: BLE001 - one request's settings must not end the worker
-            if is_process_fault(exc):
-                raise
-            logger.warning("sampling a batch of %d rows failed (%s); sampling them one by one",
-                           len(rows), describe_error(exc))
-        for row, state in zip(rows, states):
-            if state is not None:
-                row.generator.set_state(state)
+        batch = batch_or_rewind([row.generator for row in rows], lambda: self(logits, rows), "sampling")
+        if batch is not None:
+            return batch
         out = SamplerOutput(token_ids=[], logprobs=[])
         for i, row in enumerate(rows):
             try:
@@ -133,6 +128,23 @@ class Sampler:
             out.token_ids.append(int(one.token_ids[0]))
             out.logprobs.append(one.logprobs[0])
         return out
+
+
+def batch_or_rewind(generators: list[torch.Generator | None], run_batch: Callable[[], T], what: str) -> T | None:
+    """`run_batch()`; if it raises for a reason other than a process fault, None with every seeded generator
+    rewound to where it was (the caller then goes one request at a time)."""
+    states = [g.get_state() if g is not None else None for g in generators]
+    try:
+        return run_batch()
+    except Exception as exc:  # noqa: BLE001 - one request's settings must not end the worker
+        if is_process_fault(exc):
+            raise
+        logger.warning("%s a batch of %d requests failed (%s); going one by one", what, len(generators),
+                       describe_error(exc))
+    for generator, state in zip(generators, states):
+        if state is not None:
+            generator.set_state(state)
+    return None
 
 
 # ---------------------------------------------------------------- checks

@@ -20,7 +20,6 @@ A request without drafts goes through the plain Sampler unchanged.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -37,12 +36,11 @@ from meshserve.worker.sampler import (
     _gather_logprobs,
     _index,
     _needs_processing,
+    batch_or_rewind,
     describe_error,
     is_process_fault,
     process_logits,
 )
-
-logger = logging.getLogger(__name__)
 
 _NO_DRAFT = -1  # the "next draft" of a request's last row: nothing to accept there
 
@@ -75,18 +73,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[DraftRow]) 
     _check_shape(logits, rows)
     if all(not r.draft_token_ids for r in rows):  # speculation off for this step: exactly the plain path
         return _from_sampler(sampler.sample_isolating(logits, [r.row for r in rows]))
-    states = [r.row.generator.get_state() if r.row.generator is not None else None for r in rows]
-    try:
-        return _verify_batch(sampler, logits, rows)
-    except Exception as exc:  # noqa: BLE001 - one request's settings must not end the worker
-        if is_process_fault(exc):
-            raise
-        logger.warning("verifying drafts of %d requests failed (%s); verifying them one by one",
-                       len(rows), describe_error(exc))
-    for r, state in zip(rows, states):
-        if state is not None:
-            r.row.generator.set_state(state)
-    return _verify_one_by_one(sampler, logits, rows)
+    batch = batch_or_rewind([r.row.generator for r in rows], lambda: _verify_batch(sampler, logits, rows),
+                            "verifying drafts of")
+    return batch if batch is not None else _verify_one_by_one(sampler, logits, rows)
 
 
 def _check_shape(logits: torch.Tensor, rows: list[DraftRow]) -> None:

@@ -83,14 +83,7 @@ class FakeWorker:
             held = self.held[req_id]
             start, end = held.num_computed, held.num_computed + n
             assert n > 0 and end <= len(held.tokens), "scheduled tokens the worker does not know"
-            assert len(held.blocks) * self.block_size >= end, "block table too short"
-            fps = fingerprints(held.tokens[:end])
-            for pos in range(end):
-                slot = held.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-                if pos < start:
-                    assert self.kv.get(slot) == fps[pos], f"{req_id}: KV at position {pos} is wrong"
-                else:
-                    self.kv[slot] = fps[pos]
+            self.write_kv(req_id, held, held.tokens, start, end)
             held.num_computed = end
             if end == len(held.tokens):
                 token = next_token(held.tokens)
@@ -98,6 +91,17 @@ class FakeWorker:
                 sampled[req_id] = [token]
                 self.samples[req_id] += 1
         return ModelRunnerOutput(step_id=sched.step_id, sampled=sampled)
+
+    def write_kv(self, req_id: str, held: _Held, history: list[int], start: int, end: int) -> None:
+        """Check the KV fingerprints of positions [0, start) (the context) and write those of [start, end)."""
+        assert len(held.blocks) * self.block_size >= end, "block table too short"
+        fps = fingerprints(history[:end])
+        for pos in range(end):
+            slot = held.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            if pos < start:
+                assert self.kv.get(slot) == fps[pos], f"{req_id}: KV at position {pos} is wrong"
+            else:
+                self.kv[slot] = fps[pos]
 
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int | None = 8, priority: int = 0,

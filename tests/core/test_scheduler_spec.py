@@ -27,7 +27,6 @@ from tests.core.test_scheduler import (
     check_step,
     collect,
     expected_outputs,
-    fingerprints,
     make_request,
     next_token,
     prompt_of,
@@ -68,7 +67,7 @@ class DraftingWorker(FakeWorker):
             assert decode or start + n <= len(held.tokens), "scheduled tokens the worker does not know"
             history = held.tokens + drafts if decode else held.tokens[:start + n]
             end = start + (1 + len(drafts) if decode else n)
-            self._write(req_id, held, history, start, end)
+            self.write_kv(req_id, held, history, start, end)
             if not decode:
                 held.num_computed = end
                 if end < len(held.tokens):
@@ -100,15 +99,6 @@ class DraftingWorker(FakeWorker):
             a += 1
         return truth[:a + 1]
 
-    def _write(self, req_id: str, held, history: list[int], start: int, end: int) -> None:
-        assert len(held.blocks) * self.block_size >= end, "block table too short"
-        fps = fingerprints(history[:end])
-        for pos in range(end):
-            slot = held.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-            if pos < start:
-                assert self.kv.get(slot) == fps[pos], f"{req_id}: KV at position {pos} is wrong"
-            else:
-                self.kv[slot] = fps[pos]
 
 
 def run_spec(sched: Scheduler, worker: DraftingWorker, max_steps: int = 3000):
