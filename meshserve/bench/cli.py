@@ -12,6 +12,7 @@ from meshserve.bench.cache import add_cache_arguments, cache_main
 from meshserve.bench.offline import OfflineOptions, plot_offline, run_offline_benchmark, summary_lines
 from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 from meshserve.bench.pd import add_pd_arguments
+from meshserve.bench.quant import add_quant_arguments
 from meshserve.bench.routing import add_routing_arguments
 from meshserve.bench.spec import add_spec_arguments
 from meshserve.bench.workload import WorkloadError, make_offline_workload, parse_range, special_token_ids
@@ -23,7 +24,7 @@ from meshserve.utils import report
 
 def register_bench_commands(subparsers) -> None:
     """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd`,
-    `routing` and `spec` to the `bench` subcommand's subparsers."""
+    `routing`, `spec` and `quant` to the `bench` subcommand's subparsers."""
     # keeps torch out of importing this module: these benchmarks load it at import
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
@@ -69,6 +70,9 @@ def register_bench_commands(subparsers) -> None:
     add_spec_arguments(subparsers.add_parser(
         "spec", help="MTP speculative decoding against plain decoding per batch size and k: decode tokens/s, "
                      "TPOT, acceptance per draft position, and where drafting stops paying"))
+    add_quant_arguments(subparsers.add_parser(
+        "quant", help="INT8 W8A8 and the INT8 KV cache against float32 and bfloat16: weight bytes, decode and "
+                      "prefill tokens/s, roofline fraction, and quality per quantization method"))
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

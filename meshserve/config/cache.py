@@ -1,7 +1,7 @@
 """The paged KV cache: block size, how many blocks, prefix caching, cache events."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -14,6 +14,9 @@ class CacheConfig(ConfigStruct, frozen=True):
         description="memory budget the KV cache is sized from (GB per rank)")] = 1.0
     num_kv_blocks: Annotated[int, Meta(
         ge=1, description="exact KV cache size in blocks; overrides the memory budget (tests, tuning)")] | None = None
+    kv_cache_dtype: Annotated[Literal["auto", "int8"], Meta(
+        description="KV cache entries: auto (the model's dtype) or int8 (per-token scales kept in each row; "
+                    "about twice the tokens of a bfloat16 cache in the same memory)")] = "auto"
     enable_prefix_caching: Annotated[bool, Meta(description="reuse the KV blocks of a shared prompt prefix")] = True
     kv_events_endpoint: Annotated[str, Meta(
         description="ZMQ PUB address for prefix-cache events (e.g. tcp://127.0.0.1:5557)")] | None = None

@@ -14,5 +14,9 @@ class ModelConfig(ConfigStruct, frozen=True):
         description="the model's name in the API (default: the model directory's name)")] | None = None
     dtype: Annotated[Literal["float32", "bfloat16", "float16", "auto"], Meta(
         description="weight and activation dtype (auto: the checkpoint's)")] = "float32"
+    quantization: Annotated[Literal["int8"], Meta(
+        description="run the linear layers in INT8 W8A8 (int8: float and FP8 checkpoints are rounded per "
+                    "output channel at load; unset: as the checkpoint is, INT8 for a compressed-tensors W8A8 "
+                    "checkpoint)")] | None = None
     device: Annotated[str, Meta(description="torch device the ranks run on (cpu, cuda)")] = "cpu"
     seed: Annotated[int, Meta(description="the engine's random seed")] = 0

@@ -13,6 +13,7 @@ from meshserve.entrypoints.engine_args import add_deployment_arguments
 from meshserve.entrypoints.openai.server_options import add_server_arguments
 from meshserve.entrypoints.pool import add_pool_commands
 from meshserve.entrypoints.profile_pd import add_profile_commands
+from meshserve.entrypoints.quantize import add_quantize_parser
 from meshserve.entrypoints.serve import serve as serve_main
 from meshserve.entrypoints.te_server import add_te_parser
 from meshserve.entrypoints.train import add_train_parser
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=make_model_main)
 
     add_train_parser(sub)
+
+    add_quantize_parser(sub)
 
     plan = sub.add_parser("plan", help="rank parallel strategies for a model on a cluster (MixServe cost model)")
     # start-up: yaml only once the parser is built

@@ -8,14 +8,19 @@ Decode sequences (one query each) run as one padded batch. Query heads are group
 their KV head (`[B, Hk, group, D]`), so the group plays the role of SDPA's query length and the
 KV heads are never repeated. Prefill sequences run one at a time with causal SDPA; when earlier
 context exists the query block starts at offset `context_len`, which needs an explicit mask.
+
+In an INT8 cache (`kv_quant`) each K and V row of a head is int8 followed by its bfloat16 scale
+(`[..., 2, num_kv_heads, head_dim + 2]`); reads dequantize, and a prefill without earlier context
+attends to its fresh K/V as the cache will return them, so every path sees the same numbers.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from meshserve.layers import kv_quant
 from meshserve.layers.metadata import AttentionMetadata
-from meshserve.layers.paged import gather_batch, gather_sequence, length_mask, write_to_cache
+from meshserve.layers.paged import gather_batch, gather_sequence, length_mask
 
 
 class PagedGQAAttention(torch.nn.Module):
@@ -28,16 +33,22 @@ class PagedGQAAttention(torch.nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
+        self._parts = (head_dim,)  # one scale per token, K/V and head in an INT8 cache
 
-    def entry_shape(self) -> tuple[int, int, int]:
-        return (2, self.num_kv_heads, self.head_dim)
+    def entry_shape(self, dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+        """One token's cache entry in a cache of `dtype` (default: a float one)."""
+        return kv_quant.gqa_entry_shape(self.num_kv_heads, self.head_dim, dtype or torch.float32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hk, D] for the batch's new tokens -> attention output [T, Hq, D]."""
-        if tuple(kv_cache.shape[2:]) != self.entry_shape():
-            raise ValueError(f"kv cache entries are {tuple(kv_cache.shape[2:])}, expected {self.entry_shape()}")
-        write_to_cache(kv_cache, attn.slot_mapping, torch.stack((k, v), dim=1))
+        if tuple(kv_cache.shape[2:]) != self.entry_shape(kv_cache.dtype):
+            raise ValueError(f"kv cache entries are {tuple(kv_cache.shape[2:])}, "
+                             f"expected {self.entry_shape(kv_cache.dtype)}")
+        entries = torch.stack((k, v), dim=1)
+        written = kv_quant.write(kv_cache, attn.slot_mapping, entries, self._parts)
+        if written is not entries:  # INT8: attend to what the cache holds
+            k, v = written.unbind(1)
         outputs = []
         if attn.num_decodes:
             outputs.append(self._decode(q[: attn.num_decodes], attn, kv_cache))
@@ -51,7 +62,8 @@ class PagedGQAAttention(torch.nn.Module):
     def _decode(self, q: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_decodes = q.shape[0]
         max_len = max(attn.seq_lens[:num_decodes])  # host list: no device sync
-        kv = gather_batch(kv_cache, attn.block_tables[:num_decodes], max_len).to(q.dtype)  # [B, L, 2, Hk, D]
+        kv = kv_quant.read(gather_batch(kv_cache, attn.block_tables[:num_decodes], max_len), self._parts,
+                           q.dtype)  # [B, L, 2, Hk, D]
         keys = kv[:, :, 0].transpose(1, 2)  # [B, Hk, L, D]
         values = kv[:, :, 1].transpose(1, 2)
         if attn.seq_lens_tensor is not None:
@@ -74,7 +86,8 @@ class PagedGQAAttention(torch.nn.Module):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=gqa)
             return out.transpose(0, 1)
-        kv = gather_sequence(kv_cache, attn.block_tables[seq], seq_len).to(q.dtype)  # [S, 2, Hk, D]
+        kv = kv_quant.read(gather_sequence(kv_cache, attn.block_tables[seq], seq_len), self._parts,
+                           q.dtype)  # [S, 2, Hk, D]
         # query j sits at position context_len + j and sees keys 0..context_len + j
         key_pos = torch.arange(seq_len, device=q.device)
         query_pos = torch.arange(context_len, seq_len, device=q.device)

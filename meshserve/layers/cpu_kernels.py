@@ -31,7 +31,7 @@ from meshserve.utils import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))  # one extension of every kernel file
 _EXTENSION_NAME = "meshserve_cpu_kernels"
 BLOCK_COLUMNS = 32  # columns per packed weight block (two 16-float vectors)
 
@@ -64,7 +64,7 @@ def _build() -> bool:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         logger.info("loading native CPU kernels (the first run compiles them, about 15 s)")
         cpp_extension.load(
-            name=_extension_name(), sources=[str(_SOURCE)], is_python_module=False, verbose=False,
+            name=_extension_name(), sources=[str(source) for source in _SOURCES], is_python_module=False, verbose=False,
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return hasattr(torch.ops.meshserve_cpu, "moe_experts")
     except Exception as exc:  # no compiler, no headers: the torch path still serves

@@ -29,14 +29,18 @@ _QUANTIZED_SUFFIXES = ("_proj.weight",)
 
 
 def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
-    """The checkpoint's FP8 weight block (rows, cols); None when it is not FP8-quantized. ValueError for a
-    quantization this loader does not read."""
+    """The checkpoint's FP8 weight block (rows, cols); None when it is not FP8-quantized (a compressed-tensors
+    W8A8 checkpoint is `meshserve.models.compressed_tensors`'). ValueError for a quantization the loader does
+    not read."""
     quant = hf_config.get("quantization_config")
     if not quant:
         return None
     method = str(quant.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return None
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported (supported: fp8)")
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported "
+                         "(supported: fp8, compressed-tensors W8A8 INT8)")
     fmt = str(quant.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise ValueError(f"FP8 format {fmt!r} is not supported (supported: e4m3)")

@@ -15,12 +15,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers import cpu_kernels
+from meshserve.layers import cpu_kernels, int8, w8a8
 
 logger = logging.getLogger(__name__)
 
 _PACKED_ATTR = "_onednn_packed"
 _NATIVE_ATTR = "_native_packed"
+_INT8_ATTR = "_int8_packed"
 
 
 @functools.cache
@@ -48,7 +49,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the prepacked weight when there is one: passed (oneDNN's), or attached by
-    `pack_linears` (the native kernel's, else oneDNN's)."""
+    `pack_linears` (the native kernel's, else oneDNN's). An INT8 weight (`w8a8`) runs W8A8."""
+    if weight.dtype == torch.int8:
+        return _int8_linear(x, weight, bias)
     if packed is None:
         native = getattr(weight, _NATIVE_ATTR, None)
         if native is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() \
@@ -73,6 +76,13 @@ def _native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out.add_(bias)
 
 
+def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = getattr(weight, _INT8_ATTR, None) if x.device.type == "cpu" and cpu_kernels.enabled() else None
+    out = int8.linear(x.float(), weight, getattr(weight, w8a8.SCALE_ATTR), None if bias is None else bias.float(),
+                      packed=packed)
+    return out.to(x.dtype)
+
+
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight's oneDNN copy; made on first use where the native kernel's was packed instead (the
     torch path asked for under `cpu_kernels.disabled()`)."""
@@ -93,7 +103,12 @@ class Linear(torch.nn.Linear):
 
 def attach_packed(weight: torch.Tensor) -> bool:
     """Pack a [out, in] weight for `linear`: for the native CPU kernel where it applies (float32 on CPU,
-    a multiple of 32 outputs), else for oneDNN. False where neither applies."""
+    a multiple of 32 outputs), else for oneDNN; an INT8 weight for the INT8 kernel. False where none applies."""
+    if weight.dtype == torch.int8:
+        if not (cpu_kernels.enabled() and int8.packable(weight)):
+            return False
+        setattr(weight, _INT8_ATTR, int8.pack(weight))
+        return True
     if weight.dim() == 2 and cpu_kernels.packable(weight) and cpu_kernels.enabled():
         setattr(weight, _NATIVE_ATTR, cpu_kernels.pack_weight(weight.detach().unsqueeze(0)))
         return True

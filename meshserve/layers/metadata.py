@@ -10,12 +10,16 @@ in the cache).
 The KV cache is one tensor per attention layer, shaped
 `[num_blocks, block_size, *layout.entry_shape]`. A token at flat slot `s` lives
 at `cache.view(-1, *entry_shape)[s]`, with `s = block_id * block_size + offset`.
+An INT8 cache (`kv_quant`) is an int8 tensor whose rows also hold their scales, so its
+last entry dimension counts bytes: values plus two bytes of scale per part.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from meshserve.layers import kv_quant
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,17 @@ class KVCacheLayout:
 
     num_layers: int
     entry_shape: tuple[int, ...]  # MLA: (kv_lora_rank + qk_rope_head_dim,); GQA: (2, num_kv_heads, head_dim)
-    dtype: torch.dtype
+    dtype: torch.dtype  # torch.int8: quantized entries with their scales inside (`kv_quant`), widths in bytes
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> KVCacheLayout:
+        """One latent row per token: [c_kv | k_pe] (INT8: each part with its scale)."""
+        return cls(num_layers, kv_quant.mla_entry_shape(kv_lora_rank, qk_rope_head_dim, dtype), dtype)
+
+    @classmethod
+    def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCacheLayout:
+        """K and V rows per KV head (INT8: each row with its scale)."""
+        return cls(num_layers, kv_quant.gqa_entry_shape(num_kv_heads, head_dim, dtype), dtype)
 
     @property
     def bytes_per_token(self) -> int:

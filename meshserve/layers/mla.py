@@ -1,7 +1,9 @@
 """Multi-head latent attention (DeepSeek MLA) over a paged latent cache.
 
 Each cache entry is one token's latent: `kv_a_layernorm(c_kv)` followed by the roped
-`k_pe`, `kv_lora_rank + qk_rope_head_dim` numbers shared by all heads.
+`k_pe`, `kv_lora_rank + qk_rope_head_dim` numbers shared by all heads. In an INT8 cache
+(`kv_quant`) the two parts are stored as int8 with one scale each inside the row, and every
+read dequantizes (the native decode kernel tile by tile, the torch paths the gathered rows).
 
 Prefill sequences attend un-absorbed: their latent (earlier context included) is
 gathered and up-projected through `kv_b_proj` into per-head K_nope and V, then a
@@ -17,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers import cpu_kernels
+from meshserve.layers import cpu_kernels, kv_quant
 from meshserve.layers.linear import Linear
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers.norm import RMSNorm
-from meshserve.layers.paged import gather_sequence, length_mask, write_to_cache
+from meshserve.layers.paged import gather_sequence, length_mask
 from meshserve.layers.rope import apply_rotary_, yarn_factor, yarn_get_mscale
 from meshserve.layers.tensor_parallel import attention_tp_part, row_parallel_linear
 from meshserve.parallel.context import ParallelContext
@@ -200,6 +202,7 @@ class MultiHeadLatentAttention(torch.nn.Module):
         self.register_buffer("w_uv", torch.zeros(num_heads, kv_lora_rank, v_head_dim, dtype=dtype),
                              persistent=False)
         self._absorbed_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # W_UK, W_UV for the native kernel
+        self.kv_parts = (kv_lora_rank, qk_rope_head_dim)  # the two parts of a cache entry (scaled apart in INT8)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -264,7 +267,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
         nope = self.qk_nope_head_dim
         apply_rotary_(q[..., nope:], cos, sin, self.rope_interleave)
         apply_rotary_(k_pe, cos, sin, self.rope_interleave)
-        write_to_cache(kv_cache, plan.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1))
+        kv_quant.write(kv_cache, plan.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1),
+                       self.kv_parts)
 
         outputs = []
         if plan.num_decodes:
@@ -293,8 +297,9 @@ class MultiHeadLatentAttention(torch.nn.Module):
             q_full = torch.cat((q_latent.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, heads, c + rope]
         if native:  # attention read straight from the paged cache
             blocks = plan.decode_padded_len // kv_cache.shape[1]
-            o_latent = cpu_kernels.mla_decode(q_full, kv_cache, plan.decode_block_index.view(batch, blocks),
-                                              plan.decode_seq_lens, self.softmax_scale, c)
+            decode = kv_quant.mla_decode_int8 if kv_quant.is_quantized(kv_cache.dtype) else cpu_kernels.mla_decode
+            o_latent = decode(q_full, kv_cache, plan.decode_block_index.view(batch, blocks), plan.decode_seq_lens,
+                              self.softmax_scale, c)
         else:
             o_latent = self._decode_latent_gathered(q_full, plan, kv_cache)
         if packed is not None:
@@ -305,10 +310,14 @@ class MultiHeadLatentAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(batch, self.num_heads * self.v_head_dim)
 
     def _native_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether the native CPU kernel takes this decode's attention: fp32 query and cache on CPU, a latent
-        of whole vectors, and the kernels on."""
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
-                and kv_cache.is_contiguous() and self.kv_lora_rank % 16 == 0 and cpu_kernels.enabled())
+        """Whether the native CPU kernel takes this decode's attention: fp32 query on CPU, an fp32 or INT8 cache
+        (an INT8 one also with a rope part of whole vectors), a latent of whole vectors, and the kernels on."""
+        if not (q.device.type == "cpu" and q.dtype == torch.float32 and kv_cache.is_contiguous()
+                and self.kv_lora_rank % 16 == 0):
+            return False
+        if kv_quant.is_quantized(kv_cache.dtype):
+            return self.qk_rope_head_dim % 16 == 0 and kv_quant.native_decode_available()
+        return kv_cache.dtype == torch.float32 and cpu_kernels.enabled()
 
     def _decode_latent_gathered(self, q_full: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
         """The torch path: P·c [B, heads, c] with the latent gathered chunk by chunk into contiguous copies."""
@@ -317,7 +326,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
         step = decode_chunk_size(plan.decode_padded_len, kv_cache)
         for first in range(0, batch, step):
             last = min(first + step, batch)
-            latent = plan.gather_decode_latent(kv_cache, first, last).to(q_full.dtype)  # [b, L, c + rope]
+            latent = kv_quant.read(plan.gather_decode_latent(kv_cache, first, last), self.kv_parts,
+                                   q_full.dtype)  # [b, L, c + rope]
             # q_latent·c + q_pe·k_pe is one product because the entry stores [c, k_pe] side by side
             scores = torch.baddbmm(plan.decode_bias[first:last], q_full[first:last], latent.transpose(1, 2),
                                    alpha=self.softmax_scale)
@@ -327,7 +337,7 @@ class MultiHeadLatentAttention(torch.nn.Module):
 
     def _prefill_unabsorbed(self, q: torch.Tensor, span: PrefillSpan, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [Q, heads, qk_head_dim] of one sequence -> [Q, heads * v_head_dim]."""
-        latent = gather_sequence(kv_cache, span.block_table, span.seq_len).to(q.dtype)
+        latent = kv_quant.read(gather_sequence(kv_cache, span.block_table, span.seq_len), self.kv_parts, q.dtype)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(span.seq_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)

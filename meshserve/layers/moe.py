@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshserve.layers import cpu_kernels
+from meshserve.layers import cpu_kernels, int8, w8a8
 from meshserve.layers.linear import linear, pack_weight
 
 
@@ -133,6 +133,10 @@ class FusedMoEWeights(torch.nn.Module):
         if redundant_slots:  # empty slots are never routed to; zeros keep them free of garbage
             self.w13.data[num_local_experts:].zero_()
             self.w2.data[num_local_experts:].zero_()
+        self.float_dtype = dtype  # the serving dtype; the weights themselves turn INT8 under W8A8
+        self.w13_scale: torch.Tensor | None = None  # W8A8: per-output-channel scales [slots, 2 * part]
+        self.w2_scale: torch.Tensor | None = None  # [slots, H]
+        self._int8_native: tuple | None = None  # W8A8 weights packed for the native INT8 kernel
         self._packed: tuple[list, list] | None = None  # oneDNN copies (torch path)
         self._native: tuple[torch.Tensor, torch.Tensor] | None = None  # native-kernel copies
         self._pack_requested = False
@@ -184,8 +188,13 @@ class FusedMoEWeights(torch.nn.Module):
         if tuple(w13.shape) != tuple(self.w13.shape[1:]) or tuple(w2.shape) != tuple(self.w2.shape[1:]):
             raise ValueError(f"slot weights must be {tuple(self.w13.shape[1:])} and {tuple(self.w2.shape[1:])}, "
                              f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        if self.is_int8:  # checkpoint INT8 values keep their grid (see w8a8.recover_grid)
+            w13, self.w13_scale[slot] = w8a8.recover_grid(w13)
+            w2, self.w2_scale[slot] = w8a8.recover_grid(w2)
         self.w13.data[slot].copy_(w13)
         self.w2.data[slot].copy_(w2)
+        if self._int8_native is not None:
+            int8.repack_slot(self._int8_native, slot, self.w13[slot], self.w2[slot])
         if self._native is not None:
             self._native[0][slot].copy_(cpu_kernels.pack_weight(self.w13[slot]))
             self._native[1][slot].copy_(cpu_kernels.pack_weight(self.w2[slot]))
@@ -200,12 +209,28 @@ class FusedMoEWeights(torch.nn.Module):
             raise ValueError(f"slot {slot} is not a local slot (this rank holds [0, {self.num_slots}))")
         self.slot_experts[slot] = -1
 
+    @property
+    def is_int8(self) -> bool:
+        return self.w13.dtype == torch.int8
+
+    def quantize_int8(self) -> int:
+        """W8A8: every slot's weights to INT8 values with per-output-channel scales (`w8a8.convert_model`)."""
+        q13, self.w13_scale = w8a8.recover_grid(self.w13.data)
+        q2, self.w2_scale = w8a8.recover_grid(self.w2.data)
+        self.w13.data, self.w2.data = q13, q2
+        self._native = self._packed = None
+        return 2
+
     def pack_weights(self) -> int:
         """Prepack the slots for the native CPU kernel, or else each slot's matrices for oneDNN (see
         linear.py); 0 where neither applies. With the native kernel the oneDNN copies are made only
         if the torch path is asked for (`cpu_kernels.disabled()`)."""
         self._pack_requested = True
         self._native = None
+        if self.is_int8:
+            packable = cpu_kernels.enabled() and int8.packable(self.w13) and int8.packable(self.w2)
+            self._int8_native = int8.pack_moe(self.w13, self.w2) if packable else None
+            return 2 if packable else 0
         if (cpu_kernels.packable(self.w13) and self.local_intermediate_size % cpu_kernels.BLOCK_COLUMNS == 0
                 and cpu_kernels.packable(self.w2) and cpu_kernels.enabled()):
             self._native = (cpu_kernels.pack_weight(self.w13), cpu_kernels.pack_weight(self.w2))
@@ -221,6 +246,11 @@ class FusedMoEWeights(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Top-k weighted output over the held slots (a partial sum under MoE TP); ids are global slot ids."""
+        if self.is_int8:
+            packed = self._int8_native if hidden_states.device.type == "cpu" and cpu_kernels.enabled() else None
+            out = int8.moe_forward(hidden_states.float(), topk_ids, topk_weights.float(), self.first_slot, self.w13,
+                                   self.w13_scale, self.w2, self.w2_scale, packed=packed)
+            return out.to(hidden_states.dtype)
         if self._native is not None and cpu_kernels.enabled():
             return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
                                  native=self._native)

@@ -445,11 +445,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         """The decoder layers' caches, then `num_mtp_layers` MTP layers' (their blocks move and cache with the rest)."""
         if num_mtp_layers > len(self.mtp):
             raise ValueError(f"{num_mtp_layers} MTP layer caches asked, the checkpoint has {len(self.mtp)} MTP layers")
-        return KVCacheLayout(
-            num_layers=self.params.num_hidden_layers + num_mtp_layers,
-            entry_shape=(self.params.kv_lora_rank + self.params.qk_rope_head_dim,),
-            dtype=dtype or self.dtype,
-        )
+        return KVCacheLayout.mla(self.params.num_hidden_layers + num_mtp_layers, self.params.kv_lora_rank,
+                                 self.params.qk_rope_head_dim, dtype or self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,12 @@ way (`meshserve.worker.model_cache.iter_pool_tensors`), so the model code never 
 FP8 block-quantized checkpoints (`meshserve.layers.fp8`) are dequantized to the serving dtype as they
 stream: their FP8 weights and scales are read whole (a block scale spans rows of several ranks' pieces),
 dequantized, and then cut to this rank's piece.
+
+INT8 W8A8 (`quantization="int8"`, or a compressed-tensors W8A8 checkpoint, `meshserve.models.
+compressed_tensors`): every weight that runs in INT8 (`meshserve.layers.w8a8`) is read whole, as its
+INT8 values times their per-channel scales, or for a float or FP8 weight rounded to the INT8 grid of its
+rows, then cut to this rank's piece; after loading, `w8a8.convert_model` turns those weights into INT8
+values plus scales.
 """
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshserve.layers import fp8
+from meshserve.layers import fp8, w8a8
 from meshserve.layers.linear import pack_linears
 from meshserve.layers.tensor_parallel import Shard
+from meshserve.models import compressed_tensors
 from meshserve.models.base import CausalLM
 from meshserve.models.registry import model_class
 from meshserve.parallel.context import ParallelContext
@@ -109,15 +116,82 @@ def _dequantized(model: CausalLM, read: WeightsReader, wanted: Callable[[str], b
         yield name, (tensor if shard is None else shard.take(tensor, name))
 
 
+def _dequantized_int8(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                      ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, was INT8) of a compressed-tensors checkpoint: every int8 weight times its scale
+    (paired in whichever order they come); other tensors pass through."""
+    suffix = compressed_tensors.SCALE_SUFFIX
+    weights_waiting: dict[str, torch.Tensor] = {}
+    scales_waiting: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(suffix):
+            weight_name = name[: -len(suffix)] + ".weight"
+            if weight_name in weights_waiting:
+                yield weight_name, _times_scale(weights_waiting.pop(weight_name), tensor, dtype), True
+            else:
+                scales_waiting[weight_name] = tensor
+        elif tensor.dtype == torch.int8:
+            if name in scales_waiting:
+                yield name, _times_scale(tensor, scales_waiting.pop(name), dtype), True
+            else:
+                weights_waiting[name] = tensor
+        else:
+            yield name, tensor, False
+    if weights_waiting or scales_waiting:
+        lonely = sorted(weights_waiting) + sorted(name[: -len(".weight")] + suffix for name in scales_waiting)
+        raise ValueError(f"compressed-tensors checkpoint: {lonely[0]} has no partner ({len(lonely)} such tensor(s))")
+
+
+def _times_scale(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if scale.numel() != weight.shape[0]:
+        raise ValueError(f"an int8 weight of {weight.shape[0]} rows has {scale.numel()} scales")
+    return (weight.float() * scale.float().reshape(-1, 1)).to(dtype)
+
+
+def _int8_ready(model: CausalLM, read: WeightsReader, wanted: Callable[[str], bool], config: dict,
+                dtype: torch.dtype, keep_float: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors for a W8A8 model: the weights that run in INT8 read whole, on their rows'
+    INT8 grid (stored INT8 values times scales, or float / FP8 values rounded), then cut to this rank."""
+    block = fp8.fp8_block_size(config)
+
+    def weight_of(name: str) -> str:
+        if name.endswith(compressed_tensors.SCALE_SUFFIX):
+            return name[: -len(compressed_tensors.SCALE_SUFFIX)] + ".weight"
+        return fp8.weight_name_of_scale(name) if block is not None and fp8.is_scale_name(name) else name
+
+    def whole(name: str) -> bool:
+        weight = weight_of(name)
+        return weight != name or w8a8.is_quantizable_name(weight) or (block is not None and fp8.is_quantized_name(name))
+
+    def shard_of(name: str) -> Shard | None:
+        return None if whole(name) else model.weight_shard(name)
+
+    stream = read(lambda name: wanted(weight_of(name)), shard_of)
+    if block is not None:
+        stream = fp8.dequantize_weights(stream, block, dtype)
+    for name, tensor, was_int8 in _dequantized_int8(stream, dtype):
+        if not was_int8 and w8a8.is_quantizable_name(name) and not keep_float(name):
+            tensor = w8a8.round_to_grid(tensor)
+        shard = model.weight_shard(name) if whole(name) else None
+        yield name, (tensor if shard is None else shard.take(tensor, name))
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                name_filter: Callable[[str], bool] | None = None, parallel: ParallelContext | None = None,
-               read_weights: WeightsReader | None = None) -> CausalLM:
+               read_weights: WeightsReader | None = None, quantization: str | None = None) -> CausalLM:
     """Build the registered model for config.json's `model_type` and fill every parameter from the checkpoint.
 
     With `parallel`, the model is this rank's part of the strategy and only that part is read.
     With `read_weights`, the tensors come from it instead of the checkpoint files.
+    With `quantization="int8"`, or for a compressed-tensors W8A8 checkpoint, the linear layers run INT8 W8A8.
     """
     config = load_hf_config(model_dir)
+    w8a8_spec = compressed_tensors.read_quantization_config(config)
+    if quantization not in (None, "int8"):
+        raise ValueError(f"unknown quantization {quantization!r}; supported: int8")
+    int8_mode = quantization == "int8" or w8a8_spec is not None
+    # a checkpoint that another tool wrote may keep its LM head float; so does the engine then
+    keep_lm_head_float = w8a8_spec is not None and w8a8_spec.is_ignored("lm_head")
     torch_dtype = resolve_dtype(dtype, config)
     cls = model_class(config["model_type"])
     with torch.device(device):  # allocate parameters where they will live
@@ -128,7 +202,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
 
     read = read_weights or (lambda want, shard_of: iter_safetensors(model_dir, want, shard_of))
     block = fp8.fp8_block_size(config)
-    if block is None:
+    if int8_mode:
+        weights = _int8_ready(model, read, wanted, config, torch_dtype,
+                              keep_float=lambda name: keep_lm_head_float and name == "lm_head.weight")
+    elif block is None:
         weights = read(wanted, model.weight_shard)
     else:
         weights = _dequantized(model, read, wanted, block, torch_dtype)
@@ -140,6 +217,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     post_process = getattr(model, "process_weights_after_loading", None)
     if callable(post_process):
         post_process()
+    if int8_mode:
+        w8a8.convert_model(model, keep_lm_head_float=keep_lm_head_float)
     pack_linears(model)  # weights are final now: prepack them for the CPU matmul library
     balancer = getattr(model, "expert_balancer", None)
     if balancer is not None:  # live expert reconfiguration reads replicas from the same checkpoint

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from meshserve.layers import w8a8
 from meshserve.layers.attention import PagedGQAAttention
 from meshserve.layers.linear import attach_packed, linear
 from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
@@ -103,6 +104,13 @@ class FusedLinear(torch.nn.Module):
 
     def pack_weights(self) -> int:
         return int(attach_packed(self.weight))
+
+    def quantize_int8(self) -> int:
+        """W8A8 (`w8a8.convert_model`); a weight tied to the embedding stays float."""
+        if self.weight.dtype == torch.int8:
+            return 0
+        w8a8.quantize_parameter(self.weight)
+        return 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -242,8 +250,7 @@ class Qwen3ForCausalLM(CausalLM):
         if num_mtp_layers:
             raise ValueError(f"{type(self).__name__} has no MTP layers")
         num_kv_heads = attention_tp_part(self.parallel, self.dims.num_kv_heads, "num_key_value_heads")
-        return KVCacheLayout(num_layers=self.dims.num_layers, entry_shape=(2, num_kv_heads, self.dims.head_dim),
-                             dtype=dtype or self.dtype)
+        return KVCacheLayout.gqa(self.dims.num_layers, num_kv_heads, self.dims.head_dim, dtype or self.dtype)
 
     # ---- weight loading -------------------------------------------------------------------------
 

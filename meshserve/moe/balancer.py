@@ -229,7 +229,8 @@ class ExpertBalancer:
                 weights = self._blocks[position].experts
                 prefix = self.expert_prefix.format(layer=self.moe_layers[position])
                 pending.prefetched[(position, expert)] = checkpoint.read(
-                    prefix, expert, weights.column_range(), weights.intermediate_size, weights.w13.dtype)
+                    prefix, expert, weights.column_range(), weights.intermediate_size, weights.float_dtype,
+                    int8_grid=weights.is_int8)
 
     def _load(self, pending: _Reconfiguration) -> None:
         for position, slot, expert in pending.writes:

@@ -1,8 +1,9 @@
 """Pool keys of KV blocks (context caching, cloudmatrix-infer §4.4.2).
 
 A block's key chains the previous block's key with the block's token ids, the model's
-identity (a content hash of its weights and the KV dtype) and the namespace (tenant), so equal
-prefixes share blocks while different models, versions or tenants never do. Each rank
+identity (a content hash of its weights and the KV layout: compute dtype, KV cache dtype,
+weight quantization, MTP) and the namespace (tenant), so equal prefixes share blocks while
+different models, versions, number formats or tenants never do. Each rank
 stores its own part of a block under the key plus its attention-TP coordinates
 (`rank_key`), so layouts with different TP never read each other's bytes.
 
@@ -21,9 +22,23 @@ _TOKEN = struct.Struct("<I")
 
 def model_identity(model_dir: str, kv_layout: str) -> str:
     """The model's content version (`checkpoint_files.content_version`: the same for every copy of
-    the weights, and for a directory that loads them from the pool) and the KV layout (its dtype, plus
-    "+mtp" where the blocks also hold the MTP layer's KV)."""
+    the weights, and for a directory that loads them from the pool) and the KV layout (`kv_layout_name`)."""
     return f"{content_version(model_dir)}-{kv_layout}"
+
+
+def kv_layout_name(dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None,
+                   mtp: bool = False) -> str:
+    """What besides the weights decides a block's bytes: the model's compute dtype, the KV cache dtype
+    where it is not the model's ("+kv-int8": quantized rows), the weight quantization ("+w-int8": W8A8
+    activations change every layer's KV, so its blocks never serve a float engine, nor the reverse), and
+    "+mtp" where blocks also hold the MTP layer's KV. A float engine's layout keeps its plain name
+    ("float32", "float32+mtp")."""
+    name = dtype
+    if quantization:
+        name += f"+w-{quantization}"
+    if kv_cache_dtype != "auto":
+        name += f"+kv-{kv_cache_dtype}"
+    return name + ("+mtp" if mtp else "")
 
 
 def key_root(model_id: str, namespace: str) -> str:

@@ -42,6 +42,7 @@ from meshserve.core.messages import (
     WorkerEventKind,
 )
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.layers.kv_quant import cache_dtype
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.draft_vocab import load_draft_vocab
 from meshserve.models.generation_config import eos_token_ids
@@ -126,14 +127,16 @@ class ModelRunner:
         # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
         from_pool = self.pool is not None and config.pool_config.pool_load_weights
         self.model = load_model(config.model_config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
-                                read_weights=pool_weights(self.pool, config.model_config.model) if from_pool else None)
+                                read_weights=pool_weights(self.pool, config.model_config.model) if from_pool else None,
+                                quantization=config.model_config.quantization)
         logger.info("loaded %s in %.1fs", config.model_config.model, time.perf_counter() - t0)
         spec = config.speculative_config
         if spec.enabled and not self.model.num_mtp_layers:
             raise ValueError(f"--speculative mtp: {config.model_config.model} has no MTP layers "
                              "(its config.json counts no num_nextn_predict_layers, or the checkpoint holds none)")
         num_mtp_caches = 1 if spec.enabled else 0  # one MTP layer, reused for k > 1 drafts
-        self.layout = self.model.kv_cache_layout(self.dtype, num_mtp_caches)
+        self.layout = self.model.kv_cache_layout(cache_dtype(config.cache_config.kv_cache_dtype, self.dtype),
+                                                 num_mtp_caches)
         self.num_model_layers = self.layout.num_layers - num_mtp_caches
         cache = config.cache_config
         if cache.num_kv_blocks is not None:
@@ -152,8 +155,8 @@ class ModelRunner:
             self.pd_connector = PDConnectorWorker(
                 f"{config.te_name}/rank{self.parallel.rank}", config.parallel_config.master_addr,
                 config.kv_transfer_config.kv_transfer_backend,
-                self.layout.num_layers, self.num_blocks, self.block_size, self.layout.entry_shape, self.dtype,
-                self.device, self.parallel.attn_tp_rank)
+                self.layout.num_layers, self.num_blocks, self.block_size, self.layout.entry_shape,
+                self.layout.dtype, self.device, self.parallel.attn_tp_rank)
             self.kv_connectors.append(self.pd_connector)
             self.kv_caches = self.pd_connector.kv_caches
         else:
@@ -162,9 +165,9 @@ class ModelRunner:
         self.kv_connectors.append(PoolConnectorWorker(
             self.pool, config.pool_config.pool_namespace, self.parallel.attn_tp_rank, self.parallel.attn_tp_size,
             self.kv_caches))
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token)", self.num_blocks, self.block_size,
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
-                    self.layout.bytes_per_token)
+                    self.layout.bytes_per_token, str(self.layout.dtype).removeprefix("torch."))
         self.eos_token_ids = eos_token_ids(config.model_config.model)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.sampler = Sampler()

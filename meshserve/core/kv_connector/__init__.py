@@ -14,7 +14,7 @@ from meshserve.core.kv_connector.pd import PDConnector, PDEndpoint, accept_kv_tr
 from meshserve.core.kv_connector.pool import PoolConnector
 from meshserve.core.messages import KVTransferParams, Message, ReleaseKV, WorkerReady
 from meshserve.core.request import Request
-from meshserve.pool.context_keys import model_identity
+from meshserve.pool.context_keys import kv_layout_name, model_identity
 from meshserve.pool.fetch_cost import FetchCostModel
 from meshserve.pool.sdk import PoolClient
 
@@ -49,8 +49,11 @@ class KVConnectors:
         # one rank's share of a block crosses the pool; its ranks fetch in parallel
         cost = FetchCostModel(kv_bytes_per_token * block_size, block_size, pool_config.pool_fetch_latency_ms / 1000,
                               pool_config.pool_fetch_gbps * 1e9)
-        # an engine that drafts keeps the MTP layer's KV in every block too: its blocks are another layout
-        kv_layout = config.model_config.dtype + ("+mtp" if config.speculative_config.enabled else "")
+        # the blocks' number formats (compute dtype, INT8 KV, W8A8 weights) and, for an engine that drafts,
+        # the MTP layer's KV in every block: each is another layout
+        kv_layout = kv_layout_name(config.model_config.dtype, config.cache_config.kv_cache_dtype,
+                                   config.model_config.quantization,
+                                   config.speculative_config.enabled)
         model_id = model_identity(config.model_config.model, kv_layout)
         for connectors in self.per_group:
             connectors.append(PoolConnector(pool_config, self._pool, model_id, block_size, attn_tp, cost))

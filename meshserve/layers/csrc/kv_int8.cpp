@@ -1,0 +1,273 @@
+// Absorbed MLA decode attention over an INT8 paged latent cache (meshserve/layers/kv_quant.py).
+//
+// A cache row is [c_kv int8 x kv_lora_rank | k_pe int8 x rope_dim | scale_c bf16 | scale_pe bf16]. The
+// kernel works like mla_decode (cpu_kernels.cpp): one task per sequence and group of 16 heads, the
+// context walked in tiles of up to 16 tokens of one block with an online softmax, so the cache is read
+// once and never gathered. Each tile is first dequantized into a small float32 buffer (int8 x its part's
+// scale, 16 lanes at a time), which the scores and P·c then read from L1; everything accumulates in
+// float32.
+//
+// Written with GCC vector extensions (16 floats: one AVX-512 register) and built with the other kernel
+// files into one extension (-march=native).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+typedef float vec __attribute__((vector_size(64)));
+typedef int ivec __attribute__((vector_size(64)));
+typedef int8_t bvec __attribute__((vector_size(16)));
+constexpr int kLanes = 16;
+constexpr int kHalfTile = kLanes / 2;  // tokens scored at once: 16 query vectors + 8 accumulators in registers
+constexpr int64_t kScaleBytes = 2;
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(vec));
+  return v;
+}
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+inline vec splat(float s) { return vec{} + s; }
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+inline vec vmin(vec a, vec b) { return a < b ? a : b; }
+
+// 16 int8 -> 16 floats (through int32: GCC converts int8 lanes to float one by one)
+inline vec load_i8(const int8_t* p) {
+  bvec b;
+  std::memcpy(&b, p, sizeof(bvec));
+  return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
+}
+
+inline float load_bf16(const int8_t* p) {
+  uint16_t half;
+  std::memcpy(&half, p, sizeof(half));
+  const uint32_t bits = uint32_t(half) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) lane by lane: Cephes range reduction and polynomial (relative error ~2e-7).
+inline vec vexp(vec x) {
+  x = vmin(vmax(x, splat(-87.3f)), splat(88.3f));
+  vec fx = x * 1.44269504088896341f + 0.5f;
+  vec tr = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);
+  vec n = tr - (tr > fx ? splat(1.0f) : splat(0.0f));  // floor
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof(vec));
+  return y * scale;
+}
+
+// Runs task(i) for i in [0, n) on torch's threads: each thread takes its own contiguous share, then helps
+// with what is left of the others' (a thread delayed by another process does not hold everyone up).
+template <typename Task>
+void parallel_tasks(int64_t n, const Task& task) {
+  if (n <= 0) return;
+  const int64_t shares = std::min<int64_t>(n, at::get_num_threads());
+  std::vector<std::atomic<int64_t>> next(shares);
+  for (int64_t k = 0; k < shares; ++k) next[k].store(k * n / shares, std::memory_order_relaxed);
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
+    for (int64_t d = 0; d < shares; ++d) {
+      const int64_t k = (begin + d) % shares, end = (k + 1) * n / shares;
+      for (int64_t i = next[k].fetch_add(1, std::memory_order_relaxed); i < end;
+           i = next[k].fetch_add(1, std::memory_order_relaxed))
+        task(i);
+    }
+  });
+}
+
+// tile[t, :] = the dequantized entry of `tokens` consecutive cache rows (width bytes each).
+void dequantize_tile(const int8_t* rows, int64_t width, int tokens, int64_t kv_lora_rank, int64_t dim, float* tile) {
+  for (int t = 0; t < tokens; ++t) {
+    const int8_t* row = rows + t * width;
+    const vec s_c = splat(load_bf16(row + dim)), s_pe = splat(load_bf16(row + dim + kScaleBytes));
+    float* out = tile + t * dim;
+    int64_t d = 0;
+    for (; d < kv_lora_rank; d += kLanes) store(out + d, load_i8(row + d) * s_c);
+    for (; d < dim; d += kLanes) store(out + d, load_i8(row + d) * s_pe);
+  }
+}
+
+// s[t] (lanes = heads) = sum_d qt[d] * tile[t, d] for T tokens; qt is the query group as [dim][16 heads].
+template <int T>
+void score_tokens(const float* qt, const float* tile, int64_t dim, vec* s) {
+  vec acc[T] = {};
+  for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
+    vec q[kLanes];
+#pragma GCC unroll 16
+    for (int i = 0; i < kLanes; ++i) q[i] = load(qt + (d0 + i) * kLanes);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const float* row = tile + t * dim + d0;
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) acc[t] += q[i] * row[i];
+    }
+  }
+  for (int t = 0; t < T; ++t) s[t] = acc[t];
+}
+
+using ScoreFn = void (*)(const float*, const float*, int64_t, vec*);
+template <int... Ts>
+constexpr std::array<ScoreFn, sizeof...(Ts)> score_table(std::integer_sequence<int, Ts...>) {
+  return {&score_tokens<Ts + 1>...};
+}
+constexpr auto kScores = score_table(std::make_integer_sequence<int, kHalfTile>{});
+
+// acc[h, c] = acc[h, c] * alpha[h] + sum_t p[t, h] * tile[t, c] over latent vectors [c0, c0 + N) of H
+// consecutive heads (each tile vector loaded once serves them all); probs is [t][16 heads] from the first.
+template <int N, int H>
+inline void pv_chunk(float* acc, int64_t ld_acc, const float* alpha, const float* probs, const float* tile,
+                     int64_t dim, int tokens) {
+  vec va[H][N];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < N; ++i) va[h][i] = load(acc + h * ld_acc + i * kLanes) * alpha[h];
+  for (int t = 0; t < tokens; ++t) {
+    vec row[N];
+    for (int i = 0; i < N; ++i) row[i] = load(tile + t * dim + i * kLanes);
+    for (int h = 0; h < H; ++h) {
+      const float p = probs[t * kLanes + h];
+      for (int i = 0; i < N; ++i) va[h][i] += row[i] * p;
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < N; ++i) store(acc + h * ld_acc + i * kLanes, va[h][i]);
+}
+
+template <int H>
+void accumulate_pv(float* acc, int64_t kv_lora_rank, const float* alpha, const float* probs, const float* tile,
+                   int64_t dim, int tokens) {
+  int64_t c = 0;
+  for (; c + 8 * kLanes <= kv_lora_rank; c += 8 * kLanes)
+    pv_chunk<8, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
+  for (; c + 4 * kLanes <= kv_lora_rank; c += 4 * kLanes)
+    pv_chunk<4, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
+  for (; c < kv_lora_rank; c += kLanes) pv_chunk<1, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
+}
+
+at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
+  // q [B, heads, D] float32 (absorbed query: latent part then rope part), cache int8 [blocks, block_size,
+  // D + 4], block_table int64 [B, >= blocks per sequence], seq_lens int64 [B] -> P·c [B, heads, kv_lora_rank].
+  TORCH_CHECK(q.dtype() == at::kFloat && cache.dtype() == at::kChar,
+              "mla_decode_int8 takes a float32 query and an int8 cache");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "mla_decode_int8 takes contiguous q and cache");
+  TORCH_CHECK(block_table.dtype() == at::kLong && seq_lens.dtype() == at::kLong,
+              "mla_decode_int8 takes int64 tables");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 3, "mla_decode_int8: q [B, heads, D], cache [blocks, block_size, W]");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), block_size = cache.size(1);
+  const int64_t width = cache.size(2);
+  TORCH_CHECK(width == dim + 2 * kScaleBytes && kv_lora_rank % kLanes == 0 && dim % kLanes == 0 &&
+                  kv_lora_rank <= dim,
+              "mla_decode_int8: cache rows, entry and latent sizes do not match");
+  TORCH_CHECK(block_table.size(0) == batch && seq_lens.size(0) == batch, "mla_decode_int8: batch sizes differ");
+  const auto table = block_table.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int64_t* bt = table.data_ptr<int64_t>();
+  const int64_t* sl = lens.data_ptr<int64_t>();
+  const int64_t table_stride = table.size(1), num_cache_blocks = cache.size(0);
+  for (int64_t b = 0; b < batch; ++b) {  // checked here: the tasks below run on other threads
+    const int64_t used = (sl[b] + block_size - 1) / block_size;
+    TORCH_CHECK(sl[b] >= 0 && used <= table_stride, "mla_decode_int8: a sequence is longer than its block table");
+    for (int64_t i = 0; i < used; ++i)
+      TORCH_CHECK(bt[b * table_stride + i] >= 0 && bt[b * table_stride + i] < num_cache_blocks,
+                  "mla_decode_int8: block id out of range");
+  }
+  auto out = at::empty({batch, heads, kv_lora_rank}, q.options());
+  const float* pq = q.data_ptr<float>();
+  const int8_t* pc = cache.data_ptr<int8_t>();
+  float* po = out.data_ptr<float>();
+  const int64_t groups = (heads + kLanes - 1) / kLanes;
+
+  parallel_tasks(batch * groups, [&](int64_t task) {
+    thread_local std::vector<float> qt, acc, tile;  // per thread, reused by its tasks
+    qt.resize(dim * kLanes);
+    acc.resize(kLanes * kv_lora_rank);
+    tile.resize(kLanes * dim);
+    float probs[kLanes][kLanes], alpha[kLanes];
+    vec s[kLanes];
+    const int64_t b = task / groups, h0 = (task % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
+    const int64_t len = sl[b];
+    // the group's query, transposed to [D][16 heads] and scaled (padding heads are zero)
+    std::fill(qt.begin(), qt.end(), 0.0f);
+    for (int64_t h = 0; h < hg; ++h)
+      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + h] = pq[(b * heads + h0 + h) * dim + d] * float(scale);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    vec m = splat(-FLT_MAX), l = {};
+    int tokens = 0;
+    for (int64_t t0 = 0; t0 < len; t0 += tokens) {
+      // a tile is up to 16 tokens of one block
+      const int64_t block = bt[b * table_stride + t0 / block_size], in_block = t0 % block_size;
+      tokens = static_cast<int>(std::min({int64_t(kLanes), len - t0, block_size - in_block}));
+      const int8_t* rows = pc + (block * block_size + in_block) * width;
+      const int64_t next = t0 + tokens;
+      if (next < len) {  // the next tile's rows stream in while this one computes
+        const int64_t next_block = bt[b * table_stride + next / block_size];
+        const int8_t* nrows = pc + (next_block * block_size + next % block_size) * width;
+        const int64_t n = std::min({int64_t(kLanes), len - next, block_size - next % block_size}) * width;
+        for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(nrows + i);
+      }
+      dequantize_tile(rows, width, tokens, kv_lora_rank, dim, tile.data());
+      for (int t = 0; t < tokens; t += kHalfTile) {
+        const int n = std::min(kHalfTile, tokens - t);
+        kScores[n - 1](qt.data(), tile.data() + t * dim, dim, s + t);
+      }
+      vec tile_max = s[0];
+      for (int t = 1; t < tokens; ++t) tile_max = vmax(tile_max, s[t]);
+      const vec m_new = vmax(m, tile_max);
+      const vec rescale = vexp(m - m_new);
+      l *= rescale;
+      for (int t = 0; t < tokens; ++t) {
+        const vec p = vexp(s[t] - m_new);
+        l += p;
+        store(probs[t], p);
+      }
+      m = m_new;
+      store(alpha, rescale);
+      int64_t h = 0;
+      for (; h + 2 <= hg; h += 2)
+        accumulate_pv<2>(acc.data() + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile.data(), dim,
+                         tokens);
+      if (h < hg)
+        accumulate_pv<1>(acc.data() + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile.data(), dim,
+                         tokens);
+    }
+    float norm[kLanes];
+    store(norm, l);
+    for (int64_t h = 0; h < hg; ++h) {
+      const float inv = len > 0 ? 1.0f / norm[h] : 0.0f;
+      float* dst = po + (b * heads + h0 + h) * kv_lora_rank;
+      for (int64_t c = 0; c < kv_lora_rank; ++c) dst[c] = acc[h * kv_lora_rank + c] * inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
+  m.def("mla_decode_int8(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale, "
+        "int kv_lora_rank) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) { m.impl("mla_decode_int8", &mla_decode_int8); }
