@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.models.compressed_tensors import SCALE_SUFFIX, W8A8Spec, read_quantization_config
+from meshserve.models.hf_experts import fuse_experts
 from meshserve.models.loader import iter_safetensors, load_hf_config
 from meshserve.quant.int8 import dequantize_weight, fake_quantize_activation
 
@@ -101,44 +102,6 @@ def linear_weight(model: nn.Module, name: str) -> torch.Tensor:
     return module.weight.data
 
 
-def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF module tensors -> checkpoint tensors (one per expert and projection)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        prefix, _, kind = name.rpartition(".")
-        if not prefix.endswith(".experts") or kind not in ("gate_up_proj", "down_proj"):
-            out[name] = tensor
-            continue
-        for expert in range(tensor.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{expert}.down_proj.weight"] = tensor[expert]
-            else:
-                gate, up = tensor[expert].chunk(2, dim=0)
-                out[f"{prefix}.{expert}.gate_proj.weight"] = gate
-                out[f"{prefix}.{expert}.up_proj.weight"] = up
-    return out
-
-
-def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, tensor in tensors.items():
-        match = _EXPERT.fullmatch(name.removesuffix(".weight")) if name.endswith(".weight") else None
-        if match is None:
-            out[name] = tensor
-            continue
-        prefix, expert, kind = match.groups()
-        experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = tensor
-    for prefix, by_expert in experts.items():
-        order = sorted(by_expert)
-        if order != list(range(len(order))):
-            raise ValueError(f"{prefix}: experts {order} are not numbered 0..{len(order) - 1}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]], dim=0) for e in order])
-        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # loading
 
@@ -188,7 +151,7 @@ def build_model(config: dict, tensors: dict[str, torch.Tensor], attn_implementat
         hf_config = AutoConfig.for_model(**plain)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
-    state = _fuse_experts(tensors)
+    state = fuse_experts(tensors)
     if config.get("tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -36,6 +36,7 @@ from torch import nn
 
 from meshserve.models import compressed_tensors as ct
 from meshserve.models.factory import make_staging_dir, rename_into_place
+from meshserve.models.hf_experts import split_experts
 from meshserve.models.loader import iter_safetensors
 from meshserve.quant import hf
 from meshserve.quant.gptq import CLIP_GRID, hessian, quantize_gptq
@@ -435,7 +436,7 @@ def _quantized_names(model_dir: Path, config: dict) -> list[str]:
 
 
 def _output_tensors(state: _State, model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    current = hf.split_experts({k: v.detach() for k, v in state.model.state_dict().items()})
+    current = split_experts({k: v.detach() for k, v in state.model.state_dict().items()})
     for name, tensor in iter_safetensors(model_dir):
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in state.quantized:

@@ -24,7 +24,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-from meshserve.train.checkpoint import fuse_experts
+from meshserve.models.hf_experts import fuse_experts
 from meshserve.utils.checkpoint_files import safetensors_files
 
 

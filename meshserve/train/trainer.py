@@ -34,7 +34,8 @@ from transformers import AutoModelForCausalLM
 
 from meshserve.models.draft_vocab import write_draft_vocab
 from meshserve.models.factory import make_model, make_staging_dir, preset_config, rename_into_place
-from meshserve.train.checkpoint import split_experts, write_checkpoint
+from meshserve.models.hf_experts import split_experts
+from meshserve.train.checkpoint import write_checkpoint
 from meshserve.train.corpus import Corpus, heldout_batches, load_corpus, train_batches
 from meshserve.train.mtp import MTPLayer, from_pretrained_quietly, read_layer_tensors
 

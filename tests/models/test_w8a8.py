@@ -195,3 +195,12 @@ def test_engine_rounds_a_float_checkpoint_with_the_quantization_flag(original, r
     with LLM(model=str(original), quantization="int8", **ENGINE_ARGS) as llm:
         outs = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
     assert outs == single_rank_outputs[0]
+
+
+def test_mtp_drafts_on_a_w8a8_checkpoint_keep_the_greedy_tokens(rounded_checkpoint, single_rank_outputs):
+    """The MTP layer (float in the checkpoint, rounded to INT8 at load) drafts; the W8A8 main model verifies."""
+    with LLM(model=str(rounded_checkpoint), speculative="mtp", num_speculative_tokens=2, **ENGINE_ARGS) as llm:
+        outs = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
+        drafted = sum(llm.get_stats().spec_drafted)
+    assert drafted > 0
+    assert outs == single_rank_outputs[0]

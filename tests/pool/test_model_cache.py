@@ -97,6 +97,11 @@ def test_put_load_shards_versions_eviction_and_failover(models, tmp_path, capsys
             fp8_from_pool = mc.fetch_model_files(pool, "fp8-model", tmp_path / "fp8-from-pool")
             assert_same_params(load_model(fp8_from_pool, read_weights=mc.pool_weights(pool, fp8_from_pool)),
                                load_model(fp8_dir))
+            # converted to INT8 W8A8 at load: the pool's tensors give the same INT8 weights as the disk's
+            int8_from_pool = load_model(fp8_from_pool, read_weights=mc.pool_weights(pool, fp8_from_pool),
+                                        quantization="int8")
+            assert int8_from_pool.layers[1].mlp.experts.w13.dtype == torch.int8
+            assert_same_params(int8_from_pool, load_model(fp8_dir, quantization="int8"))
             assert main(["pool", "models", "--controller", controller, "--evict", "fp8-model"]) == 0
             capsys.readouterr()
             # storing it again only stamps it as used
