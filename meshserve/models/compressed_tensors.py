@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshserve.models.factory import DEFAULT_MAX_SHARD_BYTES, _shard_file_names, shard_by_size
+from meshserve.models.factory import DEFAULT_MAX_SHARD_BYTES, write_safetensors_shards
 
 if TYPE_CHECKING:
     import torch
@@ -204,8 +204,6 @@ def write_checkpoint(src_dir: str | Path, out_dir: str | Path, config: Mapping,
     tensor of the checkpoint, quantized ones as int8 `weight` + float32 `weight_scale` [out, 1]) in
     safetensors shards of at most `max_shard_bytes` with an index when there are several."""
     import torch  # the parser above stays importable without torch
-    from safetensors.torch import save
-
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     on_disk: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
@@ -226,13 +224,4 @@ def write_checkpoint(src_dir: str | Path, out_dir: str | Path, config: Mapping,
     for side in _SIDE_FILES:
         if (src_dir / side).is_file():
             shutil.copyfile(src_dir / side, out_dir / side)
-    sizes = [(name, t.numel() * t.element_size()) for name, t in on_disk.items()]
-    shards = shard_by_size(sizes, max_shard_bytes)
-    files = _shard_file_names(len(shards))
-    for file_name, names in zip(files, shards):
-        (out_dir / file_name).write_bytes(save({n: on_disk[n] for n in names}, metadata={"format": "pt"}))
-    if len(files) > 1:
-        weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
-        total = sum(size for _, size in sizes)
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    write_safetensors_shards(out_dir, on_disk, max_shard_bytes)

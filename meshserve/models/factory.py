@@ -487,6 +487,23 @@ def _shard_file_names(num_shards: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
 
 
+def write_safetensors_shards(out_dir: Path, tensors: dict, max_shard_bytes: int) -> None:
+    """Write `tensors` (name -> tensor, in checkpoint order) into `out_dir` as safetensors shards of at most
+    `max_shard_bytes` (see `shard_by_size`), with the index file when there are several."""
+    from safetensors.torch import save
+
+    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
+    shards = shard_by_size(sizes, max_shard_bytes)
+    files = _shard_file_names(len(shards))
+    for file_name, names in zip(files, shards):
+        (out_dir / file_name).write_bytes(save({n: tensors[n] for n in names}, metadata={"format": "pt"}))
+    if len(files) > 1:
+        weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
+        _write_json(out_dir / "model.safetensors.index.json",
+                    {"metadata": {"total_size": sum(size for _, size in sizes)},
+                     "weight_map": dict(sorted(weight_map.items()))})
+
+
 def _progress_bar(total_bytes: int, description: str):
     # start-up: tqdm only for a large checkpoint
     from tqdm import tqdm

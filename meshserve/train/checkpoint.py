@@ -10,16 +10,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from meshserve.models import tokenizer_assets as tok
 from meshserve.models.factory import (
     DEFAULT_MAX_SHARD_BYTES,
-    _shard_file_names,
     _write_json,
     checkpoint_tensor_shapes,
     generation_config,
-    shard_by_size,
+    write_safetensors_shards,
 )
 
 
@@ -56,13 +54,4 @@ def write_checkpoint(out_dir: Path, config: dict, tensors: Mapping[str, torch.Te
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config())
     tok.write_tokenizer_files(out_dir, model_max_length=config["max_position_embeddings"])
-    sizes = [(name, on_disk[name].numel() * on_disk[name].element_size()) for name in order]
-    shards = shard_by_size(sizes, max_shard_bytes)
-    files = _shard_file_names(len(shards))
-    for file_name, names in zip(files, shards):
-        (out_dir / file_name).write_bytes(save({n: on_disk[n] for n in names}, metadata={"format": "pt"}))
-    if len(files) > 1:
-        weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
-        total = sum(t.numel() * t.element_size() for t in on_disk.values())
-        _write_json(out_dir / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_safetensors_shards(out_dir, {name: on_disk[name] for name in order}, max_shard_bytes)

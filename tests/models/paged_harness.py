@@ -49,3 +49,17 @@ class PagedHarness:
             start += q
             self.lens[seq_ids[i]] += q
         return out  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of one prompt prefilled from an empty cache of 4 blocks of 8 tokens."""
+    meta = AttentionMetadata.build([len(tokens)], [0], [list(range(4))], block_size=8)
+    caches = model.kv_cache_layout().allocate(num_blocks=4, block_size=8)
+    return model.compute_logits(model(torch.tensor(tokens), torch.arange(len(tokens)), meta, caches))
+
+
+def short_random_prompts() -> list[list[int]]:
+    """Four prompts of 5 to 30 random ids (seeded), the quantization tests' inputs."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 31900, (n,), generator=g).tolist() for n in (5, 30, 17, 9)]

@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 
 from meshserve import LLM, SamplingParams
 from meshserve.layers import fp8
-from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.factory import make_model
 from meshserve.models.loader import load_model
 from meshserve.moe.expert_checkpoint import ExpertCheckpoint
+from tests.models.paged_harness import prefill_logits, short_random_prompts
 
 HF_TOL = 1e-3
 # e4m3 keeps 3 mantissa bits: each weight within 1/16 of its magnitude (plus the block's underflow); through
@@ -48,18 +48,6 @@ def checkpoints(tiny_model, tmp_path_factory) -> tuple[Path, Path, Path]:
             tensors = [(name, f.get_tensor(name)) for name in f.keys()]
         save_file(dict(fp8.dequantize_weights(tensors, block, torch.float32)), str(path))
     return original, quantized, dequantized
-
-
-@torch.inference_mode()
-def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
-    meta = AttentionMetadata.build([len(tokens)], [0], [list(range(4))], block_size=8)
-    caches = model.kv_cache_layout().allocate(num_blocks=4, block_size=8)
-    return model.compute_logits(model(torch.tensor(tokens), torch.arange(len(tokens)), meta, caches))
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(100, 31900, (n,), generator=g).tolist() for n in (5, 30, 17, 9)]
 
 
 def test_block_round_trip_keeps_each_weight_within_fp8_precision():
@@ -107,7 +95,7 @@ def test_fp8_checkpoint_matches_hf_transformers_on_the_same_directory(checkpoint
     _, quantized, _ = checkpoints
     hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32).eval()
     ours = load_model(quantized)
-    for tokens in _prompts():
+    for tokens in short_random_prompts():
         with torch.inference_mode():
             ref = hf(torch.tensor([tokens])).logits[0]
         assert (prefill_logits(ours, tokens) - ref).abs().max().item() <= HF_TOL
@@ -116,7 +104,7 @@ def test_fp8_checkpoint_matches_hf_transformers_on_the_same_directory(checkpoint
 def test_fp8_checkpoint_stays_close_to_the_float32_model_it_was_made_from(checkpoints):
     original, quantized, _ = checkpoints
     ours, theirs = load_model(quantized), load_model(original)
-    for tokens in _prompts():
+    for tokens in short_random_prompts():
         a, b = prefill_logits(ours, tokens), prefill_logits(theirs, tokens)
         assert ((a - b).norm() / b.norm()).item() <= RELATIVE_LOGIT_TOL
         assert not torch.equal(a, b)  # it really was quantized
@@ -137,7 +125,7 @@ def test_expert_slot_loads_read_dequantized_experts(checkpoints):
 def dequantized_reference(checkpoints):
     _, _, dequantized = checkpoints
     with LLM(model=str(dequantized), **ENGINE_ARGS) as llm:
-        return [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
+        return [out.outputs[0].token_ids for out in llm.generate(short_random_prompts(), GREEDY)]
 
 
 @pytest.mark.parametrize("parallel", ["attn=TP1+DP1 moe=TP1+EP1", "attn=TP1+DP2 moe=TP1+EP2",
@@ -145,5 +133,5 @@ def dequantized_reference(checkpoints):
 def test_engine_serves_an_fp8_checkpoint_as_its_dequantized_weights(checkpoints, dequantized_reference, parallel):
     _, quantized, _ = checkpoints
     with LLM(model=str(quantized), parallel=parallel, **ENGINE_ARGS) as llm:
-        outs = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
+        outs = [out.outputs[0].token_ids for out in llm.generate(short_random_prompts(), GREEDY)]
     assert outs == dequantized_reference

@@ -13,11 +13,11 @@ from safetensors import safe_open
 
 from meshserve import LLM, SamplingParams
 from meshserve.layers import cpu_kernels, fp8, int8, w8a8
-from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models import compressed_tensors
 from meshserve.models.loader import load_hf_config, load_model
 from meshserve.moe.expert_checkpoint import ExpertCheckpoint
 from meshserve.utils.checkpoint_files import safetensors_files
+from tests.models.paged_harness import prefill_logits, short_random_prompts
 
 # W8A8 rounds each weight and each activation to 1/254 of its row's range; through the tiny random model, whose
 # routers flip experts on small changes, the logits move by 3-15% of their norm (measured on these prompts);
@@ -55,18 +55,6 @@ def rounded_checkpoint(original, tmp_path_factory):
     out.mkdir()
     compressed_tensors.write_checkpoint(original, out, config, tensors)
     return out
-
-
-@torch.inference_mode()
-def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
-    meta = AttentionMetadata.build([len(tokens)], [0], [list(range(4))], block_size=8)
-    caches = model.kv_cache_layout().allocate(num_blocks=4, block_size=8)
-    return model.compute_logits(model(torch.tensor(tokens), torch.arange(len(tokens)), meta, caches))
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(100, 31900, (n,), generator=g).tolist() for n in (5, 30, 17, 9)]
 
 
 def test_recover_grid_keeps_int8_values_also_of_a_piece_of_a_row():
@@ -114,7 +102,7 @@ def test_int8_model_holds_int8_linears_and_keeps_router_kv_b_and_embedding_float
 
 def test_int8_logits_stay_close_to_the_float32_model(original):
     quantized, reference = load_model(original, quantization="int8"), load_model(original)
-    for tokens in _prompts():
+    for tokens in short_random_prompts():
         a, b = prefill_logits(quantized, tokens), prefill_logits(reference, tokens)
         assert ((a - b).norm() / b.norm()).item() <= RELATIVE_LOGIT_TOL
         assert not torch.equal(a, b)
@@ -122,7 +110,7 @@ def test_int8_logits_stay_close_to_the_float32_model(original):
 
 def test_native_int8_kernels_agree_with_the_torch_path(original):
     model = load_model(original, quantization="int8")
-    for tokens in _prompts():
+    for tokens in short_random_prompts():
         native = prefill_logits(model, tokens)
         with cpu_kernels.disabled():
             torch_path = prefill_logits(model, tokens)
@@ -134,7 +122,7 @@ def test_compressed_tensors_checkpoint_serves_its_int8_values(original, rounded_
     a, b = stored.layers[1].mlp.experts, at_load.layers[1].mlp.experts
     assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)
     torch.testing.assert_close(a.w13_scale, b.w13_scale, rtol=1e-6, atol=0)
-    for tokens in _prompts():
+    for tokens in short_random_prompts():
         torch.testing.assert_close(prefill_logits(stored, tokens), prefill_logits(at_load, tokens),
                                    rtol=1e-4, atol=1e-4)
 
@@ -143,7 +131,7 @@ def test_fp8_checkpoint_converts_to_int8_at_load(original, tmp_path):
     converted = fp8.write_fp8_checkpoint(original, tmp_path / "fp8")
     model, reference = load_model(converted, quantization="int8"), load_model(original)
     assert model.layers[1].mlp.experts.w13.dtype == torch.int8
-    for tokens in _prompts():
+    for tokens in short_random_prompts():
         a, b = prefill_logits(model, tokens), prefill_logits(reference, tokens)
         assert ((a - b).norm() / b.norm()).item() <= 0.25  # FP8's rounding (see test_fp8_checkpoint) then INT8's
 
@@ -167,14 +155,14 @@ def test_expert_slot_writes_keep_the_checkpoints_int8_values(rounded_checkpoint)
 @pytest.fixture(scope="module")
 def single_rank_outputs(rounded_checkpoint):
     with LLM(model=str(rounded_checkpoint), **ENGINE_ARGS) as llm:
-        greedy = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
-        first = [out.outputs[0].logprobs[0] for out in llm.generate(_prompts(), FIRST_TOKEN)]
+        greedy = [out.outputs[0].token_ids for out in llm.generate(short_random_prompts(), GREEDY)]
+        first = [out.outputs[0].logprobs[0] for out in llm.generate(short_random_prompts(), FIRST_TOKEN)]
     return greedy, first
 
 
 def test_engine_serves_int8_alike_on_dp2_ep2(rounded_checkpoint, single_rank_outputs):
     with LLM(model=str(rounded_checkpoint), parallel="attn=TP1+DP2 moe=TP1+EP2", **ENGINE_ARGS) as llm:
-        outs = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
+        outs = [out.outputs[0].token_ids for out in llm.generate(short_random_prompts(), GREEDY)]
     assert outs == single_rank_outputs[0]
 
 
@@ -183,7 +171,7 @@ def test_engine_serves_int8_alike_on_tp2(rounded_checkpoint, single_rank_outputs
     the row-parallel layers' activation scales differ from one rank's, so the logits agree within a tolerance
     rather than bit for bit (greedy continuations of the random model may then part after a few tokens)."""
     with LLM(model=str(rounded_checkpoint), parallel="attn=TP2+DP1 moe=TP2+EP1", **ENGINE_ARGS) as llm:
-        first = [out.outputs[0].logprobs[0] for out in llm.generate(_prompts(), FIRST_TOKEN)]
+        first = [out.outputs[0].logprobs[0] for out in llm.generate(short_random_prompts(), FIRST_TOKEN)]
     for ours, reference in zip(first, single_rank_outputs[1]):
         assert ours.chosen.token_id == reference.chosen.token_id
         assert abs(ours.chosen.logprob - reference.chosen.logprob) <= TP_LOGPROB_TOL
@@ -193,14 +181,14 @@ def test_engine_serves_int8_alike_on_tp2(rounded_checkpoint, single_rank_outputs
 def test_engine_rounds_a_float_checkpoint_with_the_quantization_flag(original, rounded_checkpoint,
                                                                      single_rank_outputs):
     with LLM(model=str(original), quantization="int8", **ENGINE_ARGS) as llm:
-        outs = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
+        outs = [out.outputs[0].token_ids for out in llm.generate(short_random_prompts(), GREEDY)]
     assert outs == single_rank_outputs[0]
 
 
 def test_mtp_drafts_on_a_w8a8_checkpoint_keep_the_greedy_tokens(rounded_checkpoint, single_rank_outputs):
     """The MTP layer (float in the checkpoint, rounded to INT8 at load) drafts; the W8A8 main model verifies."""
     with LLM(model=str(rounded_checkpoint), speculative="mtp", num_speculative_tokens=2, **ENGINE_ARGS) as llm:
-        outs = [out.outputs[0].token_ids for out in llm.generate(_prompts(), GREEDY)]
+        outs = [out.outputs[0].token_ids for out in llm.generate(short_random_prompts(), GREEDY)]
         drafted = sum(llm.get_stats().spec_drafted)
     assert drafted > 0
     assert outs == single_rank_outputs[0]
