@@ -86,7 +86,7 @@ def test_a_serving_master_has_no_torch_loaded(tiny_model, tmp_path, monkeypatch)
     out = tmp_path / "master-modules.json"
     monkeypatch.setenv(process_probe.OUT_ENV, str(out))
     # the probe runs the entry point as meshserve.utils.processes does, so the master starts exactly as in use
-    monkeypatch.setattr(processes, "_RUNNER", process_probe.__name__)
+    monkeypatch.setattr(processes, "RUNNER_MODULE", process_probe.__name__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     model = tiny_model("deepseek_v3", overrides={"num_hidden_layers": 2})
     with LLM(model=str(model), kv_cache_memory_gb=0.05) as llm:

@@ -14,6 +14,7 @@ from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 from meshserve.bench.pd import add_pd_arguments
 from meshserve.bench.quant import add_quant_arguments
 from meshserve.bench.routing import add_routing_arguments
+from meshserve.bench.scale import add_scale_arguments
 from meshserve.bench.spec import add_spec_arguments
 from meshserve.bench.workload import WorkloadError, make_offline_workload, parse_range, special_token_ids
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
@@ -70,6 +71,9 @@ def register_bench_commands(subparsers) -> None:
     add_spec_arguments(subparsers.add_parser(
         "spec", help="MTP speculative decoding against plain decoding per batch size and k: decode tokens/s, "
                      "TPOT, acceptance per draft position, and where drafting stops paying"))
+    add_scale_arguments(subparsers.add_parser(
+        "scale", help="the cluster manager's scale-up steps (cold, pre-warmed, DRAM preload, fork), TE-Load by "
+                      "weight source, fork fan-out, and an autoscaling run against fixed deployments"))
     add_quant_arguments(subparsers.add_parser(
         "quant", help="INT8 W8A8 and the INT8 KV cache against float32 and bfloat16: weight bytes, decode and "
                       "prefill tokens/s, roofline fraction, and quality per quantization method"))

@@ -20,3 +20,10 @@ class ModelConfig(ConfigStruct, frozen=True):
                     "checkpoint)")] | None = None
     device: Annotated[str, Meta(description="torch device the ranks run on (cpu, cuda)")] = "cpu"
     seed: Annotated[int, Meta(description="the engine's random seed")] = 0
+    serve_weights: Annotated[bool, Meta(
+        description="run a weight server on every rank, so new TEs of the same model and layout can fork their "
+                    "weights from this one while it serves (the cluster manager turns it on)")] = False
+    fork_from: Annotated[str, Meta(
+        description="load the weights from a running TE of the same model and layout instead of the "
+                    "checkpoint: its ranks' weight servers, comma-separated, one per rank (the cluster "
+                    "manager sets it)")] | None = None

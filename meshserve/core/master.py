@@ -16,9 +16,11 @@ import functools
 import logging
 import os
 import signal
+import subprocess
 import time
 import traceback
 from collections import deque
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -49,6 +51,9 @@ _MAX_REQUEST_ID_CHARS = 256
 _MAX_ID_LIST = 1024  # eos and stop token ids of one request
 _RESULT_TYPES = (msg.ModelRunnerOutput, msg.WorkerFailure, msg.WorkerEvent, msg.KVConnectorReport)
 _DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
+_WARMUP_ID = "meshserve-warmup"  # the dummy request a TE runs before it registers (answers go nowhere)
+_WARMUP_TIMEOUT_S = 120.0
+_DRAIN_TIMEOUT_S = 300.0  # a draining TE leaves after this even with requests left (their JEs move them)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
@@ -56,6 +61,17 @@ def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise InvalidRequestError(f"{what} token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+class SpareWorker(Protocol):
+    """A worker process started ahead of time (a pre-warmed TE's, `meshserve.cluster.warm`): torch imported,
+    native kernels loaded, waiting to be told which rank of which TE it is."""
+
+    proc: subprocess.Popen
+
+    def assign(self, handshake: msg.WorkerHandshake) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class WorkerGroup:
@@ -66,7 +82,8 @@ class WorkerGroup:
     otherwise IPC in the TE's private directory.
     """
 
-    def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int) -> None:
+    def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int,
+                 spare_workers: list[SpareWorker] = ()) -> None:
         parallel = config.parallel_config
         self.world_size = parallel.world_size
         num_local = parallel.num_local_ranks
@@ -91,9 +108,21 @@ class WorkerGroup:
         self.remote = (RemoteRanks(ctx, config, self.works, work_addrs, result_addr, dist_init)
                        if num_local < self.world_size else None)
         self._unreachable: list[int] = []  # remote ranks whose work socket had no connection to send on
-        self.procs = [launch("worker", rank=rank, config=config.to_dict(), work_addr=work_addrs[rank],
-                             result_addr=result_addr, dist_init_method=dist_init, log_level=log_level)
-                      for rank in range(num_local)]
+        self.early_results: list = []  # what ready ranks sent while others were still starting
+        # a pre-warmed TE's spare worker processes take the first ranks; the others start as new processes
+        spares = list(spare_workers)
+        self.procs = []
+        for rank in range(num_local):
+            if spares:
+                spare = spares.pop(0)
+                spare.assign(msg.WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
+                                                 result_addr=result_addr, dist_init_method=dist_init))
+                self.procs.append(spare.proc)
+            else:
+                self.procs.append(launch("worker", rank=rank, config=config.to_dict(), work_addr=work_addrs[rank],
+                                         result_addr=result_addr, dist_init_method=dist_init, log_level=log_level))
+        for spare in spares:  # more spares than this TE's ranks
+            spare.release()
 
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         if self._tcp_host is None:
@@ -124,6 +153,8 @@ class WorkerGroup:
                         return [ready[rank] for rank in range(self.world_size)]
                 elif isinstance(item, msg.WorkerFailure):
                     raise RuntimeError(f"worker {item.rank} failed to start: {item.message}{self._not_joined()}")
+                elif item is not None:  # a ready rank's background news (its weight server): handled after start
+                    self.early_results.append(item)
             gone = self._gone_rank(starting=True)
             if gone is not None:
                 raise RuntimeError(gone[1])
@@ -191,7 +222,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context, link: ClientLink | RouterLinks, ipc_dir: str,
                  log_level: int = logging.INFO, role: str = "colocated", group: str = "",
-                 watch_parent: bool = True) -> None:
+                 watch_parent: bool = True, startup: msg.StartupTimeline | None = None,
+                 spare_workers: list[SpareWorker] = ()) -> None:
         self.config = config
         self.ctx = ctx
         self.link = link
@@ -202,12 +234,15 @@ class EngineCore:
         self.parent = os.getppid()
         strategy = config.parallel_config.strategy
         self.dp_size = strategy.attn_dp
-        self.workers = WorkerGroup(self.ctx, config, ipc_dir, log_level)
+        self.startup = startup or msg.StartupTimeline(process_start=time.time())
+        self.draining_since: float | None = None
+        self.workers = WorkerGroup(self.ctx, config, ipc_dir, log_level, spare_workers)
         try:
             ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s)
         except BaseException:
             self.workers.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
             raise
+        self._note_load(ready)
         self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)
         self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
         self.kv_events = None
@@ -247,12 +282,26 @@ class EngineCore:
         self.running = True
         self.eplb = self._make_eplb_controller(ready[0])
         num_blocks = sum(kv_manager.num_blocks for kv_manager in self.kv_managers)
+        for item in self.workers.early_results:
+            self._take_result(item)
         if isinstance(link, ClientLink):
             self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
                                        kv_bytes_per_token=ready[0].kv_bytes_per_token,
                                        max_model_len=self.max_model_len, vocab_size=self.vocab_size))
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
+
+    def _note_load(self, ready: list[msg.WorkerReady]) -> None:
+        """The TE-Load step from its ranks' reports, and where new TEs of this layout can fork weights from."""
+        loaded = [r for r in ready if r.load_end]
+        if loaded:
+            self.startup.load_start = min(r.load_start for r in loaded)
+            self.startup.load_end = max(r.load_end for r in loaded)
+            self.startup.load_source = "+".join(sorted({r.load_source for r in loaded if r.load_source}))
+            self.startup.load_bytes = sum(r.load_bytes for r in loaded)
+        # each rank's weight server, as its snapshot becomes whole (WorkerReady or a later WEIGHTS_SERVED event)
+        self._weight_servers = {r.rank: r.weights_addr for r in ready if r.weights_addr}
+        self.weights_addrs = [r.weights_addr for r in ready] if all(r.weights_addr for r in ready) else []
 
     def _make_eplb_controller(self, ready: msg.WorkerReady) -> EplbController:
         strategy = self.config.parallel_config.strategy
@@ -278,7 +327,9 @@ class EngineCore:
             by_client.setdefault(reply_to, []).append(delta)
         now = time.time()
         for reply_to, batch in by_client.items():
-            self._send(msg.EngineOutputs(deltas=batch, timestamp=now), reply_to)
+            batch = [delta for delta in batch if delta.req_id != _WARMUP_ID]
+            if batch:
+                self._send(msg.EngineOutputs(deltas=batch, timestamp=now), reply_to)
 
     # ------------------------------------------------------------------ client messages
     def _on_client(self, item) -> None:
@@ -314,7 +365,8 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a failing operator command is refused, never fatal
             logger.exception("admin operation %r failed", item.op)
             reply = msg.AdminReply(query_id=item.query_id, ok=False, error=f"{item.op} failed: {exc}")
-        self._send(reply, item.reply_to)
+        if item.reply_to or isinstance(self.link, ClientLink):  # a TE's sender that names no address wants none
+            self._send(reply, item.reply_to)
 
     def _on_shutdown(self, item: msg.Shutdown) -> None:
         self.running = False
@@ -360,11 +412,29 @@ class EngineCore:
                                            expires_in_s=max(0.0, pin.deadline - now))
             for g, s in enumerate(self.schedulers) for cache_id, pin in s.context_caches.items()})
 
+    def _admin_drain(self, item: msg.AdminRequest) -> msg.StatsResult:
+        """A scale-down: take nothing new, finish what runs (and what prefill holds for decode), then leave."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            logger.info("draining: finishing %d running and %d waiting request(s), then leaving",
+                        sum(s.num_running for s in self.schedulers), len(self.pending) +
+                        sum(s.num_waiting for s in self.schedulers))
+        return msg.StatsResult(self._stats())
+
+    def _drained(self) -> bool:
+        if self.draining_since is None:
+            return False
+        if time.monotonic() - self.draining_since > _DRAIN_TIMEOUT_S:
+            logger.warning("draining for %.0f s: leaving with requests left", _DRAIN_TIMEOUT_S)
+            return True
+        stats = self._stats()
+        return not (self._has_work() or self.pending or self._steps_in_flight() or stats.kv_transfer_holds)
+
     _ADMIN_OPS = {msg.AdminOp.EPLB_LOAD: _admin_eplb_load, msg.AdminOp.EPLB_STATUS: _admin_eplb_status,
                   msg.AdminOp.EPLB_REBALANCE: _admin_eplb_rebalance, msg.AdminOp.STATS: _admin_stats,
                   msg.AdminOp.KV_SNAPSHOT: _admin_kv_snapshot,
                   msg.AdminOp.CONTEXT_CACHE_DELETE: _admin_context_cache_delete,
-                  msg.AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list}
+                  msg.AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list, msg.AdminOp.DRAIN: _admin_drain}
 
     def _reject(self, item: msg.AddRequest, error: Exception) -> None:
         """Refuse one request: its caller gets an error delta naming the error's class."""
@@ -529,7 +599,12 @@ class EngineCore:
             self._RESULT_HANDLERS[type(item)](self, item)
 
     def _on_worker_event(self, event: msg.WorkerEvent) -> None:
-        """A rank finished an expert-placement phase (or failed it)."""
+        """A rank finished an expert-placement phase (or failed it), or its weight server is ready."""
+        if event.kind == msg.WorkerEventKind.WEIGHTS_SERVED:
+            self._weight_servers[event.rank] = event.detail
+            if len(self._weight_servers) == self.workers.world_size:  # new TEs may fork from this one now
+                self.weights_addrs = [self._weight_servers[rank] for rank in range(self.workers.world_size)]
+            return
         self.eplb.on_event(event.rank, event.kind, event.detail)
 
     def _on_step_output(self, item: msg.ModelRunnerOutput) -> None:
@@ -566,7 +641,9 @@ class EngineCore:
                                model=self.config.model_config.served_model_name or self.config.model_config.model,
                                max_model_len=self.max_model_len, block_size=self.config.cache_config.block_size,
                                attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),
-                               kv_event_seq=self._kv_event_seq, timestamp=time.time())
+                               kv_event_seq=self._kv_event_seq, timestamp=time.time(),
+                               draining=self.draining_since is not None, pid=os.getpid(), startup=self.startup,
+                               weights_addrs=self.weights_addrs)
 
     def _publish_kv_events(self, group: int) -> None:
         events = self.kv_managers[group].drain_events()
@@ -673,11 +750,35 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ loop
-    def run(self) -> None:
+    def warm_up(self) -> None:
+        """Run one dummy request through every step of serving (first-call costs: kernel set-up, allocator,
+        lazy imports), so the first real request is as fast as the next; nothing is sent anywhere."""
+        t0 = time.monotonic()
+        self._admit(Request(req_id=_WARMUP_ID, prompt_token_ids=[0, 1, 2, 3],
+                            sampling_params=SamplingParams(temperature=0.0, max_tokens=2), arrival_time=time.time()))
+        poller = zmq.Poller()
+        poller.register(self.workers.results, zmq.POLLIN)
+        while self.dead_error is None and (self._has_work() or self.pending or self._steps_in_flight()):
+            if time.monotonic() - t0 > _WARMUP_TIMEOUT_S:
+                raise RuntimeError(f"the warm-up request did not finish in {_WARMUP_TIMEOUT_S:.0f} s")
+            self._schedule()
+            if poller.poll(50):
+                while self.workers.results.poll(0):
+                    self._take_result(msg.recv_message(self.workers.results, _RESULTS))
+            self._check_peers()
+        if self.dead_error is not None:
+            raise RuntimeError(f"the warm-up request failed: {self.dead_error}")
+        logger.info("warm-up request done in %.2f s", time.monotonic() - t0)
+
+    def run(self, warmup: bool = False) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.workers.results, zmq.POLLIN)
         try:
+            if warmup:
+                self.warm_up()
+            self.startup.ready = time.time()
+            self.link.tick(self.startup.ready, self._heartbeat)  # register now, not after the first idle poll
             while self.running:
                 self._schedule()
                 stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending))
@@ -693,6 +794,9 @@ class EngineCore:
                         if item is not None:
                             self._on_client(item)
                 self._check_peers()
+                if self._drained():
+                    logger.info("drained: leaving")
+                    self.running = False
                 now = time.time()
                 self.eplb.tick(now)
                 self.link.tick(now, self._heartbeat)

@@ -17,6 +17,12 @@ Boundaries:
   worker-> master   : ModelRunnerOutput, WorkerReady, WorkerFailure, WorkerEvent, KVConnectorReport
   worker<-> master  : WorkerHandshake (a rank on another host joining the TE)
   master  -> routers  : KVCacheEvents (PUB socket at EngineConfig.kv_events_endpoint)
+  master  -> cluster manager : EngineHeartbeat (the manager is one more `--register` address; with its start-up
+                        timeline, draining state and weight servers)
+  JE      -> cluster manager : JobExecutorReport (routable TEs, per pool demand: held jobs, arrivals, TTFT, TPOT)
+  warm TE <-> cluster manager : WarmReady (a pre-warmed process is ready), WarmAssign (become this TE)
+  warm TE -> spare worker     : WorkerHandshake (the rank it becomes), Shutdown
+  CLI     <-> cluster manager : ClusterQuery -> ClusterStatus (`meshserve status`, `cluster scale`, `cluster down`)
 
 Kinds, finish reasons, errors and roles are string enums (their values are the words the API shows);
 sampling settings travel as `SamplingParams` itself; operator commands and their results, expert
@@ -82,6 +88,7 @@ class WorkerEventKind(enum.StrEnum):
     EPLB_PREFETCHED = "eplb_prefetched"  # this rank read the changing slots' weights
     EPLB_LOADED = "eplb_loaded"  # ... and copied them into the slots
     EPLB_FAILED = "eplb_failed"  # a phase failed on this rank (`detail`: why)
+    WEIGHTS_SERVED = "weights_served"  # this rank's weight server has its snapshot (`detail`: its address)
 
 
 class EplbPhase(enum.StrEnum):
@@ -101,6 +108,7 @@ class AdminOp(enum.StrEnum):
     KV_SNAPSHOT = "kv.snapshot"  # a router rebuilding its view of a TE's prefix caches
     CONTEXT_CACHE_DELETE = "context_cache.delete"  # unpin a named context cache's blocks
     CONTEXT_CACHE_LIST = "context_cache.list"
+    DRAIN = "drain"  # finish the requests it has, take no new ones, then leave (a scale-down)
 
 
 # ---------------------------------------------------------------- expert placement
@@ -326,6 +334,12 @@ class WorkerReady(Message):
     moe_layers: list[int] = field(default_factory=list)  # decoder-layer indices of the MoE layers
     num_logical_experts: int = 0  # routed experts per MoE layer
     vocab_size: int = 0  # token ids the model takes and samples: [0, vocab_size)
+    # how this rank got its weights (wall-clock times): "disk", "page-cache", "pool" or "fork", and the bytes read
+    load_start: float = 0.0
+    load_end: float = 0.0
+    load_source: str = ""
+    load_bytes: int = 0
+    weights_addr: str = ""  # this rank's weight server (`serve_weights`): new TEs of the same layout fork from it
 
 
 class WorkerEvent(Message):
@@ -612,6 +626,19 @@ class Shutdown(Message):
     pass
 
 
+class StartupTimeline(Message):
+    """When a TE went through its start-up steps (wall-clock `time.time()`; 0: not reached), so the cluster
+    manager can time each scale-up step by step (deepserve §6: TE-Pre-Load, TE-Load, TE-Post-Load)."""
+
+    process_start: float = 0.0  # the process started, or a pre-warmed one was handed this TE
+    load_start: float = 0.0  # the first rank began reading weights (process start up to here: TE-Pre-Load)
+    load_end: float = 0.0  # the last rank holds its weights (TE-Load)
+    ready: float = 0.0  # KV cache allocated and the warm-up request answered: it can serve (TE-Post-Load)
+    load_source: str = ""  # disk | page-cache | pool | fork
+    load_bytes: int = 0  # weight bytes all ranks read
+    prewarmed: bool = False  # the TE ran in a pre-warmed process
+
+
 class EngineHeartbeat(Message):
     """A TE announcing itself to a job executor, repeated every heartbeat interval: its registration
     (addresses, role, layout) and its current load. A JE that misses several heartbeats drops the TE."""
@@ -630,6 +657,109 @@ class EngineHeartbeat(Message):
     kv_event_seq: int = 0  # the last KVCacheEvents seq published (a subscriber that lags behind resyncs)
     timestamp: float = 0.0
     leaving: bool = False  # the TE is shutting down: route nothing new to it
+    draining: bool = False  # the TE finishes what it runs and then leaves: route nothing new to it
+    pid: int = 0  # the master's process id
+    startup: StartupTimeline | None = None
+    weights_addrs: list[str] = field(default_factory=list)  # per rank: its weight server, for forks
+
+
+# ---------------------------------------------------------------- the cluster manager (meshserve.cluster)
+class GroupDemand(Message):
+    """What one job executor saw of one TE group since its last report (the autoscaler's request signals)."""
+
+    group: str
+    held: int = 0  # jobs waiting for the group to have a TE (it scaled to zero): held, not rejected
+    held_oldest_s: float = 0.0  # how long the oldest held job has waited
+    arrivals: int = 0  # jobs routed to the group
+    ttft_s: list[float] = field(default_factory=list)  # time to first token of jobs that got one (bounded)
+    tpot_s: list[float] = field(default_factory=list)  # mean time per output token of jobs that finished (bounded)
+
+
+class JobExecutorReport(Message):
+    """A job executor to the cluster manager, every report interval: who it is, the TEs it routes to, demand."""
+
+    name: str
+    http_addr: str  # http://HOST:PORT
+    register_addr: str  # where TEs register with it
+    pid: int
+    te_names: list[str] = field(default_factory=list)  # TEs registered and routable (not draining)
+    groups: list[GroupDemand] = field(default_factory=list)
+    timestamp: float = 0.0
+
+
+class WarmReady(Message):
+    """A pre-warmed TE process to the cluster manager: imports, native kernels and spare worker processes are
+    ready; it becomes a TE when it gets a `WarmAssign` at `assign_addr`."""
+
+    name: str
+    pid: int
+    assign_addr: str
+    num_workers: int  # spare worker processes it holds (a TE of more ranks starts the rest)
+    host: str = ""
+
+
+class WarmAssign(Message):
+    """Become this TE (what `meshserve te` would run): settings, role, group and JEs to register with."""
+
+    config: EngineConfig
+    role: EngineRole
+    group: str
+    listen: str
+    register: list[str]
+    assigned_at: float = 0.0  # when the manager handed it over (the step's start)
+
+
+class ClusterQuery(Message):
+    """`meshserve status` / `cluster down` / `cluster scale` to the manager's control socket."""
+
+    op: str = "status"  # status | down | scale
+    pool: str = ""  # scale: the pool ("GROUP/ROLE")
+    target: int = 0  # scale: TEs it should run
+
+
+class TEStatus(Message):
+    name: str
+    group: str
+    role: str
+    state: str  # starting | ready | draining | dead
+    pid: int = 0
+    host: str = ""
+    source: str = ""  # how it started: cold | prewarmed | fork (+ its weight source)
+    restarts: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    uptime_s: float = 0.0
+
+
+class GroupStatus(Message):
+    group: str
+    role: str
+    current: int
+    target: int
+    min_count: int
+    max_count: int
+    reason: str = ""  # the last scaling decision's reason
+
+
+class JEStatus(Message):
+    name: str
+    http_addr: str
+    pid: int = 0
+    state: str = ""  # ready | starting | dead
+
+
+class ClusterStatus(Message):
+    name: str
+    backend: str
+    manager_pid: int
+    tes: list[TEStatus] = field(default_factory=list)
+    groups: list[GroupStatus] = field(default_factory=list)
+    jes: list[JEStatus] = field(default_factory=list)
+    warm: int = 0  # pre-warmed TE processes idle
+    events: list[str] = field(default_factory=list)  # the latest scaling and healing decisions, newest last
+    ok: bool = True
+    error: str | None = None
 
 
 _MESSAGE_TYPES = {
@@ -639,7 +769,8 @@ _MESSAGE_TYPES = {
         WorkerHandshake,
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
         KVCacheEvents, Shutdown, WorkerEvent, AdminRequest, AdminReply, ReleaseKV, EngineHeartbeat,
-        KVConnectorReport,
+        KVConnectorReport, StartupTimeline, GroupDemand, JobExecutorReport, WarmReady, WarmAssign, ClusterQuery,
+        TEStatus, GroupStatus, JEStatus, ClusterStatus,
     )
 }
 

@@ -9,6 +9,7 @@ from meshserve.bench.cli import register_bench_commands
 from meshserve.config import DEFAULT_ENGINE_PORT, ConfigError
 from meshserve.config.arguments import add_engine_arguments
 from meshserve.engine.core_client import EngineStartupError
+from meshserve.entrypoints.cluster import add_cluster_commands
 from meshserve.entrypoints.engine_args import add_deployment_arguments
 from meshserve.entrypoints.openai.server_options import add_server_arguments
 from meshserve.entrypoints.pool import add_pool_commands
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eplb_commands(sub)
 
     add_pool_commands(sub)
+
+    add_cluster_commands(sub)
 
     # keeps torch out of importing this module: the predictor module loads it
     from meshserve.entrypoints.predictor import add_predictor_parser

@@ -193,9 +193,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     # a checkpoint that another tool wrote may keep its LM head float; so does the engine then
     keep_lm_head_float = w8a8_spec is not None and w8a8_spec.is_ignored("lm_head")
     torch_dtype = resolve_dtype(dtype, config)
-    cls = model_class(config["model_type"])
-    with torch.device(device):  # allocate parameters where they will live
-        model = cls(config, dtype=torch_dtype, parallel=parallel)
+    model = new_model(model_dir, torch_dtype, device, parallel, config)
 
     def wanted(name: str) -> bool:
         return model.wants_weight(name) and (name_filter is None or name_filter(name))
@@ -219,7 +217,22 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
         post_process()
     if int8_mode:
         w8a8.convert_model(model, keep_lm_head_float=keep_lm_head_float)
-    pack_linears(model)  # weights are final now: prepack them for the CPU matmul library
+    return finish_model(model, model_dir)
+
+
+def new_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              parallel: ParallelContext | None = None, config: dict | None = None) -> CausalLM:
+    """The registered model for config.json's `model_type`, its parameters allocated but not filled."""
+    config = config if config is not None else load_hf_config(model_dir)
+    cls = model_class(config["model_type"])
+    with torch.device(device):  # allocate parameters where they will live
+        return cls(config, dtype=resolve_dtype(dtype, config), parallel=parallel)
+
+
+def finish_model(model: CausalLM, model_dir: str | Path) -> CausalLM:
+    """The last step of a load, once the weights are final (read and post-processed here, or forked from a
+    running TE: `meshserve.worker.weight_fork`): prepacking, and where expert replicas are read from."""
+    pack_linears(model)  # prepack the weights for the CPU matmul library
     balancer = getattr(model, "expert_balancer", None)
     if balancer is not None:  # live expert reconfiguration reads replicas from the same checkpoint
         balancer.model_dir = str(model_dir)

@@ -13,6 +13,11 @@ te_groups:
 job_executors: 1                # JE replicas: frontends on --port, --port+1, ...; every TE registers with all
 ```
 
+Under the cluster manager (`meshserve cluster up`) a group may also give `min` and `max` TEs (`count` is
+where it starts; without an `autoscaler:` mapping only an operator scales it, `meshserve cluster scale`), and
+the file an `autoscaler:` mapping (`meshserve.cluster.autoscaler.AutoscalerSettings`; `{}` for the defaults)
+and `prewarm: N`, the pre-warmed TE processes kept ready (`meshserve.cluster.warm`).
+
 `te_groups: []` runs a job executor alone: TEs started elsewhere join it with `meshserve te --register`.
 
 A prefill TE and a decode TE of the same group form P/D pairs (full mesh: any prefill TE of a
@@ -39,8 +44,8 @@ from meshserve.utils.processes import launch
 logger = logging.getLogger(__name__)
 
 _TOP_KEYS = {"model", "routing", "heatmap", "predictor", "engine", "te_groups", "job_executors", "name",
-             "description"}
-_GROUP_KEYS = {"group", "role", "count", "model", "parallel", "engine"}
+             "description", "autoscaler", "prewarm"}
+_GROUP_KEYS = {"group", "role", "count", "model", "parallel", "engine", "min", "max"}
 _ROLES = ("colocated", "prefill", "decode")
 _PD_PRESET = re.compile(r"^(\d+)p(\d+)d$")
 _COLOCATED_PRESET = re.compile(r"^colocated(\d*)$")
@@ -53,6 +58,18 @@ class TEGroupSpec:
     count: int = 1
     model: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # includes "parallel" when given
+    min_count: int | None = None  # the cluster manager's scaling range (default: count, no scaling)
+    max_count: int | None = None
+
+    @property
+    def pool(self) -> str:
+        """The scaling unit: one role of one group ("GROUP/ROLE")."""
+        return f"{self.group}/{self.role}"
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return (self.count if self.min_count is None else self.min_count,
+                self.count if self.max_count is None else self.max_count)
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,8 @@ class MultiDeployment:
     predictor: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     job_executors: int = 1  # JE replicas (frontends); every TE registers with each
+    autoscaler: dict[str, Any] | None = None  # the cluster manager's scaling policy (None: no autoscaling)
+    prewarm: int = 0  # pre-warmed TE processes the cluster manager keeps ready
 
     def tes(self) -> list[TESpec]:
         out = []
@@ -119,8 +138,19 @@ class MultiDeployment:
         job_executors = data.get("job_executors", 1)
         if not isinstance(job_executors, int) or job_executors < 1:
             raise ConfigError(f"{source}: job_executors must be a positive integer, got {job_executors!r}")
+        autoscaler = data.get("autoscaler")
+        if autoscaler is not None and not isinstance(autoscaler, dict):
+            raise ConfigError(f"{source}: autoscaler must be a mapping of scaling settings")
+        prewarm = data.get("prewarm", 0)
+        if not isinstance(prewarm, int) or prewarm < 0:
+            raise ConfigError(f"{source}: prewarm must be a non-negative integer, got {prewarm!r}")
+        pools = [g.pool for g in groups]
+        if len(set(pools)) != len(pools):
+            raise ConfigError(f"{source}: each role of a group is given once (repeated: "
+                              f"{', '.join(sorted({p for p in pools if pools.count(p) > 1}))})")
         return cls(groups=groups, model=data.get("model"), routing=routing, heatmap=data.get("heatmap"),
-                   predictor=data.get("predictor"), engine=engine, job_executors=job_executors)
+                   predictor=data.get("predictor"), engine=engine, job_executors=job_executors,
+                   autoscaler=None if autoscaler is None else dict(autoscaler), prewarm=prewarm)
 
     @classmethod
     def load(cls, path: str) -> MultiDeployment:
@@ -185,7 +215,17 @@ def _group(data: Any, where: str) -> TEGroupSpec:
     if "parallel" in data:
         engine["parallel"] = data["parallel"]
     engine = _engine_settings(engine, where)
-    return TEGroupSpec(group, role, count, data.get("model"), engine)
+    bounds = {}
+    for key in ("min", "max"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ConfigError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        bounds[key] = value
+    low = count if bounds["min"] is None else bounds["min"]
+    high = count if bounds["max"] is None else bounds["max"]
+    if not low <= count <= high:
+        raise ConfigError(f"{where}: need min <= count <= max, got min {low}, count {count}, max {high}")
+    return TEGroupSpec(group, role, count, data.get("model"), engine, bounds["min"], bounds["max"])
 
 
 def is_multi_te(deployment: str) -> bool:

@@ -2,10 +2,11 @@
 
 A TE announces itself with `EngineHeartbeat`s (`meshserve te --register`); the first one registers it and
 the JE connects to its input and KV-event addresses. A TE whose heartbeats stop for `timeout_s`, that
-says it is leaving, or that reports a fatal error is dropped. Each TE's prefix-cache events feed the
-global prompt tree; a gap in their sequence (or a heartbeat announcing events the JE never got: a
-subscriber connecting late misses the first ones) makes the JE ask the TE for a snapshot, so the tree
-never keeps a prefix the TE has evicted for longer than that round trip.
+says it is leaving, or that reports a fatal error is dropped; one that says it is draining (a scale-down:
+it finishes its requests, then leaves) keeps its record and its streams, but routing no longer sees it.
+Each TE's prefix-cache events feed the global prompt tree; a gap in their sequence (or a heartbeat
+announcing events the JE never got: a subscriber connecting late misses the first ones) makes the JE ask
+the TE for a snapshot, so the tree never keeps a prefix the TE has evicted for longer than that round trip.
 """
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ class EngineRecord:
     @property
     def role(self) -> msg.EngineRole:
         return self.heartbeat.role
+
+    @property
+    def draining(self) -> bool:
+        """It finishes its requests before leaving (a scale-down): it keeps streaming but takes nothing new."""
+        return self.heartbeat.draining
 
     @property
     def view_load(self) -> TELoad:
@@ -86,6 +92,9 @@ class EngineRegistry:
                 self._kv_event_sources[hb.kv_events_addr] = hb.name
             logger.info("TE %s registered: %s in group %s at %s (attention TP%d x DP%d)", hb.name, hb.role,
                         hb.group, hb.input_addr, hb.attn_tp, hb.attn_dp)
+        elif hb.draining != record.draining:
+            logger.info("TE %s %s", hb.name, "is draining: no new requests go to it" if hb.draining else
+                        "takes requests again")
         record.heartbeat = hb
         record.last_seen = now
         self.loads.report(hb.name, record.view_load)
@@ -123,9 +132,14 @@ class EngineRegistry:
     def live(self) -> list[EngineRecord]:
         return [r for r in self.tes.values() if r.alive]
 
+    def routable(self) -> list[EngineRecord]:
+        """The live TEs that take new requests (not draining)."""
+        return [r for r in self.tes.values() if r.alive and not r.draining]
+
     def views(self) -> list[TEView]:
+        """What routing sees: the TEs that take new requests."""
         return [TEView(name=r.name, role=r.role, group=r.heartbeat.group, load=self.loads.load_of(r.name))
-                for r in self.live()]
+                for r in self.routable()]
 
     def get(self, name: str) -> EngineRecord | None:
         record = self.tes.get(name)

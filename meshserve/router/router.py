@@ -18,17 +18,27 @@ all job state lives on the loop's thread. Every socket is authenticated (CurveZM
 secret), and a frame that does not decode, or a message whose handling fails, is logged, counted and
 dropped: nothing a peer sends stops the reader. The JE is healthy only while its reader runs and a
 request of some kind can be routed (`health()` says which kinds can, and what the others miss).
+
+Scaling (the cluster manager): with `hold_s` > 0 a job no TE can take is held, not refused, until a TE that
+can take it registers (its pool was scaled to zero and comes back), then dispatched in arrival order; after
+`hold_s` it fails as an unroutable one does (503). Such a JE with `manager_addrs` stays healthy with no TE: the
+manager scales from zero when it reports held jobs. Every `_REPORT_INTERVAL_S` the JE reports to each manager
+who it is, its routable TEs and per pool ("GROUP/ROLE") its demand since the last report: jobs held and routed,
+TTFT from the job's arrival here (the prefill or colocated pool's) and TPOT (the decode or colocated pool's).
+A TE that says it is draining (a scale-down) gets nothing new but finishes the jobs it has.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -45,12 +55,14 @@ from meshserve.models.generation_config import eos_token_ids
 from meshserve.router.engine_registry import EngineRecord, EngineRegistry
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import (
+    ANY_POOL,
     REQUEST_ROUTING_POLICY,
     LoadTracker,
     NoRouteError,
     RouteDecision,
     RouteHealth,
     RoutingPolicy,
+    pool_key,
     route_health,
 )
 from meshserve.utils import cluster_auth
@@ -59,10 +71,23 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.2  # liveness and KV-sync checks
 _MAX_REGISTRATION_BYTES = 1 << 20  # a heartbeat is a few hundred bytes; a peer sending more is cut off
+_REPORT_INTERVAL_S = 0.5  # JobExecutorReport to the cluster managers
+_MAX_SAMPLES = 256  # TTFT / TPOT samples per pool and report (a report stays a few kB)
 
 
 class RouteUnavailableError(EngineDeadError):
     """No TE (or P/D pair) can take the request now (HTTP 503)."""
+
+
+def _configured_max_model_len(model: str) -> int:
+    """The model's context length from its config.json (0 when unknown): what a JE that has not seen a TE yet
+    admits requests by, while it holds them for a TE the manager starts."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            value = json.load(f).get("max_position_embeddings", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 @dataclass
@@ -86,12 +111,30 @@ class _Job:
     token_ids: list[int] = field(default_factory=list)  # tokens received so far
     context_cache_id: str | None = None  # a named context cache leading the prompt
     context_cache_ttl_s: float | None = None  # set: this job creates that cache
+    held_since: float | None = None  # time.monotonic() when it started waiting for a TE; None: not held
+    first_token_time: float = 0.0  # time.time() of its first token
+
+
+@dataclass
+class _PoolDemand:
+    """What one pool saw of this JE's jobs since the last report."""
+
+    arrivals: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+
+    def sample(self, samples: list[float], value: float) -> None:
+        if len(samples) < _MAX_SAMPLES:
+            samples.append(value)
 
 
 class Router:
     def __init__(self, model: str, served_model_name: str | None = None, host: str = "127.0.0.1",
                  register_port: int = 0, policy: str = "round_robin", heatmap=None, predictor=None,
-                 heartbeat_timeout_s: float = 5.0, max_attempts: int = 3) -> None:
+                 heartbeat_timeout_s: float = 5.0, max_attempts: int = 3, manager_addrs: Sequence[str] = (),
+                 hold_s: float = 0.0, name: str = "", http_addr: str = "") -> None:
+        """`manager_addrs`: cluster managers to report to; `hold_s`: how long a job may wait for a TE that can
+        take it (0: refused at once); `name`, `http_addr`: who this JE is in its reports."""
         self.model_name = served_model_name or os.path.basename(os.path.normpath(model))
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = eos_token_ids(model)
@@ -124,6 +167,20 @@ class Router:
         self._reader_error: str | None = None  # why the reader thread ended, when it ended on its own
         self._last_tick = 0.0
         self.bad_frames = 0  # frames dropped: undecodable, or their handling failed
+        self.hold_s = hold_s
+        self._held: deque[_Job] = deque()  # jobs waiting for a TE, oldest first (some may be aborted since)
+        self.name = name or f"je-{os.getpid()}-{self.register_addr.rpartition(':')[2]}"
+        self.http_addr = http_addr
+        self._demand: dict[str, _PoolDemand] = {}  # pool key -> since the last report
+        self._last_report = 0.0
+        self._config_max_model_len = _configured_max_model_len(model) if hold_s > 0 else 0
+        self._managers = []  # PUSH, one per manager; used on the loop's thread only
+        for addr in manager_addrs:
+            sock = cluster_auth.client(self.ctx.socket(zmq.PUSH), addr)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 16)  # a manager that is away misses reports; the next one says it all
+            sock.connect(addr)
+            self._managers.append(sock)
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_started(self) -> None:
@@ -189,6 +246,8 @@ class Router:
         if self._reader is not None:
             self._reader.join(5)
         self.registry.close()
+        for sock in self._managers:
+            sock.close(0)
         self.outputs.close(0)
         self.registrations.close(0)
         self.ctx.term()
@@ -280,12 +339,18 @@ class Router:
             self._drop_te(record, f"it failed: {item.message}")
 
     def _tick(self, now: float) -> None:
-        """Drop the TEs whose heartbeats stopped; ask for the KV snapshots the prompt tree lacks."""
+        """Drop the TEs whose heartbeats stopped; ask for the KV snapshots the prompt tree lacks; dispatch or
+        fail held jobs; report to the cluster managers."""
         for record in self.registry.expired(now):
             self._drop_te(record, f"no heartbeat for {self.registry.timeout_s:.0f} s")
         for record in self.registry.live():
             if self.registry.needs_snapshot(record, now):
                 self._request_snapshot(record)
+        if self._held:
+            self._serve_held(now)
+        if self._managers and now - self._last_report >= _REPORT_INTERVAL_S:
+            self._last_report = now
+            self._send_report(now)
 
     def _on_heartbeat(self, hb: msg.EngineHeartbeat, now: float) -> None:
         if self.tree is None and not hb.leaving:
@@ -302,6 +367,11 @@ class Router:
         record, new = self.registry.on_heartbeat(hb, now)
         if new:
             self._request_snapshot(record)
+            if self._managers:  # the manager times a scale-up until every JE routes to the new TE: say so now
+                self._last_report = now
+                self._send_report(now)
+        if self._held and not record.draining:
+            self._serve_held(now)
 
     _ITEM_HANDLERS: ClassVar[dict[type, Callable]] = {
         msg.EngineOutputs: _on_outputs, msg.EngineHeartbeat: _on_heartbeat, msg.KVCacheEvents: _on_kv_events,
@@ -347,6 +417,9 @@ class Router:
             job.stage, job.te, job.decode_te = "prefill", decision.prefill, decision.decode
             job.group = self.registry.get(decision.prefill).heartbeat.group
             kv_transfer = msg.KVTransferParams(role=msg.KVTransferRole.PRODUCER)
+        if job.attempt == 1:  # an arrival for each pool the job occupies (a retry is not a new one)
+            for te in decision.tes:
+                self._pool_demand(te).arrivals += 1
         self.loads.on_dispatch(job.te, len(job.prompt_token_ids), job.engine_id)
         self._send(self.registry.get(job.te), msg.AddRequest(
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
@@ -374,13 +447,14 @@ class Router:
         `recompute` the decode TE computes the prompt and the tokens so far itself: after a decode TE
         failed, the prefill TE may have released the blocks already."""
         record = self.registry.get(job.decode_te)
-        if record is None or job.decode_te in exclude:
+        if record is None or job.decode_te in exclude or record.draining:
             candidates = [v for v in self.registry.views() if v.role == "decode" and v.name not in exclude
                           and v.group == job.group]
-            if not candidates:
+            if not candidates and (record is None or job.decode_te in exclude):
                 raise NoRouteError("no decode TE is left for a job whose prefill is done")
-            job.decode_te = min(candidates, key=lambda v: (v.load.kv_usage, v.load.num_running)).name
-            record = self.registry.get(job.decode_te)
+            if candidates:  # else its draining decode TE still takes the job it was chosen for
+                job.decode_te = min(candidates, key=lambda v: (v.load.kv_usage, v.load.num_running)).name
+                record = self.registry.get(job.decode_te)
         job.stage, job.te = "decode", job.decode_te
         if recompute:
             self._release_prefill_hold(job)
@@ -408,8 +482,15 @@ class Router:
             self._finish_job(job)
             self.core.fail_request(job.child_id, error)
             return
+        if delta.new_token_ids and not job.token_ids:
+            job.first_token_time = time.time()
+            demand = self._pool_demand(job.te)
+            demand.sample(demand.ttft_s, job.first_token_time - job.arrival_time)
         job.token_ids.extend(delta.new_token_ids)
         self.core.apply_delta(msgspec.structs.replace(delta, req_id=job.child_id, kv_transfer_params=None), time.time())
+        if delta.finish_reason in ("stop", "length") and len(job.token_ids) > 1 and job.stage != "prefill":
+            demand = self._pool_demand(job.te)
+            demand.sample(demand.tpot_s, (time.time() - job.first_token_time) / (len(job.token_ids) - 1))
         if delta.finish_reason is not None:
             if delta.finish_reason == "error" and job.stage == "decode":
                 self._release_prefill_hold(job)  # the decode TE may have failed it before pulling
@@ -436,6 +517,79 @@ class Router:
         self._on_delta(msg.RequestDelta(req_id=job.engine_id, new_token_ids=[], finish_reason="error",
                                         error=error, num_prompt_tokens=len(job.prompt_token_ids)))
 
+    # ------------------------------------------------------------------ held jobs, demand, reports
+    def _hold(self, job: _Job, why: str) -> None:
+        """Keep a job no TE can take until one can (its pool is scaled from zero), at most hold_s."""
+        if job.held_since is None:
+            job.held_since = time.monotonic()
+        if not self._held:
+            logger.info("holding requests until a TE can take them (at most %g s): %s", self.hold_s, why)
+        self._held.append(job)
+
+    def _serve_held(self, now: float) -> None:
+        """Dispatch the held jobs a TE can take now, oldest first; fail those held for hold_s."""
+        held, self._held = self._held, deque()
+        can_route = bool(self.registry.routable())
+        for job in held:
+            if self._job_of_child.get(job.child_id) is not job:
+                continue  # aborted, or failed with its request's other jobs
+            try:
+                if not can_route:
+                    raise NoRouteError("no TE takes requests")
+                self._dispatch(job)
+            except NoRouteError as exc:
+                if now - job.held_since < self.hold_s:
+                    self._held.append(job)
+                else:
+                    self.core.fail_request(job.child_id, RouteUnavailableError(
+                        f"no TE could take the request within {self.hold_s:g} s: {exc}"))
+                continue
+            logger.info("request %s went to TE %s after waiting %.1f s for one", job.child_id, job.te,
+                        now - job.held_since)
+            job.held_since = None
+
+    def _live_held(self) -> list[_Job]:
+        return [j for j in self._held if self._job_of_child.get(j.child_id) is j]
+
+    def _waiting_for_pools(self) -> list[str]:
+        """The pools a held job waits for: those of the groups seen that have no TE taking requests now, or
+        ANY_POOL when this JE cannot tell (it has never seen a TE)."""
+        seen = {pool_key(r.heartbeat.group, r.role) for r in self.registry.tes.values()}
+        serving = {pool_key(r.heartbeat.group, r.role) for r in self.registry.routable()}
+        return sorted(seen - serving) or [ANY_POOL]
+
+    def _pool_demand(self, te: str) -> _PoolDemand:
+        record = self.registry.tes.get(te)  # a TE dropped since still names its pool
+        key = pool_key(record.heartbeat.group, record.role) if record is not None else ANY_POOL
+        return self._demand.setdefault(key, _PoolDemand())
+
+    def report(self, now: float) -> msg.JobExecutorReport:
+        """This JE to the cluster managers: its routable TEs and per pool its demand since the last report."""
+        demand, self._demand = self._demand, {}
+        held = self._live_held()
+        oldest = max((now - j.held_since for j in held), default=0.0)
+        waiting_for = self._waiting_for_pools() if held else []
+        keys = sorted(set(demand) | set(waiting_for)
+                      | {pool_key(r.heartbeat.group, r.role) for r in self.registry.tes.values()})
+        groups = []
+        for key in keys:
+            d = demand.get(key, _PoolDemand())
+            waits = key in waiting_for
+            groups.append(msg.GroupDemand(group=key, held=len(held) if waits else 0,
+                                          held_oldest_s=oldest if waits else 0.0, arrivals=d.arrivals,
+                                          ttft_s=d.ttft_s, tpot_s=d.tpot_s))
+        return msg.JobExecutorReport(name=self.name, http_addr=self.http_addr, register_addr=self.register_addr,
+                                     pid=os.getpid(), te_names=sorted(r.name for r in self.registry.routable()),
+                                     groups=groups, timestamp=time.time())
+
+    def _send_report(self, now: float) -> None:
+        frame = msg.encode(self.report(now))
+        for sock in self._managers:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the manager is away or behind: the next report says what it needs
+
     def _drop_te(self, record: EngineRecord, why: str) -> None:
         """Drop a TE and move its jobs: re-route those without tokens, re-decode handed-off ones."""
         self.registry.drop(record, why)
@@ -448,7 +602,13 @@ class Router:
                 else:
                     raise NoRouteError(f"TE {record.name} failed while serving the request ({why})")
             except NoRouteError as exc:
-                self._fail_job(job, str(exc))
+                if self.hold_s > 0 and job.stage != "decode" and not job.token_ids and job.attempt < self.max_attempts:
+                    self._finish_job(job)  # off the dead TE; held until another can take it
+                    self._job_of_child[job.child_id] = job
+                    job.te = job.decode_te = ""
+                    self._hold(job, str(exc))
+                else:
+                    self._fail_job(job, str(exc))
             else:
                 logger.warning("request %s moved off TE %s (%s stage) to %s", job.child_id, record.name, job.stage,
                                job.te)
@@ -470,8 +630,17 @@ class Router:
     # ------------------------------------------------------------------ API (AsyncEngineClient's interface)
     @property
     def max_model_len(self) -> int:
+        """The live TEs' context length; with none live, the last TEs' (or, when holding jobs for TEs not seen
+        yet, the model's own), so requests are admitted while their pool scales from zero."""
         lens = [r.heartbeat.max_model_len for r in self.registry.live()]
+        if not lens and self.hold_s > 0:
+            lens = [r.heartbeat.max_model_len for r in self.registry.tes.values()] or [self._config_max_model_len]
         return min(lens) if lens else 0
+
+    @property
+    def scales_from_zero(self) -> bool:
+        """A cluster manager starts TEs when this JE reports jobs it holds: having none is not being dead."""
+        return bool(self._managers) and self.hold_s > 0
 
     @property
     def healthy(self) -> bool:
@@ -483,7 +652,9 @@ class Router:
         if self._reader_error is not None:
             return f"the job executor's reader thread stopped ({self._reader_error})"
         routes = self.route_health()
-        return None if routes.routable else "no request can be routed: " + "; ".join(routes.missing)
+        if routes.routable or self.scales_from_zero:
+            return None
+        return "no request can be routed: " + "; ".join(routes.missing)
 
     def route_health(self) -> RouteHealth:
         """Which kinds of request can be routed now; a TE past its heartbeat timeout counts as gone."""
@@ -497,9 +668,12 @@ class Router:
         what is missing."""
         reader = "ok" if self._reader_error is None else f"stopped: {self._reader_error}"
         routes = self.route_health()
-        ok = self._reader_error is None and routes.routable
-        return {"status": "ok" if ok else "unavailable", "reader": reader, **routes.to_dict(),
-                "bad_frames": self.bad_frames}
+        ok = self._reader_error is None and (routes.routable or self.scales_from_zero)
+        detail = {"status": "ok" if ok else "unavailable", "reader": reader, **routes.to_dict(),
+                  "bad_frames": self.bad_frames, "held": len(self._live_held())}
+        if ok and not routes.routable:
+            detail["scaling"] = "from zero: requests are held until the cluster manager starts a TE"
+        return detail
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, context_cache_id: str | None = None,
@@ -515,8 +689,10 @@ class Router:
                 self._job_of_child[child_id] = job
                 try:
                     self._dispatch(job)
-                except NoRouteError as exc:  # the request is aborted as it ends
-                    raise RouteUnavailableError(str(exc)) from None
+                except NoRouteError as exc:
+                    if self.hold_s <= 0:  # the request is aborted as it ends
+                        raise RouteUnavailableError(str(exc)) from None
+                    self._hold(job, str(exc))  # dispatched when a TE can take it, or failed after hold_s
 
         async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit)) as outs:
             async for out in outs:

@@ -38,6 +38,13 @@ from meshserve.router.prompt_tree import GlobalPromptTree
 
 POLICIES = ("round_robin", "load", "locality", "pd_aware", "combined")
 ROLES = ("colocated", "prefill", "decode")
+# the scaling unit of the cluster manager: one role of one TE group, "GROUP/ROLE"; ANY_POOL stands for
+# whichever pool would serve (a job executor that has never seen a TE cannot tell)
+ANY_POOL = "*"
+
+
+def pool_key(group: str, role: str) -> str:
+    return f"{group}/{role}"
 
 # load_score weights, in prompt-token equivalents (see load_score)
 RUNNING_TOKEN_WEIGHT = 0.1

@@ -8,16 +8,21 @@ The creating process owns the segments and unlinks them on close.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import re
 import threading
 import uuid
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # data_ptr of a shm-backed layer tensor -> its segment name, so `TransferEngine.register`
 # can tell that plain tensors it is handed live in shared memory.
@@ -137,6 +142,41 @@ class ShmKVRegion:
         self.close()
 
 
+_SEGMENT_NAME = re.compile(r"^meshserve_kv_(\d+)_[0-9a-f]{12}_\d+$")
+_SHM_DIR = Path("/dev/shm")
+
+
+def sweep_orphans() -> int:
+    """Unlink the segments of owners that are gone. An owner killed with SIGKILL never unlinks its regions
+    (KV caches, served weights: up to the model's size in RAM each), and its resource tracker may have died
+    with it; the next region allocated on the host cleans up after it. Returns the segments removed."""
+    removed = 0
+    try:
+        names = [p.name for p in _SHM_DIR.iterdir()]
+    except OSError:
+        return 0  # no /dev/shm (not Linux): nothing this code created can be there
+    for name in names:
+        match = _SEGMENT_NAME.match(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            (_SHM_DIR / name).unlink()
+            removed += 1
+    if removed:
+        logger.info("removed %d shared-memory segment(s) of processes that are gone", removed)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 def allocate_shm_kv_cache(
     num_layers: int,
     num_blocks: int,
@@ -153,6 +193,7 @@ def allocate_shm_kv_cache(
         raise ValueError(f"entry_shape must be non-empty with positive dims, got {entry_shape}")
     shape = (num_blocks, block_size, *(int(d) for d in entry_shape))
     nbytes = layer_nbytes(shape, dtype)
+    sweep_orphans()
     tag = uuid.uuid4().hex[:12]
     segments: list[SharedMemory] = []
     specs: list[ShmLayerSpec] = []

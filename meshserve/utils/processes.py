@@ -20,18 +20,21 @@ from typing import Any
 PROCESS_ENTRY_POINTS: dict[str, str] = {
     "master": "meshserve.core.master:run_master",  # one engine's master (scheduler, KV cache manager)
     "worker": "meshserve.worker.worker:run_worker",  # one rank of an engine, started by its master
-    "te": "meshserve.entrypoints.te_server:run_te",  # an engine that registers with routers (`meshserve te`)
+    "te": "meshserve.core.te_process:run_te",  # an engine that registers with routers (`meshserve te`)
     "frontend": "meshserve.entrypoints.openai.frontend:run_frontend",  # a further HTTP server + router
     "pool-controller": "meshserve.pool.controller:run_controller_process",  # the memory pool's controller
     "pool-server": "meshserve.pool.server:run_server",  # one memory pool server
+    "warm-te": "meshserve.cluster.warm:run_warm_te",  # a pre-warmed TE shell, handed a model and role later
+    "warm-worker": "meshserve.cluster.warm:run_warm_worker",  # a spare rank of a pre-warmed TE
+    "cluster-manager": "meshserve.cluster.manager:run_manager",  # `meshserve cluster up` in the background
 }
-_RUNNER = "meshserve.utils.processes"  # this module, run as `python -m`
+RUNNER_MODULE = "meshserve.utils.processes"  # this module, run as `python -m`
 
 
 def launch(name: str, **kwargs: Any) -> subprocess.Popen:
     """Start the process `name` of PROCESS_ENTRY_POINTS with `kwargs` (JSON-able) as its arguments."""
     target = PROCESS_ENTRY_POINTS[name]
-    return subprocess.Popen([sys.executable, "-m", _RUNNER, target, json.dumps(kwargs)], stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", RUNNER_MODULE, target, json.dumps(kwargs)], stdin=subprocess.DEVNULL)
 
 
 def entry_point(target: str) -> Callable[..., Any]:

@@ -18,6 +18,7 @@ queued for it skips it), and the step's other requests go on.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -46,9 +47,10 @@ from meshserve.layers.kv_quant import cache_dtype
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.draft_vocab import load_draft_vocab
 from meshserve.models.generation_config import eos_token_ids
-from meshserve.models.loader import load_hf_config, load_model, resolve_dtype
+from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
 from meshserve.moe.placement import ExpertPlacement, load_placement_file
 from meshserve.parallel.context import ParallelContext
+from meshserve.utils import page_cache
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.model_cache import pool_weights
@@ -63,6 +65,7 @@ from meshserve.worker.sampler import (
     make_generator,
 )
 from meshserve.worker.spec_decode import DraftRow, VerifyOutput, verify_drafts
+from meshserve.worker.weight_fork import WeightServer, fork_identity, fork_model
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,28 @@ class _StepSeq:
     samples: bool  # the step reaches the end of its known tokens: it produces tokens
 
 
+@dataclass(frozen=True)
+class LoadInfo:
+    """How a rank got its weights (`WorkerReady.load_*`): wall-clock times, source, bytes read."""
+
+    start: float
+    end: float
+    source: str  # disk | page-cache | pool | fork
+    nbytes: int
+
+
+@contextlib.contextmanager
+def _load_threads(ranks_on_host: int):
+    """Load with this host's cores shared among the TE's ranks, then serve with the configured threads: the rank
+    serves nothing while it loads, and its load time is the new TE's start-up (copies and prepacking scale)."""
+    serving = torch.get_num_threads()
+    torch.set_num_threads(max(serving, (os.cpu_count() or 1) // max(1, ranks_on_host)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(serving)
+
+
 def kv_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: float) -> int:
     return max(1, int(budget_bytes // (bytes_per_token * block_size)))
 
@@ -123,13 +148,18 @@ class ModelRunner:
             # still fails fast after its first timeout)
             self.pool = PoolClient(config.pool_config.pool_controller, timeout_s=5.0,
                                    name=f"worker-{self.parallel.rank}")
-        t0 = time.perf_counter()
-        # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
-        from_pool = self.pool is not None and config.pool_config.pool_load_weights
-        self.model = load_model(config.model_config.model, dtype=self.dtype, device=self.device, parallel=self.parallel,
-                                read_weights=pool_weights(self.pool, config.model_config.model) if from_pool else None,
-                                quantization=config.model_config.quantization)
-        logger.info("loaded %s in %.1fs", config.model_config.model, time.perf_counter() - t0)
+        with _load_threads(config.parallel_config.num_local_ranks):
+            self.model, self.load_info = self._load_model(config)
+        logger.info("loaded %s from %s in %.1fs (%.1f MiB)", config.model_config.model, self.load_info.source,
+                    self.load_info.end - self.load_info.start, self.load_info.nbytes / 2**20)
+        # new TEs of this layout fork their weights from here; started before an initial placement moves experts
+        self.weight_server = None
+        if config.model_config.serve_weights:
+            self.weight_server = WeightServer(
+                self.model, fork_identity(config.model_config.model, self.dtype, config.model_config.quantization,
+                                          self.parallel),
+                host=config.parallel_config.master_addr, name=f"{config.te_name}/rank{self.parallel.rank}/weights",
+                background=True)
         spec = config.speculative_config
         if spec.enabled and not self.model.num_mtp_layers:
             raise ValueError(f"--speculative mtp: {config.model_config.model} has no MTP layers "
@@ -187,6 +217,48 @@ class ModelRunner:
             self._apply_initial_placement(config.eplb_config.eplb_placement)
         # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
         self._eplb_phase: str | None = None
+
+    def _load_model(self, config: EngineConfig):
+        """This rank's model and how it got its weights: forked from a running TE (`fork_from`), from the
+        memory pool's model cache, else from the checkpoint files (page cache or disk, as they were before)."""
+        model_config = config.model_config
+        model_dir = model_config.model
+        start = time.time()
+        if model_config.fork_from:
+            sources = [a.strip() for a in model_config.fork_from.split(",")]
+            if len(sources) != self.parallel.world_size:
+                raise ValueError(f"fork_from names {len(sources)} weight server(s); this TE has "
+                                 f"{self.parallel.world_size} rank(s), one each")
+            model, nbytes = fork_model(sources[self.parallel.rank], model_dir, self.dtype, self.device, self.parallel,
+                                       model_config.quantization, config.parallel_config.startup_timeout_s)
+            return model, LoadInfo(start, time.time(), "fork", nbytes)
+        # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
+        from_pool = self.pool is not None and config.pool_config.pool_load_weights
+        if from_pool:
+            source, read = "pool", pool_weights(self.pool, model_dir)
+        else:
+            try:
+                resident = page_cache.resident_fraction(page_cache.checkpoint_files(model_dir))
+            except (OSError, ValueError):
+                resident = 0.0  # the load itself reports what is wrong with the files
+            source = "page-cache" if resident >= page_cache.RESIDENT_THRESHOLD else "disk"
+
+            def read(wanted, shard_of):
+                return iter_safetensors(model_dir, wanted, shard_of)
+        counted = [0]
+
+        def counting(wanted, shard_of):
+            for name, tensor in read(wanted, shard_of):
+                counted[0] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+        model = load_model(model_dir, dtype=self.dtype, device=self.device, parallel=self.parallel,
+                           read_weights=counting, quantization=model_config.quantization)
+        return model, LoadInfo(start, time.time(), source, counted[0])
+
+    @property
+    def weights_addr(self) -> str:
+        """This rank's weight server once its snapshot is whole ("" before: a `WEIGHTS_SERVED` event follows)."""
+        return self.weight_server.address if self.weight_server is not None and self.weight_server.ready else ""
 
     def _draft_vocab(self, size: int) -> list[int] | None:
         """The tokens drafts choose from; None: the whole vocabulary (also under attention TP, where each rank
@@ -264,6 +336,7 @@ class ModelRunner:
     @property
     def background_busy(self) -> bool:
         return (self._eplb_phase in ("prefetching", "loading")
+                or (self.weight_server is not None and self.weight_server.pending)
                 or any(connector.busy for connector in self.kv_connectors))
 
     @property
@@ -273,10 +346,15 @@ class ModelRunner:
     def close(self) -> None:
         for connector in self.kv_connectors:
             connector.close()  # the P/D one unlinks the shared-memory KV cache
+        if self.weight_server is not None:
+            self.weight_server.close()
 
     def poll_background(self) -> list[tuple[str, str]]:
         """(kind, detail) of background work that finished since the last call (KV connectors aside)."""
-        return self._poll_eplb()
+        events = self._poll_eplb()
+        if self.weight_server is not None and self.weight_server.take_ready():
+            events.append((WorkerEventKind.WEIGHTS_SERVED, self.weight_server.address))
+        return events
 
     def _poll_eplb(self) -> list[tuple[WorkerEventKind, str]]:
         if self._eplb_phase not in ("prefetching", "loading"):

@@ -176,7 +176,9 @@ def _ready_message(rank: int, runner: ModelRunner) -> msg.WorkerReady:
     return msg.WorkerReady(rank=rank, num_kv_blocks=runner.num_blocks,
                            kv_bytes_per_token=runner.layout.bytes_per_token, moe_layers=runner.moe_layers,
                            num_logical_experts=runner.num_logical_experts, kv_region=runner.kv_region,
-                           vocab_size=runner.vocab_size)
+                           vocab_size=runner.vocab_size, load_start=runner.load_info.start,
+                           load_end=runner.load_info.end, load_source=runner.load_info.source,
+                           load_bytes=runner.load_info.nbytes, weights_addr=runner.weights_addr)
 
 
 def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket,

@@ -2,7 +2,7 @@
 
 It runs the entry point exactly as meshserve.utils.processes does, after installing one SIGUSR1 handler:
 on the signal it writes the sorted names in `sys.modules` to the file $MESHSERVE_PROBE_OUT (through a
-temporary file, so a reader never sees half of it). A test points meshserve.utils.processes._RUNNER
+temporary file, so a reader never sees half of it). A test points meshserve.utils.processes.RUNNER_MODULE
 here, so the real launch path, the real process and its real imports are what is checked.
 """
 from __future__ import annotations
