@@ -32,7 +32,7 @@ from pathlib import Path
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.models.factory import ensure_default_model
 from meshserve.pool.context_keys import block_keys, model_identity, rank_key
-from meshserve.utils import report
+from meshserve.utils import page_cache, report
 from meshserve.utils.processes import free_tcp_port, stop_process
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
@@ -222,24 +222,6 @@ def _model_dir(args: argparse.Namespace) -> Path:
     return ensure_default_model(args.arch, args.preset)
 
 
-def drop_from_page_cache(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _read_files_s(paths: list[Path]) -> float:
-    start = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(16 << 20):
-                pass
-    return time.perf_counter() - start
-
-
 def model_startup(args: argparse.Namespace) -> dict:
     # keeps torch out of `meshserve` start-up (the bench parser imports this module)
     import torch
@@ -258,13 +240,13 @@ def model_startup(args: argparse.Namespace) -> dict:
     # disk, warm page cache: one untimed load first
     load_model(model_dir)
     result["disk_warm_s"] = timed_load()
-    warm_read_s = _read_files_s(files)
+    warm_read_s = page_cache.preload(files)[1]
     # disk, cold: drop the files from the page cache before every load
     cold_times, cold_read = [], []
     for _ in range(args.load_repeats):
-        drop_from_page_cache(files)
-        cold_read.append(_read_files_s(files))
-        drop_from_page_cache(files)
+        page_cache.evict(files)
+        cold_read.append(page_cache.preload(files)[1])
+        page_cache.evict(files)
         start = time.perf_counter()
         load_model(model_dir)
         cold_times.append(time.perf_counter() - start)

@@ -48,6 +48,16 @@ DELTA = msg.RequestDelta(req_id="cmpl-1-0", new_token_ids=[11, 12], finish_reaso
                          kv_transfer_params=TRANSFER)
 STORED = msg.BlockStored(block_hashes=[2**64 - 1, 17], parent_block_hash=99, token_ids=list(range(8)), block_size=4)
 
+TIMELINE = msg.StartupTimeline(process_start=1.7e9, load_start=1.7e9 + 0.1, load_end=1.7e9 + 1.1, ready=1.7e9 + 1.3,
+                               load_source="page-cache", load_bytes=1 << 30, prewarmed=True)
+DEMAND = msg.GroupDemand(group="pd/prefill", held=2, held_oldest_s=1.5, arrivals=7, ttft_s=[0.3, 2.5], tpot_s=[0.05])
+TE_STATUS = msg.TEStatus(name="pd-decode-2", group="pd", role="decode", state="draining", pid=123, host="10.0.0.4",
+                         source="prewarmed+fork", restarts=1, num_running=3, num_waiting=1, kv_usage=0.5,
+                         uptime_s=33.0)
+GROUP_STATUS = msg.GroupStatus(group="pd", role="decode", current=2, target=1, min_count=1, max_count=4,
+                               reason="idle")
+JE_STATUS = msg.JEStatus(name="je-0", http_addr="http://10.0.0.9:8000", pid=99, state="ready")
+
 SAMPLES: dict[type, object] = {
     # ---- master -> worker
     msg.NewRequestData: msg.NewRequestData(req_id="r1", token_ids=[5, 6, 7], sampling_params=PARAMS, block_ids=[3],
@@ -81,7 +91,9 @@ SAMPLES: dict[type, object] = {
                                                  failed={"r2": "ValueError: stop token 99 is outside the vocabulary"},
                                                  execute_seconds=0.012),
     msg.WorkerReady: msg.WorkerReady(rank=1, num_kv_blocks=512, kv_bytes_per_token=4096, kv_region=REGION,
-                                     moe_layers=[1, 2], num_logical_experts=8, vocab_size=32000),
+                                     moe_layers=[1, 2], num_logical_experts=8, vocab_size=32000, load_start=1.7e9,
+                                     load_end=1.7e9 + 1, load_source="fork", load_bytes=1 << 30,
+                                     weights_addr="tcp://10.0.0.1:7100"),
     msg.WorkerEvent: msg.WorkerEvent(rank=1, kind=msg.WorkerEventKind.EPLB_FAILED, detail="OSError: disk"),
     msg.WorkerFailure: msg.WorkerFailure(rank=2, message="CUDA out of memory"),
     msg.WorkerHandshake: msg.WorkerHandshake(rank=3, config=EngineConfig.from_kwargs("/models/tiny", block_size=32),
@@ -115,7 +127,28 @@ SAMPLES: dict[type, object] = {
     msg.EngineHeartbeat: msg.EngineHeartbeat(name="decode-1", role=msg.EngineRole.DECODE, group="pd-a",
                                              input_addr="tcp://10.0.0.2:5555", kv_events_addr="tcp://10.0.0.2:5556",
                                              model="tiny-moe", max_model_len=4096, block_size=16, attn_tp=2,
-                                             attn_dp=2, stats=STATS, kv_event_seq=5, timestamp=1.7e9, leaving=True),
+                                             attn_dp=2, stats=STATS, kv_event_seq=5, timestamp=1.7e9, leaving=True,
+                                             draining=True, pid=4242, startup=TIMELINE,
+                                             weights_addrs=["tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"]),
+    # ---- cluster manager
+    msg.StartupTimeline: TIMELINE,
+    msg.GroupDemand: DEMAND,
+    msg.JobExecutorReport: msg.JobExecutorReport(name="je-0", http_addr="http://10.0.0.9:8000",
+                                                 register_addr="tcp://10.0.0.9:7700", pid=99, te_names=["decode-1"],
+                                                 groups=[DEMAND], timestamp=1.7e9),
+    msg.WarmReady: msg.WarmReady(name="warm-3", pid=77, assign_addr="tcp://10.0.0.3:7300", num_workers=2,
+                                 host="10.0.0.3"),
+    msg.WarmAssign: msg.WarmAssign(config=EngineConfig.from_kwargs("/models/tiny", te_name="main-colocated-4"),
+                                   role=msg.EngineRole.PREFILL, group="pd", listen="tcp://10.0.0.3:0",
+                                   register=["tcp://10.0.0.9:7700"], assigned_at=1.7e9),
+    msg.ClusterQuery: msg.ClusterQuery(op="scale", pool="pd/decode", target=3),
+    msg.TEStatus: TE_STATUS,
+    msg.GroupStatus: GROUP_STATUS,
+    msg.JEStatus: JE_STATUS,
+    msg.ClusterStatus: msg.ClusterStatus(name="prod", backend="ray", manager_pid=5, tes=[TE_STATUS],
+                                         groups=[GROUP_STATUS], jes=[JE_STATUS], warm=2,
+                                         events=["12:00:01 drain TE pd-decode-2: idle"], ok=False,
+                                         error="no pool 'x/y'"),
     # ---- memory pool
     pool_msg.Put: pool_msg.Put(req_id=1, namespace="kv", keys=["a", "b"]),
     pool_msg.PutReply: pool_msg.PutReply(req_id=1, stored=[True, False], error="server full"),
