@@ -87,6 +87,9 @@ class Backend(abc.ABC):
     def advertise_host(self) -> str:
         """The address processes started by this backend reach the manager's sockets on."""
 
+    def release(self, handle: ProcessHandle) -> None:  # noqa: B027 - local processes leave nothing behind
+        """Free what a process that ended still holds in the backend (its actor, its placement group)."""
+
     def close(self) -> None:  # noqa: B027 - most backends hold nothing
         """Release what the backend holds; the processes it started keep running."""
 

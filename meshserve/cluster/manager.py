@@ -390,8 +390,7 @@ class ClusterManager:
             sock.send(msg.encode(msg.WarmAssign(config=config, role=msg.EngineRole(spec.role), group=spec.group,
                                                 listen=listen, register=register, assigned_at=time.time())))
             sock.close()
-            handle = warm.handle
-            handle.kind, handle.name = "te", name  # the same process, now this TE
+            handle = warm.handle  # the same process (under its backend name), now this TE
         else:
             world = config.parallel_config.world_size
             handle = self.backend.launch("te", name, dict(
@@ -525,6 +524,8 @@ class ClusterManager:
             alive = te.handle is not None and te.handle.alive()
             if not alive and te.draining:
                 del self.tes[te.name]  # a drained TE left as asked
+                if te.handle is not None:
+                    self.backend.release(te.handle)
                 self._pending_scale_ups.pop(te.name, None)
                 self._event(f"TE {te.name} drained and left")
                 continue
@@ -544,6 +545,8 @@ class ClusterManager:
                             + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
             if now >= te.restart_at:
                 del self.tes[te.name]
+                if te.handle is not None:
+                    self.backend.release(te.handle)
                 self._pending_scale_ups.pop(te.name, None)
                 self._restarts_metric.labels("te").inc()
                 self._scale_up(te.record.pool, "restart after a failure", name=te.name, restarts=te.record.restarts + 1)
@@ -551,6 +554,8 @@ class ClusterManager:
         for je in list(self.jes.values()):
             if je.handle is not None and je.handle.alive():
                 continue
+            if je.handle is not None:
+                self.backend.release(je.handle)
             self._event(f"JE {je.name} died: restarting it on port {je.record.port}")
             self._restarts_metric.labels("frontend").inc()
             if self.autoscaler is not None:
@@ -559,6 +564,8 @@ class ClusterManager:
         for warm in list(self.warm.values()):
             if warm.handle is None or not warm.handle.alive():
                 del self.warm[warm.name]
+                if warm.handle is not None:
+                    self.backend.release(warm.handle)
 
     def _autoscale(self, now: float) -> None:
         if self.autoscaler is None or now - self._last_decision < self.autoscaler.settings.interval_s:

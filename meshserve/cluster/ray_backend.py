@@ -347,6 +347,10 @@ class RayBackend(Backend):
         ray.shutdown()  # detached actors, and their processes, keep running
 
     # ------------------------------------------------------------------ removing
+    def release(self, handle: ProcessHandle) -> None:
+        """A process that ended leaves its actor reporting the exit; free the actor and its placement group."""
+        self.remove(handle.name)
+
     def remove(self, name: str) -> None:
         """End the process `name` at once (its process tree, its rank actors) and free its placement group."""
         names = [name] + [n for n in self._named_actors() if n.startswith(f"{name}.rank")]

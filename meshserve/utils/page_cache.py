@@ -85,12 +85,14 @@ def resident_fraction(paths: Iterable[str | Path]) -> float:
 
 
 def evict(paths: Iterable[str | Path]) -> None:
-    """Drop the files' clean pages from the page cache (the next read comes from disk)."""
+    """Drop the files' pages from the page cache (the next read comes from disk). Pages not yet written back
+    cannot be dropped, so a freshly written file is flushed first."""
     if not hasattr(os, "posix_fadvise"):
         return
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
