@@ -63,12 +63,12 @@ class _SpareWorker:
 
 def run_warm_worker(assign_addr: str, ready_addr: str, log_level: int = logging.INFO) -> None:
     """A spare rank: warm up, say so, wait for a `WorkerHandshake` naming its rank (or Shutdown), then run it."""
+    parent = os.getppid()  # before warming up: a warm TE that dies meanwhile must still be noticed
     logging.basicConfig(level=log_level, format="%(asctime)s warm-worker %(levelname)s %(message)s", force=True)
     # start-up: the worker module only in a process that will be one
     from meshserve.worker.worker import run_worker
 
     warm_worker_imports()
-    parent = os.getppid()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.connect(assign_addr)

@@ -23,7 +23,7 @@ autoscaler:
   scale_up_cooldown_s: 1
   scale_down_cooldown_s: 2
   down_stable_s: 2
-  idle_to_zero_s: 6
+  idle_to_zero_s: 15  # longer than the wait for the pre-warmed TE below
 """
 
 
