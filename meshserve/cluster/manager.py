@@ -182,6 +182,7 @@ class ClusterManager:
         self.ctx = zmq.Context()
         self.register = self.control = None
         self.state: ClusterState | None = None
+        self._saved = b""  # the state file's bytes as last written
         self._stop = threading.Event()
         self.down_requested = False  # `cluster down` (or a signal) asked to stop the deployment, not just the manager
         self._lock = threading.RLock()  # the loop thread and callers (benchmarks, tests) share the tables
@@ -668,7 +669,7 @@ class ClusterManager:
         self.state.processes = [p.record for p in procs]
         self.state.targets = dict(self.targets)
         self.state.next_index = dict(self.next_index)
-        save_state(self.state_dir, self.state)
+        self._saved = save_state(self.state_dir, self.state, self._saved)  # every turn, written only on change
 
     # ------------------------------------------------------------------ views
     def status(self) -> msg.ClusterStatus:

@@ -63,12 +63,17 @@ def load_state(state_dir: str | Path) -> ClusterState | None:
         raise ValueError(f"{path} is not a meshserve cluster state file: {exc}") from None
 
 
-def save_state(state_dir: str | Path, state: ClusterState) -> None:
+def save_state(state_dir: str | Path, state: ClusterState, unchanged_from: bytes = b"") -> bytes:
+    """Write the state (atomically) unless it equals `unchanged_from`; returns what the file holds."""
+    data = msgspec.json.format(msgspec.json.encode(state))
+    if data == unchanged_from:
+        return data
     path = state_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+    return data
 
 
 def manager_running(state: ClusterState) -> bool:
