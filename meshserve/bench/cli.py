@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshserve.bench import BENCH_ENGINE_SETTINGS
 from meshserve.bench.cache import add_cache_arguments, cache_main
+from meshserve.bench.faults import add_faults_arguments
 from meshserve.bench.offline import OfflineOptions, plot_offline, run_offline_benchmark, summary_lines
 from meshserve.bench.parallel import add_parallel_arguments, parallel_main
 from meshserve.bench.pd import add_pd_arguments
@@ -25,7 +26,7 @@ from meshserve.utils import report
 
 def register_bench_commands(subparsers) -> None:
     """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd`,
-    `routing`, `spec` and `quant` to the `bench` subcommand's subparsers."""
+    `routing`, `spec`, `scale`, `faults` and `quant` to the `bench` subcommand's subparsers."""
     # keeps torch out of importing this module: these benchmarks load it at import
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
@@ -74,6 +75,10 @@ def register_bench_commands(subparsers) -> None:
     add_scale_arguments(subparsers.add_parser(
         "scale", help="the cluster manager's scale-up steps (cold, pre-warmed, DRAM preload, fork), TE-Load by "
                       "weight source, fork fan-out, and an autoscaling run against fixed deployments"))
+    add_faults_arguments(subparsers.add_parser(
+        "faults", help="a steady load through injected faults (killed ranks, masters, TEs, a JE, a pool server; "
+                       "a stalled rank, a broken P/D link, a collective error): requests lost, tokens repeated or "
+                       "lost, time to detect and to recover, the throughput dip"))
     add_quant_arguments(subparsers.add_parser(
         "quant", help="INT8 W8A8 and the INT8 KV cache against float32 and bfloat16: weight bytes, decode and "
                       "prefill tokens/s, roofline fraction, and quality per quantization method"))

@@ -149,7 +149,7 @@ def managed(model: str, deployment: dict, work_dir: Path, autoscale: bool, prelo
     """A ClusterManager with the local backend, its loop on a thread; everything it started is stopped on exit."""
     # start-up: the manager only when the benchmark runs
     from meshserve.cluster.backends import LocalBackend
-    from meshserve.cluster.manager import ClusterManager
+    from meshserve.cluster.manager import ClusterManager, serving_in_background
     from meshserve.router.deployment import MultiDeployment
     from meshserve.utils.processes import free_tcp_port
 
@@ -158,19 +158,8 @@ def managed(model: str, deployment: dict, work_dir: Path, autoscale: bool, prelo
     manager = ClusterManager(spec, "bench", model, LocalBackend(state_dir / "logs"), state_dir,
                              base_port=free_tcp_port(), hold_s=hold_s, autoscale=autoscale, preload=preload,
                              log_level=30)
-    loop = None
-    try:
-        manager.start()
-        manager.wait_serving(600)
-        loop = threading.Thread(target=manager.run, name="bench-manager", daemon=True)
-        loop.start()
+    with serving_in_background(manager, 600):
         yield manager
-    finally:
-        manager.stop()
-        if loop is not None:
-            loop.join(10)
-        manager.down()
-        manager.close()
 
 
 def _wait(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

@@ -17,16 +17,30 @@ A new TE comes from a pre-warmed process when one is idle (`prewarm: N` keeps N 
 forks its weights from a running TE of the same pool when there is one (`ModelConfig.fork_from`); the
 models of pools that may scale are kept in the page cache (DRAM preload).
 
+Capacity and kill-P-to-preserve-D (xdeepserve §6.2, stage 2): a deployment may give `devices: N`, the ranks
+its TEs may hold at once (absent: no limit). The model is plain: a live TE holds its world size in devices, a
+dead one holds none, and the capacity is what an operator says is usable now (the file's `devices`, lowered
+with `set_capacity` or the control socket's `capacity` query when devices are lost; lowering it stops nothing,
+it bounds what starts). No TE starts or restarts beyond it; a dead decode TE's restart comes before any other
+start (its devices are reserved while it waits). When a decode TE must restart and its ranks do not fit, the
+manager stops the least loaded prefill TE(s) to free theirs: at once when the decode pool has no other serving
+TE (the JEs move the prefill TE's jobs), else by a drain; never the last TE able to prefill (a serving prefill
+or colocated TE), so new requests always have somewhere to go. Each decision is an event and counts in
+`meshserve_cluster_prefill_stopped_for_decode_total`; the prefill pool waits below its target until devices
+are back. Pre-warmed processes hold no devices here.
+
 High availability: every process outlives the manager, and the state file (`state.py`) holds what the
 manager cannot ask again; a manager restarted on the same state directory adopts the running processes
 (their heartbeats reach it on the same ports) and starts only what is missing.
 
 Sockets (CurveZMQ with the cluster secret): `register` (PULL) takes TEs' EngineHeartbeats, JEs'
-JobExecutorReports and warm TEs' WarmReady; `control` (ROUTER) answers `meshserve status` and
-`meshserve cluster down` (ClusterQuery -> ClusterStatus); Prometheus metrics on `metrics_port`.
+JobExecutorReports and warm TEs' WarmReady; `control` (ROUTER) answers `meshserve status`,
+`meshserve cluster down` and `cluster scale` (ClusterQuery -> ClusterStatus), and `op="capacity"` (`target`:
+the devices usable now); Prometheus metrics on `metrics_port`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -143,6 +157,7 @@ class _Process:
     draining: bool = False  # a TE told to drain: its exit is expected
     quick_deaths: int = 0
     restart_at: float = 0.0  # a dead process waits for its restart until then (backoff)
+    preempted: bool = False  # a prefill TE stopped to free its devices for a decode TE (kill-P-to-preserve-D)
     started_mono: float = field(default_factory=time.monotonic)
 
     @property
@@ -163,6 +178,10 @@ class ClusterManager:
         self.hold_s, self.server = hold_s, dict(server or {})
         self.specs: dict[str, TEGroupSpec] = {spec.pool: spec for spec in deployment.groups}
         self.configs = self._pool_configs()
+        initial = sum(self.configs[pool].parallel_config.world_size * spec.count for pool, spec in self.specs.items())
+        if deployment.devices is not None and initial > deployment.devices:
+            raise ConfigError(f"the deployment starts TEs of {initial} ranks, more than its {deployment.devices} "
+                              "devices")
         self.warm_workers = max((c.parallel_config.num_local_ranks for c in self.configs.values()), default=1)
         self.tes: dict[str, _Process] = {}
         self.jes: dict[str, _Process] = {}
@@ -174,6 +193,8 @@ class ClusterManager:
         self.events: deque[str] = deque(maxlen=MAX_EVENTS)
         self.last_reason: dict[str, str] = {}
         self.autoscale = autoscale
+        self.capacity: int | None = deployment.devices  # devices the TEs may hold now (None: no limit)
+        self._waiting_for_devices: set[str] = set()  # TEs and pools told to wait for devices (one event each)
         self.autoscaler = None  # built in start() when the deployment asks for scaling (and `autoscale`)
         self.preloader = DramPreloader() if preload else None
         self._load_history: dict[str, deque[tuple[float, float]]] = {pool: deque() for pool in self.specs}
@@ -280,6 +301,9 @@ class ClusterManager:
         self.metrics = self.autoscaler.registry if self.autoscaler is not None else CollectorRegistry()
         self._restarts_metric = Counter("meshserve_cluster_restarts", "Processes restarted after a failure.",
                                         ["kind"], registry=self.metrics)
+        self._prefill_stopped_metric = Counter(
+            "meshserve_cluster_prefill_stopped_for_decode", "Prefill TEs stopped to free devices for restarting a "
+            "decode TE (kill-P-to-preserve-D).", registry=self.metrics)
         self._step_metric = Histogram("meshserve_cluster_scale_up_step_seconds", "Seconds per scale-up step.",
                                       ["step", "process", "weights"], registry=self.metrics,
                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
@@ -504,6 +528,8 @@ class ClusterManager:
                 self.down_requested = True
             elif query.op == "scale":
                 reply = self._operator_scale(query)
+            elif query.op == "capacity":
+                reply = self._operator_capacity(query)
             self.control.send_multipart([identity, msg.encode(reply)])
 
     def _operator_scale(self, query: msg.ClusterQuery) -> msg.ClusterStatus:
@@ -520,8 +546,100 @@ class ClusterManager:
         self._event(f"scale {query.pool} to {query.target}: asked by an operator")
         return self.status()
 
+    # ------------------------------------------------------------------ capacity (kill-P-to-preserve-D)
+    def set_capacity(self, devices: int | None, reason: str = "asked") -> None:
+        """The devices the deployment's TEs may hold from now on (None: no limit); what runs keeps running."""
+        with self._lock:
+            self.capacity = devices
+            self._waiting_for_devices.clear()  # a wait that goes on is announced again
+            self._event(f"capacity {'unlimited' if devices is None else f'{devices} device(s)'}: {reason}")
+
+    def _operator_capacity(self, query: msg.ClusterQuery) -> msg.ClusterStatus:
+        if query.target < 1:
+            return msg.ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+                                     error=f"capacity must be at least 1 device, not {query.target}")
+        self.set_capacity(query.target, "asked by an operator")
+        return self.status()
+
+    def _ranks(self, pool: str) -> int:
+        return self.configs[pool].parallel_config.world_size
+
+    def _free_devices(self, for_decode_restart: bool = False) -> float:
+        """Devices no live TE holds; a start other than a decode TE's restart also leaves the devices of the
+        dead decode TEs waiting for theirs."""
+        if self.capacity is None:
+            return float("inf")
+        held = sum(self._ranks(t.record.pool) for t in self.tes.values() if t.handle is not None and t.handle.alive())
+        reserved = 0 if for_decode_restart else sum(
+            self._ranks(t.record.pool) for t in self.tes.values()
+            if self.specs[t.record.pool].role == "decode" and not t.draining
+            and (t.handle is None or not t.handle.alive()))
+        return self.capacity - held - reserved
+
+    def _fits(self, pool: str, waiter: str, for_decode_restart: bool = False) -> bool:
+        """Whether one more TE of `pool` fits the capacity now; `waiter` (a TE or a pool) is told once if not."""
+        free, need = self._free_devices(for_decode_restart), self._ranks(pool)
+        if free >= need:
+            self._waiting_for_devices.discard(waiter)
+            return True
+        if waiter not in self._waiting_for_devices:
+            self._waiting_for_devices.add(waiter)
+            self._event(f"{waiter} waits for devices: needs {need}, {max(0, int(free))} free of {self.capacity}")
+        return False
+
+    def _room_to_restart(self, te: _Process) -> bool:
+        """Whether the dead `te` may restart now; a decode TE that does not fit has prefill TEs stopped to free
+        their devices (kill-P-to-preserve-D) and restarts once they are gone."""
+        pool = te.record.pool
+        decode = self.specs[pool].role == "decode"
+        if self._fits(pool, f"TE {te.name}", for_decode_restart=decode):
+            return True
+        if decode:
+            self._stop_prefill_for(te, self._ranks(pool) - int(self._free_devices(for_decode_restart=True)))
+        return False
+
+    def _stop_prefill_for(self, decode_te: _Process, short: int) -> None:
+        """Free `short` devices for `decode_te`'s restart by stopping the least loaded prefill TEs (those already
+        stopping count), never leaving no serving TE able to prefill (a prefill or colocated TE)."""
+        live = [t for t in self.tes.values() if t.handle is not None and t.handle.alive()]
+        short -= sum(self._ranks(t.record.pool) for t in live if t.preempted)
+        if short <= 0:
+            return  # the prefill TEs already stopping free enough
+        role = lambda t: self.specs[t.record.pool].role  # noqa: E731
+        able = {t.name for t in live if not t.draining and t.heartbeat is not None
+                and role(t) in ("prefill", "colocated")}
+        candidates = sorted((t for t in live if role(t) == "prefill" and not t.draining),
+                            key=lambda t: (t.heartbeat is not None, t.heartbeat.stats.num_running +
+                                           t.heartbeat.stats.num_waiting if t.heartbeat else 0))
+        # urgent when the decode pool has nothing else serving: stop at once (the JEs move its jobs), else drain
+        urgent = not any(t.heartbeat is not None and not t.draining for t in live
+                         if t.record.pool == decode_te.record.pool)
+        for victim in candidates:
+            if short <= 0:
+                return
+            if not able - {victim.name}:
+                waiter = f"TE {decode_te.name} (no prefill TE to spare)"
+                if waiter not in self._waiting_for_devices:
+                    self._waiting_for_devices.add(waiter)
+                    self._event(f"TE {decode_te.name} waits for devices: {victim.name} is the last TE able to "
+                                "prefill, it is not stopped")
+                return
+            able.discard(victim.name)
+            victim.preempted = True
+            reason = (f"kill-P-to-preserve-D: frees {self._ranks(victim.record.pool)} device(s) for restarting "
+                      f"decode TE {decode_te.name}")
+            if urgent or victim.heartbeat is None:
+                victim.draining = True
+                victim.handle.stop()
+                self._event(f"stop TE {victim.name} at once: {reason}")
+            else:
+                self._drain(victim, reason)
+            self._prefill_stopped_metric.inc()
+            short -= self._ranks(victim.record.pool)
+
     def _heal(self, now: float) -> None:
-        for te in list(self.tes.values()):
+        # decode TEs first: a restart that needs devices frees them from prefill TEs before others take them
+        for te in sorted(self.tes.values(), key=lambda t: self.specs[t.record.pool].role != "decode"):
             alive = te.handle is not None and te.handle.alive()
             if not alive and te.draining:
                 del self.tes[te.name]  # a drained TE left as asked
@@ -545,6 +663,8 @@ class ClusterManager:
                 self._event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
                             + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
             if now >= te.restart_at:
+                if not self._room_to_restart(te):
+                    continue  # waits for devices (a decode TE has a prefill TE's freed for it)
                 del self.tes[te.name]
                 if te.handle is not None:
                     self.backend.release(te.handle)
@@ -594,6 +714,8 @@ class ClusterManager:
             tes = self._pool_tes(pool)
             want = self.targets[pool]
             for _ in range(want - len(tes)):
+                if not self._fits(pool, pool):
+                    break
                 self._scale_up(pool, self.last_reason.get(pool, "below target"))
             if len(tes) > want:
                 # the least busy go first; a TE still starting goes before one that serves
@@ -747,6 +869,25 @@ class ClusterManager:
             state_file = self.state_dir / "state.json"
             state_file.unlink(missing_ok=True)
             self._event("deployment stopped")
+
+
+@contextlib.contextmanager
+def serving_in_background(manager: ClusterManager, timeout_s: float = 600.0):
+    """Start the manager's deployment, wait until it serves, run the manager's loop on a thread; on exit stop
+    the loop and take down everything it started (benchmarks and tests)."""
+    loop = None
+    try:
+        manager.start()
+        manager.wait_serving(timeout_s)
+        loop = threading.Thread(target=manager.run, name="cluster-manager", daemon=True)
+        loop.start()
+        yield manager
+    finally:
+        manager.stop()
+        if loop is not None:
+            loop.join(10)
+        manager.down()
+        manager.close()
 
 
 def run_manager(deployment: str, model: str, state_dir: str, name: str = "default", backend: str = "local",

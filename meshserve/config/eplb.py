@@ -16,4 +16,5 @@ class EplbConfig(ConfigStruct, frozen=True):
         gt=0, description="rebalance automatically this often from the recorded load (s; default: never)")
     ] | None = None
     eplb_placement: Annotated[str, Meta(
-        description="placement JSON applied before serving (may move primary experts too)")] | None = None
+        description="placement JSON file applied before serving (may move primary experts too), or the JSON "
+                    "itself (a shrunk layout's config carries its placement inline)")] | None = None

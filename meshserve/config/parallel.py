@@ -37,6 +37,18 @@ class ParallelConfig(ConfigStruct, frozen=True):
     ] | None = None
     startup_timeout_s: Annotated[float, Meta(
         gt=0, description="seconds the engine waits for its workers to start")] = 300.0
+    # fault tolerance (xdeepserve §6)
+    hang_timeout_s: Annotated[float, Meta(
+        gt=0, description="a rank that answers no health ping for this long (stuck in a kernel or a collective) "
+                          "is declared hung and the ranks are recovered; must exceed the longest step")] = 30.0
+    on_rank_failure: Annotated[Literal["restart", "shrink", "fail"], Meta(
+        description="when a rank dies or hangs: restart the ranks and continue every request from its tokens so "
+                    "far; shrink: go on at once on the ranks left (fewer DP groups and EP ranks, every expert "
+                    "kept, DP=EP layouts) and grow back later; fail: fail the requests (the old way)")] = "restart"
+    regrow_after_s: Annotated[float, Meta(
+        gt=0, description="shrink: seconds on the ranks left before growing back to the full layout")] = 30.0
+    max_recoveries: Annotated[int, Meta(
+        ge=0, description="recoveries allowed within 10 minutes; one more fails the engine instead")] = 5
 
     def __post_init__(self) -> None:
         super().__post_init__()

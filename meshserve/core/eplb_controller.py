@@ -166,6 +166,10 @@ class EplbController:
         """Start a reconfiguration to `placement`, or to a plan from the recorded load."""
         if not self.enabled:
             raise EplbError("the model has no MoE layers to rebalance")
+        if self.shape.uneven:  # live, only redundant slots may change; these slots are all planned
+            raise EplbError(f"the {self.shape.num_logical} experts do not split evenly over the "
+                            f"{self.shape.num_ranks} EP ranks (a shrunk layout): there are no primary slots to "
+                            "keep while rebalancing live; grow back to the full layout first")
         if self.shape.redundant_per_rank == 0:
             raise EplbError("no redundant expert slots: start the engine with --eplb-redundant-experts N")
         if self._reconfig is not None:

@@ -33,14 +33,16 @@ from meshserve.core.eplb_controller import EplbController, EplbError
 from meshserve.core.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector import KVConnectors
+from meshserve.core.link_monitor import merge_links
+from meshserve.core.rank_health import RECOVERY_WINDOW_S, RankHealth, RecoveryState
 from meshserve.core.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.core.request import Request
 from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from meshserve.core.scheduler import Scheduler
 from meshserve.core.spec_controller import SpeculationController
 from meshserve.models.generation_config import max_position_embeddings
-from meshserve.moe.placement import PlacementShape, load_placement_file
-from meshserve.utils import cluster_auth
+from meshserve.moe.placement import engine_shape, load_placement_file
+from meshserve.utils import cluster_auth, faults
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
 _INBOX, _RESULTS = "te-inbox", "worker-results"  # the master's receiving sockets, as dropped frames name them
 _MAX_REQUEST_ID_CHARS = 256
 _MAX_ID_LIST = 1024  # eos and stop token ids of one request
-_RESULT_TYPES = (msg.ModelRunnerOutput, msg.WorkerFailure, msg.WorkerEvent, msg.KVConnectorReport)
+_RESULT_TYPES = (msg.ModelRunnerOutput, msg.WorkerFailure, msg.WorkerEvent, msg.KVConnectorReport, msg.WorkerPong)
 _DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
 _WARMUP_ID = "meshserve-warmup"  # the dummy request a TE runs before it registers (answers go nowhere)
 _WARMUP_TIMEOUT_S = 120.0
@@ -141,10 +143,14 @@ class WorkerGroup:
             except zmq.Again:  # only remote ranks' sockets time out: no connection left to send on
                 self._unreachable.append(rank)
 
-    def wait_ready(self, timeout_s: float) -> list[msg.WorkerReady]:
+    def wait_ready(self, timeout_s: float, on_wait=None) -> list[msg.WorkerReady]:
+        """Every rank's WorkerReady, in rank order; `on_wait()` runs between polls (a recovering master
+        keeps heartbeating)."""
         deadline = time.monotonic() + timeout_s
         ready: dict[int, msg.WorkerReady] = {}
         while time.monotonic() < deadline:
+            if on_wait is not None:
+                on_wait()
             if self.results.poll(200):
                 item = msg.recv_message(self.results, _RESULTS)
                 if isinstance(item, msg.WorkerReady):
@@ -180,6 +186,15 @@ class WorkerGroup:
         text = f"worker {report.rank} failed: {report.message}"
         gone = self._gone_rank()
         return text if gone is None or gone[0] == report.rank else f"{gone[1]}; then {text}"
+
+    def dead_ranks(self) -> list[int]:
+        """The ranks whose process has ended (or whose remote connection is lost)."""
+        dead = [rank for rank, p in enumerate(self.procs) if p.poll() is not None]
+        if self.remote is not None:
+            lost = self.remote.lost_rank()
+            if lost is not None:
+                dead.append(lost)
+        return sorted(set(dead))
 
     def _gone_rank(self, starting: bool = False) -> tuple[int, str] | None:
         for rank, p in enumerate(self.procs):
@@ -236,15 +251,15 @@ class EngineCore:
         self.dp_size = strategy.attn_dp
         self.startup = startup or msg.StartupTimeline(process_start=time.time())
         self.draining_since: float | None = None
-        self.workers = WorkerGroup(self.ctx, config, ipc_dir, log_level, spare_workers)
-        try:
-            ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s)
-        except BaseException:
-            self.workers.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
-            raise
-        self._note_load(ready)
-        self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)
-        self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
+        self.ipc_dir, self.log_level = ipc_dir, log_level
+        self.base_config = config  # the configured layout; `config` is a shrunk one while ranks are missing
+        self.dead_error: str | None = None
+        self.running = True
+        self.health = RankHealth(config.parallel_config.hang_timeout_s)
+        self.recovery = RecoveryState(config.parallel_config.max_recoveries)
+        self._deferred: list = []  # client messages that came while the ranks were recovered
+        self.num_rollbacks = 0  # steps the ranks rolled back and ran again (a transient collective error)
+        self._rollbacks_of_rank: dict[int, int] = {}  # ROLLED_BACK events per rank (num_rollbacks: the most)
         self.kv_events = None
         self.kv_events_addr = ""  # where routers subscribe: the endpoint as bound
         self._kv_event_seq = 0
@@ -257,16 +272,54 @@ class EngineCore:
             # a wildcard port ("tcp://host:*") is chosen by the bind itself, so no other process can take
             # it between choosing and binding
             self.kv_events_addr = self.kv_events.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.spec_config = config.speculative_config
+        self.spec_controller = SpeculationController(self.spec_config.speculative_max_batch)
+        self.kv_connectors: KVConnectors | None = None
+        ready = self._start_workers(config, spare_workers)
+        self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
+        self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)
+        self._build_state(config, ready)
+        num_blocks = sum(kv_manager.num_blocks for kv_manager in self.kv_managers)
+        if isinstance(link, ClientLink):
+            self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
+                                       kv_bytes_per_token=ready[0].kv_bytes_per_token,
+                                       max_model_len=self.max_model_len, vocab_size=self.vocab_size))
+        logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
+                    config.parallel_config.strategy, self.dp_size, num_blocks, self.max_model_len,
+                    self.pipeline_depth)
+
+    def _start_workers(self, config: EngineConfig, spare_workers: list[SpareWorker] = (),
+                       on_wait=None) -> list[msg.WorkerReady]:
+        """Start the ranks of `config`'s layout and wait until each is ready (their WorkerReady, in rank order)."""
+        ipc_dir = self.ipc_dir
+        if self.recovery.total:  # the last ranks' sockets may not have let go of their names yet
+            ipc_dir = os.path.join(self.ipc_dir, f"recovery-{self.recovery.total}")
+            os.makedirs(ipc_dir, exist_ok=True)
+        self.workers = WorkerGroup(self.ctx, config, ipc_dir, self.log_level, spare_workers)
+        try:
+            ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s, on_wait)
+        except BaseException:
+            self.workers.shutdown(grace_s=_DEAD_GRACE_S)  # ranks still waiting for the others give up
+            raise
+        self._note_load(ready)
+        self.health.reset(len(ready))
+        return ready
+
+    def _build_state(self, config: EngineConfig, ready: list[msg.WorkerReady]) -> None:
+        """Schedulers, KV cache bookkeeping and connectors for the ranks just started (empty: no request yet)."""
+        self.config = config
+        strategy = config.parallel_config.strategy
+        self.dp_size = strategy.attn_dp
         self.kv_managers: list[KVCacheManager] = []
         for group in range(self.dp_size):
             ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
             self.kv_managers.append(KVCacheManager(min(r.num_kv_blocks for r in ranks), config.cache_config.block_size,
                                                    enable_prefix_caching=config.cache_config.enable_prefix_caching))
         # remote KV (memory pool, prefill -> decode) comes through KV connectors, one set per DP group
-        self.kv_connectors = KVConnectors(config, ready, self.kv_managers, link.listen_addr, link.send_to)
+        if self.kv_connectors is not None:
+            self.kv_connectors.close()
+        self.kv_connectors = KVConnectors(config, ready, self.kv_managers, self.link.listen_addr, self.link.send_to)
         scheduler_config = msgspec.structs.replace(config.scheduler_config, max_model_len=self.max_model_len)
-        self.spec_config = config.speculative_config
-        self.spec_controller = SpeculationController(self.spec_config.speculative_max_batch)
         self.schedulers = [Scheduler(scheduler_config, kv_manager, self.kv_connectors.per_group[group],
                                      num_speculative_tokens=self.spec_config.num_draft_tokens)
                            for group, kv_manager in enumerate(self.kv_managers)]
@@ -278,18 +331,9 @@ class EngineCore:
         # step n + 1 is scheduled while step n runs (verifications included, see _may_schedule)
         self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
         self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
-        self.dead_error: str | None = None
-        self.running = True
         self.eplb = self._make_eplb_controller(ready[0])
-        num_blocks = sum(kv_manager.num_blocks for kv_manager in self.kv_managers)
         for item in self.workers.early_results:
             self._take_result(item)
-        if isinstance(link, ClientLink):
-            self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
-                                       kv_bytes_per_token=ready[0].kv_bytes_per_token,
-                                       max_model_len=self.max_model_len, vocab_size=self.vocab_size))
-        logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
-                    strategy, self.dp_size, num_blocks, self.max_model_len, self.pipeline_depth)
 
     def _note_load(self, ready: list[msg.WorkerReady]) -> None:
         """The TE-Load step from its ranks' reports, and where new TEs of this layout can fork weights from."""
@@ -308,7 +352,7 @@ class EngineCore:
         eplb = self.config.eplb_config
         shape = None
         if ready.moe_layers and ready.num_logical_experts:
-            shape = PlacementShape(ready.num_logical_experts, strategy.moe_ep, eplb.eplb_redundant_experts)
+            shape = engine_shape(ready.num_logical_experts, strategy.moe_ep, eplb.eplb_redundant_experts)
         initial = load_placement_file(eplb.eplb_placement) if eplb.eplb_placement else None
         return EplbController(shape, ready.moe_layers, strategy.world_size, eplb.eplb_slice_s,
                               eplb.eplb_interval_s, initial=initial)
@@ -430,11 +474,20 @@ class EngineCore:
         stats = self._stats()
         return not (self._has_work() or self.pending or self._steps_in_flight() or stats.kv_transfer_holds)
 
+    def _admin_fault_inject(self, item: msg.AdminRequest) -> msg.StatsResult:
+        """Arm a fault (tests and benchmarks): the master's own here, the others on every rank."""
+        if item.fault.kind in faults.MASTER_KINDS:
+            faults.arm(item.fault)
+        else:
+            self.workers.send(msg.InjectFault(fault=item.fault))
+        return msg.StatsResult(self._stats())
+
     _ADMIN_OPS = {msg.AdminOp.EPLB_LOAD: _admin_eplb_load, msg.AdminOp.EPLB_STATUS: _admin_eplb_status,
                   msg.AdminOp.EPLB_REBALANCE: _admin_eplb_rebalance, msg.AdminOp.STATS: _admin_stats,
                   msg.AdminOp.KV_SNAPSHOT: _admin_kv_snapshot,
                   msg.AdminOp.CONTEXT_CACHE_DELETE: _admin_context_cache_delete,
-                  msg.AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list, msg.AdminOp.DRAIN: _admin_drain}
+                  msg.AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list, msg.AdminOp.DRAIN: _admin_drain,
+                  msg.AdminOp.FAULT_INJECT: _admin_fault_inject}
 
     def _reject(self, item: msg.AddRequest, error: Exception) -> None:
         """Refuse one request: its caller gets an error delta naming the error's class."""
@@ -489,8 +542,8 @@ class EngineCore:
                                      "delete some or wait for them to expire")
             if item.kv_transfer is not None:
                 self._set_kv_transfer(request, item)
-            elif item.output_token_ids:
-                raise ValueError("output_token_ids are only accepted with a KV transfer from a prefill TE")
+            elif item.output_token_ids:  # a request moved here from a failed TE: it goes on from these tokens
+                self._resume(request, item.output_token_ids)
             self._admit(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
             reject(exc)
@@ -505,6 +558,16 @@ class EngineCore:
                 raise ValueError(f"context_cache_ttl_s must be positive, got {item.context_cache_ttl_s}")
         request.context_cache_id = item.context_cache_id or None
         request.context_cache_ttl_s = item.context_cache_ttl_s
+
+    def _resume(self, request: Request, output_token_ids: list[int]) -> None:
+        """Token recomputation: the prompt and the tokens already streamed are computed here, and the request
+        goes on from its next token (the client has the others)."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(output_token_ids) >= max_tokens:
+            raise InvalidRequestError(f"{len(output_token_ids)} output tokens already reach max_tokens {max_tokens}")
+        for token in output_token_ids:
+            request.append_output_token(int(token))
+        self.recovery.migrated += 1
 
     def _set_kv_transfer(self, request: Request, item: msg.AddRequest) -> None:
         """A disaggregated request: a producer here computes the prompt and the first token only; a consumer
@@ -594,12 +657,22 @@ class EngineCore:
 
     def _on_result(self, item) -> None:
         if isinstance(item, msg.WorkerFailure):
-            self._fail(self.workers.explain(item))
+            self._on_rank_failure(self.workers.explain(item), self.workers.dead_ranks())
+        elif isinstance(item, msg.WorkerPong):
+            self.health.on_pong(item.rank, item.seq, time.monotonic())
         elif self.dead_error is None:
             self._RESULT_HANDLERS[type(item)](self, item)
 
     def _on_worker_event(self, event: msg.WorkerEvent) -> None:
-        """A rank finished an expert-placement phase (or failed it), or its weight server is ready."""
+        """A rank finished an expert-placement phase (or failed it), its weight server is ready, or it rolled a
+        step back after a transient error."""
+        if event.kind == msg.WorkerEventKind.ROLLED_BACK:
+            # every rank rolls the same step back and reports it: the TE's count is the most any rank reported
+            count = self._rollbacks_of_rank[event.rank] = self._rollbacks_of_rank.get(event.rank, 0) + 1
+            if count > self.num_rollbacks:
+                self.num_rollbacks = count
+                logger.warning("a step was rolled back and run again (rank %d: %s)", event.rank, event.detail)
+            return
         if event.kind == msg.WorkerEventKind.WEIGHTS_SERVED:
             self._weight_servers[event.rank] = event.detail
             if len(self._weight_servers) == self.workers.world_size:  # new TEs may fork from this one now
@@ -671,6 +744,9 @@ class EngineCore:
         for scheduler in self.schedulers:
             deltas.extend(scheduler.fail_all(error))
         self._send_deltas(deltas)
+        # a dead engine serves nothing: its process ends, and its owner (the engine client, the cluster
+        # manager) starts a new one while the clients move the requests on
+        self.running = False
 
     def _steps_in_flight(self) -> int:
         return max(len(queue) for queue in self.in_flight)
@@ -693,6 +769,8 @@ class EngineCore:
                 break
             # blocks freed while scheduling are stored before this step's forward can overwrite them
             eplb = self.eplb.step_control(time.time())
+            if faults.fire(faults.FaultKind.KILL_MASTER):
+                os.kill(os.getpid(), signal.SIGKILL)
             self.workers.send(msg.StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
                                               kv_connector=self._connector_metadata()))
             for queue, sched in zip(self.in_flight, scheds):
@@ -745,6 +823,14 @@ class EngineCore:
             kv_pull_recomputed=sum(p.kv_pull_recomputed for p in parts),
             **msg.spec_totals(parts),
             dropped_frames=msg.dropped_frames(),
+            links=merge_links(link for p in parts for link in p.links),
+            num_rollbacks=self.num_rollbacks,
+            num_recoveries=self.recovery.total,
+            num_migrated=self.recovery.migrated,
+            world_size=self.workers.world_size,
+            recovering=self.recovery.in_progress,
+            last_failure=self.recovery.last_failure,
+            last_failure_silent_s=self.recovery.last_failure_silent_s,
             healthy=self.dead_error is None,
             error=self.dead_error,
         )
@@ -756,13 +842,11 @@ class EngineCore:
         t0 = time.monotonic()
         self._admit(Request(req_id=_WARMUP_ID, prompt_token_ids=[0, 1, 2, 3],
                             sampling_params=SamplingParams(temperature=0.0, max_tokens=2), arrival_time=time.time()))
-        poller = zmq.Poller()
-        poller.register(self.workers.results, zmq.POLLIN)
         while self.dead_error is None and (self._has_work() or self.pending or self._steps_in_flight()):
             if time.monotonic() - t0 > _WARMUP_TIMEOUT_S:
                 raise RuntimeError(f"the warm-up request did not finish in {_WARMUP_TIMEOUT_S:.0f} s")
             self._schedule()
-            if poller.poll(50):
+            if self.workers.results.poll(50):
                 while self.workers.results.poll(0):
                     self._take_result(msg.recv_message(self.workers.results, _RESULTS))
             self._check_peers()
@@ -773,19 +857,24 @@ class EngineCore:
     def run(self, warmup: bool = False) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.workers.results, zmq.POLLIN)
+        results = self.workers.results
+        poller.register(results, zmq.POLLIN)
         try:
             if warmup:
                 self.warm_up()
             self.startup.ready = time.time()
             self.link.tick(self.startup.ready, self._heartbeat)  # register now, not after the first idle poll
             while self.running:
+                if results is not self.workers.results:  # the ranks were recovered: a new results socket
+                    poller.unregister(results)
+                    results = self.workers.results
+                    poller.register(results, zmq.POLLIN)
                 self._schedule()
                 stalled = not self._steps_in_flight() and (self._has_work() or bool(self.pending))
                 # a connector's lookup answers on another thread, not on these sockets: look again soon
                 timeout_ms = 2 if self.kv_connectors.busy else 50 if stalled else _IDLE_POLL_MS
                 events = dict(poller.poll(timeout_ms))
-                if self.workers.results in events:
+                if results in events:
                     while self.workers.results.poll(0):
                         self._take_result(msg.recv_message(self.workers.results, _RESULTS))
                 if self.inbox in events:
@@ -821,7 +910,149 @@ class EngineCore:
             return
         failure = self.workers.failure()
         if failure is not None and self.dead_error is None:
-            self._fail(failure)
+            self._on_rank_failure(failure, self.workers.dead_ranks())
+            return
+        self._check_rank_health()
+
+    # ------------------------------------------------------------------ fault tolerance (xdeepserve §6)
+    def _check_rank_health(self) -> None:
+        """Ping the ranks (they answer between steps); recover them when one stays silent too long."""
+        if self.dead_error is not None:
+            return
+        now = time.monotonic()
+        seq = self.health.ping_due(now)
+        if seq is not None:
+            self.workers.send(msg.WorkerPing(seq=seq))
+        hung = self.health.hung(now)
+        if hung:
+            silent = max(self.health.silent_for(now))
+            self.recovery.note_failure("hung", silent)
+            self._on_rank_failure(f"rank(s) {hung} hung: no answer to health pings for {silent:.1f} s "
+                                  f"(hang timeout {self.health.hang_timeout_s:g} s)", [], hung=True)
+            return
+        shrunk = self.recovery.shrunk_since
+        if shrunk is not None and now - shrunk >= self.base_config.parallel_config.regrow_after_s:
+            self._recover(f"growing back to {self.base_config.parallel_config.world_size} ranks", removed=[])
+
+    def _on_rank_failure(self, error: str, dead_ranks: list[int], hung: bool = False) -> None:
+        """A rank died, hung or gave up on a step: recover the ranks (the policy `on_rank_failure` says how),
+        or fail the engine when the policy says so or too many recoveries came too fast."""
+        if self.dead_error is not None or self.recovery.in_progress is not None:
+            return
+        policy = self.base_config.parallel_config.on_rank_failure
+        if policy == "fail":
+            self._fail(error)
+            return
+        if not self.recovery.allow(time.monotonic()):
+            self._fail(f"{error} (and {self.recovery.max_recoveries} recoveries within "
+                       f"{RECOVERY_WINDOW_S:.0f} s before it: giving up)")
+            return
+        removed: list[int] = []
+        if policy == "shrink" and not hung and not dead_ranks:  # a survivor's report may come before the death
+            deadline = time.monotonic() + _DEAD_GRACE_S
+            while not dead_ranks and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead_ranks = self.workers.dead_ranks()
+        if policy == "shrink" and not hung and dead_ranks:
+            removed = dead_ranks  # ranks of the layout served now (it may be shrunk already)
+        self._recover(error, removed)
+
+    def _recover(self, reason: str, removed: list[int]) -> None:
+        """Restart the ranks (on the layout left without `removed`, or the full one) and let every request
+        continue from its tokens so far: nothing accepted is lost, a greedy request produces the same text."""
+        now = time.monotonic()
+        self.recovery.record(now)
+        self.recovery.in_progress = reason
+        self.recovery.note_failure(reason, self.recovery.last_failure_silent_s if "hung" in reason else 0.0)
+        # faults armed from the environment fire in the ranks started with it, not again in their successors
+        os.environ.pop(faults.ENV, None)
+        requests = self._unfinished_requests()
+        logger.warning("recovering the ranks (%s); %d request(s) continue from their tokens so far", reason,
+                       len(requests))
+        self.workers.shutdown(grace_s=_DEAD_GRACE_S)  # survivors may be stuck in a collective with the dead one
+        config = self.base_config
+        if removed:  # go on without them now; grow back to the full layout after regrow_after_s
+            try:
+                config = self._shrunk_config(removed)
+            except ValueError as exc:
+                logger.warning("cannot go on without rank(s) %s (%s): restarting all ranks", removed, exc)
+                removed = []
+        try:
+            ready = self._start_workers(config, on_wait=self._heartbeat_while_recovering)
+        except Exception as exc:  # noqa: BLE001 - the engine fails; its owner restarts it, clients move on
+            self.recovery.in_progress = None
+            self._fail(f"{reason}; restarting the ranks failed: {exc}")
+            for item in self._deferred:
+                if isinstance(item, msg.AddRequest):
+                    self._reject(item, RuntimeError(f"engine is dead: {self.dead_error}"))
+            self._deferred = []
+            return
+        old_dp_size = self.dp_size
+        self._build_state(config, ready)
+        self._publish_cleared(max(old_dp_size, self.dp_size))
+        shrunk = config.parallel_config.world_size < self.base_config.parallel_config.world_size
+        self.recovery.shrunk_since = time.monotonic() if shrunk else None
+        for request in requests:
+            self._continue(request)
+        self.recovery.in_progress = None
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:
+            self._on_client(item)
+        logger.warning("recovered in %.1f s on %d rank(s): %d request(s) continue", time.monotonic() - now,
+                       len(ready), len(requests))
+
+    def _publish_cleared(self, num_groups: int) -> None:
+        """The new ranks' KV caches start empty: routers forget what this TE had cached."""
+        if self.kv_events is None:
+            return
+        for group in range(num_groups):
+            self._kv_event_seq += 1
+            self.kv_events.send(msg.encode(msg.KVCacheEvents(
+                seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group, engine=self.config.te_name,
+                events=[msg.AllBlocksCleared()])))
+
+    def _heartbeat_while_recovering(self) -> None:
+        """While the new ranks start: heartbeats go on (saying `recovering`) and stats queries are answered; every
+        other message waits for the new ranks."""
+        self.link.tick(time.time(), self._heartbeat)
+        while self.inbox.poll(0):
+            item = msg.recv_message(self.inbox, _INBOX, msg.MAX_INBOX_BYTES, self._answer_refused)
+            if isinstance(item, msg.StatsQuery):
+                self._on_client(item)
+            elif item is not None:
+                self._deferred.append(item)
+
+    def _shrunk_config(self, removed: list[int]) -> EngineConfig:
+        """The layout on the ranks left: fewer DP groups and EP ranks, every expert kept on them, the placement
+        planned from the one served now and its recorded load (`shrink_layout`); ValueError when it cannot."""
+        from meshserve.core.shrink_layout import shrink_layout
+
+        placement = self.eplb.placement
+        record = self.eplb.record() if placement is not None else None
+        return shrink_layout(self.config, placement, record, removed).config
+
+    def _unfinished_requests(self) -> list[Request]:
+        requests = [r for s in self.schedulers for r in s.unfinished_requests()] + list(self.pending)
+        return sorted((r for r in requests if r.req_id != _WARMUP_ID), key=lambda r: r.arrival_time)
+
+    def _continue(self, old: Request) -> None:
+        """Admit a request again after a recovery, with the tokens it produced (token recomputation)."""
+        request = Request(req_id=old.req_id, prompt_token_ids=old.prompt_token_ids,
+                          sampling_params=old.sampling_params, arrival_time=old.arrival_time,
+                          priority=old.priority, eos_token_ids=old.eos_token_ids)
+        for token in old.output_token_ids:
+            request.append_output_token(token)
+        if old.kv_transfer is not None and old.kv_transfer.role is msg.KVTransferRole.PRODUCER:
+            request.kv_transfer = old.kv_transfer  # computes the prompt again and hands it off again
+        # a decode request whose KV pull was under way computes its prompt here instead
+        self.recovery.migrated += 1
+        try:
+            self._admit(request)
+        except (QueueFullError, RequestTooLongError, ValueError) as exc:
+            self._send_deltas([msg.RequestDelta(req_id=old.req_id, new_token_ids=[],
+                                                finish_reason=msg.FinishReason.ERROR,
+                                                error=f"could not continue after a recovery: {exc}",
+                                                num_prompt_tokens=old.num_prompt_tokens)])
 
 
 def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
@@ -844,3 +1075,5 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         out.close()
         raise SystemExit(1) from exc
     core.run()
+    if core.dead_error is not None:  # the engine client starts a new engine
+        raise SystemExit(1)

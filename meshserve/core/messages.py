@@ -43,6 +43,7 @@ from msgspec import field
 
 from meshserve.config import EngineConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.utils.faults import Fault
 from meshserve.utils.framing import FrameCodec
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class WorkerEventKind(enum.StrEnum):
     EPLB_LOADED = "eplb_loaded"  # ... and copied them into the slots
     EPLB_FAILED = "eplb_failed"  # a phase failed on this rank (`detail`: why)
     WEIGHTS_SERVED = "weights_served"  # this rank's weight server has its snapshot (`detail`: its address)
+    ROLLED_BACK = "rolled_back"  # a transient error: this rank rolled its step back and runs it again (`detail`: why)
 
 
 class EplbPhase(enum.StrEnum):
@@ -109,6 +111,7 @@ class AdminOp(enum.StrEnum):
     CONTEXT_CACHE_DELETE = "context_cache.delete"  # unpin a named context cache's blocks
     CONTEXT_CACHE_LIST = "context_cache.list"
     DRAIN = "drain"  # finish the requests it has, take no new ones, then leave (a scale-down)
+    FAULT_INJECT = "fault.inject"  # arm a fault (tests and benchmarks only: `meshserve.utils.faults`)
 
 
 # ---------------------------------------------------------------- expert placement
@@ -231,6 +234,16 @@ class KVPullDone(Message):
     error: str | None = None  # why the pull failed; None: the blocks are in
 
 
+class LinkProbe(Message):
+    """One link probe of a decode rank (xdeepserve §6.1): a tiny dummy transfer from a prefill rank's transfer
+    engine (`peer`, its name there), timed."""
+
+    peer: str
+    ok: bool
+    rtt_s: float  # the round trip (a failure: how long until it failed)
+    error: str | None = None
+
+
 class KVConnectorReport(Message):
     """What one rank's connectors finished in the background since its last report."""
 
@@ -238,10 +251,36 @@ class KVConnectorReport(Message):
     dp_rank: int
     pool_fetches: list[PoolFetchDone] = field(default_factory=list)
     kv_pulls: list[KVPullDone] = field(default_factory=list)
+    link_probes: list[LinkProbe] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.pool_fetches or self.kv_pulls)
+        return not (self.pool_fetches or self.kv_pulls or self.link_probes)
+
+
+class LinkState(enum.StrEnum):
+    """A decode TE's KV transfer path from one prefill TE (`meshserve.core.link_monitor`)."""
+
+    OK = "ok"
+    SATURATED = "saturated"  # probes pass, pulls are slow or wait for blocks: the decode side is busy
+    DOWN = "down"  # probes fail: nothing goes through; routing pairs neither TE with the other
+
+
+class LinkStatus(Message):
+    """One decode TE -> prefill TE link as the decode TE sees it (its pulls and its ranks' probes)."""
+
+    decode: str  # the TE reporting it
+    prefill: str  # the TE its ranks pull from
+    state: LinkState = LinkState.OK
+    since: float = 0.0  # when it entered that state (wall clock)
+    rtt_s: float = 0.0  # the last probe's round trip (the slowest rank's)
+    consecutive_failures: int = 0  # probes failed in a row (the rank with the most)
+    probes: int = 0
+    probe_failures: int = 0
+    pulls: int = 0
+    pull_failures: int = 0
+    slow_pulls: int = 0  # pulls that took longer than the stall threshold
+    last_error: str | None = None
 
 
 # ---------------------------------------------------------------- master -> worker
@@ -355,6 +394,25 @@ class WorkerFailure(Message):
     message: str
 
 
+# ---------------------------------------------------------------- health and faults (xdeepserve §6)
+class WorkerPing(Message):
+    """master -> every rank, behind the queued steps: a rank answers from its loop, between steps, so a rank
+    stuck in a kernel or a collective stays silent."""
+
+    seq: int
+
+
+class WorkerPong(Message):
+    rank: int
+    seq: int
+
+
+class InjectFault(Message):
+    """master -> every rank: arm a fault there (`meshserve.utils.faults`; tests and benchmarks only)."""
+
+    fault: Fault
+
+
 class WorkerHandshake(Message):
     """A rank on another host joining a TE: it sends only its `rank`; the master answers with
     the engine config and the rank's addresses, or with `error` when it cannot take that rank."""
@@ -441,6 +499,17 @@ class EngineStats(Message):
     spec_tokens: int = 0
     # bad frames the TE's master dropped, per receiving socket (e.g. "te-inbox", "worker-results")
     dropped_frames: dict[str, int] = field(default_factory=dict)
+    # link probing (xdeepserve §6.1): a decode TE's KV transfer paths from the prefill TEs it pulls from
+    links: list[LinkStatus] = field(default_factory=list)
+    # fault tolerance (xdeepserve §6): steps rolled back and run again, recoveries of the worker ranks (a rank
+    # died or hung), requests moved to other DP groups or continued after a recovery from their tokens so far
+    num_rollbacks: int = 0
+    num_recoveries: int = 0
+    num_migrated: int = 0
+    world_size: int = 0  # ranks serving now (fewer than configured while shrunk after a rank died)
+    recovering: str | None = None  # why the ranks are being restarted now (None: serving)
+    last_failure: str | None = None  # what the last recovery was for
+    last_failure_silent_s: float = 0.0  # a hung rank: how long it was silent when found (the detection time)
     healthy: bool = True
     error: str | None = None
 
@@ -513,6 +582,7 @@ class AdminRequest(Message):
     op: AdminOp
     placement: PlacementData | None = None  # EPLB_REBALANCE: the placement to move to (None: plan one)
     cache_id: str | None = None  # CONTEXT_CACHE_DELETE: the cache to unpin
+    fault: Fault | None = None  # FAULT_INJECT: the fault to arm
     reply_to: str = ""
 
     @classmethod
@@ -524,14 +594,18 @@ class AdminRequest(Message):
         except ValueError:
             raise ValueError(f"unknown admin operation {op!r}") from None
         args = dict(args or {})
-        unknown = set(args) - {"placement", "id"}
+        unknown = set(args) - {"placement", "id", "fault"}
         if unknown:
             raise ValueError(f"{op} takes no argument(s) {', '.join(sorted(map(str, unknown)))}")
         placement = args.get("placement")
         cache_id = args.get("id")
+        fault = args.get("fault")
+        if op is AdminOp.FAULT_INJECT and fault is None:
+            raise ValueError("fault.inject needs a fault: {\"kind\": ..., ...}")
         return cls(query_id=query_id, op=op, reply_to=reply_to,
                    placement=None if placement is None else msgspec.convert(placement, PlacementData),
-                   cache_id=None if cache_id is None else str(cache_id))
+                   cache_id=None if cache_id is None else str(cache_id),
+                   fault=None if fault is None else msgspec.convert(fault, Fault))
 
 
 # ---------------------------------------------------------------- admin results (AdminReply.data)
@@ -710,11 +784,11 @@ class WarmAssign(Message):
 
 
 class ClusterQuery(Message):
-    """`meshserve status` / `cluster down` / `cluster scale` to the manager's control socket."""
+    """`meshserve status` / `cluster down` / `cluster scale` / `cluster capacity` to the manager's control socket."""
 
-    op: str = "status"  # status | down | scale
+    op: str = "status"  # status | down | scale | capacity
     pool: str = ""  # scale: the pool ("GROUP/ROLE")
-    target: int = 0  # scale: TEs it should run
+    target: int = 0  # scale: TEs it should run; capacity: the devices (ranks) usable now
 
 
 class TEStatus(Message):
@@ -770,7 +844,7 @@ _MESSAGE_TYPES = {
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
         KVCacheEvents, Shutdown, WorkerEvent, AdminRequest, AdminReply, ReleaseKV, EngineHeartbeat,
         KVConnectorReport, StartupTimeline, GroupDemand, JobExecutorReport, WarmReady, WarmAssign, ClusterQuery,
-        TEStatus, GroupStatus, JEStatus, ClusterStatus,
+        TEStatus, GroupStatus, JEStatus, ClusterStatus, WorkerPing, WorkerPong, InjectFault,
     )
 }
 

@@ -179,6 +179,11 @@ class Scheduler:
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)
 
+    def unfinished_requests(self) -> list[Request]:
+        """Every request not finished here (running, waiting, loading remote KV), oldest first: what moves on
+        when the ranks are recovered."""
+        return sorted((r for r in self._requests.values() if not r.status.is_finished), key=lambda r: r.arrival_time)
+
     def add_request(self, req: Request) -> None:
         if req.req_id in self._requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")

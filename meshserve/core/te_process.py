@@ -65,6 +65,8 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
                                      engine_config.te_name, role, group, link.listen_addr, ", ".join(register) or
                                      "no job executor")
     core.run(warmup=warmup)
+    if core.dead_error is not None:  # its owner (the cluster manager) starts a new one; the JEs moved its jobs
+        raise SystemExit(1)
 
 
 def _process_start_time() -> float:

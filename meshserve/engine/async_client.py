@@ -3,6 +3,11 @@
 A reader thread receives the master's messages and hands them to the event
 loop; all request state (the output processor) lives on the loop's thread.
 The client is healthy only while the master runs and that reader is alive.
+
+When the master dies (killed, or ended after a failure it could not recover from), the reader starts a
+new engine and every running request continues there from its prompt and the tokens it already streamed
+(token recomputation): the caller sees one stream, nothing repeated or missing. Requests arriving
+meanwhile wait for the new engine. Only after `max_recoveries` restarts within 10 minutes do requests fail.
 """
 from __future__ import annotations
 
@@ -11,11 +16,13 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from meshserve.config import EngineConfig
 from meshserve.core import messages as msg
 from meshserve.core.errors import EngineDeadError
+from meshserve.core.rank_health import RecoveryState
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.client_core import ClientCore
 from meshserve.engine.core_client import EngineCoreClient
@@ -33,8 +40,13 @@ class AsyncEngineClient:
         self.model_name = model.served_model_name or os.path.basename(os.path.normpath(model.model))
         self.tokenizer = load_tokenizer(model.model)
         self.eos_token_ids = eos_token_ids(model.model)
+        self.log_level = log_level
         self.engine = EngineCoreClient(config, log_level=log_level)
-        self.core = ClientCore(self.tokenizer, self.engine.abort)  # touched on the loop's thread only
+        self.core = ClientCore(self.tokenizer, self._abort)  # touched on the loop's thread only
+        self.restarts = RecoveryState(config.parallel_config.max_recoveries)
+        self.restarting: str | None = None  # why the engine is being restarted now
+        self._generation = 0  # engines started so far after the first
+        self._sent_to: dict[str, int] = {}  # child id -> the engine generation it was sent to
         self.processor = self.core.processor
         self.max_model_len = self.engine.ready.max_model_len
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -68,11 +80,56 @@ class AsyncEngineClient:
             item = self.engine.recv(500)
             if item is None:
                 if not self.engine.alive and not self._stop.is_set():
-                    self._post(self.core.engine_died, "engine process died")
+                    if not self._restart_engine(f"engine process died (exit code {self.engine.proc.returncode})"):
+                        return
+                continue
+            if isinstance(item, msg.EngineError) and item.fatal:  # the master ends after it: start another
+                if not self._restart_engine(item.message):
                     return
                 continue
             if not self._post(self.core.on_message, item):
                 return
+
+    def _restart_engine(self, reason: str) -> bool:
+        """On the reader thread: start a new engine and have the loop continue the running requests there.
+        False (and every request failed) when the restart budget is spent or the restart fails."""
+        now = time.monotonic()
+        if not self.restarts.allow(now):
+            self._post(self.core.engine_died, f"{reason} (after {self.restarts.total} engine restarts)")
+            return False
+        self.restarts.record(now)
+        self.restarting = reason
+        logger.warning("engine lost (%s): starting a new one; running requests continue there", reason)
+        self.engine.shutdown()
+        try:
+            engine = EngineCoreClient(self.config, log_level=self.log_level)
+        except Exception as exc:  # noqa: BLE001 - the requests fail with the reason
+            self._post(self.core.engine_died, f"{reason}; starting a new engine failed: {exc}")
+            return False
+        self.engine = engine
+        return self._post(self._continue_requests, reason)
+
+    def _continue_requests(self, reason: str) -> None:
+        """On the loop: send every running child to the new engine with its tokens so far."""
+        self._generation += 1
+        children = self.core.processor.unfinished_children()
+        for child_id, params, prompt_token_ids, token_ids, arrival in children:
+            if self._sent_to.get(child_id) == self._generation:
+                continue  # submitted to the new engine already
+            self._sent_to[child_id] = self._generation
+            self.engine.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+                                            arrival_time=arrival, eos_token_ids=self.eos_token_ids,
+                                            output_token_ids=token_ids))
+        self.restarts.migrated += len(children)
+        live = {child_id for child_id, *_ in children}
+        self._sent_to = {c: g for c, g in self._sent_to.items() if c in live}
+        self.restarting = None
+        logger.warning("new engine serving; %d request(s) continue from their tokens so far", len(children))
+
+    def _abort(self, child_ids: list[str]) -> None:
+        for child_id in child_ids:
+            self._sent_to.pop(child_id, None)
+        self.engine.abort(child_ids)
 
     def _post(self, handler, item) -> bool:
         """Hand `item` to the event loop; False once that loop has closed (nobody is left to serve)."""
@@ -91,6 +148,8 @@ class AsyncEngineClient:
     def dead_error(self) -> str | None:
         if self.core.dead_error is not None:
             return self.core.dead_error
+        if self.restarting is not None:
+            return None  # requests are taken and wait for the new engine
         if not self.engine.alive:
             return "engine process is not running"
         if self._reader is not None and not self._reader.is_alive() and not self._stop.is_set():
@@ -107,8 +166,19 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_error or "engine is not running")
 
         def submit(children, now: float) -> None:
-            self.engine.submit(children, prompt_token_ids, now, priority, self.eos_token_ids,
-                               context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
+            if self.restarting is not None:
+                return  # the new engine takes them with the running ones (`_continue_requests`)
+            for child_id, _ in children:
+                self._sent_to[child_id] = self._generation
+            try:
+                self.engine.submit(children, prompt_token_ids, now, priority, self.eos_token_ids,
+                                   context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
+            except EngineDeadError:
+                if self.restarts.allow(time.monotonic()):
+                    for child_id, _ in children:  # the reader restarts the engine and sends them there
+                        self._sent_to.pop(child_id, None)
+                    return
+                raise
 
         async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit)) as outs:
             async for out in outs:

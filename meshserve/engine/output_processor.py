@@ -183,6 +183,18 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_children(self) -> list[tuple[str, SamplingParams, list[int], list[int], float]]:
+        """Each running child as (engine id, its params, prompt token ids, tokens so far, arrival time): what an
+        engine that took over needs to continue it from its tokens so far."""
+        children = []
+        for request in self._requests.values():
+            params = child_params(request.params, request.params.n)
+            for completion in request.completions:
+                if not completion.finished:
+                    children.append((completion.engine_id, params[completion.index], request.prompt_token_ids,
+                                     list(completion.token_ids), request.metrics.arrival_time))
+        return children
+
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)

@@ -57,6 +57,12 @@ def add_cluster_commands(sub) -> None:
     scale.add_argument("target", type=int, help="TEs the pool should run")
     _add_state_arguments(scale)
     scale.set_defaults(func=cluster_scale)
+    capacity = commands.add_parser("capacity", help="set the devices (ranks) the deployment's TEs may hold now "
+                                                    "(devices lost or back); a dead decode TE that does not fit "
+                                                    "stops a prefill TE (kill-P-to-preserve-D)")
+    capacity.add_argument("devices", type=int, help="ranks usable now")
+    _add_state_arguments(capacity)
+    capacity.set_defaults(func=cluster_capacity)
     down = commands.add_parser("down", help="stop a managed deployment and everything it runs")
     _add_state_arguments(down)
     down.set_defaults(func=cluster_down)
@@ -117,6 +123,12 @@ def _detach(kwargs: dict, state_dir: Path) -> int:
             raise ConfigError(f"the cluster manager exited (code {proc.returncode}); see {log_path}")
         time.sleep(0.2)
     print(f"serving on {ready_file.read_text()} (manager pid {proc.pid}, log {log_path})")
+    return 0
+
+
+def cluster_capacity(args: argparse.Namespace) -> int:
+    query_manager(_state_dir(args), "capacity", target=args.devices)
+    print(f"capacity set to {args.devices} device(s)")
     return 0
 
 

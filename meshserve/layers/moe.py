@@ -87,7 +87,9 @@ class FusedMoEWeights(torch.nn.Module):
     local slot i < num_local_experts holds expert first_expert + i, the redundant slots
     hold replicas written by `write_slot` (empty, zero, until then). The forward takes
     global slot ids (local slot 0 is global slot `first_slot`); without redundant slots
-    slot ids are the expert ids.
+    slot ids are the expert ids. Where the experts do not split evenly over the EP ranks
+    (meshserve/moe/placement.py `engine_shape`), the caller passes `first_slot`: the ranks
+    then hold different numbers of primaries but the same number of slots.
 
     `num_experts` is the number of primary experts held here (what loaders iterate over);
     `total_experts` the model's; `num_slots` the local slots; `intermediate_size` the full
@@ -96,7 +98,7 @@ class FusedMoEWeights(torch.nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
                  first_expert: int = 0, num_local_experts: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1, redundant_slots: int = 0) -> None:
+                 tp_size: int = 1, redundant_slots: int = 0, first_slot: int | None = None) -> None:
         super().__init__()
         if num_local_experts is None:
             num_local_experts = num_experts - first_expert
@@ -107,9 +109,12 @@ class FusedMoEWeights(torch.nn.Module):
             raise ValueError(f"tp_rank {tp_rank} outside TP{tp_size}")
         if intermediate_size % tp_size:
             raise ValueError(f"intermediate size {intermediate_size} does not split evenly over TP{tp_size}")
-        if redundant_slots < 0 or (redundant_slots and first_expert % num_local_experts):
-            raise ValueError(f"redundant slots need a non-negative count and an EP-aligned expert slice, got "
-                             f"{redundant_slots} after experts [{first_expert}, {first_expert + num_local_experts})")
+        if redundant_slots < 0 or (redundant_slots and first_slot is None and first_expert % num_local_experts):
+            raise ValueError(f"redundant slots need a non-negative count and an EP-aligned expert slice (or a "
+                             f"first_slot), got {redundant_slots} after experts [{first_expert}, "
+                             f"{first_expert + num_local_experts})")
+        if first_slot is not None and first_slot < 0:
+            raise ValueError(f"first_slot must be >= 0, got {first_slot}")
         self.total_experts = num_experts
         self.num_experts = num_local_experts
         self.num_local_experts = num_local_experts
@@ -117,7 +122,7 @@ class FusedMoEWeights(torch.nn.Module):
         self.redundant_slots = redundant_slots
         self.num_slots = num_local_experts + redundant_slots
         # slots are rank-major: EP rank r's slots start at r * num_slots
-        self.first_slot = first_expert // num_local_experts * self.num_slots
+        self.first_slot = first_expert // num_local_experts * self.num_slots if first_slot is None else first_slot
         # the logical expert each local slot holds (-1: empty)
         self.slot_experts = list(range(first_expert, first_expert + num_local_experts)) + [-1] * redundant_slots
         self.hidden_size = hidden_size

@@ -17,8 +17,28 @@ from meshserve.layers.linear import linear
 from meshserve.parallel.context import ParallelContext
 
 
+class _Piece:
+    """A contiguous piece of a checkpoint tensor along `dim`; subclasses say where (`bounds`)."""
+
+    dim: int
+
+    def bounds(self, size: int, name: str) -> tuple[int, int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def take(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The piece of a full tensor (a view)."""
+        start, length = self.bounds(tensor.shape[self.dim], name)
+        return tensor.narrow(self.dim, start, length)
+
+    def read(self, stored, name: str) -> torch.Tensor:
+        """Read only the piece from a safetensors slice handle (`safe_open(...).get_slice(name)`)."""
+        shape = stored.get_shape()
+        start, length = self.bounds(shape[self.dim], name)
+        return stored[(slice(None),) * self.dim + (slice(start, start + length),)]
+
+
 @dataclass(frozen=True)
-class Shard:
+class Shard(_Piece):
     """Piece `index` of `parts` equal contiguous pieces of a checkpoint tensor along `dim`."""
 
     dim: int
@@ -33,16 +53,21 @@ class Shard:
         length = size // self.parts
         return self.index * length, length
 
-    def take(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """The piece of a full tensor (a view)."""
-        start, length = self.bounds(tensor.shape[self.dim], name)
-        return tensor.narrow(self.dim, start, length)
 
-    def read(self, stored, name: str) -> torch.Tensor:
-        """Read only the piece from a safetensors slice handle (`safe_open(...).get_slice(name)`)."""
-        shape = stored.get_shape()
-        start, length = self.bounds(shape[self.dim], name)
-        return stored[(slice(None),) * self.dim + (slice(start, start + length),)]
+@dataclass(frozen=True)
+class Span(_Piece):
+    """Rows [start, start + length) of a checkpoint tensor along `dim` (an uneven split: packed experts of an
+    EP rank whose experts do not split evenly over the ranks)."""
+
+    dim: int
+    start: int
+    length: int
+
+    def bounds(self, size: int, name: str) -> tuple[int, int]:
+        if not 0 <= self.start <= self.start + self.length <= size:
+            raise ValueError(f"weight {name!r}: rows [{self.start}, {self.start + self.length}) of dimension "
+                             f"{self.dim} are outside its size {size}")
+        return self.start, self.length
 
 
 def attention_tp_shard(parallel: ParallelContext, dim: int) -> Shard | None:

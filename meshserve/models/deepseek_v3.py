@@ -41,7 +41,7 @@ from meshserve.layers.tensor_parallel import (
 )
 from meshserve.models.base import CausalLM
 from meshserve.moe.balancer import ExpertBalancer
-from meshserve.moe.runtime import MoERuntime
+from meshserve.moe.runtime import MoERuntime, rank_expert_range
 from meshserve.parallel.context import ParallelContext
 
 _REQUIRED_KEYS = (
@@ -432,7 +432,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             DeepseekV3MTPLayer(p, p.num_hidden_layers + i, dtype, self.parallel)
             for i in range(p.num_nextn_predict_layers))
         self.requires_grad_(False)
-        self._expert_range = self.parallel.expert_range(p.n_routed_experts) if p.n_routed_experts else (0, 0)
+        self._expert_range = rank_expert_range(self.parallel, p.n_routed_experts) if p.n_routed_experts else (0, 0)
         # load counts and expert placement of the decoder layers' MoE blocks (MTP layers keep the default)
         moe_blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, DeepseekV3MoE)}
         self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None

@@ -17,10 +17,10 @@ import re
 import torch
 
 from meshserve.layers.moe import FusedMoEWeights
-from meshserve.layers.tensor_parallel import Shard
+from meshserve.layers.tensor_parallel import Shard, Span
 from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, require
 from meshserve.moe.balancer import ExpertBalancer
-from meshserve.moe.runtime import MoERuntime
+from meshserve.moe.runtime import MoERuntime, rank_expert_range
 from meshserve.parallel.context import ParallelContext
 
 # per-expert tensors as transformers writes them, and the packed form some checkpoints keep
@@ -82,7 +82,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                  parallel: ParallelContext | None = None) -> None:
         super().__init__(hf_config, dtype, parallel)
         num_experts = num_routed_experts(hf_config)
-        self._expert_range = self.parallel.expert_range(num_experts) if num_experts else (0, 0)
+        self._expert_range = rank_expert_range(self.parallel, num_experts) if num_experts else (0, 0)
         moe_blocks = {i: layer.mlp for i, layer in enumerate(self.model.layers)
                       if isinstance(layer.mlp, Qwen3MoeSparseBlock)}
         self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None
@@ -100,10 +100,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             parallel=self.parallel,
         )
 
-    def weight_shard(self, name: str) -> Shard | None:
+    def weight_shard(self, name: str) -> Shard | Span | None:
         # packed expert tensors [E, ...]: only this rank's expert range is read
         if self.parallel.ep_size > 1 and _PACKED_EXPERTS.match(name):
-            return Shard(0, self.parallel.ep_rank, self.parallel.ep_size)
+            return Span(0, *self._expert_range)
         return super().weight_shard(name)
 
     def expected_pieces(self) -> dict[str, int]:

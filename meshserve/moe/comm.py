@@ -15,6 +15,11 @@ Two layouts:
   different node blocks run concurrently.
 
 Expert ids are global; slices are contiguous (`first_expert` = owner index * slice size).
+
+Injected faults (tests and benchmarks, `meshserve.utils.faults`): a `collective_error` fires at the entry
+of the first dispatch of a step (the runner calls `step_begins` before each forward), so its `after_steps`
+counts steps whatever the number of MoE layers, and every rank, counting the same steps, fails the same
+collective before sending anything: no rank is left waiting in it.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from meshserve.layers.moe import fused_experts
 from meshserve.parallel.topology import TopologyGroups
+from meshserve.utils import faults
 
 # Newer torch names first; the older ones are the same operations.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,6 +40,26 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 INT8_MAX = 127.0
 _DISPATCH_TAG = 11
 _COMBINE_TAG = 12
+
+
+# ---------------------------------------------------------------- injected collective errors
+
+_fault_check: int | None = None  # the rank whose step has not reached its first dispatch yet (faults armed)
+
+
+def step_begins(rank: int) -> None:
+    """A step of `rank` begins: its first dispatch may fire an injected `collective_error`."""
+    global _fault_check
+    _fault_check = rank if faults.switch().armed else None
+
+
+def _fire_collective_fault() -> None:
+    global _fault_check
+    if _fault_check is None:
+        return
+    rank, _fault_check = _fault_check, None
+    if faults.fire(faults.FaultKind.COLLECTIVE_ERROR, rank=rank) is not None:
+        raise faults.TransientCollectiveError(f"injected collective error on rank {rank} (MoE dispatch)")
 
 
 # ---------------------------------------------------------------- expert compute helpers
@@ -206,6 +232,7 @@ class EPDispatcher:
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send rows to expert owners; returns (recv_hidden [R, H], recv_expert_ids [R] global, handle)."""
+        _fire_collective_fault()
         self._check_inputs(hidden, topk_ids)
         index = self._step % 2
         self._step += 1
@@ -318,6 +345,7 @@ class HybridMoEComm:
 
     def dispatch(self, hidden_shard: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, HybridHandle]:
+        _fire_collective_fault()
         return (self.dispatch_fused if self.fused else self.dispatch_sync)(hidden_shard, topk_ids)
 
     def combine(self, partial_out: torch.Tensor, handle: HybridHandle, topk_weights: torch.Tensor) -> torch.Tensor:

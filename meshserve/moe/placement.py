@@ -10,6 +10,10 @@ position in the batch (xdeepserve §4.5 step 4).
 A shrink plan (some ranks removed) keeps each surviving rank's S slots, so its
 experts need not split evenly over the ranks left: such a shape sets
 `uneven_slots_per_rank = S` and has no primary slots (every slot was planned).
+An engine whose experts do not split evenly over its EP ranks has such a shape
+(`engine_shape`): each rank holds ceil(E/N) + R slots, and starts with its share
+of a contiguous split of the experts (the first E mod N ranks one more) in its
+first slots, the rest empty, until a placement is applied.
 
 Pure Python (the master, which has no torch, plans and ships placements).
 """
@@ -64,14 +68,41 @@ class PlacementShape:
     def rank_of_slot(self, slot: int) -> int:
         return slot // self.slots_per_rank
 
+    def initial_experts(self, rank: int) -> tuple[int, int]:
+        """[first, first + count) of the experts `rank` loads into its first slots at start (its primaries;
+        of an uneven shape, its share of a contiguous split, the first E mod N ranks taking one more)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} outside the placement's {self.num_ranks} EP ranks")
+        base, extra = divmod(self.num_logical, self.num_ranks)
+        return rank * base + min(rank, extra), base + (rank < extra)
+
     def default_slots(self) -> list[int]:
-        """Each rank's primary slots hold its contiguous share of experts; redundant slots are empty."""
+        """Each rank's first slots hold its contiguous share of experts (`initial_experts`); the rest are empty."""
         slots = []
         for rank in range(self.num_ranks):
-            first = rank * self.primary_per_rank
-            slots.extend(range(first, first + self.primary_per_rank))
-            slots.extend([EMPTY] * self.redundant_per_rank)
+            first, count = self.initial_experts(rank)
+            slots.extend(range(first, first + count))
+            slots.extend([EMPTY] * (self.slots_per_rank - count))
         return slots
+
+
+def engine_shape(num_logical: int, num_ranks: int, redundant_per_rank: int) -> PlacementShape:
+    """The placement shape of an engine with E experts on N EP ranks and R extra slots per rank: E/N + R slots
+    per rank, or where the experts do not split evenly, ceil(E/N) + R slots and no primaries."""
+    if num_logical < 1 or num_ranks < 1 or num_logical % num_ranks == 0:
+        return PlacementShape(num_logical, num_ranks, redundant_per_rank)
+    return PlacementShape(num_logical, num_ranks, 0,
+                          uneven_slots_per_rank=-(-num_logical // num_ranks) + redundant_per_rank)
+
+
+def engine_redundant(shape: PlacementShape) -> int:
+    """The R of `engine_shape` that gives `shape` (the inverse; ValueError where none does)."""
+    if not shape.uneven:
+        return shape.redundant_per_rank
+    if shape.num_logical % shape.num_ranks == 0:
+        raise ValueError(f"an engine with {shape.num_logical} experts on {shape.num_ranks} EP ranks has primary "
+                         f"slots; the uneven shape {shape} is not one it runs")
+    return shape.slots_per_rank - -(-shape.num_logical // shape.num_ranks)
 
 
 def replica_table(slots: list[int], num_logical: int) -> list[list[int]]:
@@ -148,12 +179,34 @@ def _whole_number(value: object, what: str) -> int:
     raise ValueError(f"{what} must be an integer, got {value!r}"[:200])
 
 
-def load_placement_file(path: str) -> ExpertPlacement:
-    """A placement JSON (`meshserve eplb plan --out`), with a one-line error for a bad file."""
+def placement_json(placement: ExpertPlacement) -> str:
+    """The placement as one line of JSON, which `load_placement_file` takes in place of a path (a shrunk
+    layout's config carries its placement this way, so ranks on other hosts need no shared file)."""
+    data = placement.to_dict()
+    del data["replicas"]  # derived from the slots
+    return json.dumps(data, separators=(",", ":"))
+
+
+def is_inline_placement(source: str) -> bool:
+    """Whether an `eplb_placement` setting holds the placement's JSON rather than a file path."""
+    return source.lstrip().startswith("{")
+
+
+def describe_placement_source(source: str) -> str:
+    """A placement source for messages: the path, or "(inline)" for JSON text."""
+    return "(inline)" if is_inline_placement(source) else source
+
+
+def load_placement_file(source: str) -> ExpertPlacement:
+    """A placement JSON file (`meshserve eplb plan --out`), or the JSON text itself (`placement_json`), with a
+    one-line error for a bad one."""
+    what = describe_placement_source(source)
     try:
-        with open(path) as f:
+        if is_inline_placement(source):
+            return ExpertPlacement.from_dict(json.loads(source))
+        with open(source) as f:
             return ExpertPlacement.from_dict(json.load(f))
     except OSError as exc:
-        raise ValueError(f"cannot read placement {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"cannot read placement {what}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"placement {path}: {exc}") from None
+        raise ValueError(f"placement {what}: {exc}") from None

@@ -26,7 +26,9 @@ the dispatchers route by global slot id (N * S "experts"). After gating the runt
 the logical ids to the layer's load counts (`load_counts`, when the model's
 `ExpertBalancer` has attached its row) and maps them to slot ids through `slot_map`
 (meshserve/moe/slots.py), on the whole batch of the attention TP group before step 1.
-With R = 0 slot ids are the expert ids and no mapping runs.
+With R = 0 slot ids are the expert ids and no mapping runs. Where the experts do not split
+evenly over the EP ranks (a shrunk layout, meshserve/moe/placement.py `engine_shape`), each
+rank holds ceil(E/EP) + R slots, its share of the experts first, and the mapping always runs.
 
 INT8 dispatch (`ctx.int8_dispatch`, off by default, pure EP only) quantizes each token
 symmetrically per row before it leaves its rank: every input element moves by at most
@@ -44,7 +46,7 @@ import torch.distributed as dist
 
 from meshserve.layers.moe import FusedMoEWeights
 from meshserve.moe.comm import EPDispatcher, HybridMoEComm
-from meshserve.moe.placement import PlacementShape
+from meshserve.moe.placement import PlacementShape, engine_shape
 from meshserve.moe.recorder import add_counts
 from meshserve.moe.slots import SlotMap
 from meshserve.parallel.context import ParallelContext
@@ -67,6 +69,16 @@ def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object]) -
         comm = _SHARED_COMMS[full_key] = make()
         weakref.finalize(ctx, _SHARED_COMMS.pop, full_key, None)  # ids are reused once ctx is gone
     return comm
+
+
+def engine_placement_shape(ctx: ParallelContext, num_experts: int) -> PlacementShape:
+    """The expert slots of the engine `ctx` is a rank of (the same on every rank)."""
+    return engine_shape(num_experts, ctx.ep_size, ctx.redundant_experts_per_rank)
+
+
+def rank_expert_range(ctx: ParallelContext, num_experts: int) -> tuple[int, int]:
+    """[first, first + count) of the experts this rank reads from the checkpoint into its first slots."""
+    return engine_placement_shape(ctx, num_experts).initial_experts(ctx.ep_rank)
 
 
 def chunk_sizes(num_tokens: int, parts: int) -> list[int]:
@@ -97,13 +109,15 @@ class MoERuntime:
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self.first_expert, self.num_local_experts = ctx.expert_range(num_experts)
-        self.redundant_slots = ctx.redundant_experts_per_rank
-        self.placement_shape = PlacementShape(num_experts, ctx.ep_size, self.redundant_slots)
+        self.placement_shape = engine_placement_shape(ctx, num_experts)
+        self.first_expert, self.num_local_experts = self.placement_shape.initial_experts(ctx.ep_rank)
+        slots_per_rank = self.placement_shape.slots_per_rank
+        self.first_slot = ctx.ep_rank * slots_per_rank
+        self.redundant_slots = slots_per_rank - self.num_local_experts  # this rank's slots beyond its share
         self.num_slots = self.placement_shape.num_slots  # what the dispatchers route over
-        # logical -> slot ids; None while slot ids are the expert ids (no redundant slots)
+        # logical -> slot ids; None while slot ids are the expert ids (no redundant slots, an even split)
         self.slot_map: SlotMap | None = None
-        if self.redundant_slots:
+        if self.redundant_slots or self.placement_shape.uneven:
             self.slot_map = SlotMap.from_slots(self.placement_shape.default_slots(), num_experts)
         # this layer's row of the model's expert-load counter (attached by its ExpertBalancer)
         self.load_counts: torch.Tensor | None = None
@@ -138,7 +152,8 @@ class MoERuntime:
         """Expert weights holding this rank's slots and intermediate-column block."""
         return FusedMoEWeights(self.num_experts, self.hidden_size, intermediate_size, self.dtype,
                                first_expert=self.first_expert, num_local_experts=self.num_local_experts,
-                               tp_rank=self.tp_rank, tp_size=self.tp_size, redundant_slots=self.redundant_slots)
+                               tp_rank=self.tp_rank, tp_size=self.tp_size, redundant_slots=self.redundant_slots,
+                               first_slot=self.first_slot)
 
     def attach_load_counts(self, row: torch.Tensor) -> None:
         """Count this layer's routed tokens per logical expert into `row` ([E] int64) from now on."""
@@ -178,12 +193,13 @@ class MoERuntime:
             raise ValueError(f"topk_ids and topk_weights must be {list(expected)}, got "
                              f"{list(topk_ids.shape)} and {list(topk_weights.shape)}")
         held = (experts.first_expert, experts.num_local_experts, experts.tp_rank, experts.tp_size,
-                experts.redundant_slots)
-        if held != (self.first_expert, self.num_local_experts, self.tp_rank, self.tp_size, self.redundant_slots):
+                experts.redundant_slots, experts.first_slot)
+        if held != (self.first_expert, self.num_local_experts, self.tp_rank, self.tp_size, self.redundant_slots,
+                    self.first_slot):
             raise ValueError(f"expert weights hold experts [{held[0]}, {held[0] + held[1]}) TP {held[2]}/{held[3]} "
-                             f"+{held[4]} redundant slots; this rank needs [{self.first_expert}, "
+                             f"+{held[4]} redundant slots from slot {held[5]}; this rank needs [{self.first_expert}, "
                              f"{self.first_expert + self.num_local_experts}) TP {self.tp_rank}/{self.tp_size} "
-                             f"+{self.redundant_slots} (use make_weights)")
+                             f"+{self.redundant_slots} from slot {self.first_slot} (use make_weights)")
 
     @staticmethod
     def _run_rows(experts: FusedMoEWeights, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Parallel-strategy grammar of MixServe §III-B1: `attn=TP2+DP2 moe=TP2+EP2`.
 
 The attention block is split by TP and DP, the MoE block by TP and EP (DP is not
-used for MoE: EP already replicates nothing and partitions the experts). Every
-degree is a power of two, and both blocks must cover the same ranks.
+used for MoE: EP already replicates nothing and partitions the experts). TP degrees
+are powers of two (they split heads and columns); DP and EP may be any count (a TE
+shrunk after a rank failure runs e.g. DP3 and EP3: meshserve/core/shrink_layout.py).
+Both blocks must cover the same ranks.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ class ParallelStrategy:
     def __post_init__(self) -> None:
         for name in ("attn_tp", "attn_dp", "moe_tp", "moe_ep"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not is_power_of_two(value):
+            if name.endswith("_tp") and (isinstance(value, bool) or not is_power_of_two(value)):
                 raise StrategyError(f"{name} must be a positive power of two, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise StrategyError(f"{name} must be a positive integer, got {value!r}")
         attn_ranks = self.attn_tp * self.attn_dp
         moe_ranks = self.moe_tp * self.moe_ep
         if attn_ranks != moe_ranks:
@@ -55,11 +59,16 @@ class ParallelStrategy:
     def from_degrees(cls, tp: int = 1, dp: int = 1, ep: int = 1) -> ParallelStrategy:
         """Shorthand of `--tp/--dp/--ep`: attention TP x DP; MoE EP with TP filling the rest."""
         for name, value in (("tp", tp), ("dp", dp), ("ep", ep)):
-            if isinstance(value, bool) or not is_power_of_two(value):
-                raise StrategyError(f"--{name} must be a positive power of two, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise StrategyError(f"--{name} must be a positive integer, got {value!r}")
+        if not is_power_of_two(tp):
+            raise StrategyError(f"--tp must be a power of two, got {tp}")
         world = tp * dp
         if ep > world:
             raise StrategyError(f"--ep {ep} exceeds the world size tp*dp = {world}")
+        if world % ep or not is_power_of_two(world // ep):
+            raise StrategyError(f"--ep {ep} leaves MoE TP {world}/{ep} of the world size tp*dp = {world}; "
+                                "it must be a power of two")
         return cls(attn_tp=tp, attn_dp=dp, moe_tp=world // ep, moe_ep=ep)
 
 

@@ -16,7 +16,9 @@ job_executors: 1                # JE replicas: frontends on --port, --port+1, ..
 Under the cluster manager (`meshserve cluster up`) a group may also give `min` and `max` TEs (`count` is
 where it starts; without an `autoscaler:` mapping only an operator scales it, `meshserve cluster scale`), and
 the file an `autoscaler:` mapping (`meshserve.cluster.autoscaler.AutoscalerSettings`; `{}` for the defaults)
-and `prewarm: N`, the pre-warmed TE processes kept ready (`meshserve.cluster.warm`).
+and `prewarm: N`, the pre-warmed TE processes kept ready (`meshserve.cluster.warm`). `devices: N` is the
+deployment's capacity: the ranks (devices) its TEs may hold at once (absent: no limit); the manager starts no
+TE beyond it, and frees a prefill TE's devices to restart a decode TE (`meshserve.cluster.manager`).
 
 `te_groups: []` runs a job executor alone: TEs started elsewhere join it with `meshserve te --register`.
 
@@ -44,7 +46,7 @@ from meshserve.utils.processes import launch
 logger = logging.getLogger(__name__)
 
 _TOP_KEYS = {"model", "routing", "heatmap", "predictor", "engine", "te_groups", "job_executors", "name",
-             "description", "autoscaler", "prewarm"}
+             "description", "autoscaler", "prewarm", "devices"}
 _GROUP_KEYS = {"group", "role", "count", "model", "parallel", "engine", "min", "max"}
 _ROLES = ("colocated", "prefill", "decode")
 _PD_PRESET = re.compile(r"^(\d+)p(\d+)d$")
@@ -94,6 +96,7 @@ class MultiDeployment:
     job_executors: int = 1  # JE replicas (frontends); every TE registers with each
     autoscaler: dict[str, Any] | None = None  # the cluster manager's scaling policy (None: no autoscaling)
     prewarm: int = 0  # pre-warmed TE processes the cluster manager keeps ready
+    devices: int | None = None  # the ranks its TEs may hold at once, all pools together (None: no limit)
 
     def tes(self) -> list[TESpec]:
         out = []
@@ -144,13 +147,16 @@ class MultiDeployment:
         prewarm = data.get("prewarm", 0)
         if not isinstance(prewarm, int) or prewarm < 0:
             raise ConfigError(f"{source}: prewarm must be a non-negative integer, got {prewarm!r}")
+        devices = data.get("devices")
+        if devices is not None and (not isinstance(devices, int) or isinstance(devices, bool) or devices < 1):
+            raise ConfigError(f"{source}: devices must be a positive integer, got {devices!r}")
         pools = [g.pool for g in groups]
         if len(set(pools)) != len(pools):
             raise ConfigError(f"{source}: each role of a group is given once (repeated: "
                               f"{', '.join(sorted({p for p in pools if pools.count(p) > 1}))})")
         return cls(groups=groups, model=data.get("model"), routing=routing, heatmap=data.get("heatmap"),
                    predictor=data.get("predictor"), engine=engine, job_executors=job_executors,
-                   autoscaler=None if autoscaler is None else dict(autoscaler), prewarm=prewarm)
+                   autoscaler=None if autoscaler is None else dict(autoscaler), prewarm=prewarm, devices=devices)
 
     @classmethod
     def load(cls, path: str) -> MultiDeployment:

@@ -7,16 +7,20 @@ it finishes its requests, then leaves) keeps its record and its streams, but rou
 Each TE's prefix-cache events feed the global prompt tree; a gap in their sequence (or a heartbeat
 announcing events the JE never got: a subscriber connecting late misses the first ones) makes the JE ask
 the TE for a snapshot, so the tree never keeps a prefix the TE has evicted for longer than that round trip.
+A decode TE's heartbeat also says which prefill TEs its KV links are down from (link probing); routing
+pairs neither with the other until the link is back.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass, field
 
 import zmq
 
 from meshserve.core import messages as msg
+from meshserve.core.link_monitor import down_prefills
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import LoadTracker, TELoad, TEView
 from meshserve.utils import cluster_auth
@@ -35,6 +39,7 @@ class EngineRecord:
     synced: bool = False
     snapshot_query: int | None = None
     buffered: list[msg.KVCacheEvents] = field(default_factory=list)
+    registered_at: float = field(default_factory=time.time)  # wall clock, as link states' `since`
     lagging_since: float | None = None
 
     @property
@@ -133,13 +138,26 @@ class EngineRegistry:
         return [r for r in self.tes.values() if r.alive]
 
     def routable(self) -> list[EngineRecord]:
-        """The live TEs that take new requests (not draining)."""
-        return [r for r in self.tes.values() if r.alive and not r.draining]
+        """The live TEs that take new requests (not draining, not recovering their ranks: those keep their jobs)."""
+        return [r for r in self.tes.values() if r.alive and not r.draining and not r.heartbeat.stats.recovering]
 
     def views(self) -> list[TEView]:
         """What routing sees: the TEs that take new requests."""
-        return [TEView(name=r.name, role=r.role, group=r.heartbeat.group, load=self.loads.load_of(r.name))
+        return [TEView(name=r.name, role=r.role, group=r.heartbeat.group, load=self.loads.load_of(r.name),
+                       down_links=self._down_links(r))
                 for r in self.routable()]
+
+    def _down_links(self, decode: EngineRecord) -> frozenset[str]:
+        """The prefill TEs whose link from them `decode` reports down, but for a prefill TE that (re)registered
+        after the link went down: that report is about the process before it (restarted under its name)."""
+        down = down_prefills(decode.heartbeat.stats.links)
+        since = {link.prefill: link.since for link in decode.heartbeat.stats.links}
+        return frozenset(p for p in down if (self.get(p) is None or since[p] >= self.get(p).registered_at))
+
+    def link_down(self, decode: str, prefill: str) -> bool:
+        """Whether decode TE `decode` last reported its KV link from `prefill` down (link probing)."""
+        record = self.get(decode)
+        return record is not None and prefill in self._down_links(record)
 
     def get(self, name: str) -> EngineRecord | None:
         record = self.tes.get(name)

@@ -112,6 +112,7 @@ class _Job:
     context_cache_id: str | None = None  # a named context cache leading the prompt
     context_cache_ttl_s: float | None = None  # set: this job creates that cache
     held_since: float | None = None  # time.monotonic() when it started waiting for a TE; None: not held
+    hold_limit_s: float = 0.0  # ... and how long it may wait
     first_token_time: float = 0.0  # time.time() of its first token
 
 
@@ -132,9 +133,10 @@ class Router:
     def __init__(self, model: str, served_model_name: str | None = None, host: str = "127.0.0.1",
                  register_port: int = 0, policy: str = "round_robin", heatmap=None, predictor=None,
                  heartbeat_timeout_s: float = 5.0, max_attempts: int = 3, manager_addrs: Sequence[str] = (),
-                 hold_s: float = 0.0, name: str = "", http_addr: str = "") -> None:
+                 hold_s: float = 0.0, name: str = "", http_addr: str = "", migrate_deadline_s: float = 60.0) -> None:
         """`manager_addrs`: cluster managers to report to; `hold_s`: how long a job may wait for a TE that can
-        take it (0: refused at once); `name`, `http_addr`: who this JE is in its reports."""
+        take it (0: refused at once); `name`, `http_addr`: who this JE is in its reports; `migrate_deadline_s`:
+        how long a job whose TE failed may wait for another (or the restarted one) before it fails."""
         self.model_name = served_model_name or os.path.basename(os.path.normpath(model))
         self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = eos_token_ids(model)
@@ -168,6 +170,8 @@ class Router:
         self._last_tick = 0.0
         self.bad_frames = 0  # frames dropped: undecodable, or their handling failed
         self.hold_s = hold_s
+        self.migrate_deadline_s = migrate_deadline_s
+        self.migrated = 0  # jobs moved off a failed TE
         self._held: deque[_Job] = deque()  # jobs waiting for a TE, oldest first (some may be aborted since)
         self.name = name or f"je-{os.getpid()}-{self.register_addr.rpartition(':')[2]}"
         self.http_addr = http_addr
@@ -364,7 +368,14 @@ class Router:
                 self._drop_te(record, "it is shutting down" if hb.leaving else
                               f"it reports a failure: {hb.stats.error or 'unhealthy'}")
             return
+        known = self.registry.get(hb.name)
+        if known is not None and known.heartbeat.input_addr != hb.input_addr:
+            self._drop_te(known, "it restarted")  # same name, new process: its jobs move (or wait for it)
+            known = None
+        was_recovering = known is not None and known.heartbeat.stats.recovering is not None
         record, new = self.registry.on_heartbeat(hb, now)
+        if hb.stats.recovering is not None and not was_recovering and not new:
+            self._move_off_recovering(record, hb.stats.recovering)
         if new:
             self._request_snapshot(record)
             if self._managers:  # the manager times a scale-up until every JE routes to the new TE: say so now
@@ -456,6 +467,8 @@ class Router:
                 job.decode_te = min(candidates, key=lambda v: (v.load.kv_usage, v.load.num_running)).name
                 record = self.registry.get(job.decode_te)
         job.stage, job.te = "decode", job.decode_te
+        # its KV link from the prefill TE went down since the job was routed: a pull would only fail
+        recompute = recompute or self.registry.link_down(job.decode_te, job.kv_params.engine)
         if recompute:
             self._release_prefill_hold(job)
         self.loads.on_dispatch(job.te, 0, job.engine_id)
@@ -518,10 +531,12 @@ class Router:
                                         error=error, num_prompt_tokens=len(job.prompt_token_ids)))
 
     # ------------------------------------------------------------------ held jobs, demand, reports
-    def _hold(self, job: _Job, why: str) -> None:
-        """Keep a job no TE can take until one can (its pool is scaled from zero), at most hold_s."""
+    def _hold(self, job: _Job, why: str, limit_s: float | None = None) -> None:
+        """Keep a job no TE can take until one can (its pool is scaled from zero, or a dead TE is restarted), at
+        most `limit_s` (default hold_s)."""
         if job.held_since is None:
             job.held_since = time.monotonic()
+        job.hold_limit_s = self.hold_s if limit_s is None else limit_s
         if not self._held:
             logger.info("holding requests until a TE can take them (at most %g s): %s", self.hold_s, why)
         self._held.append(job)
@@ -536,13 +551,16 @@ class Router:
             try:
                 if not can_route:
                     raise NoRouteError("no TE takes requests")
-                self._dispatch(job)
+                if job.token_ids:
+                    self._dispatch_resume(job)
+                else:
+                    self._dispatch(job)
             except NoRouteError as exc:
-                if now - job.held_since < self.hold_s:
+                if now - job.held_since < job.hold_limit_s:
                     self._held.append(job)
                 else:
                     self.core.fail_request(job.child_id, RouteUnavailableError(
-                        f"no TE could take the request within {self.hold_s:g} s: {exc}"))
+                        f"no TE could take the request within {job.hold_limit_s:g} s: {exc}"))
                 continue
             logger.info("request %s went to TE %s after waiting %.1f s for one", job.child_id, job.te,
                         now - job.held_since)
@@ -591,27 +609,83 @@ class Router:
                 pass  # the manager is away or behind: the next report says what it needs
 
     def _drop_te(self, record: EngineRecord, why: str) -> None:
-        """Drop a TE and move its jobs: re-route those without tokens, re-decode handed-off ones."""
+        """Drop a TE and move its jobs (request migration): those without tokens are routed again; those that
+        streamed tokens continue on another TE from their prompt plus those tokens (token recomputation; a
+        handed-off job on another decode TE of its group, which pulls the prompt's KV when it can); a job no TE
+        can take now waits for one (the cluster manager restarts the dead TE) up to `migrate_deadline_s`."""
         self.registry.drop(record, why)
         for job in [j for j in self._jobs.values() if j.te == record.name]:
+            self._migrate(job, record.name, why)
+
+    def _move_off_recovering(self, record: EngineRecord, why: str) -> None:
+        """A TE restarting its ranks keeps its jobs and continues them when it is back; a job another TE can
+        take now moves there instead (sooner), and the recovering TE is told to drop its copy."""
+        moved = []
+        for job in [j for j in self._jobs.values() if j.te == record.name]:
+            old_id, stage = job.engine_id, job.stage
             try:
-                if job.stage == "decode":
-                    self._dispatch_decode(job, exclude={record.name}, recompute=True)
-                elif not job.token_ids and job.attempt < self.max_attempts:
+                if job.token_ids:
+                    self._dispatch_resume(job, exclude={record.name})
+                else:
                     self._dispatch(job, exclude={record.name})
-                else:
-                    raise NoRouteError(f"TE {record.name} failed while serving the request ({why})")
-            except NoRouteError as exc:
-                if self.hold_s > 0 and job.stage != "decode" and not job.token_ids and job.attempt < self.max_attempts:
-                    self._finish_job(job)  # off the dead TE; held until another can take it
-                    self._job_of_child[job.child_id] = job
-                    job.te = job.decode_te = ""
-                    self._hold(job, str(exc))
-                else:
-                    self._fail_job(job, str(exc))
+            except NoRouteError:
+                continue  # it stays: the TE continues it after its recovery
+            if stage == "decode":
+                self._release_prefill_hold(job)
+            self.loads.on_finished(record.name, old_id)
+            moved.append(old_id)
+            self.migrated += 1
+        if moved:
+            logger.warning("moved %d request(s) off TE %s while it recovers (%s)", len(moved), record.name, why)
+            self._send(record, msg.AbortRequests(req_ids=moved))
+
+    def _migrate(self, job: _Job, dead_te: str, why: str) -> None:
+        try:
+            if job.stage == "decode":
+                try:
+                    self._dispatch_decode(job, exclude={dead_te}, recompute=True)
+                except NoRouteError:
+                    self._release_prefill_hold(job)  # nobody will pull the prompt's KV now
+                    self._dispatch_resume(job, exclude={dead_te})
+            elif job.token_ids:
+                self._dispatch_resume(job, exclude={dead_te})
+            elif job.attempt < self.max_attempts:
+                self._dispatch(job, exclude={dead_te})
             else:
-                logger.warning("request %s moved off TE %s (%s stage) to %s", job.child_id, record.name, job.stage,
-                               job.te)
+                raise RouteUnavailableError(f"TE {dead_te} failed while serving the request ({why}), "
+                                            f"and {job.attempt} TEs have tried it")
+        except RouteUnavailableError as exc:
+            self._fail_job(job, str(exc))
+            return
+        except NoRouteError as exc:
+            self._finish_job(job)  # off the dead TE; held until another can take it
+            self._job_of_child[job.child_id] = job
+            job.te = job.decode_te = ""
+            job.stage = "colocated"
+            self._hold(job, f"TE {dead_te} failed ({why}) and {exc}", self.migrate_deadline_s)
+            return
+        self.migrated += 1
+        logger.warning("request %s moved off TE %s to %s with %d token(s) so far", job.child_id, dead_te, job.te,
+                       len(job.token_ids))
+
+    def _dispatch_resume(self, job: _Job, exclude: set[str] = frozenset()) -> None:
+        """Continue a job that streamed tokens on a TE that computes its prompt plus those tokens and goes on
+        (a colocated TE, or a decode TE, which then computes the prompt itself); raises NoRouteError."""
+        candidates = [v for v in self.registry.views() if v.name not in exclude and v.role in ("colocated", "decode")
+                      and (not job.group or v.group == job.group or v.role == "colocated")]
+        if not candidates:
+            raise NoRouteError("no colocated or decode TE can continue the request")
+        target = min(candidates, key=lambda v: (v.load.kv_usage, v.load.num_running, v.load.waiting_tokens))
+        job.attempt += 1
+        self._jobs.pop(job.engine_id, None)
+        job.engine_id = f"{job.child_id}@{job.attempt}"
+        self._jobs[job.engine_id] = job
+        job.stage, job.te, job.decode_te = "colocated", target.name, ""
+        self.loads.on_dispatch(job.te, len(job.prompt_token_ids) + len(job.token_ids), job.engine_id)
+        self._send(self.registry.get(job.te), msg.AddRequest(
+            req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
+            arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
+            reply_to=self.output_addr, output_token_ids=list(job.token_ids)))
 
     def _send_aborts(self, child_ids: list[str]) -> None:
         for child_id in child_ids:
@@ -718,7 +792,8 @@ class Router:
             pool_hit_tokens=sum(s.pool_hit_tokens for s in stats),
             waiting_tokens=sum(s.waiting_tokens for s in stats), running_tokens=sum(s.running_tokens for s in stats),
             kv_transfer_holds=sum(s.kv_transfer_holds for s in stats), kv_pulled=sum(s.kv_pulled for s in stats),
-            kv_pull_recomputed=sum(s.kv_pull_recomputed for s in stats), **msg.spec_totals(stats), healthy=True)
+            kv_pull_recomputed=sum(s.kv_pull_recomputed for s in stats), **msg.spec_totals(stats),
+            links=[link for s in stats for link in s.links], healthy=True)
 
     def te_stats(self) -> dict[str, dict]:
         """Each live TE's role, group and last reported stats (for benchmarks and the status endpoint)."""

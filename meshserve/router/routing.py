@@ -22,6 +22,11 @@ The decode TE of a pair is always the least loaded decode TE of the prefill TE's
 group, by KV usage first (decode holds a request's KV for its whole life), then
 requests.
 
+Links (xdeepserve §6.1): a decode TE reports which prefill TEs its link to is
+down (link probing, `meshserve.core.link_monitor`); no prefill TE is paired with
+such a decode TE, and a prefill TE no decode TE can pull from takes no request
+(another pair or a colocated TE does, else NoRouteError) until a link is back.
+
 Pure logic, no I/O and no torch: the frontend routes without the model stack.
 A RoutingPolicy keeps round-robin counters; call it from one thread (the JE's loop).
 """
@@ -80,6 +85,7 @@ class TEView:
     group: str  # prefill and decode TEs pair within a group
     load: TELoad
     healthy: bool = True
+    down_links: frozenset[str] = frozenset()  # a decode TE: the prefill TEs whose link to it is down
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -129,14 +135,23 @@ def _decode_key(view: TEView) -> tuple[float, int, float]:
     return (load.kv_usage, load.num_running + load.num_waiting, load_score(load))
 
 
+def _pairable(prefill: str, decodes: Sequence[TEView]) -> list[TEView]:
+    """The decode TEs that can pull from `prefill`: those whose link to it is not down."""
+    return [d for d in decodes if prefill not in d.down_links]
+
+
 @dataclass
 class _Candidates:
     """The healthy TEs that can serve, by type."""
 
     colocated: list[TEView]
-    prefill: list[TEView]  # only those whose group has a healthy decode TE
+    prefill: list[TEView]  # only those with a healthy decode TE in their group whose link to them is up
     decode_by_group: dict[str, list[TEView]]
     prefill_by_group: dict[str, list[TEView]]
+
+    def decodes(self, prefill: TEView) -> list[TEView]:
+        """The decode TEs a prefill TE can be paired with."""
+        return _pairable(prefill.name, self.decode_by_group[prefill.group])
 
     @classmethod
     def of(cls, tes: Sequence[TEView]) -> _Candidates:
@@ -145,7 +160,7 @@ class _Candidates:
         for t in healthy:
             if t.role == "decode":
                 decode_by_group.setdefault(t.group, []).append(t)
-        prefill = [t for t in healthy if t.role == "prefill" and t.group in decode_by_group]
+        prefill = [t for t in healthy if t.role == "prefill" and _pairable(t.name, decode_by_group.get(t.group, []))]
         prefill_by_group: dict[str, list[TEView]] = {}
         for t in prefill:
             prefill_by_group.setdefault(t.group, []).append(t)
@@ -184,10 +199,21 @@ def route_health(tes: Sequence[TEView], known_groups: dict[str, str] | None = No
     for t in tes:
         known.setdefault(t.group, t.role)
     colocated = sorted(t.name for t in healthy if t.role == "colocated")
-    pd_groups = {group: {role: sorted(t.name for t in healthy if t.group == group and t.role == role)
-                         for role in ("prefill", "decode")}
-                 for group, role in sorted(known.items()) if role != "colocated"}
+    decodes = [t for t in healthy if t.role == "decode"]
+    # a prefill TE counts when a decode TE of its group can pull from it (its link is not down); with no decode
+    # TE at all it is live all the same (what is missing is the decode TE)
+    pd_groups = {}
+    for group, role in sorted(known.items()):
+        if role == "colocated":
+            continue
+        group_decodes = [d for d in decodes if d.group == group]
+        pd_groups[group] = {"prefill": sorted(t.name for t in healthy if t.group == group and t.role == "prefill"
+                                              and (not group_decodes or _pairable(t.name, group_decodes))),
+                            "decode": sorted(d.name for d in group_decodes)}
+    cut_off = {t.group for t in healthy if t.role == "prefill" and t.group in pd_groups
+               and not pd_groups[t.group]["prefill"] and pd_groups[t.group]["decode"]}
     missing = [f"group {group}: no live {' and no live '.join(r for r in ('prefill', 'decode') if not tes_[r])} TE"
+               if group not in cut_off else f"group {group}: the KV links of every live prefill TE are down"
                for group, tes_ in pd_groups.items() if not (tes_["prefill"] and tes_["decode"])]
     if not colocated and any(role == "colocated" for role in known.values()):
         missing.insert(0, "no live colocated TE")
@@ -203,6 +229,9 @@ def _no_route_message(tes: Sequence[TEView]) -> str:
     parts = ["no healthy colocated TE and no group with both a healthy prefill and a healthy decode TE"]
     if unhealthy:
         parts.append(f"unhealthy: {', '.join(unhealthy)}")
+    down = sorted(f"{p} -> {t.name}" for t in tes if t.healthy and t.role == "decode" for p in t.down_links)
+    if down:
+        parts.append(f"KV links down: {', '.join(down)}")
     return "; ".join(parts)
 
 
@@ -269,19 +298,21 @@ class RoutingPolicy:
         reason = f"slot {slot} of {len(units)}"
         if isinstance(unit, TEView):
             return _colocated(unit, "round_robin", reason)
-        prefills, decodes = cands.prefill_by_group[unit], cands.decode_by_group[unit]
+        prefills = cands.prefill_by_group[unit]
         p = self._rr_prefill.get(unit, 0)
         d = self._rr_decode.get(unit, 0)
         self._rr_prefill[unit], self._rr_decode[unit] = p + 1, d + 1
-        return RouteDecision("disaggregated", None, prefills[p % len(prefills)].name,
-                             decodes[d % len(decodes)].name, "round_robin", reason)
+        prefill = prefills[p % len(prefills)]
+        decodes = cands.decodes(prefill)
+        return RouteDecision("disaggregated", None, prefill.name, decodes[d % len(decodes)].name, "round_robin",
+                             reason)
 
     def _unit_score(self, cands: _Candidates, entry: TEView) -> float:
         """A colocated TE's load; for a prefill TE, the busier of it and its group's best decode TE
         (a prefill TE empties fast, while its decode TE may be the bottleneck of the pair)."""
         score = self.score(entry.load)
         if entry.role == "prefill":
-            score = max(score, min(self.score(d.load) for d in cands.decode_by_group[entry.group]))
+            score = max(score, min(self.score(d.load) for d in cands.decodes(entry)))
         return score
 
     def _least_load(self, cands: _Candidates, entries: list[TEView], policy: str, why: str) -> RouteDecision:
@@ -322,7 +353,7 @@ class RoutingPolicy:
     def _decide(self, cands: _Candidates, entry: TEView, policy: str, reason: str) -> RouteDecision:
         if entry.role == "colocated":
             return _colocated(entry, policy, reason)
-        decode = min(cands.decode_by_group[entry.group], key=_decode_key)
+        decode = min(cands.decodes(entry), key=_decode_key)
         return RouteDecision("disaggregated", None, entry.name, decode.name, policy, reason)
 
 

@@ -7,12 +7,15 @@ from meshserve.transfer.engine import (
     TransferHandle,
     TransferStatus,
 )
+from meshserve.transfer.probe import LinkProber, ProbeResult
 from meshserve.transfer.shm import ShmKVRegion, allocate_shm_kv_cache, attach_shm_kv_cache
 from meshserve.transfer.tcp import TransferError
 
 __all__ = [
     "BlockRef",
     "Completion",
+    "LinkProber",
+    "ProbeResult",
     "RegionDescriptor",
     "ShmKVRegion",
     "TransferEngine",

@@ -2,7 +2,9 @@
 
 Wire format (all integers big-endian), one request per connection:
   request : u32 length + a msgpack header, one of `wire.Request`'s kinds: `Read` (blocks of a region),
-            `Describe` (the server's region descriptors), or an op its owner added (`extra_ops`); the
+            `Describe` (the server's region descriptors), `Probe` (a few dummy bytes back: link probing, on
+            a connection and thread of its own, so pulls in flight never delay it), or an op its owner added
+            (`extra_ops`); the
             transfer engine adds the torch.distributed backend's store calls, `DistLink`, `DistRead` and
             `DistUnlink` (see `dist.py`)
   reply   : u32 length + a msgpack header, the request type's `reply` (`ok`, `error`, its own fields)
@@ -112,7 +114,8 @@ class TcpBlockServer:
         self._regions = regions
         self._describe = describe
         self._handlers: dict[type[wire.Request], OpHandler] = {
-            wire.Describe: self._serve_describe, wire.Read: self._serve_read, **(extra_ops or {})}
+            wire.Describe: self._serve_describe, wire.Read: self._serve_read, wire.Probe: self._serve_probe,
+            **(extra_ops or {})}
         self._secret = cluster_auth.cluster_secret()  # read once: a bad secret fails the engine's start
         self.io_timeout = io_timeout
         self.fault_hook: ChunkFaultHook | None = None
@@ -168,6 +171,9 @@ class TcpBlockServer:
 
     def _serve_describe(self, conn: socket.socket, request: wire.Describe) -> None:
         send_header(conn, wire.DescribeReply(regions=self._describe()))
+
+    def _serve_probe(self, conn: socket.socket, request: wire.Probe) -> None:
+        send_header(conn, wire.BytesReply(value=bytes(request.nbytes)))
 
     def _serve_read(self, conn: socket.socket, request: wire.Read) -> None:
         try:
@@ -265,6 +271,17 @@ def describe_remote(address: tuple[str, int], timeout: float = 10.0) -> list[wir
     if not reply.ok:
         raise TransferError(f"peer refused describe: {reply.error}")
     return reply.regions
+
+
+def probe(address: tuple[str, int], nbytes: int, timeout: float) -> None:
+    """One link probe: `nbytes` of dummy payload back from the block server; TransferError if the exchange fails,
+    outlasts `timeout` (connecting included) or brings the wrong payload."""
+    reply = request(address, wire.Probe(nbytes=nbytes), timeout)
+    if not reply.ok:
+        raise TransferError(f"peer {address[0]}:{address[1]} refused a probe: {reply.error}")
+    if len(reply.value) != nbytes:
+        raise TransferError(f"peer {address[0]}:{address[1]} answered a probe with {len(reply.value)} bytes, "
+                            f"not {nbytes}")
 
 
 def read_blocks(

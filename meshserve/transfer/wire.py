@@ -19,6 +19,7 @@ from msgspec import Meta
 MAX_CHUNK_BYTES = 64 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_LINK_ID = 128
+MAX_PROBE_BYTES = 4096
 
 Index = Annotated[int, Meta(ge=0)]  # a layer, a block id, a byte count or a tag
 ChunkSize = Annotated[int, Meta(gt=0, le=MAX_CHUNK_BYTES)]
@@ -130,6 +131,14 @@ class Read(Request, tag="read"):
     chunk_size: ChunkSize = DEFAULT_CHUNK_BYTES
 
 
+class Probe(Request, tag="probe"):
+    """A link probe (xdeepserve §6.1): answer with `nbytes` of dummy payload; the puller times the round trip.
+    It reads no region, so a busy or full KV cache never delays it."""
+
+    reply: ClassVar[type[Reply]] = BytesReply
+    nbytes: Annotated[int, Meta(ge=0, le=MAX_PROBE_BYTES)] = 64
+
+
 class DistLink(Request, tag="dist_link"):
     """The source starts building rank 0 of the link's group."""
 
@@ -196,10 +205,10 @@ class StoreNumKeys(Request, tag="store.num_keys"):
 
 
 STORE_REQUESTS = (StoreSet, StoreGet, StoreAdd, StoreCompareSet, StoreDeleteKey, StoreWait, StoreCheck, StoreNumKeys)
-REQUESTS = (Describe, Read, DistLink, DistRead, DistUnlink, *STORE_REQUESTS)
+REQUESTS = (Describe, Read, Probe, DistLink, DistRead, DistUnlink, *STORE_REQUESTS)
 
-AnyRequest = Describe | Read | DistLink | DistRead | DistUnlink | StoreSet | StoreGet | StoreAdd | StoreCompareSet \
-    | StoreDeleteKey | StoreWait | StoreCheck | StoreNumKeys
+AnyRequest = Describe | Read | Probe | DistLink | DistRead | DistUnlink | StoreSet | StoreGet | StoreAdd \
+    | StoreCompareSet | StoreDeleteKey | StoreWait | StoreCheck | StoreNumKeys
 
 # ---------------------------------------------------------------- codec
 _ENCODER = msgspec.msgpack.Encoder()

@@ -48,11 +48,22 @@ MASTER_ADDR = EnvVar(
 RANK = EnvVar(
     "RANK", None,
     "`meshserve worker`: this worker's rank when `--rank` is not given (torch's name for it)")
+MESHSERVE_FAULTS = EnvVar(
+    "MESHSERVE_FAULTS", None,
+    "tests and benchmarks only: faults to inject, `kind:key=value:...;...` (see meshserve/utils/faults.py); "
+    "every process started under it reads it")
+MESHSERVE_FAULT_INJECTION = EnvVar(
+    "MESHSERVE_FAULT_INJECTION", None,
+    "tests and benchmarks only: 1 opens `POST /admin/faults` (what `--enable-fault-injection` does)")
 
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
-    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MASTER_ADDR, RANK,
+    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MASTER_ADDR, RANK, MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION,
 )
+
+
+def fault_injection_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    return (MESHSERVE_FAULT_INJECTION.get(environ) or "") not in ("", "0")
 
 
 def api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:

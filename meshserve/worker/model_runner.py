@@ -15,10 +15,23 @@ A request whose settings make it fail here (its sampler raises, its token ids
 lie outside the vocabulary) fails alone: it is reported in
 `ModelRunnerOutput.failed`, this rank stops running it at once (a step already
 queued for it skips it), and the step's other requests go on.
+
+A step that fails with a transient collective error (a network glitch: xdeepserve
+§6.2, token recomputation) is rolled back and run again, up to MAX_STEP_ATTEMPTS
+times, without restarting anything: the request state a step changes (the request
+table, each scheduled request's token, block and draft lists, its progress and its
+seeded generator) is snapshotted before the step and restored after the failure,
+and the same `SchedulerOutput` runs again. The KV cache needs no restoring: the
+re-run writes the same entries. Only the forward part of a batch is retried (its
+KV connector and expert-placement control ran once, before it). Expert-load counts
+keep what the failed attempt routed (statistics only). Every rank reports each
+rollback (`WorkerEventKind.ROLLED_BACK`); the last failed attempt raises
+`StepRetriesExhausted`, which ends the worker as any other error does.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -48,9 +61,10 @@ from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.draft_vocab import load_draft_vocab
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
-from meshserve.moe.placement import ExpertPlacement, load_placement_file
+from meshserve.moe import comm as moe_comm
+from meshserve.moe.placement import ExpertPlacement, describe_placement_source, load_placement_file
 from meshserve.parallel.context import ParallelContext
-from meshserve.utils import page_cache
+from meshserve.utils import faults, page_cache
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.model_cache import pool_weights
@@ -70,6 +84,14 @@ from meshserve.worker.weight_fork import WeightServer, fork_identity, fork_model
 logger = logging.getLogger(__name__)
 
 _NO_TOKEN = -2  # padding of the verified tokens a driver shares with its attention TP group
+MAX_STEP_ATTEMPTS = 3  # a step failing with a transient error runs at most this often before the rank gives up
+# errors worth a rollback: only the ones known to leave every rank at the same point (torch.distributed's own
+# errors may come from a dead peer, where a retry waits out the collective timeout again)
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (faults.TransientCollectiveError,)
+
+
+class StepRetriesExhausted(RuntimeError):
+    """A step failed with a transient error on each of its MAX_STEP_ATTEMPTS attempts."""
 
 
 @dataclass
@@ -87,6 +109,42 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class _StepSnapshot:
+    """The request state a step may change, taken before it; `restore` puts it back after a failed attempt.
+    Lists a step only extends are kept as lengths; the ones it replaces (drafts) by reference."""
+
+    requests: dict[str, RequestState]
+    failed_ids: set[str]
+    # per request of the step: (state, len(token_ids), len(block_ids), num_computed_tokens, drafts, generator state)
+    progress: list[tuple[RequestState, int, int, int, list[int], torch.Tensor | None]]
+
+    @classmethod
+    def take(cls, requests: dict[str, RequestState], failed_ids: set[str], sched: SchedulerOutput) -> _StepSnapshot:
+        touched = set(sched.num_scheduled_tokens).union(c.req_id for c in sched.cached_reqs)
+        progress = []
+        for req_id in touched:
+            state = requests.get(req_id)
+            if state is not None:
+                generator = state.generator.get_state() if state.generator is not None else None
+                progress.append((state, len(state.token_ids), len(state.block_ids), state.num_computed_tokens,
+                                 state.draft_token_ids, generator))
+        return cls(dict(requests), set(failed_ids), progress)
+
+    def restore(self, requests: dict[str, RequestState], failed_ids: set[str]) -> None:
+        requests.clear()
+        requests.update(self.requests)
+        failed_ids.clear()
+        failed_ids.update(self.failed_ids)
+        for state, num_tokens, num_blocks, num_computed, drafts, generator in self.progress:
+            del state.token_ids[num_tokens:]
+            del state.block_ids[num_blocks:]
+            state.num_computed_tokens = num_computed
+            state.draft_token_ids = drafts
+            if generator is not None:
+                state.generator.set_state(generator)
 
 
 @dataclass
@@ -204,6 +262,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # requests that failed on this rank; steps skip them until the master says to drop them
         self.failed_ids: set[str] = set()
+        self.num_rollbacks = 0  # steps rolled back after a transient error and run again
+        self._rollback_events: list[str] = []  # rollbacks not reported yet (`poll_background`)
         self.model_kv_caches = self.kv_caches[:self.num_model_layers]
         self.proposer = None
         if spec.enabled:
@@ -270,14 +330,16 @@ class ModelRunner:
         return ids
 
     # ------------------------------------------------------------------ expert placement (xdeepserve §4.5)
-    def _apply_initial_placement(self, path: str) -> None:
-        """Load the experts of a planned placement before serving: primary slots may move here too."""
-        placement = load_placement_file(path)
+    def _apply_initial_placement(self, source: str) -> None:
+        """Load the experts of a planned placement (a file, or inline JSON: a shrunk layout's) before serving:
+        primary slots may move here too, and the slots of a shrunk layout are all planned."""
+        placement = load_placement_file(source)
+        what = describe_placement_source(source)
         if self.expert_balancer is None:
-            raise ValueError(f"--eplb-placement {path}: the model has no MoE layers")
+            raise ValueError(f"--eplb-placement {what}: the model has no MoE layers")
         t0 = time.perf_counter()
         self.expert_balancer.reconfigure(placement, allow_primary_moves=True)
-        logger.info("applied expert placement %s in %.2fs", path, time.perf_counter() - t0)
+        logger.info("applied expert placement %s in %.2fs", what, time.perf_counter() - t0)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -351,7 +413,9 @@ class ModelRunner:
 
     def poll_background(self) -> list[tuple[str, str]]:
         """(kind, detail) of background work that finished since the last call (KV connectors aside)."""
-        events = self._poll_eplb()
+        events = [(WorkerEventKind.ROLLED_BACK, detail) for detail in self._rollback_events]
+        self._rollback_events.clear()
+        events += self._poll_eplb()
         if self.weight_server is not None and self.weight_server.take_ready():
             events.append((WorkerEventKind.WEIGHTS_SERVED, self.weight_server.address))
         return events
@@ -437,7 +501,7 @@ class ModelRunner:
             self.apply_eplb(batch.eplb)
         if not batch.per_dp:  # control only
             return None
-        out = self.execute(batch.per_dp[self.parallel.dp_rank])
+        out = self.execute_rolling_back(batch.per_dp[self.parallel.dp_rank])
         if batch.report_load:
             out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
         if not self.parallel.is_driver:
@@ -445,9 +509,30 @@ class ModelRunner:
         out.dp_rank = self.parallel.dp_rank
         return out
 
+    def execute_rolling_back(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """`execute(sched)`; after a transient error, the state from before it and the same step again (every
+        rank of the TE sees the error in the same collective, so all of them run the step again together)."""
+        snapshot = _StepSnapshot.take(self.requests, self.failed_ids, sched)
+        for attempt in itertools.count(1):
+            try:
+                return self.execute(sched)
+            except TRANSIENT_ERRORS as exc:
+                snapshot.restore(self.requests, self.failed_ids)
+                why = describe_error(exc)
+                if attempt == MAX_STEP_ATTEMPTS:
+                    raise StepRetriesExhausted(f"step {sched.step_id} failed {attempt} times in a row, "
+                                               f"giving up after {attempt - 1} rollback(s): {why}") from exc
+                self.num_rollbacks += 1
+                detail = (f"step {sched.step_id} attempt {attempt} of {MAX_STEP_ATTEMPTS} failed ({why}); "
+                          f"rollback {self.num_rollbacks} of this rank")
+                logger.warning("%s: rolled back, running it again", detail)
+                self._rollback_events.append(detail)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One attempt at a step (`execute_rolling_back` retries it)."""
         t0 = time.perf_counter()
+        moe_comm.step_begins(self.parallel.rank)  # an injected collective error counts steps
         failed = self._apply(sched)
         # every rank of the DP group skips the same failed requests, so the group stays in lockstep
         num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}

@@ -6,6 +6,12 @@ model's collectives over torch.distributed). The driver rank of each DP group
 PUSHes back the group's `ModelRunnerOutput`. If the master disappears the
 worker exits on its own.
 
+Between steps the loop answers the master's `WorkerPing`s (a rank stuck in a step
+stays silent: that is how the master finds a hung rank) and arms the faults the
+master forwards (`InjectFault`; tests and benchmarks). Injected `kill` and `stall`
+faults fire here, before a step's forward; a `collective_error` fires in the MoE
+dispatch and is rolled back by the runner (see model_runner.py).
+
 The master starts its local ranks as child processes; a rank on another host joins
 with `join_engine` (`meshserve worker`), which fetches the config and addresses
 from the master and then runs the same loop.
@@ -17,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,7 +33,7 @@ import zmq
 from meshserve.config import EngineConfig, ParallelConfig
 from meshserve.core import messages as msg
 from meshserve.core.remote_ranks import PeerMonitor, enable_heartbeats
-from meshserve.utils import cluster_auth
+from meshserve.utils import cluster_auth, faults
 
 if TYPE_CHECKING:
     from meshserve.worker.model_runner import ModelRunner
@@ -202,13 +209,39 @@ def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket
         if isinstance(item, msg.Shutdown):
             logger.info("shutting down")
             return
+        if isinstance(item, msg.WorkerPing):
+            results.send(msg.encode(msg.WorkerPong(rank=rank, seq=item.seq)))
+            continue
+        if isinstance(item, msg.InjectFault):
+            faults.arm(item.fault)
+            continue
         if not isinstance(item, msg.StepBatch):
             if item is not None:
                 msg.drop_frame("worker-work", f"unexpected {type(item).__name__}")
             continue
+        if item.per_dp and not _fire_step_faults(rank, master_gone):
+            logger.warning("master is gone; exiting")
+            return
         out = runner.run_batch(item)
         if out is not None:
             results.send(msg.encode(out))
+
+
+def _fire_step_faults(rank: int, master_gone: Callable[[], bool]) -> bool:
+    """Injected faults of a step's start: `kill` ends this process at once, as a lost device does; `stall`
+    hangs it for the fault's duration, neither stepping nor answering pings. False: the master went away."""
+    if faults.fire(faults.FaultKind.KILL, rank=rank) is not None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    stall = faults.fire(faults.FaultKind.STALL, rank=rank)
+    if stall is None:
+        return True
+    logger.warning("stalling for %.1f s (injected fault)", stall.duration_s)
+    deadline = time.monotonic() + stall.duration_s
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, _PARENT_CHECK_MS / 1000))
+        if master_gone():  # a hung rank still leaves once its master is gone
+            return False
+    return True
 
 
 def _leave_distributed() -> None:

@@ -17,6 +17,7 @@ from meshserve.config import EngineConfig
 from meshserve.core import messages as msg
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.pool import messages as pool_msg
+from meshserve.utils.faults import Fault, FaultKind
 
 PACKAGE = Path(__file__).resolve().parents[2] / "meshserve"
 
@@ -31,10 +32,18 @@ LAYER = msg.KVRegionLayer(shape=[64, 2, 16, 128], dtype="bfloat16")
 REGION = msg.KVRegion(engine="prefill-0", region="kv", layers=[LAYER], host_id="host-a",
                       tcp_address=("10.0.0.5", 40123), shm=[msg.KVShmSegment("kv-0", [64, 2, 16, 128], "bfloat16")],
                       device="cuda", device_id="GPU-1234")
+LINK = msg.LinkStatus(decode="pd-decode-0", prefill="pd-prefill-1", state=msg.LinkState.DOWN, since=1.7e9,
+                      rtt_s=0.004, consecutive_failures=2, probes=40, probe_failures=2, pulls=9, pull_failures=1,
+                      slow_pulls=3, last_error="TransferError: connection refused")
+FAULT = Fault(kind=FaultKind.LINK_BREAK, rank=1, after_steps=3, times=2, duration_s=5.0, delay_s=0.5,
+              peer="prefill-0")
+PROBE = msg.LinkProbe(peer="pd-prefill-1/rank0", ok=False, rtt_s=2.0, error="TransferError: timed out")
 STATS = msg.EngineStats(num_running=3, num_waiting=2, kv_usage=0.25, num_kv_blocks=512, prefix_cache_queries=100,
                         prefix_cache_hits=40, num_preemptions=1, pool_hit_tokens=32, waiting_tokens=900,
                         running_tokens=700, kv_transfer_holds=1, kv_pulled=2, kv_pull_recomputed=1,
-                        dropped_frames={"te-inbox": 2}, healthy=False, error="worker 1 died",
+                        dropped_frames={"te-inbox": 2}, links=[LINK], num_rollbacks=1, num_recoveries=2,
+                        num_migrated=5, world_size=3, recovering="worker 3 died", last_failure="worker 3 died",
+                        last_failure_silent_s=0.5, healthy=False, error="worker 1 died",
                         spec_drafted=[10, 8], spec_accepted=[7, 4], spec_verify_steps=10, spec_tokens=21)
 TRANSFER = msg.KVTransferParams(role=msg.KVTransferRole.CONSUMER, engine="prefill-0", engine_addr="tcp://10.0.0.5:5555",
                                 dp_rank=1, attn_tp=2, attn_dp=2, regions=[REGION], block_ids=[4, 9],
@@ -102,7 +111,9 @@ SAMPLES: dict[type, object] = {
     msg.PoolFetchDone: msg.PoolFetchDone(req_id="r1", num_blocks=3),
     msg.KVPullDone: msg.KVPullDone(req_id="r3", error="ConnectionResetError"),
     msg.KVConnectorReport: msg.KVConnectorReport(rank=1, dp_rank=1, pool_fetches=[msg.PoolFetchDone("r1", 3)],
-                                                 kv_pulls=[msg.KVPullDone("r3")]),
+                                                 kv_pulls=[msg.KVPullDone("r3")], link_probes=[PROBE]),
+    msg.LinkProbe: PROBE,
+    msg.LinkStatus: LINK,
     # ---- client <-> master
     msg.AddRequest: msg.AddRequest(req_id="cmpl-1-0", prompt_token_ids=[1, 2, 3], sampling_params=PARAMS,
                                    arrival_time=1.7e9, priority=-2, eos_token_ids=[2], reply_to="tcp://10.0.0.9:7000",
@@ -120,7 +131,10 @@ SAMPLES: dict[type, object] = {
     msg.KVCacheEvents: msg.KVCacheEvents(seq=5, timestamp=1.7e9, dp_rank=1, engine="colocated-0", events=[
         STORED, msg.BlockRemoved(block_hashes=[17]), msg.AllBlocksCleared()]),
     msg.AdminRequest: msg.AdminRequest(query_id=4, op=msg.AdminOp.EPLB_REBALANCE, placement=PLACEMENT,
-                                       cache_id="ctxc-1", reply_to="tcp://10.0.0.9:7000"),
+                                       cache_id="ctxc-1", fault=FAULT, reply_to="tcp://10.0.0.9:7000"),
+    msg.WorkerPing: msg.WorkerPing(seq=7),
+    msg.WorkerPong: msg.WorkerPong(rank=1, seq=7),
+    msg.InjectFault: msg.InjectFault(fault=FAULT),
     msg.AdminReply: msg.AdminReply(query_id=4, ok=False, data=msg.ContextCacheDeleted(id="ctxc-1", deleted=True),
                                    error="partly failed"),
     msg.Shutdown: msg.Shutdown(),

@@ -42,8 +42,13 @@ def test_parse_errors(text, message):
 
 
 def test_constructor_validates():
-    with pytest.raises(StrategyError, match="attn_dp must be a positive power of two"):
+    with pytest.raises(StrategyError, match="moe_tp must be a positive power of two"):
         ParallelStrategy(attn_tp=2, attn_dp=3, moe_tp=6, moe_ep=1)
+    with pytest.raises(StrategyError, match="attn_dp must be a positive integer"):
+        ParallelStrategy(attn_tp=1, attn_dp=0, moe_tp=1, moe_ep=0)
+    # DP and EP need not be powers of two: a TE shrunk after a rank failure runs DP3 + EP3
+    assert parse_strategy("attn=TP1+DP3 moe=TP1+EP3").world_size == 3
+    assert ParallelStrategy.from_degrees(dp=3, ep=3) == ParallelStrategy(1, 3, 1, 3)
     with pytest.raises(StrategyError, match="attention covers 4 ranks"):
         ParallelStrategy(attn_tp=2, attn_dp=2, moe_tp=1, moe_ep=2)
     with pytest.raises(StrategyError):
@@ -56,8 +61,10 @@ def test_from_degrees_fills_moe_tp():
     assert ParallelStrategy.from_degrees(tp=8) == ParallelStrategy(8, 1, 8, 1)
     with pytest.raises(StrategyError, match="--ep 16 exceeds"):
         ParallelStrategy.from_degrees(tp=4, dp=2, ep=16)
-    with pytest.raises(StrategyError, match="--dp"):
+    with pytest.raises(StrategyError, match="--ep 1 leaves MoE TP 12"):
         ParallelStrategy.from_degrees(tp=4, dp=3)
+    with pytest.raises(StrategyError, match="--tp must be a power of two"):
+        ParallelStrategy.from_degrees(tp=3)
 
 
 @pytest.mark.parametrize("world, count", [(1, 1), (2, 4), (8, 16), (16, 25), (32, 36)])

@@ -31,6 +31,7 @@ DESCRIPTOR = wire.RegionDescriptor(engine="prefill-0", region="kv", layers=[LAYE
 REQUESTS: dict[type, wire.Request] = {
     wire.Describe: wire.Describe(),
     wire.Read: wire.Read(region="kv", layers=[2, 0], block_ids=[5, 1], chunk_size=4096),
+    wire.Probe: wire.Probe(nbytes=16),
     wire.DistLink: wire.DistLink(link="ab12", backend=wire.GroupBackend.NCCL),
     wire.DistRead: wire.DistRead(link="ab12", region="kv", layers=[1], block_ids=[3, 4], tag=17),
     wire.DistUnlink: wire.DistUnlink(link="ab12"),

@@ -10,6 +10,11 @@ group pulls its part from the prefill rank `meshserve.core.pd_mapping` assigns i
 reported, the request decodes from the pulled KV, or computes its prompt here if a pull failed; either way
 the prefill TE is told to free its blocks. A request whose hold is about to expire is computed here rather
 than pulled: blocks read after the expiry may already hold another request's KV.
+
+Link probing (xdeepserve §6.1): the ranks probe the prefill ranks they pull from and report the probes; with
+what it sees of the pulls (how long they were in flight or waited for blocks, which failed) the consumer's
+`LinkMonitor` tells each prefill TE's link ok, saturated or down, and `fill_stats` reports it
+(`EngineStats.links`, which the heartbeat carries to the job executors).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from meshserve.config import KVTransferConfig
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
+from meshserve.core.link_monitor import LinkMonitor
 from meshserve.core.messages import (
     EngineStats,
     KVConnectorMetadata,
@@ -64,6 +70,7 @@ class _Pull:
 
     req: Request
     source: KVTransferParams
+    ordered_at: float  # the link monitor's clock
     ranks: set[int] = field(default_factory=set)
     error: str | None = None
 
@@ -121,10 +128,16 @@ class PDConnector(KVConnectorScheduler):
         self._pull_queue: list[KVPull] = []
         self.num_pulled = 0
         self.num_recomputed = 0  # ... of which the pull failed (or could not start in time): computed here
+        # link probing: the links from the prefill TEs pulled from, each rank's transfer peers' TE, and the
+        # requests waiting for blocks to pull into (since when, from which prefill TE)
+        self.links = LinkMonitor(endpoint.engine)
+        self._peer_te: dict[str, str] = {}
+        self._waiting: dict[str, tuple[str, float]] = {}
 
     # ------------------------------------------------------------ producer (prefill TE)
     def request_finished(self, req: Request) -> KVTransferParams | None:
         """A request handed off (TRANSFERRED): hold its prompt blocks, free the rest, describe them."""
+        self._waiting.pop(req.req_id, None)  # a consumer request that left while it waited for blocks
         if req.status is not RequestStatus.TRANSFERRED:
             return None
         timeout = self.config.kv_hold_timeout_s
@@ -141,6 +154,7 @@ class PDConnector(KVConnectorScheduler):
                                 hold_expires_at=time.time() + timeout)
 
     def release(self, req_id: str) -> bool:
+        self._waiting.pop(req_id, None)  # a consumer request aborted while it waited for blocks
         hold = self.holds.pop(req_id, None)
         if hold is None:
             return False
@@ -172,6 +186,9 @@ class PDConnector(KVConnectorScheduler):
         num_external = source.num_tokens - num_local_tokens
         if num_external <= 0:  # the local prefix cache holds every prompt block: nothing to pull
             self._done_with(req, source, recomputed=False)
+        elif req.req_id not in self._waiting:  # until its blocks are allocated (backpressure when that takes)
+            self._waiting[req.req_id] = (source.engine, self.links.clock())
+            self.links.note(source.engine)
         return max(0, num_external)
 
     def update_state_after_alloc(self, req: Request, num_local_tokens: int, num_external_tokens: int) -> None:
@@ -183,13 +200,20 @@ class PDConnector(KVConnectorScheduler):
                    for t in range(ep.attn_tp)]
         self._pull_queue.append(KVPull(req_id=req.req_id, src_block_ids=source.block_ids[first:],
                                        dst_block_ids=req.block_ids[first:len(source.block_ids)], sources=sources))
-        self._pulls[req.req_id] = _Pull(req, source)
+        self._pulls[req.req_id] = _Pull(req, source, self.links.clock())
+        self._waiting.pop(req.req_id, None)
+        for region in sources:  # the ranks' probes name the prefill ranks' transfer engines
+            self._peer_te[region.engine] = source.engine
 
     def build_connector_meta(self, meta: KVConnectorMetadata) -> None:
         meta.kv_pulls += self._pull_queue
         self._pull_queue = []
 
     def update_connector_output(self, report: KVConnectorReport) -> list[FinishedLoad]:
+        for probe in report.link_probes:
+            prefill = self._peer_te.get(probe.peer)
+            if prefill is not None:
+                self.links.on_probe(prefill, f"{report.rank}<{probe.peer}", probe.ok, probe.rtt_s, probe.error)
         finished = []
         for done in report.kv_pulls:
             pull = self._pulls.get(done.req_id)
@@ -207,6 +231,7 @@ class PDConnector(KVConnectorScheduler):
         """Every rank has pulled (or failed to pull) the request's blocks. A failed pull is recovered by
         computing the prompt here, in the blocks already allocated."""
         req = pull.req
+        self.links.on_pull(pull.source.engine, self.links.clock() - pull.ordered_at, pull.error)
         if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV:  # aborted: the blocks only had to be written
             self.send_release(pull.source.engine_addr, [req.req_id])
             return FinishedLoad(req, 0)
@@ -221,6 +246,7 @@ class PDConnector(KVConnectorScheduler):
         too: nobody will read them). From here on a plain request (a preemption recomputes it)."""
         self.num_pulled += 1
         self.num_recomputed += int(recomputed)
+        self._waiting.pop(req.req_id, None)
         req.kv_transfer = None
         self.send_release(source.engine_addr, [req.req_id])
 
@@ -228,3 +254,14 @@ class PDConnector(KVConnectorScheduler):
         stats.kv_transfer_holds += len(self.holds)
         stats.kv_pulled += self.num_pulled
         stats.kv_pull_recomputed += self.num_recomputed
+        stats.links += self.links.statuses(self._stalled())
+
+    def _stalled(self) -> dict[str, float]:
+        """Per prefill TE, how long its oldest pull has been in flight or waiting for blocks."""
+        now = self.links.clock()
+        stalled: dict[str, float] = {}
+        waits = [(prefill, since) for prefill, since in self._waiting.values()]
+        waits += [(pull.source.engine, pull.ordered_at) for pull in self._pulls.values()]
+        for prefill, since in waits:
+            stalled[prefill] = max(stalled.get(prefill, 0.0), now - since)
+        return stalled

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,6 +62,7 @@ from meshserve.entrypoints.openai.http_guard import PRINCIPAL_SCOPE_KEY, Princip
 from meshserve.entrypoints.openai.metrics import ServerMetrics
 from meshserve.entrypoints.openai.protocol import (
     EPLB_REBALANCE_OPENAPI,
+    FAULT_OPENAPI,
     ChatCompletionRequest,
     CompletionRequest,
     ContextCacheCreateRequest,
@@ -72,6 +74,7 @@ from meshserve.entrypoints.openai.server_options import PROMPT_CHARS_PER_TOKEN, 
 from meshserve.moe.placement import EMPTY as EMPTY_SLOT
 from meshserve.moe.placement import ExpertPlacement
 from meshserve.router.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
+from meshserve.utils.faults import Fault
 
 logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
@@ -394,6 +397,21 @@ class OpenAIServing:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
+    async def inject_fault(self, raw: Request) -> dict[str, Any]:
+        """Arm a fault in a TE (tests and benchmarks: `--enable-fault-injection`); the body is the fault
+        (`meshserve.utils.faults.Fault`), plus `te` naming the TE in a deployment."""
+        if not self.options.enable_fault_injection:
+            raise APIError(404, "fault injection is off; start the server with --enable-fault-injection")
+        try:
+            body = json.loads(await raw.body() or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            args = {"te": str(body.pop("te"))} if "te" in body else {}
+            fault = msgspec.convert(body, Fault)
+        except (ValueError, msgspec.ValidationError) as exc:
+            raise APIError(400, f"bad fault: {exc}") from None
+        return await self.admin("fault.inject", {**args, "fault": msgspec.to_builtins(fault)})
+
     async def eplb_rebalance(self, raw: Request) -> dict[str, Any]:
         """Start a live expert reconfiguration; the body is validated here, before the engine sees it."""
         body = await raw.body()
@@ -637,6 +655,11 @@ def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = N
     @app.post("/admin/eplb/rebalance", openapi_extra=EPLB_REBALANCE_OPENAPI)
     async def eplb_rebalance(raw: Request) -> dict[str, Any]:
         return await serving.eplb_rebalance(raw)
+
+    # tests and benchmarks: kill, stall or break a part of the engine (off unless --enable-fault-injection)
+    @app.post("/admin/faults", openapi_extra=FAULT_OPENAPI)
+    async def inject_fault(raw: Request) -> dict[str, Any]:
+        return await serving.inject_fault(raw)
 
     return app
 

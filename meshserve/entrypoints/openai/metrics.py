@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from meshserve.core.messages import EngineStats, dropped_frames
+from meshserve.core.messages import EngineStats, LinkState, LinkStatus, dropped_frames
 from meshserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -68,12 +68,41 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily("meshserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   s.prefix_cache_hits)
         yield from _spec_decode_metrics(s)
+        yield from _link_metrics(s.links)
         # this process's sockets and the engine master's (its socket names differ from ours)
         dropped = CounterMetricFamily("meshserve_dropped_frames", "Bad frames internal sockets dropped, by socket.",
                                       labels=["socket"])
         for socket_name, count in sorted({**s.dropped_frames, **dropped_frames()}.items()):
             dropped.add_metric([socket_name], count)
         yield dropped
+
+
+def _link_metrics(links: list[LinkStatus]) -> Iterator[Metric]:
+    """Link probing (xdeepserve §6.1): each decode TE's KV link from each prefill TE it pulls from."""
+    labels = ["decode", "prefill"]
+    state = GaugeMetricFamily("meshserve_kv_link_state", "1 for the KV link's state (ok, saturated, down), else 0.",
+                              labels=[*labels, "state"])
+    rtt = GaugeMetricFamily("meshserve_kv_link_rtt_seconds", "Round trip of the link's last probe.", labels=labels)
+    failing = GaugeMetricFamily("meshserve_kv_link_consecutive_probe_failures",
+                                "Probes of the link failed in a row.", labels=labels)
+    probes = CounterMetricFamily("meshserve_kv_link_probes", "Probes of the link, since start.", labels=labels)
+    probe_failures = CounterMetricFamily("meshserve_kv_link_probe_failures", "Probes of the link that failed.",
+                                         labels=labels)
+    pull_failures = CounterMetricFamily("meshserve_kv_link_pull_failures", "KV pulls over the link that failed.",
+                                        labels=labels)
+    slow_pulls = CounterMetricFamily("meshserve_kv_link_slow_pulls", "KV pulls over the link that stalled.",
+                                     labels=labels)
+    for link in links:
+        names = [link.decode, link.prefill]
+        for value in LinkState:
+            state.add_metric([*names, value.value], float(link.state is value))
+        rtt.add_metric(names, link.rtt_s)
+        failing.add_metric(names, link.consecutive_failures)
+        probes.add_metric(names, link.probes)
+        probe_failures.add_metric(names, link.probe_failures)
+        pull_failures.add_metric(names, link.pull_failures)
+        slow_pulls.add_metric(names, link.slow_pulls)
+    yield from (state, rtt, failing, probes, probe_failures, pull_failures, slow_pulls)
 
 
 def _spec_decode_metrics(s: EngineStats) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -30,6 +31,7 @@ from pydantic import (
 from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from meshserve.engine.outputs import PositionLogprobs
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
+from meshserve.utils.faults import Fault
 
 MAX_N = 128
 # OpenAI's default for /v1/completions; chat generates until the context ends
@@ -387,3 +389,14 @@ def chat_logprobs(positions: list[PositionLogprobs], num_top: int) -> dict[str, 
         for pos in positions
     ]
     return {"content": content, "refusal": None}
+
+
+def _fault_openapi() -> dict[str, Any]:
+    """POST /admin/faults: a `Fault` (meshserve.utils.faults), plus the TE to arm it in (a deployment)."""
+    schema = msgspec.json.schema(Fault)
+    body = _inline_refs(schema["$defs"]["Fault"], schema["$defs"])
+    body["properties"]["te"] = {"type": "string", "description": "the TE to arm it in (a deployment's JE)"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
+
+
+FAULT_OPENAPI = _fault_openapi()

@@ -57,6 +57,9 @@ class ServerOptions:
     context_cache_tokens_per_key: int | None = field(default=None, metadata=_help(
         "prefix tokens one API key (or client) may keep pinned in context caches (default: max_model_len)"))
     context_caches_total: int = field(default=1024, metadata=_help("context caches held at once, all keys together"))
+    enable_fault_injection: bool = field(default=False, metadata=_help(
+        "tests and benchmarks only: open POST /admin/faults, which kills, stalls or breaks parts of the "
+        f"deployment on request (default: ${envs.MESHSERVE_FAULT_INJECTION.name})"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -123,6 +126,8 @@ def server_options(environ: dict[str, str] | None = None, **kwargs) -> ServerOpt
     if kwargs.get("admin_key") is None:
         kwargs["admin_key"] = envs.admin_key(environ)
     kwargs["api_keys"] = tuple(kwargs["api_keys"])
+    if not kwargs.get("enable_fault_injection"):
+        kwargs["enable_fault_injection"] = envs.fault_injection_enabled(environ)
     return ServerOptions(**kwargs)
 
 

@@ -7,21 +7,45 @@ block server, which also sets up the torch.distributed groups of the "dist" back
 ranks; NCCL between ranks on different GPUs). A decode rank pulls a request's blocks from the prefill
 rank the scheduler half chose for it (`meshserve.core.pd_mapping`); pulls run on the transfer engine's
 threads while the rank keeps decoding, and their completions are reported to the master.
+
+Link probing (xdeepserve §6.1): every prefill rank this rank has linked to is probed every few seconds
+(`meshserve.transfer.probe.LinkProber`), and at once when a pull from it fails or has been in flight for
+`PULL_STALL_S`; the probes go to the master with the pulls' completions, which judges the links from both.
+A peer whose probes have failed for `FORGET_AFTER_S` is unlinked (its TE is gone, or was replaced).
 """
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import msgspec
 import torch
 
-from meshserve.core.messages import KVConnectorMetadata, KVConnectorReport, KVPull, KVPullDone, KVRegion
-from meshserve.transfer import BlockRef, TransferEngine, TransferStatus
+from meshserve.core.messages import (
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVPull,
+    KVPullDone,
+    KVRegion,
+    LinkProbe,
+)
+from meshserve.transfer import BlockRef, LinkProber, TransferEngine, TransferStatus
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 
 logger = logging.getLogger(__name__)
 
 REGION = "kv"
+PULL_STALL_S = 2.0  # a pull in flight this long has its link probed at once
+FORGET_AFTER_S = 120.0
+
+
+@dataclass
+class _InFlight:
+    req_id: str
+    peer: str
+    started: float  # time.monotonic()
+    probed: bool = False  # its link was probed for its stall
 
 
 class PDConnectorWorker(KVConnectorWorker):
@@ -38,8 +62,9 @@ class PDConnectorWorker(KVConnectorWorker):
                               for _ in range(num_layers)]
             self.engine.register(REGION, self.kv_caches)
         self._linked: dict[str, KVRegion] = {}  # peer -> the region it was linked with
-        self._pulls: dict[int, str] = {}  # transfer handle id -> request id
+        self._pulls: dict[int, _InFlight] = {}  # by transfer handle id
         self._failed_now: list[KVPullDone] = []  # pulls that could not even start
+        self.prober = LinkProber(self.engine.probe, name=f"link-prober-{name}")
 
     @property
     def region(self) -> KVRegion:
@@ -60,29 +85,54 @@ class PDConnectorWorker(KVConnectorWorker):
             peer = source.engine
             if self._linked.get(peer) != source:  # a new peer, or one restarted under the same name
                 if peer in self._linked:
-                    self.engine.unlink(peer)
-                    del self._linked[peer]
+                    self._unlink(peer)
                 self.engine.link(peer, msgspec.to_builtins(source), backend=self.backend)
                 self._linked[peer] = source
+                self.prober.watch(peer)
             handle = self.engine.transfer(BlockRef(REGION, tuple(pull.src_block_ids), engine=peer),
                                           BlockRef(REGION, tuple(pull.dst_block_ids)))
         except Exception as exc:  # a bad or unreachable source ends this request's pull only
             self._failed_now.append(KVPullDone(pull.req_id, f"{type(exc).__name__}: {exc}"))
+            self.prober.probe_now(source.engine)
             return
-        self._pulls[handle.id] = pull.req_id
+        self._pulls[handle.id] = _InFlight(pull.req_id, peer, time.monotonic())
+
+    def _unlink(self, peer: str) -> None:
+        self.prober.forget(peer)
+        self.engine.unlink(peer)
+        del self._linked[peer]
 
     def get_finished(self, report: KVConnectorReport) -> None:
         done, self._failed_now = self._failed_now, []
         for completion in self.engine.poll():
-            req_id = self._pulls.pop(completion.handle_id, None)
-            if req_id is None:
+            pull = self._pulls.pop(completion.handle_id, None)
+            if pull is None:
                 continue
             error = None if completion.status is TransferStatus.DONE else str(completion.error)
-            done.append(KVPullDone(req_id, error))
+            if error is not None:  # a broken link, or only this pull? A probe tells
+                self.prober.probe_now(pull.peer)
+            done.append(KVPullDone(pull.req_id, error))
         for pull in done:
             if pull.error is not None:
                 logger.warning("KV pull of request %s failed: %s", pull.req_id, pull.error)
         report.kv_pulls += done
+        self._probe_stalled()
+        report.link_probes += [LinkProbe(peer=r.peer, ok=r.ok, rtt_s=r.rtt_s, error=r.error)
+                               for r in self.prober.take()]
+
+    def _probe_stalled(self) -> None:
+        """Probe the links of pulls in flight for PULL_STALL_S (once per pull); unlink the peers whose probes
+        have failed for FORGET_AFTER_S (their TE is gone: nothing will be pulled from them)."""
+        now = time.monotonic()
+        for pull in self._pulls.values():
+            if not pull.probed and now - pull.started > PULL_STALL_S:
+                pull.probed = True
+                self.prober.probe_now(pull.peer)
+        busy = {pull.peer for pull in self._pulls.values()}
+        for peer in [p for p in self._linked if p not in busy and self.prober.failing_for(p, now) > FORGET_AFTER_S]:
+            logger.warning("unlinking %s: its link probes have failed for %.0f s", peer, FORGET_AFTER_S)
+            self._unlink(peer)
 
     def close(self) -> None:
+        self.prober.close()
         self.engine.close()

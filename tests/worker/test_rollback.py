@@ -1,0 +1,340 @@
+"""Iteration rollback (xdeepserve §6.2, token recomputation): a step that fails with a transient collective
+error is rolled back and run again on every rank, without restarting anything; a step that keeps failing
+ends the worker after a bounded number of attempts.
+
+In process, a one-rank runner whose model raises stands in for the failing collective; a DP2+EP2 engine
+then fails a real MoE dispatch with an injected `collective_error` (MESHSERVE_FAULTS)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import psutil
+import pytest
+import torch
+import zmq
+
+from meshserve import LLM, SamplingParams
+from meshserve.config import EngineConfig
+from meshserve.core import messages as msg
+from meshserve.core.messages import CachedRequestData, NewRequestData, SchedulerOutput, WorkerEventKind
+from meshserve.moe import comm as moe_comm
+from meshserve.utils import faults
+from meshserve.utils.faults import Fault, FaultKind, FaultSwitch, TransientCollectiveError
+from meshserve.worker import worker
+from meshserve.worker.model_runner import MAX_STEP_ATTEMPTS, ModelRunner, StepRetriesExhausted
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+PROMPT = [5, 6, 7, 8, 9]
+NUM_DECODES = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return str(tiny_model("deepseek_v3", overrides={"num_hidden_layers": 2}))
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir):
+    return ModelRunner(EngineConfig.from_kwargs(model_dir, num_kv_blocks=16, block_size=16))
+
+
+@pytest.fixture(autouse=True)
+def no_process_faults(monkeypatch):
+    """Each test arms its own faults in a switch of its own."""
+    monkeypatch.setattr(faults, "_switch", FaultSwitch())
+    monkeypatch.setattr(moe_comm, "_fault_check", None)
+
+
+class FlakyModel:
+    """The runner's model, raising a transient collective error on the given calls (after the forward, so
+    the failed attempt has written the KV cache: the re-run must cope with that)."""
+
+    def __init__(self, model, fail_calls) -> None:
+        self.model = model
+        self.fail_calls = fail_calls  # a set of 1-based call numbers, or None: every call
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        hidden = self.model(*args)
+        if self.fail_calls is None or self.calls in self.fail_calls:
+            raise TransientCollectiveError(f"injected at call {self.calls}")
+        return hidden
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+class _Steps:
+    """Drives two requests (greedy, seeded) through a runner: their prefill, then one decode per step."""
+
+    def __init__(self, runner: ModelRunner, prefix: str, first_block: int) -> None:
+        self.runner = runner
+        self.ids = [f"{prefix}-greedy", f"{prefix}-seeded"]
+        self.blocks = [first_block, first_block + 1]
+        self.step_id = 0
+
+    def prefill(self) -> SchedulerOutput:
+        self.step_id += 1
+        new = [NewRequestData(req_id=req_id, token_ids=PROMPT, sampling_params=params, block_ids=[block],
+                              num_computed_tokens=0, num_prompt_tokens=len(PROMPT))
+               for req_id, params, block in zip(self.ids, (GREEDY, SEEDED), self.blocks)]
+        return SchedulerOutput(step_id=self.step_id, new_reqs=new,
+                               num_scheduled_tokens={req_id: len(PROMPT) for req_id in self.ids})
+
+    def decode(self) -> SchedulerOutput:
+        self.step_id += 1
+        cached = [CachedRequestData(req_id, [], self.runner.requests[req_id].num_computed_tokens)
+                  for req_id in self.ids]
+        return SchedulerOutput(step_id=self.step_id, cached_reqs=cached,
+                               num_scheduled_tokens=dict.fromkeys(self.ids, 1))
+
+    def finish(self) -> None:
+        self.runner.execute(SchedulerOutput(step_id=self.step_id + 1, finished_req_ids=self.ids))
+
+    def tokens(self) -> list[list[int]]:
+        return [self.runner.requests[req_id].output_token_ids for req_id in self.ids]
+
+
+def _state(runner: ModelRunner, ids: list[str]) -> list[tuple]:
+    return [(runner.requests[i].token_ids[:], runner.requests[i].block_ids[:], runner.requests[i].num_computed_tokens,
+             runner.requests[i].draft_token_ids[:]) for i in ids]
+
+
+def test_a_failed_step_is_rolled_back_and_run_again_with_the_same_tokens(runner, monkeypatch):
+    reference = _Steps(runner, "ref", first_block=0)
+    runner.execute_rolling_back(reference.prefill())
+    for _ in range(NUM_DECODES):
+        runner.execute_rolling_back(reference.decode())
+    expected = reference.tokens()
+    ref_generator = runner.requests[reference.ids[1]].generator.get_state()
+
+    steps = _Steps(runner, "run", first_block=4)
+    flaky = FlakyModel(runner.model, fail_calls={1, 3})  # the prefill and the first decode fail once each
+    monkeypatch.setattr(runner, "model", flaky)
+    rollbacks = runner.num_rollbacks
+    runner.poll_background()
+    outs = [runner.execute_rolling_back(steps.prefill())]
+    outs += [runner.execute_rolling_back(steps.decode()) for _ in range(NUM_DECODES)]
+    assert flaky.calls == 2 + 1 + NUM_DECODES  # two steps ran twice, the others once
+    assert steps.tokens() == expected
+    assert [out.sampled[steps.ids[0]] for out in outs] == [[t] for t in expected[0]]
+    assert all(not out.failed for out in outs)
+    # the seeded generator drew once per produced token: nothing on the failed attempts
+    assert torch.equal(runner.requests[steps.ids[1]].generator.get_state(), ref_generator)
+    assert runner.num_rollbacks == rollbacks + 2
+    events = runner.poll_background()
+    assert [kind for kind, _ in events] == [WorkerEventKind.ROLLED_BACK] * 2
+    assert "step 1 attempt 1 of 3 failed (TransientCollectiveError" in events[0][1]
+    assert "step 2 attempt 1 of 3" in events[1][1]
+    reference.finish()
+    steps.finish()
+
+
+def test_a_failure_after_sampling_rewinds_the_tokens_and_the_seeded_generator(runner, monkeypatch):
+    reference = _Steps(runner, "ref2", first_block=8)
+    runner.execute_rolling_back(reference.prefill())
+    runner.execute_rolling_back(reference.decode())
+    expected, ref_generator = reference.tokens(), runner.requests[reference.ids[1]].generator.get_state()
+
+    steps = _Steps(runner, "run2", first_block=12)
+    runner.execute_rolling_back(steps.prefill())
+    sample = runner._sample
+    calls = []
+
+    def sample_then_fail(logits, rows):
+        out = sample(logits, rows)  # the generators have drawn
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise TransientCollectiveError("after sampling")
+        return out
+
+    monkeypatch.setattr(runner, "_sample", sample_then_fail)
+    runner.execute_rolling_back(steps.decode())
+    assert calls == [2, 2]
+    assert steps.tokens() == expected
+    assert torch.equal(runner.requests[steps.ids[1]].generator.get_state(), ref_generator)
+    runner.poll_background()
+    reference.finish()
+    steps.finish()
+
+
+def test_a_step_that_keeps_failing_gives_up_after_the_bounded_attempts(runner, monkeypatch):
+    steps = _Steps(runner, "doomed", first_block=4)
+    runner.execute_rolling_back(steps.prefill())
+    before = _state(runner, steps.ids)
+    known = set(runner.requests)
+    flaky = FlakyModel(runner.model, fail_calls=None)
+    monkeypatch.setattr(runner, "model", flaky)
+    rollbacks = runner.num_rollbacks
+    runner.poll_background()
+    with pytest.raises(StepRetriesExhausted, match=f"failed {MAX_STEP_ATTEMPTS} times in a row") as info:
+        runner.execute_rolling_back(steps.decode())
+    assert isinstance(info.value.__cause__, TransientCollectiveError)
+    assert flaky.calls == MAX_STEP_ATTEMPTS
+    assert runner.num_rollbacks == rollbacks + MAX_STEP_ATTEMPTS - 1
+    assert len(runner.poll_background()) == MAX_STEP_ATTEMPTS - 1
+    # the state is the one from before the step: the worker's error report names it, nothing is half-booked
+    assert set(runner.requests) == known and _state(runner, steps.ids) == before
+    monkeypatch.undo()
+    steps.finish()
+
+
+def test_other_errors_are_not_retried(runner, monkeypatch):
+    steps = _Steps(runner, "broken", first_block=4)
+
+    def broken(*args):
+        raise RuntimeError("not transient")
+
+    monkeypatch.setattr(runner, "model", broken)
+    with pytest.raises(RuntimeError, match="not transient"):
+        runner.execute_rolling_back(steps.prefill())
+    assert runner.poll_background() == []
+    monkeypatch.undo()
+    steps.finish()
+
+
+# ---------------------------------------------------------------- the MoE dispatch's fault hook
+def test_an_injected_collective_error_fires_at_the_first_dispatch_of_its_step():
+    faults.arm(Fault(kind=FaultKind.COLLECTIVE_ERROR, after_steps=1))
+    moe_comm.step_begins(rank=0)
+    for _ in range(3):  # three MoE layers: one counted call
+        moe_comm._fire_collective_fault()
+    moe_comm.step_begins(rank=0)
+    with pytest.raises(TransientCollectiveError, match="rank 0"):
+        moe_comm._fire_collective_fault()
+    moe_comm._fire_collective_fault()  # the step's later layers do not fire again
+    moe_comm.step_begins(rank=0)
+    moe_comm._fire_collective_fault()  # fired its one time: disarmed
+    assert not faults.switch().armed
+
+
+def test_a_collective_error_for_another_rank_does_not_fire_here():
+    faults.arm(Fault(kind=FaultKind.COLLECTIVE_ERROR, rank=1, times=0))
+    for _ in range(3):
+        moe_comm.step_begins(rank=0)
+        moe_comm._fire_collective_fault()
+    moe_comm.step_begins(rank=1)
+    with pytest.raises(TransientCollectiveError, match="rank 1"):
+        moe_comm._fire_collective_fault()
+
+
+# ---------------------------------------------------------------- the worker loop
+class StepCounter:
+    """Stands in for a rank's runner in its loop: counts the steps it is given."""
+
+    background_busy = False
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def poll_background(self):
+        return []
+
+    def take_kv_connector_report(self):
+        return None
+
+    def run_batch(self, batch: msg.StepBatch):
+        self.steps.append(batch.per_dp[0].step_id)
+
+
+def _serve(items: list, rank: int = 1) -> tuple[StepCounter, list]:
+    """Run a rank's loop over `items` (then Shutdown); what it ran and what it sent back."""
+    ctx = zmq.Context()
+    sockets = {name: ctx.socket(kind) for name, kind in
+               (("to_worker", zmq.PUSH), ("work", zmq.PULL), ("results", zmq.PUSH), ("from_worker", zmq.PULL))}
+    try:
+        sockets["work"].bind("inproc://work")
+        sockets["to_worker"].connect("inproc://work")
+        sockets["from_worker"].bind("inproc://results")
+        sockets["results"].connect("inproc://results")
+        for item in [*items, msg.Shutdown()]:
+            sockets["to_worker"].send(msg.encode(item))
+        runner = StepCounter()
+        worker._serve(rank, runner, sockets["work"], sockets["results"], master_gone=lambda: False)
+        sent = []
+        while sockets["from_worker"].poll(100):
+            sent.append(msg.decode(sockets["from_worker"].recv()))
+        return runner, sent
+    finally:
+        for sock in sockets.values():
+            sock.close(0)
+        ctx.term()
+
+
+def _step(step_id: int) -> msg.StepBatch:
+    return msg.StepBatch(per_dp=[SchedulerOutput(step_id=step_id)])
+
+
+def test_the_loop_answers_pings_between_steps_and_arms_forwarded_faults():
+    injected = Fault(kind=FaultKind.COLLECTIVE_ERROR, after_steps=5)
+    runner, sent = _serve([_step(1), msg.WorkerPing(seq=7), msg.InjectFault(fault=injected), _step(2)])
+    assert runner.steps == [1, 2]
+    assert sent == [msg.WorkerPong(rank=1, seq=7)]
+    assert faults.fire(FaultKind.COLLECTIVE_ERROR) is None and faults.switch().armed  # armed, waiting its steps
+
+
+def test_a_stall_fires_before_its_step_then_the_rank_steps_on():
+    faults.arm(Fault(kind=FaultKind.STALL, rank=1, after_steps=1, duration_s=0.05))
+    runner, sent = _serve([_step(1), _step(2), msg.WorkerPing(seq=1)])
+    assert runner.steps == [1, 2] and sent == [msg.WorkerPong(rank=1, seq=1)]
+    assert [fault.kind for _, fault in faults.switch().fired] == [FaultKind.STALL]
+
+
+def test_a_stalled_rank_leaves_once_its_master_is_gone(monkeypatch):
+    faults.arm(Fault(kind=FaultKind.STALL, rank=1, duration_s=600))
+    monkeypatch.setattr(worker, "_PARENT_CHECK_MS", 5)
+    answers = iter([False, False, True])
+    assert worker._fire_step_faults(1, master_gone=lambda: next(answers)) is False
+    assert next(answers, "asked three times") == "asked three times"
+    assert worker._fire_step_faults(0, master_gone=lambda: True) is True  # not this rank's fault
+
+
+def test_a_kill_fault_kills_the_rank_at_once(monkeypatch):
+    killed = []
+    monkeypatch.setattr(worker.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    faults.arm(Fault(kind=FaultKind.KILL, rank=0, after_steps=1))
+    worker._fire_step_faults(0, master_gone=lambda: False)
+    assert killed == []
+    worker._fire_step_faults(0, master_gone=lambda: False)
+    assert killed == [(os.getpid(), signal.SIGKILL)]
+
+
+# ---------------------------------------------------------------- a TE of two ranks (DP2 + EP2)
+# no prefix caching: the clean run after the faulted one computes the same steps again
+ENGINE_ARGS = dict(parallel="attn=TP1+DP2 moe=TP1+EP2", max_num_batched_tokens=64, block_size=8, max_num_seqs=8,
+                   num_kv_blocks=64, enable_prefix_caching=False)
+PROMPTS = [[100 + 7 * i for i in range(n)] for n in (5, 40, 17, 9)]
+ROLLED_BACK_LINE = re.compile(r"worker\[(\d+)\] WARNING step (\d+) attempt 1 of 3 failed "
+                              r"\(TransientCollectiveError: injected collective error")
+
+
+def _worker_pids(master_pid: int) -> set[int]:
+    return {child.pid for child in psutil.Process(master_pid).children()
+            if "meshserve.worker.worker" in " ".join(child.cmdline())}
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_collective_error_on_every_rank_rolls_one_step_back_without_a_restart(model_dir, monkeypatch, capfd):
+    """The fault fires once, in the first run (its ranks' 4th step); the second run is the clean reference."""
+    monkeypatch.setenv(faults.ENV, "collective_error:after_steps=3")
+    with LLM(model=model_dir, **ENGINE_ARGS) as llm:
+        pids = _worker_pids(llm.engine.proc.pid)
+        faulted = _generate(llm)
+        stats = llm.get_stats()
+        clean = _generate(llm)
+        assert llm.get_stats().num_rollbacks == 1
+        assert _worker_pids(llm.engine.proc.pid) == pids and len(pids) == 2  # the same processes throughout
+    assert faulted == clean
+    assert all(len(t) == GREEDY.max_tokens for t in faulted)
+    assert stats.healthy and stats.num_rollbacks == 1  # one rollback of the TE, though both ranks report it
+    # each rank failed its 4th step once and ran it again: one rollback each, of the same step
+    rolled_back = ROLLED_BACK_LINE.findall(capfd.readouterr().err)
+    assert sorted(rank for rank, _ in rolled_back) == ["0", "1"]
+    assert len({step for _, step in rolled_back}) == 1
