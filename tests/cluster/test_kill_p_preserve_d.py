@@ -260,8 +260,9 @@ def test_kill_p_to_preserve_d_on_the_local_backend(small_model, tmp_path):
         assert not refused.ok and "at least 1 device" in refused.error
         assert ask_capacity(manager, 2).ok  # a device was lost: the decode TE's, once it dies
         kill9(decode.pid)
-        # the JE sees the decode TE gone and the prefill TE leave (stopped at once: no decode TE serves)
-        wait_for(lambda: pd_group(url) == {"prefill": [], "decode": []}, 60, "the P/D group empty at the JE")
+        # the manager stops the prefill TE at once (no decode TE serves), and the JE sees it leave
+        wait_for(lambda: manager.metrics.get_sample_value(STOPPED_METRIC) == 1, 60, "the prefill TE stopped")
+        wait_for(lambda: prefill.name not in pd_group(url)["prefill"], 60, "the prefill TE gone at the JE")
         # requests sent while the decode TE restarts: the colocated TE takes them (or they wait), all complete
         replies = [complete(url, model, [9 + i, 10, 11, 12]) for i in range(3)]
         assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
