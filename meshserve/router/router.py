@@ -538,7 +538,7 @@ class Router:
             job.held_since = time.monotonic()
         job.hold_limit_s = self.hold_s if limit_s is None else limit_s
         if not self._held:
-            logger.info("holding requests until a TE can take them (at most %g s): %s", self.hold_s, why)
+            logger.info("holding requests until a TE can take them (at most %g s): %s", job.hold_limit_s, why)
         self._held.append(job)
 
     def _serve_held(self, now: float) -> None:
