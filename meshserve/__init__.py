@@ -12,7 +12,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from meshserve.core.sampling_params import SamplingParams  # start-up: msgspec only when asked for
+        from meshserve.wire.sampling_params import SamplingParams  # start-up: msgspec only when asked for
 
         return SamplingParams
     raise AttributeError(name)

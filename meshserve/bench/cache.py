@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.models.factory import ensure_default_model
 from meshserve.pool.context_keys import block_keys, model_identity, rank_key
 from meshserve.utils import page_cache, report
 from meshserve.utils.processes import free_tcp_port, stop_process
+from meshserve.wire.sampling_params import SamplingParams
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_REUSE_RATES = "0,12.5,50,90"

@@ -23,10 +23,10 @@ from meshserve.bench import BENCH_ENGINE_SETTINGS
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
 from meshserve.config import EngineConfig
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.models.factory import ensure_default_model
 from meshserve.utils import report
 from meshserve.utils.processes import stop_process
+from meshserve.wire.sampling_params import SamplingParams
 
 # a TE busy on a shared core may miss heartbeats for a while; benchmarks measure load, not failover
 HEARTBEAT_TIMEOUT_S = 30.0

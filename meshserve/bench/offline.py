@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.utils import report
+from meshserve.wire.sampling_params import SamplingParams
 
 # Warm-up and roofline prompts come from their own seeds, so they never repeat the timed workload's.
 WARMUP_SEED_OFFSET = 1_000_000

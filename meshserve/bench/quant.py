@@ -26,10 +26,10 @@ from pathlib import Path
 from meshserve.bench.deployment_load import log, one_line_errors, run_bench_cli
 from meshserve.bench.spec import MIN_REQUESTS, SpecBenchError, _int_list, batch_groups, measure
 from meshserve.config.base import ConfigError
-from meshserve.core.errors import EngineDeadError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import report
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 
 PROG = "meshserve bench quant"
 LOG_PREFIX = "bench quant"

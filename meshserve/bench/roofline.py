@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from meshserve.bench.workload import make_offline_workload
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.layers import cpu_kernels
 from meshserve.layers.linear import linear, pack_weight
+from meshserve.wire.sampling_params import SamplingParams
 
 MLA_TYPES = ("deepseek_v3", "kimi_k2")
 GQA_MOE_TYPES = ("qwen3_moe",)

@@ -241,8 +241,9 @@ def _fork_source(manager):
     """A TE of the pool's layout that serves its weights but takes no requests (registered with no JE)."""
     import zmq
 
-    from meshserve.core import messages as msg
     from meshserve.utils import cluster_auth
+    from meshserve.wire import codec
+    from meshserve.wire.heartbeat import EngineHeartbeat
 
     ctx = zmq.Context()
     pull = cluster_auth.server(ctx.socket(zmq.PULL))
@@ -257,8 +258,8 @@ def _fork_source(manager):
             if time.monotonic() > deadline or not handle.alive():
                 raise ScaleBenchError("the fork source TE did not start")
             if pull.poll(200):
-                item = msg.decode(pull.recv())
-                if isinstance(item, msg.EngineHeartbeat) and item.weights_addrs:
+                item = codec.decode(pull.recv())
+                if isinstance(item, EngineHeartbeat) and item.weights_addrs:
                     yield list(item.weights_addrs)
                     break
     finally:

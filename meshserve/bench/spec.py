@@ -35,11 +35,11 @@ from meshserve.bench.deployment_load import log, one_line_errors, run_bench_cli
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
 from meshserve.config.base import ConfigError
 from meshserve.config.cache import CacheConfig
-from meshserve.core.errors import EngineDeadError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.spec_controller import MEASURE
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import report
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 
 PROG = "meshserve bench spec"
 LOG_PREFIX = "bench spec"

@@ -32,8 +32,8 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from meshserve.config import ConfigError
-from meshserve.core import messages as msg
 from meshserve.router.routing import ANY_POOL
+from meshserve.wire.cluster import GroupDemand, JobExecutorReport
 
 logger = logging.getLogger(__name__)
 
@@ -254,11 +254,11 @@ class Autoscaler:
                                  registry=self.registry)
 
     # ------------------------------------------------------------------ inputs
-    def observe(self, report: msg.JobExecutorReport, now: float) -> None:
+    def observe(self, report: JobExecutorReport, now: float) -> None:
         """A job executor's report."""
         self.observe_demand(report.name, report.groups, now)
 
-    def observe_demand(self, je_name: str, groups: Iterable[msg.GroupDemand], now: float) -> None:
+    def observe_demand(self, je_name: str, groups: Iterable[GroupDemand], now: float) -> None:
         """A job executor's demand per pool since its previous report, and what it holds now."""
         self.forget(je_name)
         for demand in groups:

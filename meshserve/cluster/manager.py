@@ -56,10 +56,24 @@ import zmq
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources, make_backend
 from meshserve.cluster.state import ClusterState, ProcessRecord, load_state, manager_running, save_state
 from meshserve.config import ConfigError, EngineConfig
-from meshserve.core import messages as msg
 from meshserve.router.deployment import MultiDeployment, TEGroupSpec, check_pd_layouts
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import free_tcp_port
+from meshserve.wire import codec
+from meshserve.wire.client import AdminOp, AdminRequest, EngineStats
+from meshserve.wire.cluster import (
+    ClusterQuery,
+    ClusterStatus,
+    GroupStatus,
+    JEStatus,
+    JobExecutorReport,
+    TEStatus,
+    WarmAssign,
+    WarmReady,
+)
+from meshserve.wire.codec import MessageError
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
+from meshserve.wire.receive import drop_frame, recv_message
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +135,7 @@ class ScaleUp:
     reason: str
     decided_at: float
     launched_at: float = 0.0
-    timeline: msg.StartupTimeline | None = None
+    timeline: StartupTimeline | None = None
     registered_at: float = 0.0
 
     @property
@@ -151,8 +165,8 @@ class _Process:
     record: ProcessRecord
     handle: ProcessHandle | None
     last_seen: float = 0.0  # its last heartbeat / report (monotonic); 0: none yet
-    heartbeat: msg.EngineHeartbeat | None = None  # TEs
-    report: msg.JobExecutorReport | None = None  # JEs
+    heartbeat: EngineHeartbeat | None = None  # TEs
+    report: JobExecutorReport | None = None  # JEs
     assign_addr: str = ""  # warm TEs: where to send WarmAssign (from its WarmReady)
     draining: bool = False  # a TE told to drain: its exit is expected
     quick_deaths: int = 0
@@ -412,7 +426,7 @@ class ClusterManager:
             sock.setsockopt(zmq.LINGER, 2000)
             cluster_auth.client(sock, warm.assign_addr)
             sock.connect(warm.assign_addr)
-            sock.send(msg.encode(msg.WarmAssign(config=config, role=msg.EngineRole(spec.role), group=spec.group,
+            sock.send(codec.encode(WarmAssign(config=config, role=EngineRole(spec.role), group=spec.group,
                                                 listen=listen, register=register, assigned_at=time.time())))
             sock.close()
             handle = warm.handle  # the same process (under its backend name), now this TE
@@ -453,7 +467,7 @@ class ClusterManager:
             sock.setsockopt(zmq.LINGER, 2000)
             cluster_auth.client(sock, hb.input_addr)
             sock.connect(hb.input_addr)
-            sock.send(msg.encode(msg.AdminRequest(query_id=0, op=msg.AdminOp.DRAIN)))
+            sock.send(codec.encode(AdminRequest(query_id=0, op=AdminOp.DRAIN)))
             sock.close()
         self._event(f"drain TE {te.name}: {reason}")
 
@@ -488,21 +502,21 @@ class ClusterManager:
 
     def _take_messages(self, now: float) -> None:
         while self.register.poll(0):
-            item = msg.recv_message(self.register, "manager-register")
-            if isinstance(item, msg.EngineHeartbeat):
+            item = recv_message(self.register, "manager-register")
+            if isinstance(item, EngineHeartbeat):
                 te = self.tes.get(item.name)
                 if te is None:
                     continue  # not ours (a TE of another deployment pointed here)
                 if item.leaving:
                     te.draining = True
                 te.heartbeat, te.last_seen = item, now
-            elif isinstance(item, msg.JobExecutorReport):
+            elif isinstance(item, JobExecutorReport):
                 je = self.jes.get(item.name)
                 if je is not None:
                     je.report, je.last_seen = item, now
                     if self.autoscaler is not None:
                         self.autoscaler.observe_demand(item.name, item.groups, now)
-            elif isinstance(item, msg.WarmReady):
+            elif isinstance(item, WarmReady):
                 warm = self.warm.get(item.name)
                 if warm is not None and not warm.assign_addr:
                     warm.assign_addr = item.assign_addr
@@ -515,11 +529,11 @@ class ClusterManager:
                 continue
             identity, data = frames
             try:
-                query = msg.decode(data)
-                if not isinstance(query, msg.ClusterQuery):
-                    raise msg.MessageError(f"expected a ClusterQuery, got {type(query).__name__}")
-            except msg.MessageError as exc:
-                msg.drop_frame("manager-control", exc)
+                query = codec.decode(data)
+                if not isinstance(query, ClusterQuery):
+                    raise MessageError(f"expected a ClusterQuery, got {type(query).__name__}")
+            except MessageError as exc:
+                drop_frame("manager-control", exc)
                 continue
             reply = self.status()
             if query.op == "down":
@@ -530,16 +544,16 @@ class ClusterManager:
                 reply = self._operator_scale(query)
             elif query.op == "capacity":
                 reply = self._operator_capacity(query)
-            self.control.send_multipart([identity, msg.encode(reply)])
+            self.control.send_multipart([identity, codec.encode(reply)])
 
-    def _operator_scale(self, query: msg.ClusterQuery) -> msg.ClusterStatus:
+    def _operator_scale(self, query: ClusterQuery) -> ClusterStatus:
         spec = self.specs.get(query.pool)
         if spec is None:
-            return msg.ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+            return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
                                      error=f"no pool {query.pool!r}; pools: {', '.join(sorted(self.specs))}")
         low, high = spec.bounds
         if not low <= query.target <= high:
-            return msg.ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+            return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
                                      error=f"pool {query.pool} scales between {low} and {high} TEs, not "
                                            f"{query.target}")
         self.set_target(query.pool, query.target, "operator: meshserve cluster scale")
@@ -554,9 +568,9 @@ class ClusterManager:
             self._waiting_for_devices.clear()  # a wait that goes on is announced again
             self._event(f"capacity {'unlimited' if devices is None else f'{devices} device(s)'}: {reason}")
 
-    def _operator_capacity(self, query: msg.ClusterQuery) -> msg.ClusterStatus:
+    def _operator_capacity(self, query: ClusterQuery) -> ClusterStatus:
         if query.target < 1:
-            return msg.ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+            return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
                                      error=f"capacity must be at least 1 device, not {query.target}")
         self.set_capacity(query.target, "asked by an operator")
         return self.status()
@@ -794,7 +808,7 @@ class ClusterManager:
         self._saved = save_state(self.state_dir, self.state, self._saved)  # every turn, written only on change
 
     # ------------------------------------------------------------------ views
-    def status(self) -> msg.ClusterStatus:
+    def status(self) -> ClusterStatus:
         now = time.monotonic()
         tes = []
         for te in sorted(self.tes.values(), key=lambda p: p.name):
@@ -802,21 +816,21 @@ class ClusterManager:
             alive = te.handle is not None and te.handle.alive()
             state = ("dead" if not alive else "draining" if te.draining else "ready" if hb is not None
                      and hb.startup is not None and hb.startup.ready else "starting")
-            stats = hb.stats if hb is not None else msg.EngineStats()
-            tes.append(msg.TEStatus(
+            stats = hb.stats if hb is not None else EngineStats()
+            tes.append(TEStatus(
                 name=te.name, group=self.specs[te.record.pool].group, role=self.specs[te.record.pool].role,
                 state=state, pid=te.handle.pid if te.handle is not None else 0,
                 host=te.handle.host if te.handle is not None else "", source=te.record.source,
                 restarts=te.record.restarts, num_running=stats.num_running, num_waiting=stats.num_waiting,
                 kv_usage=stats.kv_usage, uptime_s=now - te.started_mono))
-        groups = [msg.GroupStatus(group=spec.group, role=spec.role, current=len(self._pool_tes(pool)),
+        groups = [GroupStatus(group=spec.group, role=spec.role, current=len(self._pool_tes(pool)),
                                   target=self.targets[pool], min_count=spec.bounds[0], max_count=spec.bounds[1],
                                   reason=self.last_reason.get(pool, "")) for pool, spec in self.specs.items()]
-        jes = [msg.JEStatus(name=je.name, http_addr=self._http_addr(je),
+        jes = [JEStatus(name=je.name, http_addr=self._http_addr(je),
                             pid=je.handle.pid if je.handle is not None else 0,
                             state="dead" if je.handle is None or not je.handle.alive() else
                             "ready" if je.report is not None else "starting") for je in self.jes.values()]
-        return msg.ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), tes=tes,
+        return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), tes=tes,
                                  groups=groups, jes=jes, warm=sum(1 for w in self.warm.values() if w.assign_addr),
                                  events=list(self.events))
 

@@ -20,9 +20,14 @@ import time
 
 import zmq
 
-from meshserve.core import messages as msg
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import launch
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.cluster import WarmAssign, WarmReady
+from meshserve.wire.codec import MAX_INBOX_BYTES
+from meshserve.wire.receive import recv_message
+from meshserve.wire.worker import WorkerHandshake
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +59,11 @@ class _SpareWorker:
         self.proc: subprocess.Popen = launch("warm-worker", assign_addr=addr, ready_addr=ready_addr,
                                              log_level=log_level)
 
-    def assign(self, handshake: msg.WorkerHandshake) -> None:
-        self.sock.send(msg.encode(handshake))
+    def assign(self, handshake: WorkerHandshake) -> None:
+        self.sock.send(codec.encode(handshake))
 
     def release(self) -> None:
-        self.sock.send(msg.encode(msg.Shutdown()))
+        self.sock.send(codec.encode(Shutdown()))
 
 
 def run_warm_worker(assign_addr: str, ready_addr: str, log_level: int = logging.INFO) -> None:
@@ -75,7 +80,7 @@ def run_warm_worker(assign_addr: str, ready_addr: str, log_level: int = logging.
     ready = ctx.socket(zmq.PUSH)
     ready.setsockopt(zmq.LINGER, 1000)
     ready.connect(ready_addr)
-    ready.send(msg.encode(msg.WarmReady(name="spare", pid=os.getpid(), assign_addr=assign_addr, num_workers=0)))
+    ready.send(codec.encode(WarmReady(name="spare", pid=os.getpid(), assign_addr=assign_addr, num_workers=0)))
     ready.close()
     try:
         while True:
@@ -83,10 +88,10 @@ def run_warm_worker(assign_addr: str, ready_addr: str, log_level: int = logging.
                 if os.getppid() != parent:
                     return  # the warm TE is gone
                 continue
-            item = msg.recv_message(sock, "spare-assign")
-            if isinstance(item, msg.Shutdown):
+            item = recv_message(sock, "spare-assign")
+            if isinstance(item, Shutdown):
                 return
-            if isinstance(item, msg.WorkerHandshake) and item.config is not None:
+            if isinstance(item, WorkerHandshake) and item.config is not None:
                 break
     finally:
         sock.close(0)
@@ -112,19 +117,19 @@ def run_warm_te(name: str, manager_addr: str, host: str = "127.0.0.1", num_worke
     waiting = num_workers
     while waiting:  # announce only a TE whose every spare is warm
         if spares_ready.poll(_PARENT_CHECK_MS):
-            if isinstance(msg.recv_message(spares_ready, "spares-ready"), msg.WarmReady):
+            if isinstance(recv_message(spares_ready, "spares-ready"), WarmReady):
                 waiting -= 1
         elif any(spare.proc.poll() is not None for spare in spares):
             raise SystemExit("a spare worker exited while warming up")
     spares_ready.close(0)
     assign = cluster_auth.server(ctx.socket(zmq.PULL))
-    assign.setsockopt(zmq.MAXMSGSIZE, msg.MAX_INBOX_BYTES)
+    assign.setsockopt(zmq.MAXMSGSIZE, MAX_INBOX_BYTES)
     port = assign.bind_to_random_port(f"tcp://{host}")
     manager = cluster_auth.client(ctx.socket(zmq.PUSH), manager_addr)
     manager.setsockopt(zmq.LINGER, 0)
     manager.setsockopt(zmq.SNDHWM, 4)
     manager.connect(manager_addr)
-    ready = msg.encode(msg.WarmReady(name=name, pid=os.getpid(), assign_addr=f"tcp://{host}:{port}",
+    ready = codec.encode(WarmReady(name=name, pid=os.getpid(), assign_addr=f"tcp://{host}:{port}",
                                      num_workers=num_workers, host=host))
     logger.info("warm in %.1f s with %d spare worker(s); waiting for a TE to become", time.monotonic() - t0,
                 num_workers)
@@ -135,10 +140,10 @@ def run_warm_te(name: str, manager_addr: str, host: str = "127.0.0.1", num_worke
         except zmq.Again:
             pass  # no manager right now: the next announcement reaches the one that comes back
         if assign.poll(int(_READY_INTERVAL_S * 1000)):
-            item = msg.recv_message(assign, "warm-assign")
-            if isinstance(item, msg.Shutdown):
+            item = recv_message(assign, "warm-assign")
+            if isinstance(item, Shutdown):
                 break
-            if isinstance(item, msg.WarmAssign):
+            if isinstance(item, WarmAssign):
                 order = item
     manager.close(0)
     assign.close(0)

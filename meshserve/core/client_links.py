@@ -16,8 +16,10 @@ from collections.abc import Callable
 
 import zmq
 
-from meshserve.core import messages as msg
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.codec import MAX_INBOX_BYTES
+from meshserve.wire.heartbeat import EngineHeartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +36,18 @@ class ClientLink:
         self.listen_addr = ""
 
     def send(self, item, reply_to: str = "") -> None:
-        self.outbox.send(msg.encode(item))
+        self.outbox.send(codec.encode(item))
 
     def broadcast(self, item) -> None:
-        self.outbox.send(msg.encode(item))
+        self.outbox.send(codec.encode(item))
 
     def send_to(self, addr: str, item) -> None:
         raise RuntimeError("a TE started by one client cannot reach other engines; run it with `meshserve te`")
 
-    def tick(self, now: float, heartbeat: Callable[[], msg.EngineHeartbeat]) -> None:
+    def tick(self, now: float, heartbeat: Callable[[], EngineHeartbeat]) -> None:
         pass
 
-    def say_goodbye(self, heartbeat: msg.EngineHeartbeat) -> None:
+    def say_goodbye(self, heartbeat: EngineHeartbeat) -> None:
         pass
 
     def close(self) -> None:
@@ -59,7 +61,7 @@ class RouterLinks:
         self.ctx = ctx
         self.inbox = ctx.socket(zmq.PULL)
         # a larger frame closes its sender's connection before it is buffered whole
-        self.inbox.setsockopt(zmq.MAXMSGSIZE, msg.MAX_INBOX_BYTES)
+        self.inbox.setsockopt(zmq.MAXMSGSIZE, MAX_INBOX_BYTES)
         host, _, port = listen_addr.removeprefix("tcp://").rpartition(":")
         cluster_auth.server(self.inbox)  # only holders of the cluster secret may send this TE anything
         self.inbox.bind(f"tcp://{host}:{'*' if port in ('0', '') else port}")
@@ -85,7 +87,7 @@ class RouterLinks:
     def send_to(self, addr: str, item) -> None:
         """Never blocks: a peer that is gone (its queue full) loses the message, not the TE's loop."""
         try:
-            self._peer(addr).send(msg.encode(item), zmq.NOBLOCK)
+            self._peer(addr).send(codec.encode(item), zmq.NOBLOCK)
         except zmq.Again:
             self._dropped += 1
             if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:
@@ -102,21 +104,21 @@ class RouterLinks:
         for addr in list(self._peers):
             self.send_to(addr, item)
 
-    def tick(self, now: float, heartbeat: Callable[[], msg.EngineHeartbeat]) -> None:
+    def tick(self, now: float, heartbeat: Callable[[], EngineHeartbeat]) -> None:
         if now < self._next_heartbeat or not self._register:
             return
         self._next_heartbeat = now + HEARTBEAT_INTERVAL_S
-        data = msg.encode(heartbeat())
+        data = codec.encode(heartbeat())
         for sock in self._register:
             try:
                 sock.send(data, zmq.NOBLOCK)
             except zmq.Again:
                 pass  # a JE that is not there yet gets the next one
 
-    def say_goodbye(self, heartbeat: msg.EngineHeartbeat) -> None:
+    def say_goodbye(self, heartbeat: EngineHeartbeat) -> None:
         heartbeat.leaving = True
         heartbeat.timestamp = time.time()
-        data = msg.encode(heartbeat)
+        data = codec.encode(heartbeat)
         for sock in self._register:
             try:
                 sock.send(data, zmq.NOBLOCK)

@@ -25,16 +25,11 @@ from typing import ClassVar
 
 import msgspec
 
-from meshserve.core.messages import (
-    EplbCommand,
-    EplbPhase,
-    EplbStatus,
-    ExpertLoad,
-    PlacementData,
-    WorkerEventKind,
-)
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import ExpertPlacement, PlacementShape
+from meshserve.wire.client import EplbStatus, ExpertLoad
+from meshserve.wire.eplb import EplbCommand, EplbPhase, PlacementData
+from meshserve.wire.worker import WorkerEventKind
 
 logger = logging.getLogger(__name__)
 

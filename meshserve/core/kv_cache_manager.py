@@ -18,34 +18,17 @@ Not thread-safe: the master calls it from its scheduling loop.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from meshserve.core.messages import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    CachedBlock,
-    CacheEvent,
-)
+from meshserve.wire.client import CachedBlock
+from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, chain_block_hash
 
 # Without a consumer, keep the most recent events only, so an idle buffer cannot grow without bound.
 MAX_BUFFERED_EVENTS = 65536
 
 
-def chain_block_hash(parent_block_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Stable 64-bit hash of a block given its parent's hash: equal prefixes give equal hashes
-    in every process (unlike Python's randomised `hash`)."""
-    h = hashlib.blake2b(digest_size=8)
-    if parent_block_hash is None:
-        h.update(b"\x00")
-    else:
-        h.update(b"\x01" + parent_block_hash.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(h.digest(), "little")
 
 
 # ---------------------------------------------------------------- radix tree

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from meshserve.core.messages import LinkState, LinkStatus
+from meshserve.wire.kv import LinkState, LinkStatus
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ STALL_S = 2.0  # a pull in flight, or waiting for blocks, this long: the link is
 SLOW_PROBE_S = 0.5  # a probe that passes this slowly: saturated
 SLOW_WINDOW_S = 10.0  # a slow pull keeps its link saturated this long
 FORGET_S = 30.0  # a link nothing was heard of this long is forgotten (its peer was unlinked, or is gone)
-
-_SEVERITY = {LinkState.OK: 0, LinkState.SATURATED: 1, LinkState.DOWN: 2}
 
 
 @dataclass
@@ -152,30 +150,3 @@ class LinkMonitor:
         return out
 
 
-def merge_links(links: Iterable[LinkStatus]) -> list[LinkStatus]:
-    """One status per (decode TE, prefill TE) from its DP groups' statuses: the worst state (and its time and
-    error), the slowest round trip, the longest run of failures, the counts added up."""
-    merged: dict[tuple[str, str], LinkStatus] = {}
-    for link in links:
-        key = (link.decode, link.prefill)
-        have = merged.get(key)
-        if have is None:
-            merged[key] = LinkStatus(**{f: getattr(link, f) for f in link.__struct_fields__})
-            continue
-        worse = _SEVERITY[link.state] > _SEVERITY[have.state]
-        if worse:
-            have.state, have.since = link.state, link.since
-        have.last_error = (link.last_error or have.last_error) if worse else (have.last_error or link.last_error)
-        have.rtt_s = max(have.rtt_s, link.rtt_s)
-        have.consecutive_failures = max(have.consecutive_failures, link.consecutive_failures)
-        have.probes += link.probes
-        have.probe_failures += link.probe_failures
-        have.pulls += link.pulls
-        have.pull_failures += link.pull_failures
-        have.slow_pulls += link.slow_pulls
-    return [merged[key] for key in sorted(merged)]
-
-
-def down_prefills(links: Iterable[LinkStatus]) -> frozenset[str]:
-    """The prefill TEs whose link is down, of one decode TE's statuses."""
-    return frozenset(link.prefill for link in links if link.state is LinkState.DOWN)

@@ -26,24 +26,70 @@ import msgspec
 import zmq
 
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
 from meshserve.core.client_links import ClientLink, RouterLinks
 from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
 from meshserve.core.eplb_controller import EplbController, EplbError
-from meshserve.core.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector import KVConnectors
-from meshserve.core.link_monitor import merge_links
 from meshserve.core.rank_health import RECOVERY_WINDOW_S, RankHealth, RecoveryState
 from meshserve.core.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.core.request import Request
-from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from meshserve.core.scheduler import Scheduler
 from meshserve.core.spec_controller import SpeculationController
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.moe.placement import engine_shape, load_placement_file
 from meshserve.utils import cluster_auth, faults
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.client import (
+    AbortRequests,
+    AddRequest,
+    AdminOp,
+    AdminReply,
+    AdminRequest,
+    ContextCacheDeleted,
+    ContextCacheInfo,
+    ContextCacheListing,
+    EngineError,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    EplbStatus,
+    ExpertLoad,
+    FinishReason,
+    KVSnapshot,
+    ReleaseKV,
+    RequestDelta,
+    StatsQuery,
+    StatsResult,
+    error_type_of,
+)
+from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
+from meshserve.wire.errors import InvalidRequestError, QueueFullError, RequestTooLongError
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
+from meshserve.wire.kv import (
+    AllBlocksCleared,
+    KVCacheEvents,
+    KVConnectorMetadata,
+    KVConnectorReport,
+    KVTransferRole,
+)
+from meshserve.wire.receive import drop_frame, dropped_frames, recv_message
+from meshserve.wire.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from meshserve.wire.worker import (
+    InjectFault,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepBatch,
+    WorkerEvent,
+    WorkerEventKind,
+    WorkerFailure,
+    WorkerHandshake,
+    WorkerPing,
+    WorkerPong,
+    WorkerReady,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +97,7 @@ _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
 _INBOX, _RESULTS = "te-inbox", "worker-results"  # the master's receiving sockets, as dropped frames name them
 _MAX_REQUEST_ID_CHARS = 256
 _MAX_ID_LIST = 1024  # eos and stop token ids of one request
-_RESULT_TYPES = (msg.ModelRunnerOutput, msg.WorkerFailure, msg.WorkerEvent, msg.KVConnectorReport, msg.WorkerPong)
+_RESULT_TYPES = (ModelRunnerOutput, WorkerFailure, WorkerEvent, KVConnectorReport, WorkerPong)
 _DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
 _WARMUP_ID = "meshserve-warmup"  # the dummy request a TE runs before it registers (answers go nowhere)
 _WARMUP_TIMEOUT_S = 120.0
@@ -71,7 +117,7 @@ class SpareWorker(Protocol):
 
     proc: subprocess.Popen
 
-    def assign(self, handshake: msg.WorkerHandshake) -> None: ...
+    def assign(self, handshake: WorkerHandshake) -> None: ...
 
     def release(self) -> None: ...
 
@@ -117,7 +163,7 @@ class WorkerGroup:
         for rank in range(num_local):
             if spares:
                 spare = spares.pop(0)
-                spare.assign(msg.WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
+                spare.assign(WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
                                                  result_addr=result_addr, dist_init_method=dist_init))
                 self.procs.append(spare.proc)
             else:
@@ -136,28 +182,28 @@ class WorkerGroup:
         return f"tcp://{self._tcp_host}:{port}"
 
     def send(self, item) -> None:
-        data = msg.encode(item)
+        data = codec.encode(item)
         for rank, work in enumerate(self.works):
             try:
                 work.send(data)
             except zmq.Again:  # only remote ranks' sockets time out: no connection left to send on
                 self._unreachable.append(rank)
 
-    def wait_ready(self, timeout_s: float, on_wait=None) -> list[msg.WorkerReady]:
+    def wait_ready(self, timeout_s: float, on_wait=None) -> list[WorkerReady]:
         """Every rank's WorkerReady, in rank order; `on_wait()` runs between polls (a recovering master
         keeps heartbeating)."""
         deadline = time.monotonic() + timeout_s
-        ready: dict[int, msg.WorkerReady] = {}
+        ready: dict[int, WorkerReady] = {}
         while time.monotonic() < deadline:
             if on_wait is not None:
                 on_wait()
             if self.results.poll(200):
-                item = msg.recv_message(self.results, _RESULTS)
-                if isinstance(item, msg.WorkerReady):
+                item = recv_message(self.results, _RESULTS)
+                if isinstance(item, WorkerReady):
                     ready[item.rank] = item
                     if len(ready) == self.world_size:
                         return [ready[rank] for rank in range(self.world_size)]
-                elif isinstance(item, msg.WorkerFailure):
+                elif isinstance(item, WorkerFailure):
                     raise RuntimeError(f"worker {item.rank} failed to start: {item.message}{self._not_joined()}")
                 elif item is not None:  # a ready rank's background news (its weight server): handled after start
                     self.early_results.append(item)
@@ -180,7 +226,7 @@ class WorkerGroup:
         gone = self._gone_rank()
         return None if gone is None else gone[1]
 
-    def explain(self, report: msg.WorkerFailure) -> str:
+    def explain(self, report: WorkerFailure) -> str:
         """A rank's failure report, led by another rank's death when one is seen: a rank that
         fails inside a collective is often only the echo of a peer that died."""
         text = f"worker {report.rank} failed: {report.message}"
@@ -215,7 +261,7 @@ class WorkerGroup:
     def shutdown(self, grace_s: float = 10.0) -> None:
         for work in self.works:
             try:
-                work.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
+                work.send(codec.encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         for p in self.procs:
@@ -237,7 +283,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context, link: ClientLink | RouterLinks, ipc_dir: str,
                  log_level: int = logging.INFO, role: str = "colocated", group: str = "",
-                 watch_parent: bool = True, startup: msg.StartupTimeline | None = None,
+                 watch_parent: bool = True, startup: StartupTimeline | None = None,
                  spare_workers: list[SpareWorker] = ()) -> None:
         self.config = config
         self.ctx = ctx
@@ -249,7 +295,7 @@ class EngineCore:
         self.parent = os.getppid()
         strategy = config.parallel_config.strategy
         self.dp_size = strategy.attn_dp
-        self.startup = startup or msg.StartupTimeline(process_start=time.time())
+        self.startup = startup or StartupTimeline(process_start=time.time())
         self.draining_since: float | None = None
         self.ipc_dir, self.log_level = ipc_dir, log_level
         self.base_config = config  # the configured layout; `config` is a shrunk one while ranks are missing
@@ -281,7 +327,7 @@ class EngineCore:
         self._build_state(config, ready)
         num_blocks = sum(kv_manager.num_blocks for kv_manager in self.kv_managers)
         if isinstance(link, ClientLink):
-            self._send(msg.EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
+            self._send(EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
                                        kv_bytes_per_token=ready[0].kv_bytes_per_token,
                                        max_model_len=self.max_model_len, vocab_size=self.vocab_size))
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
@@ -289,7 +335,7 @@ class EngineCore:
                     self.pipeline_depth)
 
     def _start_workers(self, config: EngineConfig, spare_workers: list[SpareWorker] = (),
-                       on_wait=None) -> list[msg.WorkerReady]:
+                       on_wait=None) -> list[WorkerReady]:
         """Start the ranks of `config`'s layout and wait until each is ready (their WorkerReady, in rank order)."""
         ipc_dir = self.ipc_dir
         if self.recovery.total:  # the last ranks' sockets may not have let go of their names yet
@@ -305,7 +351,7 @@ class EngineCore:
         self.health.reset(len(ready))
         return ready
 
-    def _build_state(self, config: EngineConfig, ready: list[msg.WorkerReady]) -> None:
+    def _build_state(self, config: EngineConfig, ready: list[WorkerReady]) -> None:
         """Schedulers, KV cache bookkeeping and connectors for the ranks just started (empty: no request yet)."""
         self.config = config
         strategy = config.parallel_config.strategy
@@ -330,12 +376,12 @@ class EngineCore:
         self.owner: dict[str, int] = {}
         # step n + 1 is scheduled while step n runs (verifications included, see _may_schedule)
         self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
-        self.in_flight: list[deque[msg.SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
+        self.in_flight: list[deque[SchedulerOutput]] = [deque() for _ in range(self.dp_size)]
         self.eplb = self._make_eplb_controller(ready[0])
         for item in self.workers.early_results:
             self._take_result(item)
 
-    def _note_load(self, ready: list[msg.WorkerReady]) -> None:
+    def _note_load(self, ready: list[WorkerReady]) -> None:
         """The TE-Load step from its ranks' reports, and where new TEs of this layout can fork weights from."""
         loaded = [r for r in ready if r.load_end]
         if loaded:
@@ -347,7 +393,7 @@ class EngineCore:
         self._weight_servers = {r.rank: r.weights_addr for r in ready if r.weights_addr}
         self.weights_addrs = [r.weights_addr for r in ready] if all(r.weights_addr for r in ready) else []
 
-    def _make_eplb_controller(self, ready: msg.WorkerReady) -> EplbController:
+    def _make_eplb_controller(self, ready: WorkerReady) -> EplbController:
         strategy = self.config.parallel_config.strategy
         eplb = self.config.eplb_config
         shape = None
@@ -360,10 +406,10 @@ class EngineCore:
     def _send(self, item, reply_to: str = "") -> None:
         self.link.send(item, reply_to)
 
-    def _send_deltas(self, deltas: list[msg.RequestDelta]) -> None:
+    def _send_deltas(self, deltas: list[RequestDelta]) -> None:
         if not deltas:
             return
-        by_client: dict[str, list[msg.RequestDelta]] = {}
+        by_client: dict[str, list[RequestDelta]] = {}
         for delta in deltas:
             reply_to = self.reply_of.get(delta.req_id, "")
             if delta.finish_reason is not None or delta.kv_transfer_params is not None:
@@ -373,97 +419,97 @@ class EngineCore:
         for reply_to, batch in by_client.items():
             batch = [delta for delta in batch if delta.req_id != _WARMUP_ID]
             if batch:
-                self._send(msg.EngineOutputs(deltas=batch, timestamp=now), reply_to)
+                self._send(EngineOutputs(deltas=batch, timestamp=now), reply_to)
 
     # ------------------------------------------------------------------ client messages
     def _on_client(self, item) -> None:
         """One message from the inbox; whatever it holds, the loop goes on."""
         handler = self._CLIENT_HANDLERS.get(type(item))
         if handler is None:
-            msg.drop_frame(_INBOX, f"a {type(item).__name__} is not a message for a TE")
+            drop_frame(_INBOX, f"a {type(item).__name__} is not a message for a TE")
             return
         try:
             handler(self, item)
         except Exception as exc:  # noqa: BLE001 - one message must never end the TE
             logger.exception("handling a %s failed", type(item).__name__)
-            if isinstance(item, msg.AddRequest):
+            if isinstance(item, AddRequest):
                 self._reject(item, exc)
 
-    def _answer_refused(self, refused: msg.RefusedFrame) -> None:
+    def _answer_refused(self, refused: RefusedFrame) -> None:
         """A request whose frame failed its checks (e.g. sampling params out of range) fails alone, answered."""
         logger.warning("refused a request: %s", refused)
         self._send(refused.answer, refused.reply_to)
 
-    def _on_abort(self, item: msg.AbortRequests) -> None:
+    def _on_abort(self, item: AbortRequests) -> None:
         self._abort(item.req_ids)
 
-    def _on_release_kv(self, item: msg.ReleaseKV) -> None:
+    def _on_release_kv(self, item: ReleaseKV) -> None:
         self.kv_connectors.release(item.req_ids)
 
-    def _on_stats_query(self, item: msg.StatsQuery) -> None:
+    def _on_stats_query(self, item: StatsQuery) -> None:
         self._send(self._stats(), item.reply_to)
 
-    def _on_admin(self, item: msg.AdminRequest) -> None:
+    def _on_admin(self, item: AdminRequest) -> None:
         try:
             reply = self._admin(item)
         except Exception as exc:  # noqa: BLE001 - a failing operator command is refused, never fatal
             logger.exception("admin operation %r failed", item.op)
-            reply = msg.AdminReply(query_id=item.query_id, ok=False, error=f"{item.op} failed: {exc}")
+            reply = AdminReply(query_id=item.query_id, ok=False, error=f"{item.op} failed: {exc}")
         if item.reply_to or isinstance(self.link, ClientLink):  # a TE's sender that names no address wants none
             self._send(reply, item.reply_to)
 
-    def _on_shutdown(self, item: msg.Shutdown) -> None:
+    def _on_shutdown(self, item: Shutdown) -> None:
         self.running = False
 
-    def _admin(self, item: msg.AdminRequest) -> msg.AdminReply:
+    def _admin(self, item: AdminRequest) -> AdminReply:
         try:
             data = self._ADMIN_OPS[item.op](self, item)
         except EplbError as exc:
-            return msg.AdminReply(query_id=item.query_id, ok=False, error=str(exc))
-        return msg.AdminReply(query_id=item.query_id, data=data)
+            return AdminReply(query_id=item.query_id, ok=False, error=str(exc))
+        return AdminReply(query_id=item.query_id, data=data)
 
-    def _admin_eplb_load(self, item: msg.AdminRequest) -> msg.ExpertLoad:
+    def _admin_eplb_load(self, item: AdminRequest) -> ExpertLoad:
         return self.eplb.load()
 
-    def _admin_eplb_status(self, item: msg.AdminRequest) -> msg.EplbStatus:
+    def _admin_eplb_status(self, item: AdminRequest) -> EplbStatus:
         return self.eplb.status()
 
-    def _admin_eplb_rebalance(self, item: msg.AdminRequest) -> msg.EplbStatus:
+    def _admin_eplb_rebalance(self, item: AdminRequest) -> EplbStatus:
         if self.dead_error is not None:
             raise EplbError(f"engine is dead: {self.dead_error}")
         self.eplb.rebalance(item.placement)
         return self.eplb.status()
 
-    def _admin_stats(self, item: msg.AdminRequest) -> msg.StatsResult:
-        return msg.StatsResult(self._stats())
+    def _admin_stats(self, item: AdminRequest) -> StatsResult:
+        return StatsResult(self._stats())
 
-    def _admin_kv_snapshot(self, item: msg.AdminRequest) -> msg.KVSnapshot:
+    def _admin_kv_snapshot(self, item: AdminRequest) -> KVSnapshot:
         """A router rebuilding its view of this TE's prefix caches."""
-        return msg.KVSnapshot(seq=self._kv_event_seq,
+        return KVSnapshot(seq=self._kv_event_seq,
                               blocks={g: kv_manager.snapshot() for g, kv_manager in enumerate(self.kv_managers)})
 
-    def _admin_context_cache_delete(self, item: msg.AdminRequest) -> msg.ContextCacheDeleted:
+    def _admin_context_cache_delete(self, item: AdminRequest) -> ContextCacheDeleted:
         """Unpin a named context cache's blocks."""
         if item.cache_id is None:
             raise EplbError("context_cache.delete needs a cache id")
         deleted = [s.drop_context_cache(item.cache_id) for s in self.schedulers]
-        return msg.ContextCacheDeleted(id=item.cache_id, deleted=any(deleted))
+        return ContextCacheDeleted(id=item.cache_id, deleted=any(deleted))
 
-    def _admin_context_cache_list(self, item: msg.AdminRequest) -> msg.ContextCacheListing:
+    def _admin_context_cache_list(self, item: AdminRequest) -> ContextCacheListing:
         now = time.monotonic()
-        return msg.ContextCacheListing(caches={
-            cache_id: msg.ContextCacheInfo(dp_rank=g, num_tokens=len(pin.token_ids),
+        return ContextCacheListing(caches={
+            cache_id: ContextCacheInfo(dp_rank=g, num_tokens=len(pin.token_ids),
                                            expires_in_s=max(0.0, pin.deadline - now))
             for g, s in enumerate(self.schedulers) for cache_id, pin in s.context_caches.items()})
 
-    def _admin_drain(self, item: msg.AdminRequest) -> msg.StatsResult:
+    def _admin_drain(self, item: AdminRequest) -> StatsResult:
         """A scale-down: take nothing new, finish what runs (and what prefill holds for decode), then leave."""
         if self.draining_since is None:
             self.draining_since = time.monotonic()
             logger.info("draining: finishing %d running and %d waiting request(s), then leaving",
                         sum(s.num_running for s in self.schedulers), len(self.pending) +
                         sum(s.num_waiting for s in self.schedulers))
-        return msg.StatsResult(self._stats())
+        return StatsResult(self._stats())
 
     def _drained(self) -> bool:
         if self.draining_since is None:
@@ -474,31 +520,31 @@ class EngineCore:
         stats = self._stats()
         return not (self._has_work() or self.pending or self._steps_in_flight() or stats.kv_transfer_holds)
 
-    def _admin_fault_inject(self, item: msg.AdminRequest) -> msg.StatsResult:
+    def _admin_fault_inject(self, item: AdminRequest) -> StatsResult:
         """Arm a fault (tests and benchmarks): the master's own here, the others on every rank."""
         if item.fault.kind in faults.MASTER_KINDS:
             faults.arm(item.fault)
         else:
-            self.workers.send(msg.InjectFault(fault=item.fault))
-        return msg.StatsResult(self._stats())
+            self.workers.send(InjectFault(fault=item.fault))
+        return StatsResult(self._stats())
 
-    _ADMIN_OPS = {msg.AdminOp.EPLB_LOAD: _admin_eplb_load, msg.AdminOp.EPLB_STATUS: _admin_eplb_status,
-                  msg.AdminOp.EPLB_REBALANCE: _admin_eplb_rebalance, msg.AdminOp.STATS: _admin_stats,
-                  msg.AdminOp.KV_SNAPSHOT: _admin_kv_snapshot,
-                  msg.AdminOp.CONTEXT_CACHE_DELETE: _admin_context_cache_delete,
-                  msg.AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list, msg.AdminOp.DRAIN: _admin_drain,
-                  msg.AdminOp.FAULT_INJECT: _admin_fault_inject}
+    _ADMIN_OPS = {AdminOp.EPLB_LOAD: _admin_eplb_load, AdminOp.EPLB_STATUS: _admin_eplb_status,
+                  AdminOp.EPLB_REBALANCE: _admin_eplb_rebalance, AdminOp.STATS: _admin_stats,
+                  AdminOp.KV_SNAPSHOT: _admin_kv_snapshot,
+                  AdminOp.CONTEXT_CACHE_DELETE: _admin_context_cache_delete,
+                  AdminOp.CONTEXT_CACHE_LIST: _admin_context_cache_list, AdminOp.DRAIN: _admin_drain,
+                  AdminOp.FAULT_INJECT: _admin_fault_inject}
 
-    def _reject(self, item: msg.AddRequest, error: Exception) -> None:
+    def _reject(self, item: AddRequest, error: Exception) -> None:
         """Refuse one request: its caller gets an error delta naming the error's class."""
         if item.reply_to:
             self.reply_of[item.req_id] = item.reply_to
-        self._send_deltas([msg.RequestDelta(req_id=item.req_id, new_token_ids=[],
-                                            finish_reason=msg.FinishReason.ERROR,
-                                            error=str(error), error_type=msg.error_type_of(error),
+        self._send_deltas([RequestDelta(req_id=item.req_id, new_token_ids=[],
+                                            finish_reason=FinishReason.ERROR,
+                                            error=str(error), error_type=error_type_of(error),
                                             num_prompt_tokens=len(item.prompt_token_ids))])
 
-    def _check_add_request(self, item: msg.AddRequest) -> SamplingParams:
+    def _check_add_request(self, item: AddRequest) -> SamplingParams:
         """The request's sampling settings, once every field is within what this model takes
         (InvalidRequestError or SamplingParamsError otherwise): a bad request is refused here, alone."""
         if not item.req_id or len(item.req_id) > _MAX_REQUEST_ID_CHARS:
@@ -518,7 +564,7 @@ class EngineCore:
         params.verify(self.vocab_size)
         return params
 
-    def _add_request(self, item: msg.AddRequest) -> None:
+    def _add_request(self, item: AddRequest) -> None:
         if self.dead_error is not None:
             self._reject(item, RuntimeError(f"engine is dead: {self.dead_error}"))
             return
@@ -549,7 +595,7 @@ class EngineCore:
             reject(exc)
 
     @staticmethod
-    def _set_context_cache(request: Request, item: msg.AddRequest) -> None:
+    def _set_context_cache(request: Request, item: AddRequest) -> None:
         """Explicit context caching (deepserve MatchByID): a ttl makes the request create the named cache."""
         if item.context_cache_ttl_s is not None:
             if not item.context_cache_id:
@@ -569,7 +615,7 @@ class EngineCore:
             request.append_output_token(int(token))
         self.recovery.migrated += 1
 
-    def _set_kv_transfer(self, request: Request, item: msg.AddRequest) -> None:
+    def _set_kv_transfer(self, request: Request, item: AddRequest) -> None:
         """A disaggregated request: a producer here computes the prompt and the first token only; a consumer
         pulls the prompt's KV from the prefill TE its params name and decodes from its first token."""
         self.kv_connectors.accept(request, item.kv_transfer, item.output_token_ids)
@@ -580,8 +626,8 @@ class EngineCore:
         else:
             self._enqueue(request)
 
-    _CLIENT_HANDLERS = {msg.AddRequest: _add_request, msg.AbortRequests: _on_abort, msg.ReleaseKV: _on_release_kv,
-                        msg.StatsQuery: _on_stats_query, msg.AdminRequest: _on_admin, msg.Shutdown: _on_shutdown}
+    _CLIENT_HANDLERS = {AddRequest: _add_request, AbortRequests: _on_abort, ReleaseKV: _on_release_kv,
+                        StatsQuery: _on_stats_query, AdminRequest: _on_admin, Shutdown: _on_shutdown}
 
     def _enqueue(self, request: Request) -> None:
         if request.req_id in self.owner or request.req_id in self._pending_keys:
@@ -638,9 +684,9 @@ class EngineCore:
         if item is None:
             return
         if not isinstance(item, _RESULT_TYPES):
-            msg.drop_frame(_RESULTS, f"a {type(item).__name__} is not an worker's message")
+            drop_frame(_RESULTS, f"a {type(item).__name__} is not an worker's message")
             return
-        if isinstance(item, msg.ModelRunnerOutput) and not self._expected_output(item):
+        if isinstance(item, ModelRunnerOutput) and not self._expected_output(item):
             return
         try:
             self._on_result(item)
@@ -648,39 +694,39 @@ class EngineCore:
             logger.exception("handling a %s failed", type(item).__name__)
             self._fail(f"the master failed on an worker's {type(item).__name__}: {exc}")
 
-    def _expected_output(self, item: msg.ModelRunnerOutput) -> bool:
+    def _expected_output(self, item: ModelRunnerOutput) -> bool:
         """Whether a step output names a DP group with a step in flight (else it is dropped)."""
         if not 0 <= item.dp_rank < self.dp_size or (self.dead_error is None and not self.in_flight[item.dp_rank]):
-            msg.drop_frame(_RESULTS, f"step output of DP group {item.dp_rank} with no step in flight")
+            drop_frame(_RESULTS, f"step output of DP group {item.dp_rank} with no step in flight")
             return False
         return True
 
     def _on_result(self, item) -> None:
-        if isinstance(item, msg.WorkerFailure):
+        if isinstance(item, WorkerFailure):
             self._on_rank_failure(self.workers.explain(item), self.workers.dead_ranks())
-        elif isinstance(item, msg.WorkerPong):
+        elif isinstance(item, WorkerPong):
             self.health.on_pong(item.rank, item.seq, time.monotonic())
         elif self.dead_error is None:
             self._RESULT_HANDLERS[type(item)](self, item)
 
-    def _on_worker_event(self, event: msg.WorkerEvent) -> None:
+    def _on_worker_event(self, event: WorkerEvent) -> None:
         """A rank finished an expert-placement phase (or failed it), its weight server is ready, or it rolled a
         step back after a transient error."""
-        if event.kind == msg.WorkerEventKind.ROLLED_BACK:
+        if event.kind == WorkerEventKind.ROLLED_BACK:
             # every rank rolls the same step back and reports it: the TE's count is the most any rank reported
             count = self._rollbacks_of_rank[event.rank] = self._rollbacks_of_rank.get(event.rank, 0) + 1
             if count > self.num_rollbacks:
                 self.num_rollbacks = count
                 logger.warning("a step was rolled back and run again (rank %d: %s)", event.rank, event.detail)
             return
-        if event.kind == msg.WorkerEventKind.WEIGHTS_SERVED:
+        if event.kind == WorkerEventKind.WEIGHTS_SERVED:
             self._weight_servers[event.rank] = event.detail
             if len(self._weight_servers) == self.workers.world_size:  # new TEs may fork from this one now
                 self.weights_addrs = [self._weight_servers[rank] for rank in range(self.workers.world_size)]
             return
         self.eplb.on_event(event.rank, event.kind, event.detail)
 
-    def _on_step_output(self, item: msg.ModelRunnerOutput) -> None:
+    def _on_step_output(self, item: ModelRunnerOutput) -> None:
         if item.expert_load is not None:
             self.eplb.on_counts(item.expert_load)
         group = item.dp_rank
@@ -697,19 +743,19 @@ class EngineCore:
         self._send_deltas(deltas)
         self._publish_kv_events(group)
 
-    def _on_kv_connector_report(self, report: msg.KVConnectorReport) -> None:
+    def _on_kv_connector_report(self, report: KVConnectorReport) -> None:
         """A rank's KV connectors finished background work (pool fetches, KV pulls)."""
         if not 0 <= report.dp_rank < self.dp_size:
-            msg.drop_frame(_RESULTS, f"KV connector report of DP group {report.dp_rank}")
+            drop_frame(_RESULTS, f"KV connector report of DP group {report.dp_rank}")
             return
         self.schedulers[report.dp_rank].update_connector_output(report)
 
-    _RESULT_HANDLERS = {msg.ModelRunnerOutput: _on_step_output, msg.WorkerEvent: _on_worker_event,
-                        msg.KVConnectorReport: _on_kv_connector_report}
+    _RESULT_HANDLERS = {ModelRunnerOutput: _on_step_output, WorkerEvent: _on_worker_event,
+                        KVConnectorReport: _on_kv_connector_report}
 
-    def _heartbeat(self) -> msg.EngineHeartbeat:
+    def _heartbeat(self) -> EngineHeartbeat:
         strategy = self.config.parallel_config.strategy
-        return msg.EngineHeartbeat(name=self.config.te_name, role=msg.EngineRole(self.role), group=self.group,
+        return EngineHeartbeat(name=self.config.te_name, role=EngineRole(self.role), group=self.group,
                                input_addr=self.link.listen_addr, kv_events_addr=self.kv_events_addr,
                                model=self.config.model_config.served_model_name or self.config.model_config.model,
                                max_model_len=self.max_model_len, block_size=self.config.cache_config.block_size,
@@ -723,9 +769,9 @@ class EngineCore:
         if not events or self.kv_events is None:
             return
         self._kv_event_seq += 1
-        batch = msg.KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group,
+        batch = KVCacheEvents(seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group,
                                   engine=self.config.te_name, events=events)
-        self.kv_events.send(msg.encode(batch))
+        self.kv_events.send(codec.encode(batch))
 
     def _fail(self, error: str) -> None:
         if self.dead_error is not None:
@@ -735,8 +781,8 @@ class EngineCore:
         for queue in self.in_flight:
             queue.clear()
         # the error first: clients fail everything at once; the per-request deltas then only confirm it
-        self.link.broadcast(msg.EngineError(message=error, fatal=True, engine=self.config.te_name))
-        deltas = [msg.RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason=msg.FinishReason.ERROR, error=error,
+        self.link.broadcast(EngineError(message=error, fatal=True, engine=self.config.te_name))
+        deltas = [RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error,
                                    num_prompt_tokens=r.num_prompt_tokens) for r in self.pending]
         self.pending = []
         self._pending_keys.clear()
@@ -771,7 +817,7 @@ class EngineCore:
             eplb = self.eplb.step_control(time.time())
             if faults.fire(faults.FaultKind.KILL_MASTER):
                 os.kill(os.getpid(), signal.SIGKILL)
-            self.workers.send(msg.StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
+            self.workers.send(StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
                                               kv_connector=self._connector_metadata()))
             for queue, sched in zip(self.in_flight, scheds):
                 queue.append(sched)
@@ -779,7 +825,7 @@ class EngineCore:
         if self.dead_error is None and (self.eplb.has_pending_control or metadata):
             # no step carried it: send the control on its own (ranks apply it without a forward)
             eplb = self.eplb.idle_control()
-            self.workers.send(msg.StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
+            self.workers.send(StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
 
     def _decide_speculation(self) -> None:
         """Whether this step drafts (spec_controller.py). One decision for all DP groups: the MTP layers'
@@ -790,7 +836,7 @@ class EngineCore:
         for scheduler in self.schedulers:
             scheduler.speculating, scheduler.mtp_catch_up = speculating, catch_up
 
-    def _observe_speculation(self, sched: msg.SchedulerOutput, out: msg.ModelRunnerOutput) -> None:
+    def _observe_speculation(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         """Feed a decode-only step's throughput to the controller (prefill work would blur it)."""
         if not self.spec_config.enabled or sched.new_reqs or not sched.num_scheduled_tokens:
             return
@@ -799,31 +845,18 @@ class EngineCore:
         self.spec_controller.observe(len(sched.num_scheduled_tokens), sched.num_draft_tokens > 0, bool(out.num_drafts),
                                      sum(len(tokens) for tokens in out.sampled.values()), out.execute_seconds)
 
-    def _connector_metadata(self) -> dict[int, msg.KVConnectorMetadata]:
+    def _connector_metadata(self) -> dict[int, KVConnectorMetadata]:
         """Each DP group's KV connector work not yet sent (loads, stores)."""
         metadata = {group: s.build_connector_meta() for group, s in enumerate(self.schedulers)}
         return {group: meta for group, meta in metadata.items() if meta is not None}
 
-    def _stats(self) -> msg.EngineStats:
+    def _stats(self) -> EngineStats:
         parts = [s.stats() for s in self.schedulers]
-        num_blocks = sum(p.num_kv_blocks for p in parts)
-        return msg.EngineStats(
-            num_running=sum(p.num_running for p in parts),
+        return EngineStats.merge(
+            parts,
             num_waiting=sum(p.num_waiting for p in parts) + len(self.pending),
-            kv_usage=sum(p.kv_usage * p.num_kv_blocks for p in parts) / max(1, num_blocks),
-            num_kv_blocks=num_blocks,
-            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
-            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
-            num_preemptions=sum(p.num_preemptions for p in parts),
-            pool_hit_tokens=sum(p.pool_hit_tokens for p in parts),
             waiting_tokens=sum(p.waiting_tokens for p in parts) + sum(r.num_tokens for r in self.pending),
-            running_tokens=sum(p.running_tokens for p in parts),
-            kv_transfer_holds=sum(p.kv_transfer_holds for p in parts),
-            kv_pulled=sum(p.kv_pulled for p in parts),
-            kv_pull_recomputed=sum(p.kv_pull_recomputed for p in parts),
-            **msg.spec_totals(parts),
-            dropped_frames=msg.dropped_frames(),
-            links=merge_links(link for p in parts for link in p.links),
+            dropped_frames=dropped_frames(),
             num_rollbacks=self.num_rollbacks,
             num_recoveries=self.recovery.total,
             num_migrated=self.recovery.migrated,
@@ -848,7 +881,7 @@ class EngineCore:
             self._schedule()
             if self.workers.results.poll(50):
                 while self.workers.results.poll(0):
-                    self._take_result(msg.recv_message(self.workers.results, _RESULTS))
+                    self._take_result(recv_message(self.workers.results, _RESULTS))
             self._check_peers()
         if self.dead_error is not None:
             raise RuntimeError(f"the warm-up request failed: {self.dead_error}")
@@ -876,10 +909,10 @@ class EngineCore:
                 events = dict(poller.poll(timeout_ms))
                 if results in events:
                     while self.workers.results.poll(0):
-                        self._take_result(msg.recv_message(self.workers.results, _RESULTS))
+                        self._take_result(recv_message(self.workers.results, _RESULTS))
                 if self.inbox in events:
                     while self.inbox.poll(0):
-                        item = msg.recv_message(self.inbox, _INBOX, msg.MAX_INBOX_BYTES, self._answer_refused)
+                        item = recv_message(self.inbox, _INBOX, MAX_INBOX_BYTES, self._answer_refused)
                         if item is not None:
                             self._on_client(item)
                 self._check_peers()
@@ -922,7 +955,7 @@ class EngineCore:
         now = time.monotonic()
         seq = self.health.ping_due(now)
         if seq is not None:
-            self.workers.send(msg.WorkerPing(seq=seq))
+            self.workers.send(WorkerPing(seq=seq))
         hung = self.health.hung(now)
         if hung:
             silent = max(self.health.silent_for(now))
@@ -983,7 +1016,7 @@ class EngineCore:
             self.recovery.in_progress = None
             self._fail(f"{reason}; restarting the ranks failed: {exc}")
             for item in self._deferred:
-                if isinstance(item, msg.AddRequest):
+                if isinstance(item, AddRequest):
                     self._reject(item, RuntimeError(f"engine is dead: {self.dead_error}"))
             self._deferred = []
             return
@@ -1007,17 +1040,17 @@ class EngineCore:
             return
         for group in range(num_groups):
             self._kv_event_seq += 1
-            self.kv_events.send(msg.encode(msg.KVCacheEvents(
+            self.kv_events.send(codec.encode(KVCacheEvents(
                 seq=self._kv_event_seq, timestamp=time.time(), dp_rank=group, engine=self.config.te_name,
-                events=[msg.AllBlocksCleared()])))
+                events=[AllBlocksCleared()])))
 
     def _heartbeat_while_recovering(self) -> None:
         """While the new ranks start: heartbeats go on (saying `recovering`) and stats queries are answered; every
         other message waits for the new ranks."""
         self.link.tick(time.time(), self._heartbeat)
         while self.inbox.poll(0):
-            item = msg.recv_message(self.inbox, _INBOX, msg.MAX_INBOX_BYTES, self._answer_refused)
-            if isinstance(item, msg.StatsQuery):
+            item = recv_message(self.inbox, _INBOX, MAX_INBOX_BYTES, self._answer_refused)
+            if isinstance(item, StatsQuery):
                 self._on_client(item)
             elif item is not None:
                 self._deferred.append(item)
@@ -1042,15 +1075,15 @@ class EngineCore:
                           priority=old.priority, eos_token_ids=old.eos_token_ids)
         for token in old.output_token_ids:
             request.append_output_token(token)
-        if old.kv_transfer is not None and old.kv_transfer.role is msg.KVTransferRole.PRODUCER:
+        if old.kv_transfer is not None and old.kv_transfer.role is KVTransferRole.PRODUCER:
             request.kv_transfer = old.kv_transfer  # computes the prompt again and hands it off again
         # a decode request whose KV pull was under way computes its prompt here instead
         self.recovery.migrated += 1
         try:
             self._admit(request)
         except (QueueFullError, RequestTooLongError, ValueError) as exc:
-            self._send_deltas([msg.RequestDelta(req_id=old.req_id, new_token_ids=[],
-                                                finish_reason=msg.FinishReason.ERROR,
+            self._send_deltas([RequestDelta(req_id=old.req_id, new_token_ids=[],
+                                                finish_reason=FinishReason.ERROR,
                                                 error=f"could not continue after a recovery: {exc}",
                                                 num_prompt_tokens=old.num_prompt_tokens)])
 
@@ -1071,7 +1104,7 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         out.setsockopt(zmq.LINGER, 2000)
         cluster_auth.client(out, output_addr)
         out.connect(output_addr)
-        out.send(msg.encode(msg.EngineError(message=f"engine start-up failed: {exc}", fatal=True)))
+        out.send(codec.encode(EngineError(message=f"engine start-up failed: {exc}", fatal=True)))
         out.close()
         raise SystemExit(1) from exc
     core.run()

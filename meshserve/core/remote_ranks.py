@@ -15,8 +15,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.receive import drop_frame
+from meshserve.wire.worker import WorkerHandshake
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class RemoteRanks:
         self.first = parallel.num_local_ranks
         self.endpoint = f"tcp://{parallel.master_addr}:{parallel.engine_port}"
         self.assignments = {
-            rank: msg.WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
+            rank: WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
                                         result_addr=result_addr, dist_init_method=dist_init_method)
             for rank in range(self.first, self.world_size)}
         # watch before the ranks can know the addresses, so no connection goes unseen
@@ -91,20 +93,20 @@ class RemoteRanks:
         while self.handshakes.poll(0):
             frames = self.handshakes.recv_multipart()
             if len(frames) != 2:
-                msg.drop_frame("worker-handshakes", f"{len(frames)} frames, expected 2")
+                drop_frame("worker-handshakes", f"{len(frames)} frames, expected 2")
                 continue  # not a DEALER speaking our protocol; nothing to answer
             identity, payload = frames
             try:
-                hello = msg.decode(payload)
-                if not isinstance(hello, msg.WorkerHandshake):
+                hello = codec.decode(payload)
+                if not isinstance(hello, WorkerHandshake):
                     raise TypeError(type(hello).__name__)
                 reply = self._assign(hello.rank)
             except Exception as exc:  # noqa: BLE001 - a stranger's bytes must not stop the master
-                msg.drop_frame("worker-handshakes", exc)
-                reply = msg.WorkerHandshake(rank=-1, error="expected an WorkerHandshake message")
-            self.handshakes.send_multipart([identity, msg.encode(reply)])
+                drop_frame("worker-handshakes", exc)
+                reply = WorkerHandshake(rank=-1, error="expected an WorkerHandshake message")
+            self.handshakes.send_multipart([identity, codec.encode(reply)])
 
-    def _assign(self, rank: int) -> msg.WorkerHandshake:
+    def _assign(self, rank: int) -> WorkerHandshake:
         last = self.world_size - 1
         if not isinstance(rank, int) or not 0 <= rank <= last:
             error = f"rank {rank} is outside this engine's world of {self.world_size} ranks (0..{last})"
@@ -118,7 +120,7 @@ class RemoteRanks:
             logger.info("remote worker rank %d joined", rank)
             return self.assignments[rank]
         logger.warning("refused a remote worker: %s", error)
-        return msg.WorkerHandshake(rank=rank, error=error)
+        return WorkerHandshake(rank=rank, error=error)
 
     def missing(self) -> list[int]:
         """Remote ranks that have not joined yet."""

@@ -6,8 +6,9 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from meshserve.core.messages import AddRequest, KVTransferParams, KVTransferRole
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.wire.client import AddRequest
+from meshserve.wire.kv import KVTransferParams, KVTransferRole
+from meshserve.wire.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

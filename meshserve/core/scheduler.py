@@ -43,22 +43,13 @@ from dataclasses import dataclass, field
 
 from meshserve.config import SchedulerConfig
 from meshserve.core.dp_balancer import DPGroupLoad
-from meshserve.core.errors import QueueFullError, RequestTooLongError
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
-from meshserve.core.messages import (
-    CachedRequestData,
-    EngineStats,
-    KVConnectorMetadata,
-    KVConnectorReport,
-    KVTransferParams,
-    ModelRunnerOutput,
-    NewRequestData,
-    RequestDelta,
-    SampleLogprobs,
-    SchedulerOutput,
-)
 from meshserve.core.request import Request, RequestStatus
+from meshserve.wire.client import EngineStats, RequestDelta
+from meshserve.wire.errors import QueueFullError, RequestTooLongError
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVTransferParams
+from meshserve.wire.worker import CachedRequestData, ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

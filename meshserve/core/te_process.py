@@ -31,9 +31,9 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     # start-up: zmq and the master only when a TE runs
     import zmq
 
-    from meshserve.core import messages as msg
     from meshserve.core.client_links import RouterLinks
     from meshserve.core.master import EngineCore
+    from meshserve.wire.heartbeat import StartupTimeline
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -55,7 +55,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     try:
         core = EngineCore(engine_config, ctx, link, ipc_dir, log_level, role=role, group=group,
                           watch_parent=watch_parent,
-                          startup=msg.StartupTimeline(process_start=process_start, prewarmed=spare_workers is not None),
+                          startup=StartupTimeline(process_start=process_start, prewarmed=spare_workers is not None),
                           spare_workers=spare_workers or [])
     except Exception as exc:
         logging.getLogger(__name__).error("TE start-up failed: %s", traceback.format_exc())

@@ -20,15 +20,15 @@ import time
 from collections.abc import AsyncIterator
 
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.errors import EngineDeadError
 from meshserve.core.rank_health import RecoveryState
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.client_core import ClientCore
 from meshserve.engine.core_client import EngineCoreClient
 from meshserve.engine.detokenizer import load_tokenizer
 from meshserve.engine.outputs import RequestOutput
 from meshserve.models.generation_config import eos_token_ids
+from meshserve.wire.client import AddRequest, AdminReply, AdminRequest, EngineError, EngineStats, StatsQuery
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class AsyncEngineClient:
                     if not self._restart_engine(f"engine process died (exit code {self.engine.proc.returncode})"):
                         return
                 continue
-            if isinstance(item, msg.EngineError) and item.fatal:  # the master ends after it: start another
+            if isinstance(item, EngineError) and item.fatal:  # the master ends after it: start another
                 if not self._restart_engine(item.message):
                     return
                 continue
@@ -117,7 +117,7 @@ class AsyncEngineClient:
             if self._sent_to.get(child_id) == self._generation:
                 continue  # submitted to the new engine already
             self._sent_to[child_id] = self._generation
-            self.engine.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+            self.engine.send(AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
                                             arrival_time=arrival, eos_token_ids=self.eos_token_ids,
                                             output_token_ids=token_ids))
         self.restarts.migrated += len(children)
@@ -187,29 +187,29 @@ class AsyncEngineClient:
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    async def get_stats(self) -> msg.EngineStats:
+    async def get_stats(self) -> EngineStats:
         self._ensure_started()
         if self.dead_error is not None:
-            return msg.EngineStats(healthy=False, error=self.dead_error)
+            return EngineStats(healthy=False, error=self.dead_error)
         fut = asyncio.get_running_loop().create_future()
         self.core.replies.wait_for_stats(fut)
-        self.engine.send(msg.StatsQuery())
+        self.engine.send(StatsQuery())
         try:
             return await asyncio.wait_for(fut, timeout=10)
         except TimeoutError:
-            return msg.EngineStats(healthy=self.healthy, error="engine did not answer a stats query in 10 s")
+            return EngineStats(healthy=self.healthy, error="engine did not answer a stats query in 10 s")
 
-    async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> msg.AdminReply:
+    async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> AdminReply:
         """An operator command to the engine's master (e.g. "eplb.status"); raises EngineDeadError."""
         self._ensure_started()
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         fut = asyncio.get_running_loop().create_future()
         query_id = self.core.replies.open(fut)
-        self.engine.send(msg.AdminRequest.of(query_id, op, args))
+        self.engine.send(AdminRequest.of(query_id, op, args))
         try:
             return await asyncio.wait_for(fut, timeout=timeout_s)
         except TimeoutError:
             self.core.replies.forget(query_id)
-            return msg.AdminReply(query_id=query_id, ok=False,
+            return AdminReply(query_id=query_id, ok=False,
                                   error=f"the engine did not answer {op} in {timeout_s:.0f} s")

@@ -16,11 +16,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from meshserve.core import messages as msg
-from meshserve.core.errors import ADMISSION_ERRORS, EngineDeadError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.output_processor import OutputProcessor
 from meshserve.engine.outputs import RequestOutput
+from meshserve.wire.client import AdminReply, EngineError, EngineOutputs, EngineStats, RequestDelta
+from meshserve.wire.errors import ADMISSION_ERRORS, EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ Children = list[tuple[str, SamplingParams]]  # the engine-level requests (child 
 Deliver = Callable[[RequestOutput | Exception], None]
 
 
-def admission_error(delta: msg.RequestDelta) -> Exception | None:
+def admission_error(delta: RequestDelta) -> Exception | None:
     """The exception the caller sees when the master refused the request at admission, else None."""
     error_class = ADMISSION_ERRORS.get(delta.error_type) if delta.error_type is not None else None
     return None if error_class is None else error_class(delta.error)
@@ -47,13 +47,13 @@ class ReplyWaiter(Protocol):
 class ReplyCallback:
     """A waiter that hands the reply to a function (for replies nobody awaits, e.g. a KV snapshot)."""
 
-    def __init__(self, on_reply: Callable[[msg.AdminReply], None]) -> None:
+    def __init__(self, on_reply: Callable[[AdminReply], None]) -> None:
         self._on_reply = on_reply
 
     def done(self) -> bool:
         return False
 
-    def set_result(self, result: msg.AdminReply) -> None:
+    def set_result(self, result: AdminReply) -> None:
         self._on_reply(result)
 
     def set_exception(self, exception: BaseException) -> None:
@@ -85,10 +85,10 @@ class PendingReplies:
         """The asker stopped waiting (timeout): its late reply is ignored."""
         self._waiters.pop(query_id, None)
 
-    def on_reply(self, reply: msg.AdminReply) -> None:
+    def on_reply(self, reply: AdminReply) -> None:
         _resolve(self._waiters.pop(reply.query_id, None), reply)
 
-    def on_stats(self, stats: msg.EngineStats) -> None:
+    def on_stats(self, stats: EngineStats) -> None:
         waiters, self._stats_waiters = self._stats_waiters, []
         for waiter in waiters:
             _resolve(waiter, stats)
@@ -121,8 +121,8 @@ class ClientCore:
         self._children: dict[str, list[str]] = {}  # caller request id -> its child ids
         self._parent: dict[str, str] = {}  # child id -> caller request id
         self._handlers: dict[type, Callable] = {
-            msg.EngineOutputs: self.on_outputs, msg.EngineStats: self.replies.on_stats,
-            msg.AdminReply: self.replies.on_reply, msg.EngineError: lambda error: self.engine_died(error.message)}
+            EngineOutputs: self.on_outputs, EngineStats: self.replies.on_stats,
+            AdminReply: self.replies.on_reply, EngineError: lambda error: self.engine_died(error.message)}
 
     # ------------------------------------------------------------------ registration
     def register(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -173,7 +173,7 @@ class ClientCore:
         if handler is not None:
             handler(item)
 
-    def on_outputs(self, outputs: msg.EngineOutputs) -> None:
+    def on_outputs(self, outputs: EngineOutputs) -> None:
         now = time.time()
         for delta in outputs.deltas:
             try:
@@ -182,7 +182,7 @@ class ClientCore:
                 logger.exception("processing the output of request %s failed", delta.req_id)
                 self.fail_request(delta.req_id, exc)
 
-    def on_delta(self, delta: msg.RequestDelta, now: float) -> None:
+    def on_delta(self, delta: RequestDelta, now: float) -> None:
         """A child's delta: a refusal at admission fails the caller's request, anything else is its output."""
         error = admission_error(delta)
         if error is not None:
@@ -190,7 +190,7 @@ class ClientCore:
         else:
             self.apply_delta(delta, now)
 
-    def apply_delta(self, delta: msg.RequestDelta, now: float) -> None:
+    def apply_delta(self, delta: RequestDelta, now: float) -> None:
         """A child's tokens (or its end) into the caller's output; a matched stop string aborts the child."""
         out, to_abort = self.processor.process(delta, now)
         self._abort_children(to_abort)

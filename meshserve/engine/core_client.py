@@ -13,9 +13,12 @@ import time
 import zmq
 
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.errors import EngineDeadError
 from meshserve.utils.processes import launch, stop_process
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.client import AbortRequests, AddRequest, EngineError, EngineReady
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.receive import recv_message
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +52,14 @@ class EngineCoreClient:
             self.shutdown()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> msg.EngineReady:
+    def _wait_ready(self, timeout_s: float) -> EngineReady:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.from_master.poll(200):
-                item = msg.recv_message(self.from_master, _OUTPUTS)
-                if isinstance(item, msg.EngineReady):
+                item = recv_message(self.from_master, _OUTPUTS)
+                if isinstance(item, EngineReady):
                     return item
-                if isinstance(item, msg.EngineError):
+                if isinstance(item, EngineError):
                     raise EngineStartupError(item.message)
             elif self.proc.poll() is not None:
                 raise EngineStartupError(f"engine process exited during start-up (exit code {self.proc.returncode})")
@@ -69,12 +72,12 @@ class EngineCoreClient:
     def send(self, item) -> None:
         if not self.alive:
             raise EngineDeadError("engine process is not running")
-        self.to_master.send(msg.encode(item))
+        self.to_master.send(codec.encode(item))
 
     def abort(self, req_ids: list[str]) -> None:
         """Stop these requests; a dead engine has nothing left to stop."""
         try:
-            self.send(msg.AbortRequests(req_ids=req_ids))
+            self.send(AbortRequests(req_ids=req_ids))
         except EngineDeadError:
             pass
 
@@ -83,7 +86,7 @@ class EngineCoreClient:
                context_cache_ttl_s: float | None = None) -> None:
         """Send the engine-level requests (child id, SamplingParams) of one caller request."""
         for child_id, params in children:
-            self.send(msg.AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
+            self.send(AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
                                      sampling_params=params, arrival_time=arrival_time,
                                      priority=priority, eos_token_ids=eos_token_ids,
                                      context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s))
@@ -92,7 +95,7 @@ class EngineCoreClient:
         """The next message from the master, or None after `timeout_ms` (or for a frame that was
         not a message: it is dropped, logged and counted)."""
         if self.from_master.poll(timeout_ms):
-            return msg.recv_message(self.from_master, _OUTPUTS)
+            return recv_message(self.from_master, _OUTPUTS)
         return None
 
     def shutdown(self) -> None:
@@ -101,7 +104,7 @@ class EngineCoreClient:
         self.closed = True
         if self.proc.poll() is None:
             try:
-                self.to_master.send(msg.encode(msg.Shutdown()), zmq.NOBLOCK)
+                self.to_master.send(codec.encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         stop_process(self.proc, grace_s=15)

@@ -11,15 +11,15 @@ from concurrent.futures import Future
 from tqdm import tqdm
 
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.errors import EngineDeadError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.client_core import ClientCore
 from meshserve.engine.core_client import EngineCoreClient
 from meshserve.engine.detokenizer import load_tokenizer
 from meshserve.engine.outputs import RequestOutput
 from meshserve.models.factory import ensure_default_model
 from meshserve.models.generation_config import eos_token_ids
+from meshserve.wire.client import AdminRequest, EngineError, EngineStats, StatsQuery
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +107,14 @@ class LLM:
                 raise EngineDeadError("engine process died")
             return
         self.core.on_message(item)
-        if isinstance(item, msg.EngineError):
+        if isinstance(item, EngineError):
             raise EngineDeadError(item.message)
 
-    def get_stats(self, timeout_s: float = 10.0) -> msg.EngineStats:
+    def get_stats(self, timeout_s: float = 10.0) -> EngineStats:
         """The engine's counters (running/waiting, KV usage, prefix-cache hits, preemptions)."""
         reply: Future = Future()
         self.core.replies.wait_for_stats(reply)
-        self.engine.send(msg.StatsQuery())
+        self.engine.send(StatsQuery())
         return self._await_reply(reply, timeout_s, "a stats query")
 
     def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> dict:
@@ -124,7 +124,7 @@ class LLM:
         """
         reply: Future = Future()
         query_id = self.core.replies.open(reply)
-        self.engine.send(msg.AdminRequest.of(query_id, op, args))
+        self.engine.send(AdminRequest.of(query_id, op, args))
         try:
             answer = self._await_reply(reply, timeout_s, op)
         finally:

@@ -14,10 +14,11 @@ from typing import Any
 
 import msgspec
 
-from meshserve.core.messages import RequestDelta, SampleLogprobs
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.detokenizer import IncrementalDetokenizer, as_decoder
 from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprob
+from meshserve.wire.client import RequestDelta
+from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.worker import SampleLogprobs
 
 
 def child_request_id(request_id: str, index: int) -> str:

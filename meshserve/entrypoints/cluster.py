@@ -144,8 +144,9 @@ def query_manager(state_dir: Path, op: str = "status", **fields):
     import zmq
 
     from meshserve.cluster.state import load_state, manager_running
-    from meshserve.core import messages as msg
     from meshserve.utils import cluster_auth
+    from meshserve.wire import codec
+    from meshserve.wire.cluster import ClusterQuery, ClusterStatus
 
     state = load_state(state_dir)
     if state is None:
@@ -159,14 +160,14 @@ def query_manager(state_dir: Path, op: str = "status", **fields):
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(addr)
-        sock.send(msg.encode(msg.ClusterQuery(op=op, **fields)))
+        sock.send(codec.encode(ClusterQuery(op=op, **fields)))
         if not sock.poll(int(_QUERY_TIMEOUT_S * 1000)):
             raise ConfigError(f"the cluster manager at {addr} did not answer within {_QUERY_TIMEOUT_S:.0f} s")
-        reply = msg.decode(sock.recv())
+        reply = codec.decode(sock.recv())
     finally:
         sock.close(0)
         ctx.term()
-    if not isinstance(reply, msg.ClusterStatus):
+    if not isinstance(reply, ClusterStatus):
         raise ConfigError(f"the cluster manager at {addr} answered with {type(reply).__name__}")
     if not reply.ok:
         raise ConfigError(reply.error or "the cluster manager refused")

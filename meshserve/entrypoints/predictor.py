@@ -22,10 +22,10 @@ from typing import NoReturn
 from meshserve.bench import BENCH_ENGINE_SETTINGS
 from meshserve.bench.workload import make_offline_workload, parse_range, special_token_ids
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
-from meshserve.core.errors import EngineDeadError, QueueFullError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.router.length_examples import DEFAULT_BUCKET_TOKENS, LengthExample, bucket_of
 from meshserve.utils import report
+from meshserve.wire.errors import EngineDeadError, QueueFullError
+from meshserve.wire.sampling_params import SamplingParams
 
 # the prompts' and the samplers' seeds are derived from --seed, apart from each other
 SAMPLING_SEED_OFFSET = 1_000_000

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from meshserve.core import messages as msg
-from meshserve.core.link_monitor import down_prefills
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import LoadTracker, TELoad, TEView
 from meshserve.utils import cluster_auth
+from meshserve.wire.client import KVSnapshot
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
+from meshserve.wire.kv import KVCacheEvents, down_prefills
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +32,19 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EngineRecord:
     name: str
-    heartbeat: msg.EngineHeartbeat
+    heartbeat: EngineHeartbeat
     sock: zmq.Socket  # PUSH to the TE's input address
     last_seen: float
     alive: bool = True
     # KV-event sync: None while a snapshot is awaited (events are buffered meanwhile)
     synced: bool = False
     snapshot_query: int | None = None
-    buffered: list[msg.KVCacheEvents] = field(default_factory=list)
+    buffered: list[KVCacheEvents] = field(default_factory=list)
     registered_at: float = field(default_factory=time.time)  # wall clock, as link states' `since`
     lagging_since: float | None = None
 
     @property
-    def role(self) -> msg.EngineRole:
+    def role(self) -> EngineRole:
         return self.heartbeat.role
 
     @property
@@ -73,7 +74,7 @@ class EngineRegistry:
         self._subscription_changes: queue.SimpleQueue = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ membership
-    def on_heartbeat(self, hb: msg.EngineHeartbeat, now: float) -> tuple[EngineRecord | None, bool]:
+    def on_heartbeat(self, hb: EngineHeartbeat, now: float) -> tuple[EngineRecord | None, bool]:
         """Record a heartbeat; returns (the TE, whether it is new). A leaving TE is dropped."""
         record = self.tes.get(hb.name)
         if hb.leaving:
@@ -164,7 +165,7 @@ class EngineRegistry:
         return record if record is not None and record.alive else None
 
     # ------------------------------------------------------------------ KV-event sync (prompt tree)
-    def on_kv_events(self, te: str, batch: msg.KVCacheEvents) -> bool:
+    def on_kv_events(self, te: str, batch: KVCacheEvents) -> bool:
         """Apply a TE's events; False when the JE must ask for a snapshot (a gap)."""
         record = self.get(te)
         if record is None or self.tree is None:
@@ -195,7 +196,7 @@ class EngineRegistry:
             record.lagging_since = now
         return now - record.lagging_since > 1.0
 
-    def load_snapshot(self, record: EngineRecord, snapshot: msg.KVSnapshot) -> None:
+    def load_snapshot(self, record: EngineRecord, snapshot: KVSnapshot) -> None:
         seq = snapshot.seq
         self.tree.load_snapshot(record.name, seq, snapshot.blocks)
         record.synced = True

@@ -22,15 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from meshserve.core.kv_cache_manager import chain_block_hash
-from meshserve.core.messages import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    CachedBlock,
-    CacheEvent,
-    KVCacheEvents,
-)
+from meshserve.wire.client import CachedBlock
+from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, KVCacheEvents, chain_block_hash
 
 Holder = tuple[str, int]  # (te name, dp rank)
 

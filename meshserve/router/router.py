@@ -45,9 +45,6 @@ from typing import ClassVar
 import msgspec
 import zmq
 
-from meshserve.core import messages as msg
-from meshserve.core.errors import EngineDeadError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.client_core import ClientCore, ReplyCallback, admission_error
 from meshserve.engine.detokenizer import load_tokenizer
 from meshserve.engine.outputs import RequestOutput
@@ -66,6 +63,26 @@ from meshserve.router.routing import (
     route_health,
 )
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.client import (
+    AbortRequests,
+    AddRequest,
+    AdminOp,
+    AdminReply,
+    AdminRequest,
+    ContextCacheDeleted,
+    EngineError,
+    EngineOutputs,
+    EngineStats,
+    KVSnapshot,
+    ReleaseKV,
+    RequestDelta,
+)
+from meshserve.wire.cluster import GroupDemand, JobExecutorReport
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.heartbeat import EngineHeartbeat
+from meshserve.wire.kv import KVCacheEvents, KVTransferParams, KVTransferRole
+from meshserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +124,7 @@ class _Job:
     te: str = ""  # the TE running the current stage
     decode_te: str = ""  # a disaggregated job's chosen decode TE
     group: str = ""  # ... and its TE group (a replacement decode TE must serve the same model)
-    kv_params: msg.KVTransferParams | None = None  # the prefill TE's hand-off, kept for a decode TE that fails
+    kv_params: KVTransferParams | None = None  # the prefill TE's hand-off, kept for a decode TE that fails
     token_ids: list[int] = field(default_factory=list)  # tokens received so far
     context_cache_id: str | None = None  # a named context cache leading the prompt
     context_cache_ttl_s: float | None = None  # set: this job creates that cache
@@ -242,7 +259,7 @@ class Router:
             if self.registrations.poll(100):
                 while self.registrations.poll(0):
                     item = self._decode(self.registrations.recv(), "registration")
-                    if isinstance(item, msg.EngineHeartbeat):
+                    if isinstance(item, EngineHeartbeat):
                         self._guarded(self._on_heartbeat, item, time.monotonic())
 
     def shutdown(self) -> None:
@@ -287,7 +304,7 @@ class Router:
     def _decode(self, frame: bytes, source: str):
         """A message, or None for a frame that is not one (logged and counted, never fatal)."""
         try:
-            return msg.decode(frame)
+            return codec.decode(frame)
         except Exception as exc:  # noqa: BLE001 - whatever a peer sends, the reader goes on
             self._count_bad_frame(f"dropped a {len(frame)}-byte {source} frame that does not decode: {exc}")
             return None
@@ -326,18 +343,18 @@ class Router:
         if handler is not None:  # EngineStats: stats come with heartbeats
             handler(self, item, now)
 
-    def _on_outputs(self, item: msg.EngineOutputs, now: float) -> None:
+    def _on_outputs(self, item: EngineOutputs, now: float) -> None:
         for delta in item.deltas:
             self._guarded(self._on_delta, delta)
 
-    def _on_kv_events(self, item: msg.KVCacheEvents, now: float) -> None:
+    def _on_kv_events(self, item: KVCacheEvents, now: float) -> None:
         if not self.registry.on_kv_events(item.engine, item):
             self._request_snapshot(self.registry.get(item.engine))
 
-    def _on_admin_reply(self, item: msg.AdminReply, now: float) -> None:
+    def _on_admin_reply(self, item: AdminReply, now: float) -> None:
         self.core.replies.on_reply(item)
 
-    def _on_engine_error(self, item: msg.EngineError, now: float) -> None:
+    def _on_engine_error(self, item: EngineError, now: float) -> None:
         record = self.registry.get(item.engine)
         if record is not None:
             self._drop_te(record, f"it failed: {item.message}")
@@ -356,7 +373,7 @@ class Router:
             self._last_report = now
             self._send_report(now)
 
-    def _on_heartbeat(self, hb: msg.EngineHeartbeat, now: float) -> None:
+    def _on_heartbeat(self, hb: EngineHeartbeat, now: float) -> None:
         if self.tree is None and not hb.leaving:
             self.tree = GlobalPromptTree(hb.block_size)
             self.registry.tree = self.tree
@@ -385,29 +402,29 @@ class Router:
             self._serve_held(now)
 
     _ITEM_HANDLERS: ClassVar[dict[type, Callable]] = {
-        msg.EngineOutputs: _on_outputs, msg.EngineHeartbeat: _on_heartbeat, msg.KVCacheEvents: _on_kv_events,
-        msg.AdminReply: _on_admin_reply, msg.EngineError: _on_engine_error}
+        EngineOutputs: _on_outputs, EngineHeartbeat: _on_heartbeat, KVCacheEvents: _on_kv_events,
+        AdminReply: _on_admin_reply, EngineError: _on_engine_error}
 
     def _request_snapshot(self, record: EngineRecord | None) -> None:
         if record is None or self.tree is None or record.snapshot_query is not None:
             return
         query_id = self.core.replies.open(ReplyCallback(functools.partial(self._on_snapshot, record.name)))
         record.snapshot_query = query_id
-        self._send(record, msg.AdminRequest(query_id=query_id, op=msg.AdminOp.KV_SNAPSHOT,
+        self._send(record, AdminRequest(query_id=query_id, op=AdminOp.KV_SNAPSHOT,
                                             reply_to=self.output_addr))
 
-    def _on_snapshot(self, te: str, reply: msg.AdminReply) -> None:
+    def _on_snapshot(self, te: str, reply: AdminReply) -> None:
         """A TE's KV snapshot, for the prompt tree (a TE dropped since, or asked again since, is ignored)."""
         record = self.registry.get(te)
         if record is not None and record.snapshot_query == reply.query_id:
-            if reply.ok and isinstance(reply.data, msg.KVSnapshot):
+            if reply.ok and isinstance(reply.data, KVSnapshot):
                 self.registry.load_snapshot(record, reply.data)
             else:
                 record.snapshot_query = None
 
     def _send(self, record: EngineRecord, item) -> None:
         try:
-            record.sock.send(msg.encode(item), zmq.NOBLOCK)
+            record.sock.send(codec.encode(item), zmq.NOBLOCK)
         except zmq.ZMQError:
             self._drop_te(record, "its input queue is full or closed")
 
@@ -427,12 +444,12 @@ class Router:
         else:
             job.stage, job.te, job.decode_te = "prefill", decision.prefill, decision.decode
             job.group = self.registry.get(decision.prefill).heartbeat.group
-            kv_transfer = msg.KVTransferParams(role=msg.KVTransferRole.PRODUCER)
+            kv_transfer = KVTransferParams(role=KVTransferRole.PRODUCER)
         if job.attempt == 1:  # an arrival for each pool the job occupies (a retry is not a new one)
             for te in decision.tes:
                 self._pool_demand(te).arrivals += 1
         self.loads.on_dispatch(job.te, len(job.prompt_token_ids), job.engine_id)
-        self._send(self.registry.get(job.te), msg.AddRequest(
+        self._send(self.registry.get(job.te), AddRequest(
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.output_addr, kv_transfer=kv_transfer, context_cache_id=job.context_cache_id,
@@ -472,7 +489,7 @@ class Router:
         if recompute:
             self._release_prefill_hold(job)
         self.loads.on_dispatch(job.te, 0, job.engine_id)
-        self._send(record, msg.AddRequest(
+        self._send(record, AddRequest(
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.output_addr,
@@ -484,9 +501,9 @@ class Router:
         its hold expires (a repeated release is harmless)."""
         record = self.registry.get(job.kv_params.engine)
         if record is not None:
-            self._send(record, msg.ReleaseKV(req_ids=[job.engine_id]))
+            self._send(record, ReleaseKV(req_ids=[job.engine_id]))
 
-    def _on_delta(self, delta: msg.RequestDelta) -> None:
+    def _on_delta(self, delta: RequestDelta) -> None:
         job = self._jobs.get(delta.req_id)
         if job is None:
             return  # an earlier attempt, or a job already finished or aborted
@@ -527,7 +544,7 @@ class Router:
         self.loads.on_finished(job.te, job.engine_id)
 
     def _fail_job(self, job: _Job, error: str) -> None:
-        self._on_delta(msg.RequestDelta(req_id=job.engine_id, new_token_ids=[], finish_reason="error",
+        self._on_delta(RequestDelta(req_id=job.engine_id, new_token_ids=[], finish_reason="error",
                                         error=error, num_prompt_tokens=len(job.prompt_token_ids)))
 
     # ------------------------------------------------------------------ held jobs, demand, reports
@@ -581,7 +598,7 @@ class Router:
         key = pool_key(record.heartbeat.group, record.role) if record is not None else ANY_POOL
         return self._demand.setdefault(key, _PoolDemand())
 
-    def report(self, now: float) -> msg.JobExecutorReport:
+    def report(self, now: float) -> JobExecutorReport:
         """This JE to the cluster managers: its routable TEs and per pool its demand since the last report."""
         demand, self._demand = self._demand, {}
         held = self._live_held()
@@ -593,15 +610,15 @@ class Router:
         for key in keys:
             d = demand.get(key, _PoolDemand())
             waits = key in waiting_for
-            groups.append(msg.GroupDemand(group=key, held=len(held) if waits else 0,
+            groups.append(GroupDemand(group=key, held=len(held) if waits else 0,
                                           held_oldest_s=oldest if waits else 0.0, arrivals=d.arrivals,
                                           ttft_s=d.ttft_s, tpot_s=d.tpot_s))
-        return msg.JobExecutorReport(name=self.name, http_addr=self.http_addr, register_addr=self.register_addr,
+        return JobExecutorReport(name=self.name, http_addr=self.http_addr, register_addr=self.register_addr,
                                      pid=os.getpid(), te_names=sorted(r.name for r in self.registry.routable()),
                                      groups=groups, timestamp=time.time())
 
     def _send_report(self, now: float) -> None:
-        frame = msg.encode(self.report(now))
+        frame = codec.encode(self.report(now))
         for sock in self._managers:
             try:
                 sock.send(frame, zmq.NOBLOCK)
@@ -637,7 +654,7 @@ class Router:
             self.migrated += 1
         if moved:
             logger.warning("moved %d request(s) off TE %s while it recovers (%s)", len(moved), record.name, why)
-            self._send(record, msg.AbortRequests(req_ids=moved))
+            self._send(record, AbortRequests(req_ids=moved))
 
     def _migrate(self, job: _Job, dead_te: str, why: str) -> None:
         try:
@@ -682,7 +699,7 @@ class Router:
         self._jobs[job.engine_id] = job
         job.stage, job.te, job.decode_te = "colocated", target.name, ""
         self.loads.on_dispatch(job.te, len(job.prompt_token_ids) + len(job.token_ids), job.engine_id)
-        self._send(self.registry.get(job.te), msg.AddRequest(
+        self._send(self.registry.get(job.te), AddRequest(
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.output_addr, output_token_ids=list(job.token_ids)))
@@ -699,7 +716,7 @@ class Router:
             for name in targets:
                 record = self.registry.get(name)
                 if record is not None:
-                    self._send(record, msg.AbortRequests(req_ids=[job.engine_id]))
+                    self._send(record, AbortRequests(req_ids=[job.engine_id]))
 
     # ------------------------------------------------------------------ API (AsyncEngineClient's interface)
     @property
@@ -775,32 +792,21 @@ class Router:
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    async def get_stats(self) -> msg.EngineStats:
+    async def get_stats(self) -> EngineStats:
         self._ensure_started()
         live = self.registry.live()
         if not live:
-            return msg.EngineStats(healthy=False, error=self.dead_error)
-        stats = [r.heartbeat.stats for r in live]
-        total_blocks = sum(s.num_kv_blocks for s in stats)
-        return msg.EngineStats(
-            num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
-            kv_usage=sum(s.kv_usage * s.num_kv_blocks for s in stats) / max(1, total_blocks),
-            num_kv_blocks=total_blocks,
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
-            num_preemptions=sum(s.num_preemptions for s in stats),
-            pool_hit_tokens=sum(s.pool_hit_tokens for s in stats),
-            waiting_tokens=sum(s.waiting_tokens for s in stats), running_tokens=sum(s.running_tokens for s in stats),
-            kv_transfer_holds=sum(s.kv_transfer_holds for s in stats), kv_pulled=sum(s.kv_pulled for s in stats),
-            kv_pull_recomputed=sum(s.kv_pull_recomputed for s in stats), **msg.spec_totals(stats),
-            links=[link for s in stats for link in s.links], healthy=True)
+            return EngineStats(healthy=False, error=self.dead_error)
+        # a TE's own failure counts and health stay its own (te_stats); the sum says what the deployment holds
+        return EngineStats.merge([r.heartbeat.stats for r in live], num_rollbacks=0, num_recoveries=0, num_migrated=0,
+                                 world_size=0, dropped_frames={}, last_failure_silent_s=0.0, healthy=True)
 
     def te_stats(self) -> dict[str, dict]:
         """Each live TE's role, group and last reported stats (for benchmarks and the status endpoint)."""
         return {r.name: {"role": r.role, "group": r.heartbeat.group, **msgspec.structs.asdict(r.heartbeat.stats)}
                 for r in self.registry.live()}
 
-    async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> msg.AdminReply:
+    async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> AdminReply:
         """An operator command to one TE: `args["te"]` names it (optional when there is only one)."""
         self._ensure_started()
         args = dict(args or {})
@@ -808,17 +814,17 @@ class Router:
         if op == "context_cache.delete" and "te" not in args:  # the TE that pinned it
             home = self._cache_homes.pop(str(args.get("id")), None)
             if home is None or self.registry.get(home[0]) is None:  # its TE is gone, and its pins with it
-                return msg.AdminReply(query_id=0, data=msg.ContextCacheDeleted(id=str(args.get("id")), deleted=False))
+                return AdminReply(query_id=0, data=ContextCacheDeleted(id=str(args.get("id")), deleted=False))
             args["te"] = home[0]
         name = args.pop("te", None) or (live[0].name if len(live) == 1 else None)
         record = self.registry.get(name) if name else None
         if record is None:
-            return msg.AdminReply(query_id=0, ok=False, error=(
+            return AdminReply(query_id=0, ok=False, error=(
                 f"name the TE with te=NAME; live TEs: {', '.join(sorted(r.name for r in live)) or 'none'}"))
         try:
-            request = msg.AdminRequest.of(0, op, args, reply_to=self.output_addr)
+            request = AdminRequest.of(0, op, args, reply_to=self.output_addr)
         except ValueError as exc:
-            return msg.AdminReply(query_id=0, ok=False, error=str(exc))
+            return AdminReply(query_id=0, ok=False, error=str(exc))
         fut = asyncio.get_running_loop().create_future()
         request.query_id = query_id = self.core.replies.open(fut)
         self._send(record, request)
@@ -826,5 +832,5 @@ class Router:
             return await asyncio.wait_for(fut, timeout=timeout_s)
         except TimeoutError:
             self.core.replies.forget(query_id)
-            return msg.AdminReply(query_id=query_id, ok=False,
+            return AdminReply(query_id=query_id, ok=False,
                                   error=f"TE {name} did not answer {op} in {timeout_s:.0f} s")

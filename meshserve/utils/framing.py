@@ -1,6 +1,6 @@
 """Typed frames: msgpack `[type name, fields]` over a closed set of msgspec structs, checked on decode.
 
-The engine's messages (`meshserve.core.messages`) and the pool's (`meshserve.pool.messages`) share this
+The engine's messages (`meshserve.wire`) and the pool's (`meshserve.pool.messages`) share this
 codec; each turns a bad frame into its own error type.
 """
 from __future__ import annotations

@@ -42,20 +42,6 @@ from typing import ClassVar
 import torch
 
 from meshserve.config import EngineConfig
-from meshserve.core.messages import (
-    EplbCommand,
-    EplbPhase,
-    KVConnectorMetadata,
-    KVConnectorReport,
-    KVRegion,
-    ModelRunnerOutput,
-    NewRequestData,
-    SampleLogprobs,
-    SchedulerOutput,
-    StepBatch,
-    WorkerEventKind,
-)
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.layers.kv_quant import cache_dtype
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.draft_vocab import load_draft_vocab
@@ -65,6 +51,17 @@ from meshserve.moe import comm as moe_comm
 from meshserve.moe.placement import ExpertPlacement, describe_placement_source, load_placement_file
 from meshserve.parallel.context import ParallelContext
 from meshserve.utils import faults, page_cache
+from meshserve.wire.eplb import EplbCommand, EplbPhase
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVRegion
+from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.worker import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SampleLogprobs,
+    SchedulerOutput,
+    StepBatch,
+    WorkerEventKind,
+)
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.model_cache import pool_weights

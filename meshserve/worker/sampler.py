@@ -18,8 +18,8 @@ from typing import TypeVar
 
 import torch
 
-from meshserve.core.messages import SampleLogprobs
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.worker import SampleLogprobs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshserve.core.messages import SampleLogprobs
+from meshserve.wire.worker import SampleLogprobs
 from meshserve.worker.sampler import (
     FAILED_TOKEN,
     Sampler,

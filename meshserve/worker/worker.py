@@ -31,9 +31,22 @@ from typing import TYPE_CHECKING
 import zmq
 
 from meshserve.config import EngineConfig, ParallelConfig
-from meshserve.core import messages as msg
 from meshserve.core.remote_ranks import PeerMonitor, enable_heartbeats
 from meshserve.utils import cluster_auth, faults
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.codec import MessageError
+from meshserve.wire.receive import drop_frame, recv_message
+from meshserve.wire.worker import (
+    InjectFault,
+    StepBatch,
+    WorkerEvent,
+    WorkerFailure,
+    WorkerHandshake,
+    WorkerPing,
+    WorkerPong,
+    WorkerReady,
+)
 
 if TYPE_CHECKING:
     from meshserve.worker.model_runner import ModelRunner
@@ -72,7 +85,7 @@ def join_engine(engine_addr: str, rank: int, timeout_s: float, log_level: int = 
                assignment.dist_init_method, log_level, remote=True)
 
 
-def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.WorkerHandshake:
+def _handshake(engine_addr: str, rank: int, timeout_s: float) -> WorkerHandshake:
     ctx = zmq.Context()
     sock = cluster_auth.client(ctx.socket(zmq.DEALER), engine_addr)
     sock.setsockopt(zmq.LINGER, 0)
@@ -81,7 +94,7 @@ def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.WorkerHands
             sock.connect(engine_addr)  # the master may start later: ZMQ keeps trying
         except zmq.ZMQError as exc:
             raise WorkerJoinError(f"cannot connect to the engine at {engine_addr}: {exc}") from None
-        sock.send(msg.encode(msg.WorkerHandshake(rank=rank)))
+        sock.send(codec.encode(WorkerHandshake(rank=rank)))
         if not sock.poll(int(timeout_s * 1000)):
             refused = cluster_auth.handshake(engine_addr, 1.0) is cluster_auth.Handshake.REFUSED
             raise WorkerJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s" + (
@@ -91,10 +104,10 @@ def _handshake(engine_addr: str, rank: int, timeout_s: float) -> msg.WorkerHands
         sock.close(0)
         ctx.term()
     try:
-        reply = msg.decode(data)
-    except msg.MessageError as exc:
+        reply = codec.decode(data)
+    except MessageError as exc:
         raise WorkerJoinError(f"the engine at {engine_addr} answered with a bad message: {exc}") from None
-    if not isinstance(reply, msg.WorkerHandshake):
+    if not isinstance(reply, WorkerHandshake):
         raise WorkerJoinError(f"the engine at {engine_addr} answered with {type(reply).__name__}")
     if reply.error is not None:
         raise WorkerJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
@@ -123,12 +136,12 @@ def run_worker(rank: int, config: dict, work_addr: str, result_addr: str, dist_i
     results.connect(result_addr)
     try:
         runner = _start_runner(rank, EngineConfig.from_dict(config), dist_init_method)
-        results.send(msg.encode(_ready_message(rank, runner)))
+        results.send(codec.encode(_ready_message(rank, runner)))
         _serve(rank, runner, work, results, master_gone)
     except Exception as exc:  # report, then die: the master fails in-flight requests
         logger.error("worker failed: %s", traceback.format_exc())
         try:
-            results.send(msg.encode(msg.WorkerFailure(rank=rank, message=f"{type(exc).__name__}: {exc}")))
+            results.send(codec.encode(WorkerFailure(rank=rank, message=f"{type(exc).__name__}: {exc}")))
         except zmq.ZMQError:
             pass
         raise SystemExit(1) from exc
@@ -179,8 +192,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
     return runner
 
 
-def _ready_message(rank: int, runner: ModelRunner) -> msg.WorkerReady:
-    return msg.WorkerReady(rank=rank, num_kv_blocks=runner.num_blocks,
+def _ready_message(rank: int, runner: ModelRunner) -> WorkerReady:
+    return WorkerReady(rank=rank, num_kv_blocks=runner.num_blocks,
                            kv_bytes_per_token=runner.layout.bytes_per_token, moe_layers=runner.moe_layers,
                            num_logical_experts=runner.num_logical_experts, kv_region=runner.kv_region,
                            vocab_size=runner.vocab_size, load_start=runner.load_info.start,
@@ -195,36 +208,36 @@ def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket
     poller.register(work, zmq.POLLIN)
     while True:
         for kind, detail in runner.poll_background():
-            results.send(msg.encode(msg.WorkerEvent(rank=rank, kind=kind, detail=detail)))
+            results.send(codec.encode(WorkerEvent(rank=rank, kind=kind, detail=detail)))
         report = runner.take_kv_connector_report()  # pool fetches, KV pulls that finished
         if report is not None:
-            results.send(msg.encode(report))
+            results.send(codec.encode(report))
         # background work (expert reconfiguration, remote KV) is reported promptly even when no step comes
         if not poller.poll(_BACKGROUND_POLL_MS if runner.background_busy else _PARENT_CHECK_MS):
             if master_gone():
                 logger.warning("master is gone; exiting")
                 return
             continue
-        item = msg.recv_message(work, "worker-work")
-        if isinstance(item, msg.Shutdown):
+        item = recv_message(work, "worker-work")
+        if isinstance(item, Shutdown):
             logger.info("shutting down")
             return
-        if isinstance(item, msg.WorkerPing):
-            results.send(msg.encode(msg.WorkerPong(rank=rank, seq=item.seq)))
+        if isinstance(item, WorkerPing):
+            results.send(codec.encode(WorkerPong(rank=rank, seq=item.seq)))
             continue
-        if isinstance(item, msg.InjectFault):
+        if isinstance(item, InjectFault):
             faults.arm(item.fault)
             continue
-        if not isinstance(item, msg.StepBatch):
+        if not isinstance(item, StepBatch):
             if item is not None:
-                msg.drop_frame("worker-work", f"unexpected {type(item).__name__}")
+                drop_frame("worker-work", f"unexpected {type(item).__name__}")
             continue
         if item.per_dp and not _fire_step_faults(rank, master_gone):
             logger.warning("master is gone; exiting")
             return
         out = runner.run_batch(item)
         if out is not None:
-            results.send(msg.encode(out))
+            results.send(codec.encode(out))
 
 
 def _fire_step_faults(rank: int, master_gone: Callable[[], bool]) -> bool:

@@ -7,10 +7,10 @@ import pytest
 from meshserve.bench import parallel as pb
 from meshserve.bench.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.bench.workload import WorkloadRequest
-from meshserve.core.errors import EngineDeadError
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.parallel.analyzer import Cluster
+from meshserve.wire.errors import EngineDeadError
 
 DP2 = "attn=TP1+DP2 moe=TP1+EP2"
 TP2 = "attn=TP2+DP1 moe=TP2+EP1"

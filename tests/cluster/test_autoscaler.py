@@ -9,8 +9,8 @@ import pytest
 
 from meshserve.cluster.autoscaler import Autoscaler, AutoscalerSettings, PoolSignals
 from meshserve.config import ConfigError
-from meshserve.core import messages as msg
 from meshserve.router.routing import ANY_POOL, TELoad
+from meshserve.wire.cluster import GroupDemand, JobExecutorReport
 
 # short times, so a test walks through them in a few hundred ticks
 FAST = AutoscalerSettings(window_s=10.0, scale_up_cooldown_s=10.0, scale_down_cooldown_s=20.0, down_stable_s=30.0,
@@ -25,8 +25,8 @@ def pool(tes: int, waiting: int = 0, running: int = 0, kv: float = 0.0, waiting_
     return PoolSignals(loads=loads, running=tes, starting=starting)
 
 
-def demand(group: str, **fields) -> msg.GroupDemand:
-    return msg.GroupDemand(group=group, **fields)
+def demand(group: str, **fields) -> GroupDemand:
+    return GroupDemand(group=group, **fields)
 
 
 def only(decisions, key: str):
@@ -71,7 +71,7 @@ def test_scale_up_on_ttft_violations_and_p_and_d_pools_apart():
     scaler.decide(0.0, signals)
     # 12 of 40 first tokens late: the prefill pool's SLO; the decode pool's TPOT is fine
     ttft = [3.0] * 12 + [0.5] * 28
-    scaler.observe(msg.JobExecutorReport(name="je-0", http_addr="", register_addr="", pid=1, groups=[
+    scaler.observe(JobExecutorReport(name="je-0", http_addr="", register_addr="", pid=1, groups=[
         demand("pd/prefill", arrivals=40, ttft_s=ttft), demand("pd/decode", arrivals=40, tpot_s=[0.05] * 40)]), 1.0)
     decisions = scaler.decide(1.0, signals)
     prefill, decode = only(decisions, "pd/prefill"), only(decisions, "pd/decode")

@@ -16,10 +16,13 @@ import zmq
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources
 from meshserve.cluster.manager import ClusterManager, serving_in_background
 from meshserve.config import ConfigError
-from meshserve.core import messages as msg
 from meshserve.router.deployment import MultiDeployment
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import free_tcp_port
+from meshserve.wire import codec
+from meshserve.wire.client import AdminOp
+from meshserve.wire.cluster import ClusterQuery, ClusterStatus, TEStatus
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
 from tests.cluster.cluster_processes import kill9, wait_for
 
 STOPPED_METRIC = "meshserve_cluster_prefill_stopped_for_decode_total"
@@ -99,8 +102,8 @@ def serve_all(manager: ClusterManager) -> None:
         te.started_mono = now - 60
         if te.handle.alive() and te.heartbeat is None:
             spec = manager.specs[te.record.pool]
-            te.heartbeat = msg.EngineHeartbeat(
-                name=te.name, role=msg.EngineRole(spec.role), group=spec.group, input_addr="tcp://127.0.0.1:1",
+            te.heartbeat = EngineHeartbeat(
+                name=te.name, role=EngineRole(spec.role), group=spec.group, input_addr="tcp://127.0.0.1:1",
                 kv_events_addr="tcp://127.0.0.1:2", model="m", max_model_len=64, block_size=16, attn_tp=1, attn_dp=1)
         te.last_seen = now
 
@@ -170,7 +173,7 @@ def test_a_decode_te_with_a_serving_peer_drains_the_least_loaded_prefill_te(smal
             manager.step()
             # another decode TE serves: not urgent, the idle prefill TE drains (finishes its jobs), then leaves
             assert inbox.poll(10_000), "no drain request reached the idle prefill TE"
-            assert msg.decode(inbox.recv()).op is msg.AdminOp.DRAIN
+            assert codec.decode(inbox.recv()).op is AdminOp.DRAIN
         finally:
             inbox.close(0)
         assert idle.draining and idle.handle.alive() and not idle.handle.stopped
@@ -221,21 +224,21 @@ def local_manager(model: Path, tmp_path: Path):
         yield manager
 
 
-def ask_capacity(manager: ClusterManager, devices: int) -> msg.ClusterStatus:
+def ask_capacity(manager: ClusterManager, devices: int) -> ClusterStatus:
     """The operator's way: a ClusterQuery on the manager's control socket."""
     ctx = zmq.Context()
     sock = cluster_auth.client(ctx.socket(zmq.DEALER), manager.control_addr)
     try:
         sock.connect(manager.control_addr)
-        sock.send(msg.encode(msg.ClusterQuery(op="capacity", target=devices)))
+        sock.send(codec.encode(ClusterQuery(op="capacity", target=devices)))
         assert sock.poll(10_000), "the manager did not answer"
-        return msg.decode(sock.recv())
+        return codec.decode(sock.recv())
     finally:
         sock.close(0)
         ctx.term()
 
 
-def te_status(manager: ClusterManager, role: str) -> list[msg.TEStatus]:
+def te_status(manager: ClusterManager, role: str) -> list[TEStatus]:
     return [t for t in manager.status().tes if t.role == role]
 
 

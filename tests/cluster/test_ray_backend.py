@@ -18,8 +18,9 @@ import zmq
 from meshserve.cluster.backends import ProcessResources
 from meshserve.cluster.ray_backend import RayBackend
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.heartbeat import EngineHeartbeat
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +48,12 @@ def _te_kwargs(model: str, register: str) -> dict:
             "register": [register], "log_level": 20, "watch_parent": False}
 
 
-def _wait_heartbeat(sock, pid: int) -> msg.EngineHeartbeat:
+def _wait_heartbeat(sock, pid: int) -> EngineHeartbeat:
     deadline = time.monotonic() + TE_START_S
     while time.monotonic() < deadline:
         if sock.poll(500):
-            beat = msg.decode(sock.recv())
-            if isinstance(beat, msg.EngineHeartbeat) and beat.pid == pid and not beat.leaving:
+            beat = codec.decode(sock.recv())
+            if isinstance(beat, EngineHeartbeat) and beat.pid == pid and not beat.leaving:
                 return beat
     raise AssertionError(f"no heartbeat from the TE (pid {pid}) within {TE_START_S:.0f}s")
 

@@ -9,9 +9,12 @@ import zmq
 
 from meshserve.cluster.backends import LocalBackend
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineOutputs
+from meshserve.wire.cluster import WarmAssign, WarmReady
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
+from meshserve.wire.sampling_params import SamplingParams
 
 TIMEOUT_S = 120.0
 
@@ -20,7 +23,7 @@ def _next(sock: zmq.Socket, kind: type, timeout_s: float = TIMEOUT_S, where=lamb
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sock.poll(200):
-            item = msg.decode(sock.recv())
+            item = codec.decode(sock.recv())
             if isinstance(item, kind) and where(item):
                 return item
     raise AssertionError(f"no {kind.__name__} within {timeout_s:.0f} s")
@@ -43,7 +46,7 @@ def test_a_warm_te_becomes_a_two_rank_te_serves_and_drains(inbox, tiny_model, tm
     handle = LocalBackend(tmp_path / "logs").launch("warm-te", "warm-0", dict(
         name="warm-0", manager_addr=addr, num_workers=1, log_level=20))
     try:
-        ready = _next(sock, msg.WarmReady)
+        ready = _next(sock, WarmReady)
         assert ready.pid == handle.pid and ready.num_workers == 1
         config = EngineConfig.from_kwargs(str(model), te_name="te-warm", num_kv_blocks=64, num_threads=1,
                                           serve_weights=True, parallel="attn=TP1+DP2 moe=TP1+EP2")
@@ -51,43 +54,43 @@ def test_a_warm_te_becomes_a_two_rank_te_serves_and_drains(inbox, tiny_model, tm
         assign.setsockopt(zmq.LINGER, 1000)
         assign.connect(ready.assign_addr)
         assigned_at = time.time()
-        assign.send(msg.encode(msg.WarmAssign(config=config, role=msg.EngineRole.COLOCATED, group="main",
+        assign.send(codec.encode(WarmAssign(config=config, role=EngineRole.COLOCATED, group="main",
                                               listen="tcp://127.0.0.1:0", register=[addr], assigned_at=assigned_at)))
         assign.close()
-        beat = _next(sock, msg.EngineHeartbeat)
+        beat = _next(sock, EngineHeartbeat)
         assert beat.pid == handle.pid and beat.attn_dp == 2  # the warm process is the TE's master now
         t = beat.startup
         assert t.prewarmed and t.process_start == assigned_at
         assert assigned_at <= t.load_start <= t.load_end <= t.ready
         assert t.load_source in ("disk", "page-cache") and t.load_bytes > 0
         # every rank serves its weights for forks once its snapshot (written in the background) is whole
-        served = _next(sock, msg.EngineHeartbeat, where=lambda hb: bool(hb.weights_addrs))
+        served = _next(sock, EngineHeartbeat, where=lambda hb: bool(hb.weights_addrs))
         assert len(served.weights_addrs) == 2 and len(set(served.weights_addrs)) == 2
 
         # a long request runs; a drain lets it finish, then the TE leaves
         te = cluster_auth.client(ctx.socket(zmq.PUSH), beat.input_addr)
         te.setsockopt(zmq.LINGER, 1000)
         te.connect(beat.input_addr)
-        te.send(msg.encode(msg.AddRequest(req_id="long", prompt_token_ids=[5, 6, 7, 8],
+        te.send(codec.encode(AddRequest(req_id="long", prompt_token_ids=[5, 6, 7, 8],
                                           sampling_params=SamplingParams(temperature=0.0, max_tokens=200,
                                                                          ignore_eos=True),
                                           arrival_time=time.time(), reply_to=addr)))
-        _next(sock, msg.EngineOutputs, where=lambda out: any(d.new_token_ids for d in out.deltas))
-        te.send(msg.encode(msg.AdminRequest(query_id=0, op=msg.AdminOp.DRAIN)))
+        _next(sock, EngineOutputs, where=lambda out: any(d.new_token_ids for d in out.deltas))
+        te.send(codec.encode(AdminRequest(query_id=0, op=AdminOp.DRAIN)))
         tokens, finished, saw_draining = 0, None, False
         deadline = time.monotonic() + TIMEOUT_S
         while finished is None and time.monotonic() < deadline:
             if not sock.poll(200):
                 continue
-            item = msg.decode(sock.recv())
-            if isinstance(item, msg.EngineHeartbeat):
+            item = codec.decode(sock.recv())
+            if isinstance(item, EngineHeartbeat):
                 saw_draining |= item.draining
-            elif isinstance(item, msg.EngineOutputs):
+            elif isinstance(item, EngineOutputs):
                 for delta in item.deltas:
                     tokens += len(delta.new_token_ids)
                     finished = delta.finish_reason or finished
         assert finished == "length"
-        _next(sock, msg.EngineHeartbeat, where=lambda hb: hb.leaving)
+        _next(sock, EngineHeartbeat, where=lambda hb: hb.leaving)
         assert saw_draining
         deadline = time.monotonic() + 30
         while handle.alive() and time.monotonic() < deadline:

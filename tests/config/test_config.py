@@ -24,9 +24,11 @@ from meshserve.config import (
     settings_of,
 )
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
-from meshserve.core import messages as msg
 from meshserve.entrypoints.cli import build_parser
 from meshserve.entrypoints.engine_args import engine_config_from_args, resolve_deployment
+from meshserve.wire import codec
+from meshserve.wire.codec import MessageError
+from meshserve.wire.worker import WorkerHandshake
 
 
 # ---------------------------------------------------------------- validation, per concern
@@ -132,16 +134,16 @@ def test_from_dict_validates_every_concern():
 
 def test_the_handshake_carries_a_typed_config():
     config = EngineConfig.from_kwargs("m", parallel="attn=TP1+DP2 moe=TP1+EP2", local_ranks=1)
-    sent = msg.WorkerHandshake(rank=1, config=config, work_addr="tcp://h:1", result_addr="tcp://h:2")
-    received = msg.decode(msg.encode(sent))
+    sent = WorkerHandshake(rank=1, config=config, work_addr="tcp://h:1", result_addr="tcp://h:2")
+    received = codec.decode(codec.encode(sent))
     assert isinstance(received.config, EngineConfig) and received.config == config
 
 
 def test_a_handshake_with_a_bad_config_is_refused_on_decode():
     data = msgspec.msgpack.encode(["WorkerHandshake", {"rank": 1, "config": {
         "model_config": {"model": "m"}, "cache_config": {"block_size": 3}}}])
-    with pytest.raises(msg.MessageError):
-        msg.decode(data)
+    with pytest.raises(MessageError):
+        codec.decode(data)
 
 
 def test_the_config_package_imports_no_torch():

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.core import messages as msg
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.master import EngineCore
 from meshserve.core.request import Request
+from meshserve.wire import codec
+from meshserve.wire.client import AddRequest
 from tests.core.test_scheduler import (
     BS,
     FakeWorker,
@@ -136,9 +137,9 @@ def test_rtc_id_pins_hold_against_allocation():
 
 
 def test_add_request_carries_the_cache_fields_and_checks_them():
-    item = msg.AddRequest(req_id="r", prompt_token_ids=[1, 2, 3], sampling_params={}, arrival_time=0.0,
+    item = AddRequest(req_id="r", prompt_token_ids=[1, 2, 3], sampling_params={}, arrival_time=0.0,
                           context_cache_id=CACHE, context_cache_ttl_s=30.0)
-    decoded = msg.decode(msg.encode(item))
+    decoded = codec.decode(codec.encode(item))
     req = Request.from_message(decoded)
     assert (req.context_cache_id, req.context_cache_ttl_s) == (CACHE, 30.0)
     target = Request("t", [1, 2, 3])
@@ -146,7 +147,7 @@ def test_add_request_carries_the_cache_fields_and_checks_them():
     assert (target.context_cache_id, target.context_cache_ttl_s) == (CACHE, 30.0)
     for bad in (dict(context_cache_ttl_s=30.0), dict(context_cache_id=CACHE, context_cache_ttl_s=0.0)):
         with pytest.raises(ValueError):
-            EngineCore._set_context_cache(target, msg.AddRequest(req_id="b", prompt_token_ids=[1], sampling_params={},
+            EngineCore._set_context_cache(target, AddRequest(req_id="b", prompt_token_ids=[1], sampling_params={},
                                                                  arrival_time=0.0, **bad))
 
 

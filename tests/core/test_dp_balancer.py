@@ -7,8 +7,8 @@ from meshserve.config import SchedulerConfig
 from meshserve.core.dp_balancer import DPGroupLoad, PendingRequest, place_batch, place_request
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.request import Request
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.scheduler import Scheduler
+from meshserve.wire.sampling_params import SamplingParams
 
 BS = 16
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from meshserve.core.eplb_controller import EplbControl, EplbController, EplbError
-from meshserve.core.messages import EplbCommand, EplbPhase, WorkerEventKind
 from meshserve.moe.placement import ExpertPlacement, PlacementShape
+from meshserve.wire.eplb import EplbCommand, EplbPhase
+from meshserve.wire.worker import WorkerEventKind
 
 SHAPE = PlacementShape(num_logical=8, num_ranks=2, redundant_per_rank=1)
 LAYERS = [1, 2]

@@ -3,13 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.core.kv_cache_manager import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheManager,
-    chain_block_hash,
-)
+from meshserve.core.kv_cache_manager import KVCacheManager
+from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, chain_block_hash
 
 BS = 4
 

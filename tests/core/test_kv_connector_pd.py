@@ -8,7 +8,9 @@ import torch
 
 from meshserve.config import KVTransferConfig
 from meshserve.core.kv_connector.pd import PDEndpoint, accept_kv_transfer
-from meshserve.core.messages import (
+from meshserve.core.pd_mapping import source_prefill_tp_rank
+from meshserve.core.request import RequestStatus
+from meshserve.wire.kv import (
     KVConnectorMetadata,
     KVConnectorReport,
     KVPull,
@@ -17,8 +19,6 @@ from meshserve.core.messages import (
     KVTransferParams,
     KVTransferRole,
 )
-from meshserve.core.pd_mapping import source_prefill_tp_rank
-from meshserve.core.request import RequestStatus
 from meshserve.worker.kv_connector.pd import PDConnectorWorker
 from tests.core.test_scheduler import BS, FakeWorker, make_request, prompt_of, run_sync
 from tests.core.test_scheduler_pd import REGION, hand_off_one, pd_scheduler, pulled, take_pulls

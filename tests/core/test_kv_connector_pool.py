@@ -10,13 +10,13 @@ import torch
 
 from meshserve.config import PoolConfig
 from meshserve.core.kv_connector import PoolConnector
-from meshserve.core.messages import KVConnectorMetadata, KVConnectorReport, PoolBlock, PoolFetch, PoolFetchDone
 from meshserve.core.request import RequestStatus
 from meshserve.pool.context_keys import rank_key
 from meshserve.pool.controller import run_controller
 from meshserve.pool.fetch_cost import FetchCostModel
 from meshserve.pool.sdk import PoolClient
 from meshserve.pool.server import PoolServer
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, PoolBlock, PoolFetch, PoolFetchDone
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from tests.core.test_scheduler import BS, FakeWorker, collect, make_request, make_scheduler, prompt_of, run_sync
 from tests.core.test_scheduler_pool_fetch import MODEL_ID, NAMESPACE, prompt_keys, take_fetches

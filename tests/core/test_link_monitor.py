@@ -3,8 +3,16 @@ a link fault (probes fail), on a fake clock; then the P/D connector's scheduler 
 what it orders and the ranks' reports."""
 from __future__ import annotations
 
-from meshserve.core.link_monitor import LinkMonitor, down_prefills, merge_links
-from meshserve.core.messages import KVConnectorReport, KVPullDone, LinkProbe, LinkState, LinkStatus
+from meshserve.core.link_monitor import LinkMonitor
+from meshserve.wire.kv import (
+    KVConnectorReport,
+    KVPullDone,
+    LinkProbe,
+    LinkState,
+    LinkStatus,
+    down_prefills,
+    merge_links,
+)
 from tests.core.test_scheduler import FakeWorker, prompt_of
 from tests.core.test_scheduler_pd import consumer, pd, pd_scheduler, prefill, producer, take_pulls
 

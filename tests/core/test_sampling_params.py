@@ -6,7 +6,7 @@ import math
 import msgpack
 import pytest
 
-from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from meshserve.wire.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 
 BAD_PARAMS = {
     "seed beyond int64": ({"seed": 2**70}, "seed"),

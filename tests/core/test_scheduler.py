@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshserve.config import SchedulerConfig
-from meshserve.core.errors import QueueFullError, RequestTooLongError
 from meshserve.core.kv_cache_manager import KVCacheManager
-from meshserve.core.messages import AddRequest, ModelRunnerOutput, RequestDelta, SampleLogprobs, SchedulerOutput
 from meshserve.core.request import Request, RequestStatus
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.scheduler import Scheduler
+from meshserve.wire.client import AddRequest, RequestDelta
+from meshserve.wire.errors import QueueFullError, RequestTooLongError
+from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.worker import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 
 BS = 4
 VOCAB = 997

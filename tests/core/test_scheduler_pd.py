@@ -16,7 +16,9 @@ from meshserve.config import KVTransferConfig, SchedulerConfig
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector import PDConnector, PDEndpoint
 from meshserve.core.kv_connector.pd import accept_kv_transfer
-from meshserve.core.messages import (
+from meshserve.core.request import Request, RequestStatus
+from meshserve.core.scheduler import Scheduler
+from meshserve.wire.kv import (
     KVConnectorReport,
     KVPull,
     KVPullDone,
@@ -25,8 +27,6 @@ from meshserve.core.messages import (
     KVTransferParams,
     KVTransferRole,
 )
-from meshserve.core.request import Request, RequestStatus
-from meshserve.core.scheduler import Scheduler
 from tests.core.test_scheduler import (
     BS,
     FakeWorker,

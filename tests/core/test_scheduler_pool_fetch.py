@@ -10,11 +10,11 @@ from concurrent.futures import Future
 
 from meshserve.config import PoolConfig
 from meshserve.core.kv_connector import PoolConnector
-from meshserve.core.messages import KVConnectorReport, PoolBlock, PoolFetch, PoolFetchDone
 from meshserve.core.request import Request, RequestStatus
 from meshserve.core.scheduler import Scheduler
 from meshserve.pool.context_keys import block_keys, rank_key
 from meshserve.pool.fetch_cost import FetchCostModel
+from meshserve.wire.kv import KVConnectorReport, PoolBlock, PoolFetch, PoolFetchDone
 from tests.core.test_scheduler import (
     BS,
     FakeWorker,

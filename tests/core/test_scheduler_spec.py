@@ -16,9 +16,9 @@ import pytest
 
 from meshserve.config import SchedulerConfig
 from meshserve.core.kv_cache_manager import KVCacheManager
-from meshserve.core.messages import ModelRunnerOutput, SchedulerOutput
 from meshserve.core.scheduler import Scheduler
 from meshserve.core.spec_controller import MEASURE, SpeculationController
+from meshserve.wire.worker import ModelRunnerOutput, SchedulerOutput
 from tests.core.test_scheduler import (
     BS,
     VOCAB,

@@ -7,10 +7,11 @@ from concurrent.futures import Future
 
 import pytest
 
-from meshserve.core import messages as msg
-from meshserve.core.errors import ADMISSION_ERRORS, EngineDeadError
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.client_core import ClientCore, PendingReplies, ReplyCallback, admission_error
+from meshserve.wire import codec
+from meshserve.wire.client import AdminReply, EngineError, EngineOutputs, EngineStats, ErrorType, RequestDelta
+from meshserve.wire.errors import ADMISSION_ERRORS, EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 from tests.engine.byte_level_bpe import byte_level_bpe, encode
 
 PROMPT = encode("Tell me: ")
@@ -30,7 +31,7 @@ class Harness:
         return [child_id for child_id, _ in children]
 
     def feed(self, req_id: str, text: str, **fields) -> None:
-        self.core.on_outputs(msg.EngineOutputs(deltas=[msg.RequestDelta(req_id, encode(text), **fields)]))
+        self.core.on_outputs(EngineOutputs(deltas=[RequestDelta(req_id, encode(text), **fields)]))
 
 
 def test_a_request_is_registered_and_gets_its_deltas():
@@ -73,10 +74,10 @@ def test_a_bad_request_registers_nothing():
 
 
 def test_every_admission_error_type_has_its_exception():
-    assert {error_type.value for error_type in msg.ErrorType} == set(ADMISSION_ERRORS)
+    assert {error_type.value for error_type in ErrorType} == set(ADMISSION_ERRORS)
 
 
-@pytest.mark.parametrize("error_type", list(msg.ErrorType))
+@pytest.mark.parametrize("error_type", list(ErrorType))
 def test_every_admission_error_fails_the_whole_request_with_its_exception(error_type):
     h = Harness()
     h.register(n=3)
@@ -89,10 +90,10 @@ def test_every_admission_error_fails_the_whole_request_with_its_exception(error_
 
 
 def test_admission_error_maps_only_admission_errors():
-    delta = msg.RequestDelta("r", [], error="too long", error_type=msg.ErrorType.REQUEST_TOO_LONG)
+    delta = RequestDelta("r", [], error="too long", error_type=ErrorType.REQUEST_TOO_LONG)
     assert isinstance(admission_error(delta), ADMISSION_ERRORS["RequestTooLongError"])
-    assert isinstance(admission_error(msg.decode(msg.encode(delta))), ADMISSION_ERRORS["RequestTooLongError"])
-    assert admission_error(msg.RequestDelta("r", [], error="boom", finish_reason="error")) is None
+    assert isinstance(admission_error(codec.decode(codec.encode(delta))), ADMISSION_ERRORS["RequestTooLongError"])
+    assert admission_error(RequestDelta("r", [], error="boom", finish_reason="error")) is None
 
 
 def test_an_error_after_admission_ends_the_request_with_error_output():
@@ -128,10 +129,10 @@ def test_unknown_ids_are_ignored():
     h = Harness()
     h.register()
     h.feed("nobody", "text", finish_reason="length")
-    h.feed("nobody-0", "", error="full", error_type=msg.ErrorType.QUEUE_FULL)
+    h.feed("nobody-0", "", error="full", error_type=ErrorType.QUEUE_FULL)
     h.core.fail_request("nobody", RuntimeError("x"))
     h.core.abort("nobody")
-    h.core.replies.on_reply(msg.AdminReply(query_id=12345))
+    h.core.replies.on_reply(AdminReply(query_id=12345))
     assert h.delivered == {"r": []} and h.aborted == []
 
 
@@ -147,8 +148,8 @@ def test_a_delta_whose_processing_fails_fails_only_its_request(monkeypatch):
         return process(delta, now)
 
     monkeypatch.setattr(h.core.processor, "process", process_unless_doomed)
-    h.core.on_outputs(msg.EngineOutputs(deltas=[msg.RequestDelta("doomed", encode("a")),
-                                                msg.RequestDelta("fine", encode("b"), finish_reason="length")]))
+    h.core.on_outputs(EngineOutputs(deltas=[RequestDelta("doomed", encode("a")),
+                                                RequestDelta("fine", encode("b"), finish_reason="length")]))
     [error] = h.delivered["doomed"]
     assert isinstance(error, RuntimeError) and h.aborted == [["doomed"]]
     assert h.delivered["fine"][-1].finished
@@ -160,7 +161,7 @@ def test_engine_death_ends_every_request_and_query_and_stops_aborts():
     admin, stats = Future(), Future()
     h.core.replies.open(admin)
     h.core.replies.wait_for_stats(stats)
-    h.core.on_message(msg.EngineError(message="worker 0 died"))
+    h.core.on_message(EngineError(message="worker 0 died"))
     assert h.core.dead_error == "worker 0 died"
     [out] = h.delivered["r"]
     assert out.finished and out.outputs[0].finish_reason == "error" and out.error == "worker 0 died"
@@ -181,10 +182,10 @@ def test_query_ids_match_their_replies():
     assert len(set(ids)) == 3 and 0 not in ids  # 0 is the id of a reply made without asking
     replies.forget(ids[2])
     for query_id in reversed(ids):
-        replies.on_reply(msg.AdminReply(query_id=query_id, data={"id": query_id}))
+        replies.on_reply(AdminReply(query_id=query_id, data={"id": query_id}))
     assert first.result(0).data == {"id": ids[0]} and second.result(0).data == {"id": ids[1]}
     assert not forgotten.done()
-    replies.on_reply(msg.AdminReply(query_id=ids[0], data={"again": True}))  # a repeated reply is ignored
+    replies.on_reply(AdminReply(query_id=ids[0], data={"again": True}))  # a repeated reply is ignored
     assert first.result(0).data == {"id": ids[0]}
 
 
@@ -193,11 +194,11 @@ def test_every_waiting_stats_query_takes_the_next_stats_and_callbacks_get_their_
     waiters = [Future(), Future()]
     for waiter in waiters:
         h.core.replies.wait_for_stats(waiter)
-    h.core.on_message(msg.EngineStats(num_running=3))
+    h.core.on_message(EngineStats(num_running=3))
     assert [w.result(0).num_running for w in waiters] == [3, 3]
     got: list = []
     query_id = h.core.replies.open(ReplyCallback(got.append))
-    h.core.on_message(msg.AdminReply(query_id=query_id, data={"blocks": []}))
+    h.core.on_message(AdminReply(query_id=query_id, data={"blocks": []}))
     assert [r.query_id for r in got] == [query_id]
     h.core.engine_died("gone")  # a callback has nobody to tell
 
@@ -229,7 +230,7 @@ def test_stream_raises_an_admission_error_and_a_caller_leaving_early_aborts():
         outs = h.core.stream("r", None, PROMPT, SamplingParams(), lambda children, now: None)
         pending = asyncio.ensure_future(outs.__anext__())
         await asyncio.sleep(0)
-        h.feed("r", "", error="the waiting queue is full", error_type=msg.ErrorType.QUEUE_FULL)
+        h.feed("r", "", error="the waiting queue is full", error_type=ErrorType.QUEUE_FULL)
         with pytest.raises(ADMISSION_ERRORS["QueueFullError"], match="queue is full"):
             await pending
 

@@ -17,11 +17,12 @@ import zmq
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.errors import EngineDeadError
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.kv import BlockStored, KVCacheEvents
 
 LONG = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
 
@@ -113,13 +114,13 @@ def test_prefix_cache_events_are_published(model_dir):
         with LLM(model=model_dir, block_size=8, kv_events_endpoint=endpoint, kv_cache_memory_gb=0.05) as llm:
             time.sleep(0.5)  # let the subscription reach the publisher
             llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-            stored: list[msg.BlockStored] = []
+            stored: list[BlockStored] = []
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and sum(len(e.block_hashes) for e in stored) < 5:
                 if sub.poll(200):
-                    batch = msg.decode(sub.recv())
-                    assert isinstance(batch, msg.KVCacheEvents)
-                    stored += [e for e in batch.events if isinstance(e, msg.BlockStored)]
+                    batch = codec.decode(sub.recv())
+                    assert isinstance(batch, KVCacheEvents)
+                    stored += [e for e in batch.events if isinstance(e, BlockStored)]
         hashes = [h for e in stored for h in e.block_hashes]
         tokens = [t for e in stored for t in e.token_ids]
         assert len(hashes) == len(set(hashes)) >= 5

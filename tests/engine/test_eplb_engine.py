@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from meshserve.config import EngineConfig
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.models.factory import make_model
 from meshserve.moe.placement import ExpertPlacement
+from meshserve.wire.sampling_params import SamplingParams
 
 OUTPUT_LEN = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)

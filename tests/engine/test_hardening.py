@@ -22,14 +22,21 @@ from zmq.utils.monitor import recv_monitor_message
 
 from meshserve import LLM
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
 from meshserve.core.client_links import RouterLinks
 from meshserve.core.master import EngineCore
-from meshserve.core.messages import NewRequestData, SchedulerOutput
-from meshserve.core.sampling_params import SamplingParams, SamplingParamsError
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.moe.placement import ExpertPlacement
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.client import AbortRequests, AddRequest, AdminReply, AdminRequest, EngineStats, StatsQuery
+from meshserve.wire.codec import MAX_INBOX_BYTES, MessageError
+from meshserve.wire.eplb import EplbCommand, EplbPhase
+from meshserve.wire.heartbeat import EngineHeartbeat
+from meshserve.wire.kv import KVConnectorMetadata, PoolBlock
+from meshserve.wire.receive import dropped_frames, recv_message
+from meshserve.wire.sampling_params import SamplingParams, SamplingParamsError
+from meshserve.wire.worker import CachedRequestData, NewRequestData, SchedulerOutput, StepBatch
 from meshserve.worker.model_runner import ModelRunner
 from meshserve.worker.sampler import FAILED_TOKEN, Sampler, SamplingRow
 from tests.core.test_scheduler import FakeWorker, make_request, make_scheduler, prompt_of
@@ -78,16 +85,16 @@ class _TE:
         return sock
 
     def send(self, item) -> None:
-        self.push.send(msg.encode(item))
+        self.push.send(codec.encode(item))
 
     def add(self, req_id: str, prompt: list[int], params: dict) -> None:
-        self.send(msg.AddRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=params,
+        self.send(AddRequest(req_id=req_id, prompt_token_ids=prompt, sampling_params=params,
                                  arrival_time=time.time(), reply_to=self.reply_to))
 
     def next_reply(self, deadline: float):
         while time.monotonic() < deadline:
             if self.replies.poll(200):
-                return msg.decode(self.replies.recv())
+                return codec.decode(self.replies.recv())
         raise AssertionError("the TE did not answer in time")
 
     def collect(self, req_ids: list[str]) -> dict[str, dict]:
@@ -112,14 +119,14 @@ class _TE:
             if isinstance(reply, kind):
                 return reply
 
-    def stats(self) -> msg.EngineStats:
-        return self.ask(msg.StatsQuery(reply_to=self.reply_to), msg.EngineStats)
+    def stats(self) -> EngineStats:
+        return self.ask(StatsQuery(reply_to=self.reply_to), EngineStats)
 
-    def admin(self, op: str, args: dict) -> msg.AdminReply:
+    def admin(self, op: str, args: dict) -> AdminReply:
         """An operator command as a peer may send it: its fields unchecked (the TE checks them)."""
-        request = msg.AdminRequest(query_id=1, op=op, placement=args.get("placement"), cache_id=args.get("id"),
+        request = AdminRequest(query_id=1, op=op, placement=args.get("placement"), cache_id=args.get("id"),
                                    reply_to=self.reply_to)
-        return self.ask(request, msg.AdminReply)
+        return self.ask(request, AdminReply)
 
     def serves(self, prompt: list[int] = (3, 4, 5)) -> list[int]:
         """The tokens of one fresh request: the TE is alive and serving."""
@@ -131,7 +138,7 @@ class _TE:
         return result["tokens"]
 
     def close(self) -> None:
-        self.send(msg.Shutdown())
+        self.send(Shutdown())
         self.thread.join(60)
         for sock in (self.push, self.replies):
             sock.close(0)
@@ -218,7 +225,7 @@ def test_garbage_frames_are_dropped_and_counted(te):
     before = te.stats().dropped_frames.get("te-inbox", 0)
     frames = [b"\x00garbage\xff", msgpack.packb(["Nonsense", {}]), msgpack.packb(["AddRequest", {"req_id": 7}]),
               msgpack.packb(["AbortRequests", {"req_ids": "abc"}]), msgpack.packb(["Shutdown", {"now": True}]),
-              msgpack.packb([1, 2, 3]), msg.encode(msg.EngineStats())]
+              msgpack.packb([1, 2, 3]), codec.encode(EngineStats())]
     for frame in frames:
         te.push.send(frame)
     assert te.stats().dropped_frames["te-inbox"] == before + len(frames)
@@ -229,7 +236,7 @@ def test_a_frame_above_the_size_limit_never_reaches_the_master(te):
     sender = te.sender()
     events = sender.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     try:
-        sender.send(b"\x00" * (msg.MAX_INBOX_BYTES + 1))
+        sender.send(b"\x00" * (MAX_INBOX_BYTES + 1))
         seen = []
         deadline = time.monotonic() + WAIT_S
         while zmq.EVENT_DISCONNECTED not in seen and time.monotonic() < deadline:
@@ -338,28 +345,28 @@ def test_engine_client_isolates_a_failing_output_and_is_unhealthy_once_its_reade
     (b"\x91" * 100_000, "not msgpack|pair"),  # deep nesting: refused, never a crash
 ])
 def test_decode_rejects_bad_frames(frame, reason):
-    with pytest.raises(msg.MessageError, match=reason):
-        msg.decode(frame)
+    with pytest.raises(MessageError, match=reason):
+        codec.decode(frame)
 
 
 def test_decode_rejects_oversized_frames():
-    data = msg.encode(msg.AbortRequests(req_ids=["x" * 1000]))
-    with pytest.raises(msg.MessageError, match="exceeds"):
-        msg.decode(data, max_bytes=len(data) - 1)
-    assert msg.decode(data, max_bytes=len(data)) == msg.AbortRequests(req_ids=["x" * 1000])
+    data = codec.encode(AbortRequests(req_ids=["x" * 1000]))
+    with pytest.raises(MessageError, match="exceeds"):
+        codec.decode(data, max_bytes=len(data) - 1)
+    assert codec.decode(data, max_bytes=len(data)) == AbortRequests(req_ids=["x" * 1000])
 
 
 def test_decode_round_trips_nested_messages():
-    batch = msg.StepBatch(per_dp=[msg.SchedulerOutput(
+    batch = StepBatch(per_dp=[SchedulerOutput(
         step_id=3, new_reqs=[NewRequestData("r", [1, 2], GREEDY, [0], 0, 2)],
-        cached_reqs=[msg.CachedRequestData("q", [4], 9)], num_scheduled_tokens={"r": 2, "q": 1})],
-        kv_connector={0: msg.KVConnectorMetadata(pool_stores=[msg.PoolBlock(1, "key")])},
-        eplb=msg.EplbCommand(msg.EplbPhase.ABORT), report_load=True)
-    assert msg.decode(msg.encode(batch)) == batch
-    beat = msg.EngineHeartbeat(name="te", role="colocated", group="g", input_addr="tcp://h:1", kv_events_addr="",
+        cached_reqs=[CachedRequestData("q", [4], 9)], num_scheduled_tokens={"r": 2, "q": 1})],
+        kv_connector={0: KVConnectorMetadata(pool_stores=[PoolBlock(1, "key")])},
+        eplb=EplbCommand(EplbPhase.ABORT), report_load=True)
+    assert codec.decode(codec.encode(batch)) == batch
+    beat = EngineHeartbeat(name="te", role="colocated", group="g", input_addr="tcp://h:1", kv_events_addr="",
                            model="m", max_model_len=64, block_size=8, attn_tp=1, attn_dp=1,
-                           stats=msg.EngineStats(dropped_frames={"te-inbox": 2}))
-    assert msg.decode(msg.encode(beat)) == beat
+                           stats=EngineStats(dropped_frames={"te-inbox": 2}))
+    assert codec.decode(codec.encode(beat)) == beat
 
 
 def test_recv_message_drops_and_counts_a_bad_frame():
@@ -368,12 +375,12 @@ def test_recv_message_drops_and_counts_a_bad_frame():
     try:
         pull.bind("inproc://hardening-drop")
         push.connect("inproc://hardening-drop")
-        before = msg.dropped_frames().get("test-socket", 0)
+        before = dropped_frames().get("test-socket", 0)
         push.send(b"junk")
-        push.send(msg.encode(msg.Shutdown()))
-        assert msg.recv_message(pull, "test-socket") is None
-        assert msg.recv_message(pull, "test-socket") == msg.Shutdown()
-        assert msg.dropped_frames()["test-socket"] == before + 1
+        push.send(codec.encode(Shutdown()))
+        assert recv_message(pull, "test-socket") is None
+        assert recv_message(pull, "test-socket") == Shutdown()
+        assert dropped_frames()["test-socket"] == before + 1
     finally:
         pull.close(0)
         push.close(0)
@@ -459,7 +466,7 @@ def test_runner_fails_poisoned_requests_and_skips_them_until_dropped(model_dir):
     assert out.sampled == alone.sampled
     # a step queued before the master heard of the failures still names them: they are skipped
     decode = SchedulerOutput(step_id=2, num_scheduled_tokens={r.req_id: 1 for r in good + bad},
-                             cached_reqs=[msg.CachedRequestData(r.req_id, [], len(r.token_ids)) for r in good + bad])
+                             cached_reqs=[CachedRequestData(r.req_id, [], len(r.token_ids)) for r in good + bad])
     assert runner.execute(decode).sampled.keys() == {"a", "bb"}
     runner.execute(SchedulerOutput(step_id=3, finished_req_ids=[r.req_id for r in bad]))
     assert not runner.failed_ids

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.core.messages import RequestDelta, SampleLogprobs
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.output_processor import OutputProcessor
+from meshserve.wire.client import RequestDelta
+from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.worker import SampleLogprobs
 from tests.engine.byte_level_bpe import byte_level_bpe, encode
 
 PROMPT = "Tell me: "

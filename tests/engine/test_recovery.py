@@ -13,8 +13,8 @@ import pytest
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.core.errors import EngineDeadError
 from meshserve.engine.async_client import AsyncEngineClient
+from meshserve.wire.errors import EngineDeadError
 
 PROMPTS = [[5, 6, 7], [9, 3, 1, 4], [11, 12], [2, 8, 8, 8, 3]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

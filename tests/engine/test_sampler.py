@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from meshserve.core.messages import SampleLogprobs
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.worker import SampleLogprobs
 from meshserve.worker.sampler import Sampler, SamplingRow, make_generator, process_logits, sampling_logits
 
 VOCAB = 32

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 
-from meshserve.core import messages as msg
 from meshserve.entrypoints.cli import main
 from meshserve.entrypoints.cluster import format_status
+from meshserve.wire.cluster import ClusterStatus, GroupStatus, JEStatus, TEStatus
 
 
 def test_status_tables():
-    status = msg.ClusterStatus(
+    status = ClusterStatus(
         name="default", backend="local", manager_pid=42, warm=1,
-        groups=[msg.GroupStatus(group="main", role="colocated", current=2, target=2, min_count=0, max_count=4,
+        groups=[GroupStatus(group="main", role="colocated", current=2, target=2, min_count=0, max_count=4,
                                 reason="queue 6 > 2 per TE x 1 TE")],
-        tes=[msg.TEStatus(name="main-colocated-1", group="main", role="colocated", state="ready", pid=7,
+        tes=[TEStatus(name="main-colocated-1", group="main", role="colocated", state="ready", pid=7,
                           host="localhost", source="prewarmed+fork", restarts=1, num_running=3, kv_usage=0.25,
                           uptime_s=12.4)],
-        jes=[msg.JEStatus(name="je-0", http_addr="http://127.0.0.1:8000", pid=5, state="ready")],
+        jes=[JEStatus(name="je-0", http_addr="http://127.0.0.1:8000", pid=5, state="ready")],
         events=["12:00:00 start TE main-colocated-1 (prewarmed+fork): queue 6 > 2 per TE x 1 TE"])
     text = format_status(status)
     assert "deployment default (local backend, manager pid 42, 1 pre-warmed TE(s) idle)" in text

@@ -7,10 +7,10 @@ import logging
 import os
 import signal
 
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.router.deployment import MultiDeployment, launch_tes
 from meshserve.router.router import Router
 from meshserve.utils.processes import stop_process
+from meshserve.wire.sampling_params import SamplingParams
 
 
 @contextlib.contextmanager

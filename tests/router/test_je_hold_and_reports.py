@@ -11,11 +11,14 @@ import time
 import pytest
 import zmq
 
-from meshserve.core import messages as msg
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.router.router import Router, RouteUnavailableError
 from meshserve.router.routing import ANY_POOL
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.client import AddRequest, EngineOutputs, RequestDelta
+from meshserve.wire.cluster import GroupDemand, JobExecutorReport
+from meshserve.wire.heartbeat import EngineHeartbeat
+from meshserve.wire.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +36,7 @@ class FakeTE:
     def __init__(self, ctx: zmq.Context, je: Router, name: str, role: str = "colocated", group: str = "main"):
         self.inbox = cluster_auth.server(ctx.socket(zmq.PULL))
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
-        self.heartbeat = msg.EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
+        self.heartbeat = EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
                                          kv_events_addr="", model="m", max_model_len=4096, block_size=16,
                                          attn_tp=1, attn_dp=1)
         self.to_je = cluster_auth.client(ctx.socket(zmq.PUSH))
@@ -46,29 +49,29 @@ class FakeTE:
 
     def beat(self) -> None:
         self.heartbeat.timestamp = time.time()
-        self.to_je.send(msg.encode(self.heartbeat), zmq.NOBLOCK)
+        self.to_je.send(codec.encode(self.heartbeat), zmq.NOBLOCK)
 
-    async def next_request(self, timeout_s: float = 10.0) -> msg.AddRequest:
+    async def next_request(self, timeout_s: float = 10.0) -> AddRequest:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             while self.inbox.poll(0):
-                item = msg.decode(self.inbox.recv())
-                if isinstance(item, msg.AddRequest):
+                item = codec.decode(self.inbox.recv())
+                if isinstance(item, AddRequest):
                     return item
             await asyncio.sleep(0.01)
         raise AssertionError(f"{self.heartbeat.name} received no request")
 
-    def requests(self) -> list[msg.AddRequest]:
+    def requests(self) -> list[AddRequest]:
         """The requests that arrived and were not read yet (KV snapshot queries skipped)."""
         items = []
         while self.inbox.poll(0):
-            items.append(msg.decode(self.inbox.recv()))
-        return [i for i in items if isinstance(i, msg.AddRequest)]
+            items.append(codec.decode(self.inbox.recv()))
+        return [i for i in items if isinstance(i, AddRequest)]
 
     def answer(self, req_id: str, token_ids: list[int], finish_reason: str | None = None) -> None:
-        delta = msg.RequestDelta(req_id=req_id, new_token_ids=token_ids, finish_reason=finish_reason,
+        delta = RequestDelta(req_id=req_id, new_token_ids=token_ids, finish_reason=finish_reason,
                                  num_prompt_tokens=len(PROMPT))
-        self.outputs.send(msg.encode(msg.EngineOutputs(deltas=[delta], timestamp=time.time())))
+        self.outputs.send(codec.encode(EngineOutputs(deltas=[delta], timestamp=time.time())))
 
 
 class Manager:
@@ -78,16 +81,16 @@ class Manager:
         self.sock = cluster_auth.server(ctx.socket(zmq.PULL))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.addr = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.reports: list[msg.JobExecutorReport] = []
+        self.reports: list[JobExecutorReport] = []
 
-    def take(self) -> list[msg.JobExecutorReport]:
+    def take(self) -> list[JobExecutorReport]:
         while self.sock.poll(0):
-            item = msg.decode(self.sock.recv())
-            assert isinstance(item, msg.JobExecutorReport)
+            item = codec.decode(self.sock.recv())
+            assert isinstance(item, JobExecutorReport)
             self.reports.append(item)
         return self.reports
 
-    async def wait_for(self, predicate, timeout_s: float = 10.0) -> msg.JobExecutorReport:
+    async def wait_for(self, predicate, timeout_s: float = 10.0) -> JobExecutorReport:
         """The first report (from now on) whose demand satisfies `predicate`."""
         seen = len(self.take())
         deadline = time.monotonic() + timeout_s
@@ -100,7 +103,7 @@ class Manager:
         raise AssertionError("no such report reached the manager")
 
 
-def demand_of(report: msg.JobExecutorReport, pool: str) -> msg.GroupDemand | None:
+def demand_of(report: JobExecutorReport, pool: str) -> GroupDemand | None:
     return next((g for g in report.groups if g.group == pool), None)
 
 
@@ -163,7 +166,7 @@ def test_a_request_with_no_te_is_held_until_one_registers_and_reports_show_it(mo
             work = asyncio.ensure_future(generate(je, "r0"))
             await until(lambda: je.health()["held"] == 1)
             # the manager hears of it: this JE has never seen a TE, so the request waits for any pool
-            report = await manager.wait_for(lambda r: (demand_of(r, ANY_POOL) or msg.GroupDemand("")).held == 1)
+            report = await manager.wait_for(lambda r: (demand_of(r, ANY_POOL) or GroupDemand("")).held == 1)
             assert report.name == "je-test" and report.register_addr == je.register_addr and report.te_names == []
             assert report.http_addr == "http://127.0.0.1:1"
             held_at_registration = time.time()
@@ -183,7 +186,7 @@ def test_a_request_with_no_te_is_held_until_one_registers_and_reports_show_it(mo
                 assert final.outputs[0].token_ids == [11, 12, 13]
                 # TTFT counted from the arrival at the JE (the hold included), TPOT of the finished job
                 samples = await manager.wait_for(lambda r: bool((demand_of(r, "main/colocated")
-                                                                 or msg.GroupDemand("")).tpot_s))
+                                                                 or GroupDemand("")).tpot_s))
                 pool = demand_of(samples, "main/colocated")
                 assert samples.te_names == ["main-colocated-0"]
             reports = manager.take()
@@ -234,7 +237,7 @@ def test_a_request_held_for_a_known_pool_is_reported_for_that_pool(model):
                 decode.beat()
                 await until(lambda: len(je.registry.routable()) == 1)
                 work = asyncio.ensure_future(generate(je, "r0"))
-                report = await manager.wait_for(lambda r: (demand_of(r, "pd/decode") or msg.GroupDemand("")).held)
+                report = await manager.wait_for(lambda r: (demand_of(r, "pd/decode") or GroupDemand("")).held)
                 assert demand_of(report, "pd/prefill").held == 0 and report.te_names == ["pd-prefill-0"]
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -284,7 +287,7 @@ def test_a_draining_te_finishes_its_stream_but_gets_no_new_job(model):
         asyncio.run(scenario())
 
 
-async def first_request(tes: dict[str, FakeTE], timeout_s: float = 10.0) -> tuple[msg.AddRequest, FakeTE]:
+async def first_request(tes: dict[str, FakeTE], timeout_s: float = 10.0) -> tuple[AddRequest, FakeTE]:
     """The first request any of `tes` gets, and which one got it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from meshserve.core import messages as msg
+from meshserve.wire.kv import LinkState, LinkStatus
 from tests.router.deployment_processes import generate_all, running_deployment, token_ids
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,7 +40,7 @@ def je(tiny_model):
         yield jes[0]
 
 
-def links(je) -> dict[str, msg.LinkStatus]:
+def links(je) -> dict[str, LinkStatus]:
     """The decode TE's links as its last heartbeat reported them, by prefill TE."""
     record = je.registry.get(DECODE)
     assert record is not None, "the decode TE was dropped"
@@ -88,28 +88,28 @@ def test_a_broken_link_is_found_routed_around_and_used_again_once_it_heals(je):
         reference = token_ids(await generate_all(je, PROMPTS, MAX_TOKENS))
         assert all(len(t) == MAX_TOKENS for t in reference)
         await wait_for(lambda: {P0, P1} <= set(links(je)), "the decode TE to report both links", 10.0)
-        assert {link.state for link in links(je).values()} <= {msg.LinkState.OK, msg.LinkState.SATURATED}
+        assert {link.state for link in links(je).values()} <= {LinkState.OK, LinkState.SATURATED}
 
         await inject(je, DECODE, kind="link_break", peer=P0, duration_s=BREAK_S)
         injected = time.monotonic()
         # requests in flight meanwhile lose nothing: a pull over the broken link is computed on the decode TE
         assert token_ids(await generate_all(je, PROMPTS[:2], MAX_TOKENS)) == reference[:2]
-        down = await wait_for(lambda: links(je)[P0].state is msg.LinkState.DOWN and links(je)[P0],
+        down = await wait_for(lambda: links(je)[P0].state is LinkState.DOWN and links(je)[P0],
                               "the link from the first prefill TE to be reported down", DETECT_BOUND_S)
         print(f"link down reported {time.monotonic() - injected:.1f} s after the fault was armed "
               f"(probe failures {down.probe_failures}: {down.last_error})")
         assert down.consecutive_failures >= 2 and "injected link_break" in down.last_error
-        assert links(je)[P1].state is not msg.LinkState.DOWN  # the other prefill TE's link is whole
+        assert links(je)[P1].state is not LinkState.DOWN  # the other prefill TE's link is whole
 
         # while it is down, the JE pairs that prefill TE with nothing: the other one serves every request
         assert je.routing.route_to(P0, je.registry.views(), "test") is None
         with recorded_routes(je) as routes:
             assert token_ids(await generate_all(je, PROMPTS, MAX_TOKENS)) == reference
-        assert links(je)[P0].state is msg.LinkState.DOWN, "the fault ended before the check: lengthen BREAK_S"
+        assert links(je)[P0].state is LinkState.DOWN, "the fault ended before the check: lengthen BREAK_S"
         assert routes == [(P1, DECODE)] * len(PROMPTS)
 
         # the fault ends: a probe passes, the link is up again and the pair is used
-        await wait_for(lambda: links(je)[P0].state is not msg.LinkState.DOWN, "the link to come back",
+        await wait_for(lambda: links(je)[P0].state is not LinkState.DOWN, "the link to come back",
                        BREAK_S + DETECT_BOUND_S)
         decision = je.routing.route_to(P0, je.registry.views(), "test")
         assert decision is not None and (decision.prefill, decision.decode) == (P0, DECODE)
@@ -122,12 +122,12 @@ def test_a_broken_link_is_found_routed_around_and_used_again_once_it_heals(je):
 
 def test_a_slow_decode_side_is_reported_saturated_not_down(je):
     async def scenario():
-        await wait_for(lambda: all(link.state is not msg.LinkState.DOWN for link in links(je).values()),
+        await wait_for(lambda: all(link.state is not LinkState.DOWN for link in links(je).values()),
                        "every link up before the test", BREAK_S + DETECT_BOUND_S)
         pulls_before = links(je)[P1].pulls
         # every pull from the second prefill TE takes 3 s more (past the 2 s stall threshold); probes do not
         await inject(je, DECODE, kind="link_delay", peer=P1, delay_s=3.0, duration_s=6.0)
-        seen: set[msg.LinkState] = set()
+        seen: set[LinkState] = set()
         done = asyncio.Event()
 
         async def watch():
@@ -137,13 +137,13 @@ def test_a_slow_decode_side_is_reported_saturated_not_down(je):
 
         watcher = asyncio.create_task(watch())
         outputs = await generate_all(je, PROMPTS, MAX_TOKENS)  # round robin: half of them pull from P1
-        await wait_for(lambda: links(je)[P1].slow_pulls >= 1 and msg.LinkState.SATURATED in seen,
+        await wait_for(lambda: links(je)[P1].slow_pulls >= 1 and LinkState.SATURATED in seen,
                        "the slow link to be reported saturated", 15.0)
         done.set()
         await watcher
         assert all(len(t) == MAX_TOKENS for t in token_ids(outputs))
         link = links(je)[P1]
-        assert msg.LinkState.DOWN not in seen and link.consecutive_failures == 0
+        assert LinkState.DOWN not in seen and link.consecutive_failures == 0
         assert link.pulls > pulls_before and link.pull_failures == 0  # slow, but every pull went through
         decision = je.routing.route_to(P1, je.registry.views(), "test")  # a saturated link is still used
         assert decision is not None and decision.decode == DECODE

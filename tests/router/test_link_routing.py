@@ -9,10 +9,12 @@ import time
 import pytest
 import zmq
 
-from meshserve.core import messages as msg
 from meshserve.entrypoints.openai.metrics import ServerMetrics
 from meshserve.router.engine_registry import EngineRegistry
 from meshserve.router.routing import POLICIES, LoadTracker, NoRouteError, RoutingPolicy, TELoad, TEView, route_health
+from meshserve.wire.client import EngineStats
+from meshserve.wire.heartbeat import EngineHeartbeat
+from meshserve.wire.kv import LinkState, LinkStatus
 
 PROMPT = list(range(64))  # long prompt, short output: pd_aware and combined disaggregate
 
@@ -68,16 +70,16 @@ def test_the_pair_is_used_again_once_the_link_is_back():
 
 
 # ---------------------------------------------------------------- the JE's registry
-def heartbeat(name: str, role: str, links: list[msg.LinkStatus] = ()) -> msg.EngineHeartbeat:
-    return msg.EngineHeartbeat(name=name, role=role, group="pd", input_addr=f"inproc://{name}", kv_events_addr="",
+def heartbeat(name: str, role: str, links: list[LinkStatus] = ()) -> EngineHeartbeat:
+    return EngineHeartbeat(name=name, role=role, group="pd", input_addr=f"inproc://{name}", kv_events_addr="",
                                model="m", max_model_len=4096, block_size=16, attn_tp=1, attn_dp=1,
-                               stats=msg.EngineStats(links=list(links)))
+                               stats=EngineStats(links=list(links)))
 
 
-def link(prefill: str, state: msg.LinkState, decode: str = "d0", since: float | None = None) -> msg.LinkStatus:
-    return msg.LinkStatus(decode=decode, prefill=prefill, state=state, since=time.time() if since is None else since,
+def link(prefill: str, state: LinkState, decode: str = "d0", since: float | None = None) -> LinkStatus:
+    return LinkStatus(decode=decode, prefill=prefill, state=state, since=time.time() if since is None else since,
                           rtt_s=0.002,
-                          consecutive_failures=2 if state is msg.LinkState.DOWN else 0, probes=10,
+                          consecutive_failures=2 if state is LinkState.DOWN else 0, probes=10,
                           probe_failures=2)
 
 
@@ -94,14 +96,14 @@ def test_the_registry_follows_the_links_decode_tes_report(registry):
     now = time.monotonic()
     for name, role in (("p0", "prefill"), ("p1", "prefill")):
         registry.on_heartbeat(heartbeat(name, role), now)
-    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", msg.LinkState.DOWN),
-                                                     link("p1", msg.LinkState.SATURATED)]), now)
+    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", LinkState.DOWN),
+                                                     link("p1", LinkState.SATURATED)]), now)
     views = {v.name: v for v in registry.views()}
     assert views["d0"].down_links == frozenset({"p0"}) and views["p0"].down_links == frozenset()
     assert registry.link_down("d0", "p0") and not registry.link_down("d0", "p1")  # saturated links are used
     router = RoutingPolicy("round_robin")
     assert {router.route(PROMPT, list(views.values())).prefill for _ in range(4)} == {"p1"}
-    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", msg.LinkState.OK)]), now + 0.5)
+    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", LinkState.OK)]), now + 0.5)
     assert not registry.link_down("d0", "p0") and not registry.link_down("gone", "p0")
     assert {router.route(PROMPT, registry.views()).prefill for _ in range(4)} == {"p0", "p1"}
 
@@ -110,17 +112,17 @@ def test_a_link_down_to_a_prefill_te_that_restarted_since_is_not_held_against_th
     now = time.monotonic()
     registry.on_heartbeat(heartbeat("p0", "prefill"), now)
     went_down = time.time() - 60  # before p0's process registered: it was about the one before it
-    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", msg.LinkState.DOWN, since=went_down)]), now)
+    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", LinkState.DOWN, since=went_down)]), now)
     assert not registry.link_down("d0", "p0")
-    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", msg.LinkState.DOWN)]), now + 0.5)
+    registry.on_heartbeat(heartbeat("d0", "decode", [link("p0", LinkState.DOWN)]), now + 0.5)
     assert registry.link_down("d0", "p0")  # down since the new one registered: it counts
 
 
 # ---------------------------------------------------------------- /metrics
 def test_metrics_show_each_link_s_state_rtt_and_probe_failures():
     metrics = ServerMetrics()
-    metrics.update_engine_stats(msg.EngineStats(links=[link("p0", msg.LinkState.DOWN),
-                                                       link("p1", msg.LinkState.OK)]))
+    metrics.update_engine_stats(EngineStats(links=[link("p0", LinkState.DOWN),
+                                                       link("p1", LinkState.OK)]))
     text = metrics.render()[0].decode()
     assert 'meshserve_kv_link_state{decode="d0",prefill="p0",state="down"} 1.0' in text
     assert 'meshserve_kv_link_state{decode="d0",prefill="p0",state="ok"} 0.0' in text

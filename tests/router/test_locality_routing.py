@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from meshserve.core import messages as msg
-from meshserve.core.kv_cache_manager import chain_block_hash
+from meshserve.wire.kv import BlockStored, chain_block_hash
 from tests.router.deployment_processes import generate_all, running_deployment
 
 BLOCK = 16
@@ -218,7 +217,7 @@ class LossyEvents:
 
         def on_kv_events(te, batch) -> bool:
             self.last_seq[te] = max(batch.seq, self.last_seq.get(te, 0))
-            stores = any(isinstance(e, msg.BlockStored) for e in batch.events)
+            stores = any(isinstance(e, BlockStored) for e in batch.events)
             if self.drop_all or (self.drop_stored and stores):
                 self.drop_stored -= 0 if self.drop_all else 1
                 self.lost.append((te, batch.seq))

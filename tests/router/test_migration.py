@@ -12,9 +12,9 @@ import time
 import pytest
 import zmq
 
-from meshserve.core import messages as msg
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.router.deployment import MultiDeployment
+from meshserve.wire.client import AbortRequests, AddRequest, EngineStats, ReleaseKV, RequestDelta
+from meshserve.wire.sampling_params import SamplingParams
 from tests.router.deployment_processes import running_deployment, token_ids
 from tests.router.test_pd_deployment import FakeTE, fake_deployment, start_and_hand_off
 
@@ -54,19 +54,19 @@ def test_a_streaming_colocated_job_continues_on_another_te_from_its_tokens(model
         async def scenario():
             await _register(je, tes)
             work, outs = _stream(je, [5, 6, 7], max_tokens=5)
-            first = await tes["a"].next_message(msg.AddRequest)  # the least loaded TE
-            tes["a"].send(msg.RequestDelta(req_id=first.req_id, new_token_ids=[21, 22], num_prompt_tokens=3))
+            first = await tes["a"].next_message(AddRequest)  # the least loaded TE
+            tes["a"].send(RequestDelta(req_id=first.req_id, new_token_ids=[21, 22], num_prompt_tokens=3))
             for _ in range(200):
                 if outs:
                     break
                 await asyncio.sleep(0.01)
             tes["a"].beat(leaving=True)  # a dies (says it is leaving: the JE drops it at once)
-            moved = await tes["b"].next_message(msg.AddRequest)
+            moved = await tes["b"].next_message(AddRequest)
             assert moved.prompt_token_ids == [5, 6, 7] and moved.output_token_ids == [21, 22]
             assert moved.kv_transfer is None and moved.req_id != first.req_id
             # a late token of the dead TE's attempt is ignored
-            tes["a"].send(msg.RequestDelta(req_id=first.req_id, new_token_ids=[99], num_prompt_tokens=3))
-            tes["b"].send(msg.RequestDelta(req_id=moved.req_id, new_token_ids=[23, 24, 25], finish_reason="length",
+            tes["a"].send(RequestDelta(req_id=first.req_id, new_token_ids=[99], num_prompt_tokens=3))
+            tes["b"].send(RequestDelta(req_id=moved.req_id, new_token_ids=[23, 24, 25], finish_reason="length",
                                            num_prompt_tokens=3))
             return await asyncio.wait_for(work, 10)
 
@@ -80,18 +80,18 @@ def test_jobs_move_off_a_te_that_recovers_its_ranks_when_another_can_take_them(m
         async def scenario():
             await _register(je, tes)
             work, _ = _stream(je, [5, 6, 7], max_tokens=3)
-            first = await tes["a"].next_message(msg.AddRequest)
-            tes["a"].send(msg.RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
+            first = await tes["a"].next_message(AddRequest)
+            tes["a"].send(RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
             await asyncio.sleep(0.2)
-            tes["a"].heartbeat.stats = msg.EngineStats(recovering="worker 1 died")
+            tes["a"].heartbeat.stats = EngineStats(recovering="worker 1 died")
             tes["a"].beat()
-            moved = await tes["b"].next_message(msg.AddRequest)
+            moved = await tes["b"].next_message(AddRequest)
             assert moved.output_token_ids == [21]
-            abort = await tes["a"].next_message(msg.AbortRequests)  # its copy is dropped there
+            abort = await tes["a"].next_message(AbortRequests)  # its copy is dropped there
             assert abort.req_ids == [first.req_id]
             assert je.registry.get("a") is not None  # still registered: it takes requests again once back
             assert "a" not in {r.name for r in je.registry.routable()}
-            tes["b"].send(msg.RequestDelta(req_id=moved.req_id, new_token_ids=[22, 23], finish_reason="length",
+            tes["b"].send(RequestDelta(req_id=moved.req_id, new_token_ids=[22, 23], finish_reason="length",
                                            num_prompt_tokens=3))
             return await asyncio.wait_for(work, 10)
 
@@ -104,17 +104,17 @@ def test_a_te_restarted_under_its_name_gets_its_jobs_back_from_their_tokens(mode
         async def scenario():
             await _register(je, tes)
             work, _ = _stream(je, [5, 6, 7], max_tokens=3)
-            first = await tes["a"].next_message(msg.AddRequest)
-            tes["a"].send(msg.RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
+            first = await tes["a"].next_message(AddRequest)
+            tes["a"].send(RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
             await asyncio.sleep(0.2)
             # the cluster manager restarted it faster than the heartbeat timeout: same name, new process
             ctx = zmq.Context()
             restarted = FakeTE(ctx, je, "a", "colocated", "main")
             try:
                 restarted.beat()
-                moved = await restarted.next_message(msg.AddRequest)
+                moved = await restarted.next_message(AddRequest)
                 assert moved.output_token_ids == [21] and moved.req_id != first.req_id
-                restarted.send(msg.RequestDelta(req_id=moved.req_id, new_token_ids=[22, 23], finish_reason="length",
+                restarted.send(RequestDelta(req_id=moved.req_id, new_token_ids=[22, 23], finish_reason="length",
                                                 num_prompt_tokens=3))
                 return await asyncio.wait_for(work, 10)
             finally:
@@ -130,14 +130,14 @@ def test_a_decode_job_with_no_decode_te_left_continues_on_a_colocated_te(model):
     with fake_deployment(model, spec) as (je, tes):
         async def scenario():
             work, _, task = await start_and_hand_off(je, tes, "pre", "dec")
-            tes["dec"].send(msg.RequestDelta(req_id=task.req_id, new_token_ids=[12], num_prompt_tokens=3))
+            tes["dec"].send(RequestDelta(req_id=task.req_id, new_token_ids=[12], num_prompt_tokens=3))
             await asyncio.sleep(0.2)
             tes["dec"].beat(leaving=True)
-            moved = await tes["col"].next_message(msg.AddRequest)
+            moved = await tes["col"].next_message(AddRequest)
             assert moved.output_token_ids == [11, 12] and moved.kv_transfer is None
-            release = await tes["pre"].next_message(msg.ReleaseKV)  # nobody pulls the prompt's KV now
+            release = await tes["pre"].next_message(ReleaseKV)  # nobody pulls the prompt's KV now
             assert release.req_ids == [task.req_id]
-            tes["col"].send(msg.RequestDelta(req_id=moved.req_id, new_token_ids=[13], finish_reason="length",
+            tes["col"].send(RequestDelta(req_id=moved.req_id, new_token_ids=[13], finish_reason="length",
                                              num_prompt_tokens=3))
             return await asyncio.wait_for(work, 10)
 
@@ -152,21 +152,21 @@ def test_a_job_waits_for_a_restarted_te_then_fails_after_the_deadline(model):
         async def scenario():
             await _register(je, tes)
             work, _ = _stream(je, [5, 6, 7], max_tokens=5, request_id="waits")
-            first = await tes["a"].next_message(msg.AddRequest)
-            tes["a"].send(msg.RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
+            first = await tes["a"].next_message(AddRequest)
+            tes["a"].send(RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
             await asyncio.sleep(0.2)
             tes["a"].beat(leaving=True)
             await asyncio.sleep(0.3)
             tes["a"].beat()  # back (the cluster manager restarted it) within the deadline
-            moved = await tes["a"].next_message(msg.AddRequest)
+            moved = await tes["a"].next_message(AddRequest)
             assert moved.output_token_ids == [21]
-            tes["a"].send(msg.RequestDelta(req_id=moved.req_id, new_token_ids=[22], finish_reason="length",
+            tes["a"].send(RequestDelta(req_id=moved.req_id, new_token_ids=[22], finish_reason="length",
                                            num_prompt_tokens=3))
             done = await asyncio.wait_for(work, 10)
             # the second time nothing comes back within the deadline: a clear error, not a hang
             work, _ = _stream(je, [5, 6, 7], max_tokens=5, request_id="fails")
-            first = await tes["a"].next_message(msg.AddRequest)
-            tes["a"].send(msg.RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
+            first = await tes["a"].next_message(AddRequest)
+            tes["a"].send(RequestDelta(req_id=first.req_id, new_token_ids=[21], num_prompt_tokens=3))
             await asyncio.sleep(0.2)
             started = time.monotonic()
             tes["a"].beat(leaving=True)

@@ -18,19 +18,22 @@ import time
 import pytest
 import zmq
 
-from meshserve.core import messages as msg
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.router.deployment import MultiDeployment
 from meshserve.router.router import Router
 from meshserve.router.routing import REQUEST_ROUTING_POLICY
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.client import AddRequest, AdminRequest, EngineOutputs, EngineStats, ReleaseKV, RequestDelta
+from meshserve.wire.heartbeat import EngineHeartbeat
+from meshserve.wire.kv import KVRegion, KVTransferParams, KVTransferRole
+from meshserve.wire.sampling_params import SamplingParams
 from tests.router.deployment_processes import generate_all, kill_te, running_deployment, token_ids
 
 pytestmark = pytest.mark.timeout(300)
 
 ARCHS = ("deepseek_v3", "qwen3_moe")
 ENGINE = {"num_kv_blocks": 128}
-PRODUCER = msg.KVTransferParams(role=msg.KVTransferRole.PRODUCER)  # what a prefill TE is asked
+PRODUCER = KVTransferParams(role=KVTransferRole.PRODUCER)  # what a prefill TE is asked
 BLOCK_SIZE = 16  # EngineConfig's default
 # generous, so a TE starved of CPU on a busy test machine is not dropped (tests of failures set their own)
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -354,7 +357,7 @@ def test_requests_routed_to_a_dead_prefill_te_are_rerouted(models, colocated):
         send = je._send
 
         def record(te, item):
-            if isinstance(item, msg.AddRequest) and item.kv_transfer == PRODUCER:
+            if isinstance(item, AddRequest) and item.kv_transfer == PRODUCER:
                 sent.append((item.req_id, te.name))
             send(te, item)
 
@@ -378,9 +381,9 @@ class FakeTE:
     def __init__(self, ctx: zmq.Context, je: Router, name: str, role: str, group: str, kv_usage: float = 0.0):
         self.inbox = cluster_auth.server(ctx.socket(zmq.PULL))
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
-        self.heartbeat = msg.EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
+        self.heartbeat = EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
                                          kv_events_addr="", model="m", max_model_len=4096, block_size=BLOCK_SIZE,
-                                         attn_tp=1, attn_dp=1, stats=msg.EngineStats(kv_usage=kv_usage))
+                                         attn_tp=1, attn_dp=1, stats=EngineStats(kv_usage=kv_usage))
         self.to_je = cluster_auth.client(ctx.socket(zmq.PUSH))
         self.to_je.connect(je.register_addr)
         self.outputs = cluster_auth.client(ctx.socket(zmq.PUSH))
@@ -389,14 +392,14 @@ class FakeTE:
     def beat(self, leaving: bool = False) -> None:
         self.heartbeat.leaving = leaving
         self.heartbeat.timestamp = time.time()
-        self.to_je.send(msg.encode(self.heartbeat))
+        self.to_je.send(codec.encode(self.heartbeat))
 
     async def next_message(self, kind: type, timeout_s: float = 10.0):
         """The next message of `kind` this TE received (others, such as KV snapshot queries, are skipped)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             while self.inbox.poll(0):
-                item = msg.decode(self.inbox.recv())
+                item = codec.decode(self.inbox.recv())
                 if isinstance(item, kind):
                     return item
             await asyncio.sleep(0.01)
@@ -406,11 +409,11 @@ class FakeTE:
         """Requests and KV releases that arrived and were not read yet."""
         items = []
         while self.inbox.poll(0):
-            items.append(msg.decode(self.inbox.recv()))
-        return [i for i in items if not isinstance(i, msg.AdminRequest)]
+            items.append(codec.decode(self.inbox.recv()))
+        return [i for i in items if not isinstance(i, AdminRequest)]
 
-    def send(self, delta: msg.RequestDelta) -> None:
-        self.outputs.send(msg.encode(msg.EngineOutputs(deltas=[delta], timestamp=time.time())))
+    def send(self, delta: RequestDelta) -> None:
+        self.outputs.send(codec.encode(EngineOutputs(deltas=[delta], timestamp=time.time())))
 
     def close(self) -> None:
         for sock in (self.inbox, self.to_je, self.outputs):
@@ -453,16 +456,16 @@ async def start_and_hand_off(je: Router, tes: dict, prefill: str, decode: str):
     REQUEST_ROUTING_POLICY.set("load")  # the least loaded prefill TE, then its group's least loaded decode TE
     work = asyncio.ensure_future(generate())
     # steps 1-3: the prefill TE computes the prompt and hands off its first token and where the KV is
-    task = await tes[prefill].next_message(msg.AddRequest)
+    task = await tes[prefill].next_message(AddRequest)
     assert task.kv_transfer == PRODUCER and task.reply_to == je.output_addr
-    region = msg.KVRegion(engine=f"{prefill}/rank0", region="kv", layers=[], host_id="host")
-    params = msg.KVTransferParams(role=msg.KVTransferRole.CONSUMER, engine=prefill,
+    region = KVRegion(engine=f"{prefill}/rank0", region="kv", layers=[], host_id="host")
+    params = KVTransferParams(role=KVTransferRole.CONSUMER, engine=prefill,
                                   engine_addr=tes[prefill].heartbeat.input_addr, dp_rank=0, attn_tp=1, attn_dp=1,
                                   regions=[region], block_ids=[3], num_tokens=3, num_cached_tokens=0)
-    tes[prefill].send(msg.RequestDelta(req_id=task.req_id, new_token_ids=[11], num_prompt_tokens=3,
+    tes[prefill].send(RequestDelta(req_id=task.req_id, new_token_ids=[11], num_prompt_tokens=3,
                                        kv_transfer_params=params))
     # step 4: the decode TE gets the job with the hand-off and the first token
-    task = await tes[decode].next_message(msg.AddRequest)
+    task = await tes[decode].next_message(AddRequest)
     assert task.kv_transfer == params and task.output_token_ids == [11]
     return work, params, task
 
@@ -478,11 +481,11 @@ def test_a_decode_job_whose_decode_te_leaves_moves_within_its_group_and_frees_th
             # the decode TE leaves before it answers: the job moves to the other decode TE of its group
             # (never to group b's idle one), which computes the prompt itself; the prefill TE frees its hold
             tes["dec-a0"].beat(leaving=True)
-            moved = await tes["dec-a1"].next_message(msg.AddRequest)
+            moved = await tes["dec-a1"].next_message(AddRequest)
             assert moved.kv_transfer.recompute is True and moved.output_token_ids == [11]
-            release = await tes["pre-a"].next_message(msg.ReleaseKV)
+            release = await tes["pre-a"].next_message(ReleaseKV)
             assert release.req_ids == [task.req_id]
-            tes["dec-a1"].send(msg.RequestDelta(req_id=moved.req_id, new_token_ids=[12, 13], finish_reason="length",
+            tes["dec-a1"].send(RequestDelta(req_id=moved.req_id, new_token_ids=[12, 13], finish_reason="length",
                                                 num_prompt_tokens=3))
             return await asyncio.wait_for(work, 10)
 
@@ -497,9 +500,9 @@ def test_a_decode_te_that_fails_a_handed_off_job_frees_the_prefill_hold(models):
         async def scenario():
             work, _, task = await start_and_hand_off(je, tes, "pre", "dec")
             # e.g. refused at admission: the decode TE will never pull, so the prefill TE must not hold on
-            tes["dec"].send(msg.RequestDelta(req_id=task.req_id, new_token_ids=[], finish_reason="error",
+            tes["dec"].send(RequestDelta(req_id=task.req_id, new_token_ids=[], finish_reason="error",
                                              error="the waiting queue is full", error_type="QueueFullError"))
-            release = await tes["pre"].next_message(msg.ReleaseKV)
+            release = await tes["pre"].next_message(ReleaseKV)
             assert release.req_ids == [task.req_id]
             return await asyncio.wait_for(work, 10)
 

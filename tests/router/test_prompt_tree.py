@@ -6,9 +6,10 @@ import threading
 
 import pytest
 
-from meshserve.core import messages as msg
-from meshserve.core.kv_cache_manager import KVCacheManager, chain_block_hash
+from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.router.prompt_tree import GlobalPromptTree
+from meshserve.wire import codec
+from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVCacheEvents, chain_block_hash
 
 BS = 4
 
@@ -37,12 +38,12 @@ class FakeTE:
     def publish(self, dp: int = 0):
         """The drained events as a decoded KVCacheEvents, exactly as a subscriber receives it."""
         self.seq += 1
-        batch = msg.KVCacheEvents(seq=self.seq, timestamp=0.0, events=self.kv_managers[dp].drain_events(), dp_rank=dp)
-        return msg.decode(msg.encode(batch))
+        batch = KVCacheEvents(seq=self.seq, timestamp=0.0, events=self.kv_managers[dp].drain_events(), dp_rank=dp)
+        return codec.decode(codec.encode(batch))
 
 
-def batch_of(seq: int, *events: msg.KVCacheEvent) -> msg.KVCacheEvents:
-    return msg.KVCacheEvents(seq=seq, timestamp=0.0, events=list(events), dp_rank=0)
+def batch_of(seq: int, *events: KVCacheEvent) -> KVCacheEvents:
+    return KVCacheEvents(seq=seq, timestamp=0.0, events=list(events), dp_rank=0)
 
 
 def test_insert_and_match_whole_blocks_of_the_prefix():
@@ -85,7 +86,7 @@ def test_eviction_removes_the_block_and_its_descendants_and_prunes():
     assert tree.match(tokens(100, 2)) == {"a": 8}
     assert tree.num_blocks == 4  # the evicted node is gone, not kept unheld
 
-    batch = batch_of(a.seq + 1, msg.BlockRemoved(block_hashes=sorted(tree.blocks_held("a"))))
+    batch = batch_of(a.seq + 1, BlockRemoved(block_hashes=sorted(tree.blocks_held("a"))))
     assert tree.apply("a", batch)
     assert tree.match(first) == {} and tree.num_blocks == 0
 
@@ -96,16 +97,16 @@ def test_removing_a_parent_still_held_child_stops_the_match_there():
     h: list[int] = []
     for i in range(3):
         h.append(chain_block_hash(h[-1] if h else None, toks[i * BS : (i + 1) * BS]))
-    stored = msg.BlockStored(block_hashes=h, parent_block_hash=None, token_ids=toks, block_size=BS)
+    stored = BlockStored(block_hashes=h, parent_block_hash=None, token_ids=toks, block_size=BS)
     tree.apply("a", batch_of(1, stored))
     tree.apply("b", batch_of(1, stored))
-    tree.apply("a", batch_of(2, msg.BlockRemoved(block_hashes=[h[1]])))
+    tree.apply("a", batch_of(2, BlockRemoved(block_hashes=[h[1]])))
     assert tree.match(toks) == {"a": 4, "b": 12}  # a keeps block 2 but not the prefix leading to it
     assert tree.num_blocks == 3
     tree.remove_te("b")
     assert tree.match(toks) == {"a": 4}
     assert tree.num_blocks == 3  # block 1 is held by nobody but still carries a's block 2
-    tree.apply("a", batch_of(3, msg.BlockRemoved(block_hashes=[h[2]])))
+    tree.apply("a", batch_of(3, BlockRemoved(block_hashes=[h[2]])))
     assert tree.num_blocks == 1  # block 2 went, and block 1 with it
     assert tree.holders(h[1]) == frozenset()
 
@@ -156,7 +157,7 @@ def test_a_seq_gap_is_refused_and_changes_nothing():
 
 def test_a_foreign_block_size_is_an_error_not_a_silent_mismatch():
     tree = GlobalPromptTree(BS)
-    stored = msg.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[0] * 8, block_size=8)
+    stored = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[0] * 8, block_size=8)
     with pytest.raises(ValueError, match="8 tokens"):
         tree.apply("a", batch_of(1, stored))
     assert tree.num_blocks == 0 and tree.last_seq("a") is None
@@ -175,7 +176,7 @@ def test_snapshot_replaces_what_was_known():
     assert tree.blocks_held("a", 1) == {h0}
     assert tree.num_blocks == 2 and tree.last_seq("a") == 17
     assert not tree.apply("a", batch_of(17))
-    assert tree.apply("a", batch_of(18, msg.AllBlocksCleared()))
+    assert tree.apply("a", batch_of(18, AllBlocksCleared()))
     assert tree.match(new) == {"a": 4}  # dp 1 keeps its block
 
 

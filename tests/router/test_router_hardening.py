@@ -12,11 +12,14 @@ import pytest
 import zmq
 from starlette.testclient import TestClient
 
-from meshserve.core import messages as msg
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.router.router import Router
 from meshserve.utils import cluster_auth
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.client import AdminReply, AdminRequest
+from meshserve.wire.heartbeat import EngineHeartbeat
+from meshserve.wire.sampling_params import SamplingParams
 from tests.router.deployment_processes import running_deployment
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +40,7 @@ class FakeTE:
                  secret: bytes | None = None) -> None:
         self.inbox = cluster_auth.server(ctx.socket(zmq.PULL), secret=secret)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
-        self.heartbeat = msg.EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
+        self.heartbeat = EngineHeartbeat(name=name, role=role, group=group, input_addr=f"tcp://127.0.0.1:{port}",
                                          kv_events_addr="", model="m", max_model_len=4096, block_size=16,
                                          attn_tp=1, attn_dp=1)
         self.to_je = cluster_auth.client(ctx.socket(zmq.PUSH), secret=secret)
@@ -49,7 +52,7 @@ class FakeTE:
 
     def beat(self) -> None:
         self.heartbeat.timestamp = time.time()
-        self.to_je.send(msg.encode(self.heartbeat), zmq.NOBLOCK)
+        self.to_je.send(codec.encode(self.heartbeat), zmq.NOBLOCK)
 
 
 @contextlib.contextmanager
@@ -85,7 +88,7 @@ def test_garbage_frames_do_not_stop_the_reader(model, caplog):
         with fake_tes(model, [("main-0", "colocated", "main", None)]) as (je, tes):
             await je.start()
             te = tes["main-0"]
-            for frame in (b"", b"\xc1\xc1", b"\x92\xa7Nothing\x80", msg.encode(msg.Shutdown())[:-1]):
+            for frame in (b"", b"\xc1\xc1", b"\x92\xa7Nothing\x80", codec.encode(Shutdown())[:-1]):
                 te.to_je.send(frame)
                 te.outputs.send(frame)
             assert await beat_until(je, [te], lambda: live(je) == {"main-0"})
@@ -160,7 +163,7 @@ def test_health_says_what_cannot_be_routed_when_the_decode_te_stops(model):
 
 
 # ---------------------------------------------------------------- a real TE (`meshserve te`)
-def admin_snapshot(input_addr: str, secret: bytes | None, timeout_s: float) -> msg.AdminReply | None:
+def admin_snapshot(input_addr: str, secret: bytes | None, timeout_s: float) -> AdminReply | None:
     """Send a TE a kv.snapshot request from sockets keyed by `secret`; its reply, or None."""
     ctx = zmq.Context()
     try:
@@ -168,8 +171,8 @@ def admin_snapshot(input_addr: str, secret: bytes | None, timeout_s: float) -> m
         reply_to = f"tcp://127.0.0.1:{inbox.bind_to_random_port('tcp://127.0.0.1')}"
         out = cluster_auth.client(ctx.socket(zmq.PUSH), secret=secret)
         out.connect(input_addr)
-        out.send(msg.encode(msg.AdminRequest(query_id=99, op="kv.snapshot", reply_to=reply_to)))
-        return msg.decode(inbox.recv()) if inbox.poll(int(timeout_s * 1000)) else None
+        out.send(codec.encode(AdminRequest(query_id=99, op="kv.snapshot", reply_to=reply_to)))
+        return codec.decode(inbox.recv()) if inbox.poll(int(timeout_s * 1000)) else None
     finally:
         ctx.destroy(0)
 

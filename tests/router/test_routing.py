@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.core import messages as msg
-from meshserve.core.kv_cache_manager import chain_block_hash
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import (
     POLICIES,
@@ -15,6 +13,7 @@ from meshserve.router.routing import (
     TEView,
     load_score,
 )
+from meshserve.wire.kv import BlockStored, KVCacheEvents, chain_block_hash
 
 BS = 4
 
@@ -31,9 +30,9 @@ def tree_with(holdings: dict[str, list[int]]) -> GlobalPromptTree:
         for i in range(len(toks) // BS):
             parent = chain_block_hash(parent, toks[i * BS : (i + 1) * BS])
             hashes.append(parent)
-        stored = msg.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks[: len(hashes) * BS],
+        stored = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks[: len(hashes) * BS],
                                  block_size=BS)
-        assert tree.apply(name, msg.KVCacheEvents(seq=1, timestamp=0.0, events=[stored]))
+        assert tree.apply(name, KVCacheEvents(seq=1, timestamp=0.0, events=[stored]))
     return tree
 
 

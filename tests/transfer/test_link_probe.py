@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import torch
 
-from meshserve.core.messages import KVConnectorMetadata, KVConnectorReport, KVPull
 from meshserve.transfer import BlockRef, LinkProber, TransferEngine, TransferError, TransferStatus, wire
 from meshserve.utils import faults
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVPull
 from meshserve.worker.kv_connector.pd import PDConnectorWorker
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,10 +20,13 @@ import zmq
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
 from meshserve.core.remote_ranks import RemoteRanks
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import launch, stop_process
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.client import EngineError
+from meshserve.wire.worker import WorkerHandshake
 
 PARALLEL = "attn=TP1+DP2 moe=TP1+EP2"
 ENGINE_ARGS = dict(max_num_batched_tokens=64, block_size=8, max_num_seqs=8, num_kv_blocks=128)
@@ -164,8 +167,8 @@ def test_start_up_fails_naming_a_remote_rank_that_never_joins(model_dir, tmp_pat
                     output_addr=f"ipc://{tmp_path}/output", ipc_dir=str(tmp_path), log_level=logging.CRITICAL)
     try:
         assert from_master.poll(30_000), "the master said nothing"
-        error = msg.decode(from_master.recv())
-        assert isinstance(error, msg.EngineError)
+        error = codec.decode(from_master.recv())
+        assert isinstance(error, EngineError)
         assert "remote worker rank(s) [1] did not join within 3s" in error.message
         port = config.parallel_config.engine_port
         assert f"meshserve worker --engine tcp://127.0.0.1:{port} --rank R" in error.message
@@ -188,19 +191,19 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
     peer.connect(ranks.endpoint)
     rank_work = ctx.socket(zmq.PULL)
 
-    def ask(payload: bytes) -> msg.WorkerHandshake:
+    def ask(payload: bytes) -> WorkerHandshake:
         peer.send(payload)
         for _ in range(100):  # bounded: 5 s
             ranks.answer_handshakes()
             if peer.poll(50):
-                return msg.decode(peer.recv())
+                return codec.decode(peer.recv())
         raise AssertionError("no answer")
 
     try:
         assert ask(b"not msgpack").error == "expected an WorkerHandshake message"
-        assert ask(msg.encode(msg.Shutdown())).error == "expected an WorkerHandshake message"
+        assert ask(codec.encode(Shutdown())).error == "expected an WorkerHandshake message"
         assert ranks.missing() == [1]
-        joined = ask(msg.encode(msg.WorkerHandshake(rank=1)))
+        joined = ask(codec.encode(WorkerHandshake(rank=1)))
         assert joined.error is None and joined.work_addr == addrs[1] and joined.dist_init_method == "tcp://127.0.0.1:2"
         assert joined.config == config
         assert ranks.missing() == []

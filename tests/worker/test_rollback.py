@@ -17,11 +17,21 @@ import zmq
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.messages import CachedRequestData, NewRequestData, SchedulerOutput, WorkerEventKind
 from meshserve.moe import comm as moe_comm
 from meshserve.utils import faults
 from meshserve.utils.faults import Fault, FaultKind, FaultSwitch, TransientCollectiveError
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.worker import (
+    CachedRequestData,
+    InjectFault,
+    NewRequestData,
+    SchedulerOutput,
+    StepBatch,
+    WorkerEventKind,
+    WorkerPing,
+    WorkerPong,
+)
 from meshserve.worker import worker
 from meshserve.worker.model_runner import MAX_STEP_ATTEMPTS, ModelRunner, StepRetriesExhausted
 
@@ -237,7 +247,7 @@ class StepCounter:
     def take_kv_connector_report(self):
         return None
 
-    def run_batch(self, batch: msg.StepBatch):
+    def run_batch(self, batch: StepBatch):
         self.steps.append(batch.per_dp[0].step_id)
 
 
@@ -251,13 +261,13 @@ def _serve(items: list, rank: int = 1) -> tuple[StepCounter, list]:
         sockets["to_worker"].connect("inproc://work")
         sockets["from_worker"].bind("inproc://results")
         sockets["results"].connect("inproc://results")
-        for item in [*items, msg.Shutdown()]:
-            sockets["to_worker"].send(msg.encode(item))
+        for item in [*items, Shutdown()]:
+            sockets["to_worker"].send(codec.encode(item))
         runner = StepCounter()
         worker._serve(rank, runner, sockets["work"], sockets["results"], master_gone=lambda: False)
         sent = []
         while sockets["from_worker"].poll(100):
-            sent.append(msg.decode(sockets["from_worker"].recv()))
+            sent.append(codec.decode(sockets["from_worker"].recv()))
         return runner, sent
     finally:
         for sock in sockets.values():
@@ -265,22 +275,22 @@ def _serve(items: list, rank: int = 1) -> tuple[StepCounter, list]:
         ctx.term()
 
 
-def _step(step_id: int) -> msg.StepBatch:
-    return msg.StepBatch(per_dp=[SchedulerOutput(step_id=step_id)])
+def _step(step_id: int) -> StepBatch:
+    return StepBatch(per_dp=[SchedulerOutput(step_id=step_id)])
 
 
 def test_the_loop_answers_pings_between_steps_and_arms_forwarded_faults():
     injected = Fault(kind=FaultKind.COLLECTIVE_ERROR, after_steps=5)
-    runner, sent = _serve([_step(1), msg.WorkerPing(seq=7), msg.InjectFault(fault=injected), _step(2)])
+    runner, sent = _serve([_step(1), WorkerPing(seq=7), InjectFault(fault=injected), _step(2)])
     assert runner.steps == [1, 2]
-    assert sent == [msg.WorkerPong(rank=1, seq=7)]
+    assert sent == [WorkerPong(rank=1, seq=7)]
     assert faults.fire(FaultKind.COLLECTIVE_ERROR) is None and faults.switch().armed  # armed, waiting its steps
 
 
 def test_a_stall_fires_before_its_step_then_the_rank_steps_on():
     faults.arm(Fault(kind=FaultKind.STALL, rank=1, after_steps=1, duration_s=0.05))
-    runner, sent = _serve([_step(1), _step(2), msg.WorkerPing(seq=1)])
-    assert runner.steps == [1, 2] and sent == [msg.WorkerPong(rank=1, seq=1)]
+    runner, sent = _serve([_step(1), _step(2), WorkerPing(seq=1)])
+    assert runner.steps == [1, 2] and sent == [WorkerPong(rank=1, seq=1)]
     assert [fault.kind for _, fault in faults.switch().fired] == [FaultKind.STALL]
 
 

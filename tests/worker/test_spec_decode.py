@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.wire.sampling_params import SamplingParams
 from meshserve.worker.sampler import FAILED_TOKEN, Sampler, SamplingRow, make_generator
 from meshserve.worker.spec_decode import DraftRow, verify_drafts
 

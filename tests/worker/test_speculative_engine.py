@@ -30,14 +30,15 @@ from safetensors.torch import load_file, save_file
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
 from meshserve.core.kv_cache_manager import KVCacheManager
-from meshserve.core.messages import EngineStats, ModelRunnerOutput
 from meshserve.core.request import Request
 from meshserve.core.scheduler import Scheduler
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.entrypoints.openai.metrics import ServerMetrics
 from meshserve.models.generation_config import max_position_embeddings
+from meshserve.wire import codec
+from meshserve.wire.client import EngineStats
+from meshserve.wire.worker import ModelRunnerOutput
 from meshserve.worker.model_runner import ModelRunner
 
 LOGPROB_TOL = 1e-4
@@ -256,7 +257,7 @@ class InProcessEngine:
         while self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
             assert not sched.is_empty, "the scheduler stalled with unfinished requests"
-            out = self.runner.execute(msg.decode(msg.encode(sched)))  # as it crosses to a worker process
+            out = self.runner.execute(codec.decode(codec.encode(sched)))  # as it crosses to a worker process
             self.steps.append(out)
             for delta in self.scheduler.update_from_output(sched, out):
                 result = results[delta.req_id]

@@ -12,11 +12,14 @@ from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
 from meshserve.core.kv_connector.pd import PDConnector, PDEndpoint, accept_kv_transfer
 from meshserve.core.kv_connector.pool import PoolConnector
-from meshserve.core.messages import KVTransferParams, Message, ReleaseKV, WorkerReady
 from meshserve.core.request import Request
 from meshserve.pool.context_keys import kv_layout_name, model_identity
 from meshserve.pool.fetch_cost import FetchCostModel
 from meshserve.pool.sdk import PoolClient
+from meshserve.wire.base import Message
+from meshserve.wire.client import ReleaseKV
+from meshserve.wire.kv import KVTransferParams
+from meshserve.wire.worker import WorkerReady
 
 __all__ = ["FinishedLoad", "KVConnectorScheduler", "KVConnectors", "PDConnector", "PDEndpoint", "PoolConnector"]
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshserve.core.messages import EngineStats, KVConnectorMetadata, KVConnectorReport, KVTransferParams
 from meshserve.core.request import Request
+from meshserve.wire.client import EngineStats
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVTransferParams
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,10 @@ from meshserve.config import KVTransferConfig
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
 from meshserve.core.link_monitor import LinkMonitor
-from meshserve.core.messages import (
-    EngineStats,
-    KVConnectorMetadata,
-    KVConnectorReport,
-    KVPull,
-    KVRegion,
-    KVTransferParams,
-    KVTransferRole,
-)
 from meshserve.core.pd_mapping import source_prefill_tp_rank
 from meshserve.core.request import Request, RequestStatus
+from meshserve.wire.client import EngineStats
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVPull, KVRegion, KVTransferParams, KVTransferRole
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,11 @@ from typing import Protocol
 
 from meshserve.config import PoolConfig
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
-from meshserve.core.messages import EngineStats, KVConnectorMetadata, KVConnectorReport, PoolBlock, PoolFetch
 from meshserve.core.request import Request, RequestStatus
 from meshserve.pool.context_keys import block_keys, chain_block_keys, key_root, rank_key
 from meshserve.pool.fetch_cost import FetchCostModel
+from meshserve.wire.client import EngineStats
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, PoolBlock, PoolFetch
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from meshserve.core.errors import EngineDeadError
-from meshserve.core.messages import EngineStats
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.outputs import RequestOutput
 from meshserve.entrypoints.openai.chat_prompt import ChatTemplateError, encode_chat
 from meshserve.entrypoints.openai.context_caches import (
@@ -75,6 +72,9 @@ from meshserve.moe.placement import EMPTY as EMPTY_SLOT
 from meshserve.moe.placement import ExpertPlacement
 from meshserve.router.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
 from meshserve.utils.faults import Fault
+from meshserve.wire.client import EngineStats
+from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshserve.core.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
-from meshserve.core.sampling_params import SamplingParamsError
+from meshserve.wire.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestTooLongError
+from meshserve.wire.sampling_params import SamplingParamsError
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 from starlette.requests import Request
 
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.outputs import CompletionOutput, RequestOutput
 from meshserve.entrypoints.openai.metrics import RequestTracker
+from meshserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from meshserve.entrypoints.openai.api_server import EngineClientProtocol

@@ -11,8 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from meshserve.core.messages import EngineStats, LinkState, LinkStatus, dropped_frames
 from meshserve.engine.outputs import RequestOutput
+from meshserve.wire.client import EngineStats
+from meshserve.wire.kv import LinkState, LinkStatus
+from meshserve.wire.receive import dropped_frames
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from pydantic import (
     model_validator,
 )
 
-from meshserve.core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from meshserve.engine.outputs import PositionLogprobs
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
 from meshserve.utils.faults import Fault
+from meshserve.wire.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
 # OpenAI's default for /v1/completions; chat generates until the context ends

@@ -7,7 +7,7 @@ of the group's ranks. The shape of vLLM's `KVConnectorBase_V1` worker side, at s
 """
 from __future__ import annotations
 
-from meshserve.core.messages import KVConnectorMetadata, KVConnectorReport
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport
 
 
 class KVConnectorWorker:

@@ -22,15 +22,8 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from meshserve.core.messages import (
-    KVConnectorMetadata,
-    KVConnectorReport,
-    KVPull,
-    KVPullDone,
-    KVRegion,
-    LinkProbe,
-)
 from meshserve.transfer import BlockRef, LinkProber, TransferEngine, TransferStatus
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVPull, KVPullDone, KVRegion, LinkProbe
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 
 logger = logging.getLogger(__name__)

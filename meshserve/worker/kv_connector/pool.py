@@ -16,8 +16,8 @@ from concurrent.futures import Future
 
 import torch
 
-from meshserve.core.messages import KVConnectorMetadata, KVConnectorReport, PoolBlock, PoolFetch, PoolFetchDone
 from meshserve.pool.context_keys import rank_key
+from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, PoolBlock, PoolFetch, PoolFetchDone
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 
 logger = logging.getLogger(__name__)

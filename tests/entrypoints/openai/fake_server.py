@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from meshserve.core.messages import AdminReply, EplbStatus
+from meshserve.wire.client import AdminReply, EplbStatus
 from tests.entrypoints.openai.test_api import FakeEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

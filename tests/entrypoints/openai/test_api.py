@@ -25,11 +25,11 @@ from starlette.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from meshserve.core.errors import EngineDeadError, QueueFullError, RequestTooLongError
-from meshserve.core.messages import EngineStats
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from meshserve.entrypoints.openai.api_server import build_app
+from meshserve.wire.client import EngineStats
+from meshserve.wire.errors import EngineDeadError, QueueFullError, RequestTooLongError
+from meshserve.wire.sampling_params import SamplingParams
 
 MODEL = "fake-moe"
 MAX_MODEL_LEN = 128

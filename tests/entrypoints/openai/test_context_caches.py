@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from meshserve.config import EngineConfig
-from meshserve.core import messages as msg
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.entrypoints.openai.context_caches import DEFAULT_TTL_S, ContextCacheNotFound, ContextCacheStore
 from meshserve.router.routing import RoutingPolicy, TELoad, TEView
+from meshserve.wire.client import ContextCacheDeleted
+from meshserve.wire.sampling_params import SamplingParams
 from tests.router.deployment_processes import running_deployment
 
 MODEL = "tiny"
@@ -394,4 +394,4 @@ def test_the_job_executor_sends_a_caches_requests_to_the_te_that_pins_it(model_d
 
         uses, deleted = asyncio.run(scenario())
         assert [u.num_cached_tokens for u in uses] == [4 * BLOCK] * 3
-        assert deleted.ok and deleted.data == msg.ContextCacheDeleted(id="ctxc-je", deleted=True)
+        assert deleted.ok and deleted.data == ContextCacheDeleted(id="ctxc-je", deleted=True)

@@ -1,7 +1,7 @@
 """Errors the engine raises to its callers (the API maps each to an HTTP status)."""
 from __future__ import annotations
 
-from meshserve.core.sampling_params import SamplingParamsError
+from meshserve.wire.sampling_params import SamplingParamsError
 
 
 class QueueFullError(RuntimeError):
