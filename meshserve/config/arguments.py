@@ -1,9 +1,10 @@
-"""Engine settings as command-line flags: one `--flag` per setting, generated from the concern structs.
+"""Settings as command-line flags: one `--flag` per setting, generated from a settings struct.
 
 Every command that takes engine flags (`serve`, `te`, the benchmarks) declares them here, from the field's
 annotation: its type, `Literal` choices, `--x/--no-x` for a bool, and its description as the help text,
 grouped by concern. Each flag remembers that it was given, so the merge order defaults <- deployment file
-<- flags holds even for a flag equal to its default.
+<- flags holds even for a flag equal to its default. Other processes' settings structs (the router's, the
+cluster manager's, the HTTP server's) become flags the same way (`add_struct_arguments`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import argparse
 from collections.abc import Iterable
 from typing import Any
 
-from meshserve.config.base import Setting
+from meshserve.config.base import ConfigStruct, Setting, settings_of
 from meshserve.config.engine import engine_settings
 
 GIVEN_ENGINE_FLAGS = "_given_engine_flags"  # the namespace attribute naming the engine flags on the command line
@@ -51,6 +52,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str] |
             group = parser.add_argument_group(concern)
             for setting in chosen:
                 _add_flag(group, setting)
+
+
+def add_struct_arguments(parser: argparse.ArgumentParser, cls: type[ConfigStruct], title: str,
+                         names: Iterable[str] | None = None, skip: Iterable[str] = ()) -> None:
+    """One `--flag` per plain setting of `cls` (or per setting in `names`, less those in `skip`), in one
+    argument group; `given_settings(args, cls)` then reads back the ones given."""
+    wanted, skipped = (None if names is None else set(names)), set(skip)
+    group = parser.add_argument_group(title)
+    for setting in settings_of(cls):
+        if setting.name not in skipped and (wanted is None or setting.name in wanted):
+            _add_flag(group, setting)
+
+
+def given_settings(args: argparse.Namespace, cls: type[ConfigStruct]) -> dict[str, Any]:
+    """The settings of `cls` whose flag was given on the command line (whatever its value)."""
+    names = {s.name for s in settings_of(cls)}
+    return {name: getattr(args, name) for name in sorted(getattr(args, GIVEN_ENGINE_FLAGS, set()) & names)}
 
 
 def _add_flag(group: argparse._ArgumentGroup, setting: Setting) -> None:
