@@ -1,10 +1,14 @@
-# The two commands a newcomer needs: `make serve` and `make test`.
+# The commands a newcomer needs: `make serve`, `make test` and, while working, `make test-quick`.
 VENV   ?= .venv
 PYTHON ?= python3.11
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+# pytest-xdist workers: `make test` runs the tests that start processes one after another on one worker and
+# the unit and model tiers beside them; `make test-quick` spreads the unit tier over all of them
+WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -q -ra -n $(WORKERS)
 
-.PHONY: install serve test bench clean
+.PHONY: install serve lint test test-quick bench clean
 
 install: $(STAMP)
 
@@ -18,11 +22,18 @@ $(STAMP): requirements.lock pyproject.toml
 serve: install
 	$(VENV)/bin/meshserve serve $(ARGS)
 
-# the layering check (pyproject.toml [tool.importlinter]) and lint first: both take seconds
-test: install
+# the layering check (pyproject.toml [tool.importlinter]) and lint: both take seconds
+lint: install
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(VENV)/bin/ruff check meshserve tests
-	$(VENV)/bin/python -m pytest -q -ra tests $(ARGS)
+
+# every tier (CI: .ci/run); the slowest tests are listed at the end
+test: lint
+	$(PYTEST) --dist loadgroup --durations=25 tests $(ARGS)
+
+# the unit tier (docs/testing.md): no process started, no model built; a few minutes at most
+test-quick: lint
+	$(PYTEST) -m unit tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,13 +1,231 @@
-"""Fixtures shared by every test area."""
+"""Fixtures shared by every test area, and the test tiers.
+
+Every test gets exactly one tier marker, by what it starts (docs/testing.md):
+  unit        this process only: no process started, no model built (`make test-quick` runs these)
+  model       torch work in this process (a tiny model built or loaded, kernels compiled and run) or a short
+              helper process (`python -c` checks, the compiler); no engine, no server
+  engine      engine processes (a master and its worker ranks) or worlds of ranks (gloo, transfer peers)
+  deployment  several processes serving together: TEs with job executors, `meshserve serve`, memory pools,
+              cluster managers, Ray
+  bench       a benchmark command run end to end (tests/bench)
+A module's tier is its folder's (FOLDER_TIERS) unless TIER_EXCEPTIONS names the module or one of its tests;
+a fixture in FIXTURE_TIERS raises a test to at least that tier; in tests/bench every tier above unit is
+`bench`. The tests run cheapest tier first; those that start processes share one pytest-xdist group. A
+`unit` test that starts a process fails (`forbid_processes`).
+"""
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import multiprocessing.process
+import os
+import platform
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+TESTS_DIR = Path(__file__).parent
+# by what a test may start, least first: a test takes the highest tier any of its rules gives it
+TIERS = ("unit", "model", "engine", "deployment", "bench")
+BENCH_FOLDER = "bench"
+# Tests that start processes run one after another on one pytest-xdist worker (`--dist loadgroup`, as `make
+# test` runs): two engines or deployments at once on a small machine would slow each other into timeouts. The
+# unit and model tiers run on the other workers meanwhile.
+SERIAL_TIERS = ("engine", "deployment", "bench")
+SERIAL_GROUP = "processes"
 
+FOLDER_TIERS = {
+    "": "unit",  # the modules directly under tests/
+    "bench": "unit",
+    "cluster": "deployment",
+    "config": "unit",
+    "core": "unit",
+    "e2e": "deployment",
+    "engine": "engine",
+    "entrypoints": "unit",
+    "entrypoints/openai": "unit",
+    "layers": "model",
+    "models": "model",
+    "moe": "engine",
+    "parallel": "unit",
+    "pool": "unit",
+    "quant": "model",
+    "router": "unit",
+    "train": "model",
+    "transfer": "unit",
+    "utils": "unit",
+    "worker": "engine",
+}
+
+# Modules ("folder/test_x.py") and single tests ("folder/test_x.py::test_name", every parametrization) whose
+# tier is not their folder's.
+TIER_EXCEPTIONS = {
+    **dict.fromkeys([
+        "cluster/test_autoscaler.py",
+        "engine/test_client_core.py",
+        "engine/test_detokenizer.py",
+        "engine/test_output_processor.py",
+        "engine/test_sampler.py",
+        "models/test_draft_vocab.py",
+        "moe/test_eplb.py",
+    ], "unit"),
+    **dict.fromkeys([
+        "config/test_config.py::test_the_config_package_imports_no_torch",
+        "engine/test_sampler.py::test_temperature_sampling_matches_softmax",  # many draws: statistics
+        "engine/test_sampler.py::test_top_k_and_top_p_renormalise_the_kept_tokens",
+        "entrypoints/openai/test_api_auth.py::test_serve_refuses_to_start_beyond_loopback_without_a_key",
+        "entrypoints/openai/test_api_auth.py::test_the_eplb_cli_sends_the_admin_key",
+        "router/test_deployment.py::test_cli_reports_a_bad_preset_in_one_line",
+        "test_layering.py::test_the_import_contracts_are_kept",
+        "transfer/test_shm_sweep.py",
+        "utils/test_cluster_auth.py::test_default_secret_file_is_created_private_and_shared",
+        "utils/test_entry_points.py::test_the_runner_refuses_what_the_table_does_not_name",
+        "utils/test_page_cache.py",
+        "worker/test_spec_decode.py",
+    ], "model"),
+    **dict.fromkeys([
+        "models/test_fp8_checkpoint.py::test_engine_serves_an_fp8_checkpoint_as_its_dequantized_weights",
+        "models/test_parallel_models.py",
+        "models/test_w8a8.py::test_engine_serves_int8_alike_on_dp2_ep2",
+        "models/test_w8a8.py::test_engine_serves_int8_alike_on_tp2",
+        "models/test_w8a8.py::test_engine_rounds_a_float_checkpoint_with_the_quantization_flag",
+        "models/test_w8a8.py::test_mtp_drafts_on_a_w8a8_checkpoint_keep_the_greedy_tokens",
+        "test_layering.py::test_a_serving_master_has_no_torch_loaded",
+        "transfer/test_transfer_engine.py",
+    ], "engine"),
+    **dict.fromkeys([
+        "entrypoints/openai/test_api.py::test_run_server_serves_and_stops_cleanly_on_signals",
+        "entrypoints/openai/test_context_caches.py",
+        "entrypoints/openai/test_server_limits.py::test_a_body_declared_too_large_is_413",
+        "entrypoints/openai/test_server_limits.py::test_a_chunked_body_that_grows_too_large_is_413",
+        "entrypoints/openai/test_server_limits.py::test_a_body_shorter_than_its_content_length_is_408_not_a_hang",
+        "entrypoints/openai/test_server_limits.py::test_headers_that_never_finish_are_408_and_closed",
+        "entrypoints/openai/test_server_limits.py::test_connections_beyond_the_cap_are_503",
+        "entrypoints/openai/test_server_limits.py::"
+        "test_sigterm_lets_short_streams_finish_and_ends_long_ones_with_an_error_and_done",
+        "pool/test_controller.py::test_controller_process_over_zmq",
+        "pool/test_model_cache.py",
+        "pool/test_pool_auth.py::test_a_server_without_the_secret_cannot_register",
+        "pool/test_pool_auth.py::test_the_cli_without_the_secret_is_refused_at_once",
+        "pool/test_sdk.py::test_pool_round_trip_failover_restart_and_quotas",
+        "pool/test_server.py",
+        "router/test_je_hold_and_reports.py",
+        "router/test_kv_int8_pd.py",
+        "router/test_link_failover_e2e.py",
+        "router/test_locality_routing.py",
+        "router/test_migration.py",
+        "router/test_pd_deployment.py",
+        "router/test_router_hardening.py",
+    ], "deployment"),
+    **dict.fromkeys([
+        "bench/test_calibrate.py::test_calibrate_writes_a_cluster_file_that_plan_reads",
+        "bench/test_decode_step_bench.py",
+        "bench/test_eplb_bench.py::test_bench_eplb_writes_json_png_and_tables",
+        "bench/test_eplb_bench.py::test_bench_eplb_layer_time_only_writes_times_rows_and_ratios",
+        "bench/test_transfer_bench.py::test_transfer_bench_measures_every_backend_and_size",
+    ], "bench"),
+}
+
+# a test using one of these fixtures (directly or through another fixture) is at least of this tier
+FIXTURE_TIERS = {
+    "tiny_model": "model",
+    "hf_tiny_dir": "model",  # bench/test_offline.py: a transformers model
+    "ray_address": "deployment",
+}
+
+
+def folder_of(path: Path) -> str:
+    return path.parent.relative_to(TESTS_DIR).as_posix().removeprefix(".")
+
+
+def module_key(path: Path) -> str:
+    return path.relative_to(TESTS_DIR).as_posix()
+
+
+def tier_of(path: Path, test_name: str, fixture_names: tuple[str, ...] = ()) -> str | None:
+    """The tier of test `test_name` of module `path` using `fixture_names`; None when its folder has none."""
+    module = module_key(path)
+    base = TIER_EXCEPTIONS.get(f"{module}::{test_name}") or TIER_EXCEPTIONS.get(module) or \
+        FOLDER_TIERS.get(folder_of(path))
+    if base is None:
+        return None
+    tier = max([base, *(FIXTURE_TIERS[name] for name in fixture_names if name in FIXTURE_TIERS)], key=TIERS.index)
+    return "bench" if folder_of(path) == BENCH_FOLDER and tier != "unit" else tier
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers = {}
+    for item in items:
+        if any(item.get_closest_marker(name) for name in TIERS):
+            raise pytest.UsageError(f"{item.nodeid}: tiers come from tests/conftest.py, not from a marker in the file")
+        tier = tier_of(item.path, item.originalname, tuple(item.fixturenames))
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: folder {folder_of(item.path)!r} has no test tier: "
+                                    "add it to FOLDER_TIERS in tests/conftest.py")
+        item.add_marker(tier)
+        if tier in SERIAL_TIERS:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+        tiers[item.nodeid] = TIERS.index(tier)
+    # the cheapest tiers first (a failure shows early), each in the order collected: a stable sort
+    items.sort(key=lambda item: tiers[item.nodeid])
+
+
+# ---------------------------------------------------------------- no process from a unit test
+class ProcessInUnitTestError(RuntimeError):
+    """A `unit` test (or a fixture it uses) tried to start a process."""
+
+
+@contextlib.contextmanager
+def forbid_processes(attempts: list[str]) -> Iterator[None]:
+    """Every way this process could start another raises ProcessInUnitTestError (and is noted in `attempts`)."""
+    def refusing(what: str) -> Callable:
+        def refuse(*args, **kwargs):
+            attempts.append(what)
+            raise ProcessInUnitTestError(f"a `unit` test may not start a process ({what}): give the test a tier "
+                                         "in tests/conftest.py (TIER_EXCEPTIONS)")
+        return refuse
+
+    platform.processor()  # runs `uname -p` once per process (then cached): not the test's doing
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refusing("subprocess"))  # run, check_output, asyncio
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refusing("multiprocessing"))  # every context
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                patch.setattr(os, name, refusing(f"os.{name}"))
+        yield
+
+
+# the processes a `unit` test tried to start in the current phase (setup, call)
+PROCESS_ATTEMPTS = pytest.StashKey[list[str]]()
+
+
+@contextlib.contextmanager
+def _guarded(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    attempts = item.stash[PROCESS_ATTEMPTS] = []
+    with forbid_processes(attempts):
+        yield
+    if attempts:  # also when the test caught the error
+        pytest.fail(f"{item.nodeid} is a `unit` test but started a process ({', '.join(attempts)})", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _guarded(item):
+        return (yield)
+
+
+# ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     """`tiny_model(arch="deepseek_v3", preset="tiny", *, seed=0, overrides=None, name="model")`: the directory

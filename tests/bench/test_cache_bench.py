@@ -5,11 +5,10 @@ import json
 
 from meshserve.bench.cache import parse_size
 from meshserve.entrypoints.cli import main
-from meshserve.models.factory import make_model
 
 
-def test_cache_bench_smoke(tmp_path, capsys):
-    model = make_model("qwen3_moe", "tiny", tmp_path / "model")
+def test_cache_bench_smoke(tiny_model, tmp_path, capsys):
+    model = tiny_model("qwen3_moe")
     out = tmp_path / "cache.json"
     assert main(["bench", "cache", "--json", str(out), "--sizes", "64K,1M", "--total-mb", "2", "--servers", "1",
                  "--repeats", "2", "--model", str(model), "--load-repeats", "1",

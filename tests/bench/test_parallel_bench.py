@@ -312,10 +312,8 @@ def test_a_model_the_analyzer_cannot_price_is_an_argument_error(tmp_path, monkey
 
 # ---------------------------------------------------------------- one real run
 
-def test_real_tiny_run_at_world_2_matches_the_single_rank(tmp_path, capsys):
-    from meshserve.models.factory import make_model
-
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=0)
+def test_real_tiny_run_at_world_2_matches_the_single_rank(tiny_model, tmp_path, capsys):
+    model_dir = tiny_model()
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER_YAML)
     json_path = tmp_path / "parallel.json"

@@ -81,13 +81,12 @@ def test_cli_reports_a_bad_preset_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("arch,refused", [("qwen3_moe", True), ("deepseek_v3", False)])
-def test_pd_groups_with_different_attention_tp_need_mla(tmp_path, arch, refused):
+def test_pd_groups_with_different_attention_tp_need_mla(tiny_model, arch, refused):
     """GQA splits KV heads by TP rank, so prefill and decode must match; MLA ranks hold the whole latent cache."""
     from meshserve.config import EngineConfig
-    from meshserve.models.factory import make_model
     from meshserve.router.deployment import check_pd_layouts
 
-    model = str(make_model(arch, "tiny", tmp_path / arch, seed=0))
+    model = str(tiny_model(arch))
     deployment = MultiDeployment.from_dict({"te_groups": [
         {"group": "pd", "role": "prefill", "parallel": "attn=TP2+DP1 moe=TP2+EP1"},
         {"group": "pd", "role": "decode"},
