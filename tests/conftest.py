@@ -78,6 +78,7 @@ TIER_EXCEPTIONS = {
         "entrypoints/openai/test_api_auth.py::test_serve_refuses_to_start_beyond_loopback_without_a_key",
         "entrypoints/openai/test_api_auth.py::test_the_eplb_cli_sends_the_admin_key",
         "router/test_deployment.py::test_cli_reports_a_bad_preset_in_one_line",
+        "router/test_length_predictor.py",  # trains the predictor
         "test_layering.py::test_the_import_contracts_are_kept",
         "transfer/test_shm_sweep.py",
         "utils/test_cluster_auth.py::test_default_secret_file_is_created_private_and_shared",
@@ -86,6 +87,7 @@ TIER_EXCEPTIONS = {
         "worker/test_spec_decode.py",
     ], "model"),
     **dict.fromkeys([
+        "entrypoints/test_predictor_cli.py::test_predictor_train_end_to_end_on_a_micro_model",  # its outputs
         "models/test_fp8_checkpoint.py::test_engine_serves_an_fp8_checkpoint_as_its_dequantized_weights",
         "models/test_parallel_models.py",
         "models/test_w8a8.py::test_engine_serves_int8_alike_on_dp2_ep2",
@@ -124,6 +126,8 @@ TIER_EXCEPTIONS = {
         "bench/test_decode_step_bench.py",
         "bench/test_eplb_bench.py::test_bench_eplb_writes_json_png_and_tables",
         "bench/test_eplb_bench.py::test_bench_eplb_layer_time_only_writes_times_rows_and_ratios",
+        "bench/test_roofline.py::test_machine_measurements_are_positive_and_finite",  # the native kernels
+        "bench/test_roofline.py::test_total_params_match_hf_transformers",
         "bench/test_transfer_bench.py::test_transfer_bench_measures_every_backend_and_size",
     ], "bench"),
 }
@@ -153,6 +157,22 @@ def tier_of(path: Path, test_name: str, fixture_names: tuple[str, ...] = ()) -> 
         return None
     tier = max([base, *(FIXTURE_TIERS[name] for name in fixture_names if name in FIXTURE_TIERS)], key=TIERS.index)
     return "bench" if folder_of(path) == BENCH_FOLDER and tier != "unit" else tier
+
+
+def may_hold_unit_tests(path: Path) -> bool:
+    """Whether module `path` can hold a `unit` test: fixtures only raise a tier, exceptions of tests may lower it."""
+    module = module_key(path)
+    base = TIER_EXCEPTIONS.get(module) or FOLDER_TIERS.get(folder_of(path))
+    return base in (None, "unit") or any(key.startswith(f"{module}::") and tier == "unit"
+                                         for key, tier in TIER_EXCEPTIONS.items())
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With `-m unit` alone (`make test-quick`), a module that can hold no unit test is not even imported."""
+    if config.option.markexpr != "unit" or collection_path.suffix != ".py" or \
+            not collection_path.name.startswith("test_"):
+        return None
+    return None if may_hold_unit_tests(collection_path) else True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

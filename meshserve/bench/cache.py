@@ -39,39 +39,57 @@ DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M"
 DEFAULT_REUSE_RATES = "0,12.5,50,90"
 TTFT_TARGET = 0.2  # the issue's must-show: at 90% reuse, TTFT <= 0.2x the no-reuse TTFT
 GB = 1 << 30
+# the sizes --quick changes, for those not given
+_FULL = {"sizes": DEFAULT_SIZES, "total_mb": 256.0, "servers": 2, "repeats": 5, "load_repeats": 3, "prompt_len": 2048,
+         "reuse_rates": DEFAULT_REUSE_RATES, "kv_requests": 4, "failover_requests": 24, "failover_prompt_len": 256}
+_QUICK = {"sizes": "64K,1M", "total_mb": 2.0, "servers": 1, "repeats": 2, "load_repeats": 1, "prompt_len": 64,
+          "reuse_rates": "0,50", "kv_requests": 1, "failover_requests": 4, "failover_prompt_len": 48}
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part", choices=sorted(PARTS) + ["all"], default="all", help="which benchmark (default: all)")
     parser.add_argument("--json", required=True, help="result file; a PNG with the same name is written next to it")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smallest run (for tests and a first look): the --quick value of every size "
+                             "below not given")
     pool = parser.add_argument_group("pool bandwidth")
-    pool.add_argument("--sizes", default=DEFAULT_SIZES, help=f"value sizes (default: {DEFAULT_SIZES})")
-    pool.add_argument("--total-mb", dest="total_mb", type=float, default=256.0,
-                      help="bytes moved per measurement, in values of one size (default: 256)")
-    pool.add_argument("--servers", type=int, default=2, help="pool servers started (default: 2)")
-    pool.add_argument("--repeats", type=int, default=5, help="repeats per measurement, median taken (default: 5)")
+    pool.add_argument("--sizes", help=f"value sizes (default: {DEFAULT_SIZES}; --quick: {_QUICK['sizes']})")
+    pool.add_argument("--total-mb", dest="total_mb", type=float,
+                      help="bytes moved per measurement, in values of one size (default: 256; --quick: 2)")
+    pool.add_argument("--servers", type=int, help="pool servers started (default: 2; --quick: 1)")
+    pool.add_argument("--repeats", type=int, help="repeats per measurement, median taken (default: 5; --quick: 2)")
     model = parser.add_argument_group("model start-up")
     source = model.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="HF-format model directory")
     source.add_argument("--preset", default="small", help="a generated model preset (default: small)")
     model.add_argument("--arch", default="deepseek_v3", help="architecture of --preset (default: deepseek_v3)")
-    model.add_argument("--load-repeats", dest="load_repeats", type=int, default=3,
-                       help="loads per source, median taken (default: 3)")
+    model.add_argument("--load-repeats", dest="load_repeats", type=int,
+                       help="loads per source, median taken (default: 3; --quick: 1)")
     kv = parser.add_argument_group("KV-cache reuse (uses the model of --model/--preset)")
-    kv.add_argument("--prompt-len", dest="prompt_len", type=int, default=2048, help="prompt tokens (default: 2048)")
-    kv.add_argument("--reuse-rates", dest="reuse_rates", default=DEFAULT_REUSE_RATES,
-                    help=f"percent of each prompt that is a prefix held by the pool (default: {DEFAULT_REUSE_RATES})")
-    kv.add_argument("--kv-requests", dest="kv_requests", type=int, default=4,
-                    help="requests per rate, timed one at a time and again as one batch (default: 4)")
+    kv.add_argument("--prompt-len", dest="prompt_len", type=int, help="prompt tokens (default: 2048; --quick: 64)")
+    kv.add_argument("--reuse-rates", dest="reuse_rates",
+                    help="percent of each prompt that is a prefix held by the pool (default: "
+                         f"{DEFAULT_REUSE_RATES}; --quick: {_QUICK['reuse_rates']})")
+    kv.add_argument("--kv-requests", dest="kv_requests", type=int,
+                    help="requests per rate, timed one at a time and again as one batch (default: 4; --quick: 1)")
     kv.add_argument("--block-size", dest="block_size", type=int, default=16, help="KV block size (default: 16)")
     failover = parser.add_argument_group("failover (a pool server killed during a run, then restarted)")
-    failover.add_argument("--failover-requests", dest="failover_requests", type=int, default=24,
-                          help="requests per phase: before the kill, while down, after the restart (default: 24)")
-    failover.add_argument("--failover-prompt-len", dest="failover_prompt_len", type=int, default=256,
-                          help="prompt tokens of each failover request (default: 256)")
+    failover.add_argument("--failover-requests", dest="failover_requests", type=int,
+                          help="requests per phase: before the kill, while down, after the restart (default: 24; "
+                               "--quick: 4)")
+    failover.add_argument("--failover-prompt-len", dest="failover_prompt_len", type=int,
+                          help="prompt tokens of each failover request (default: 256; --quick: 48)")
+
+
+def with_sizes(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every size not given set to its default, or with --quick to its --quick value."""
+    sizes = _QUICK if args.quick else _FULL
+    return argparse.Namespace(**{**vars(args), **{key: value if getattr(args, key) is None else getattr(args, key)
+                                                  for key, value in sizes.items()}})
 
 
 def cache_main(args: argparse.Namespace) -> int:
+    args = with_sizes(args)
     parts = sorted(PARTS) if args.part == "all" else [args.part]
     results = {"machine": report.machine_info()}
     for part in parts:

@@ -52,9 +52,12 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser, PROG)
     parser.add_argument("--model", help="HF-format model directory (default: the deepseek_v3 small model, made on "
                                         "first use)")
-    parser.add_argument("--runs", type=int, default=3, help="repetitions of each scale-up case (default: 3)")
-    parser.add_argument("--parts", default="breakdown,load,fanout,autoscale",
-                        help="what to measure: breakdown, load, fanout, autoscale (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smallest run (for tests and a first look): the scale-up breakdown once, every "
+                             "case (unless --parts, --runs)")
+    parser.add_argument("--runs", type=int, help="repetitions of each scale-up case (default: 3; --quick: 1)")
+    parser.add_argument("--parts", help="what to measure: breakdown, load, fanout, autoscale (default: all; "
+                                        "--quick: breakdown)")
     parser.add_argument("--max-tes", type=int, default=2, help="the autoscaled pool's max TEs and the fixed "
                                                                "maximum deployment's size (default: 2)")
     parser.add_argument("--rate", type=float, default=10.0,
@@ -76,19 +79,26 @@ class ScaleBenchSettings:
     out_dir: str
 
 
+# the options --quick changes, for those not given
+_FULL = {"parts": "breakdown,load,fanout,autoscale", "runs": 3}
+_QUICK = {"parts": "breakdown", "runs": 1}
+
+
 def settings_from_args(args: argparse.Namespace) -> ScaleBenchSettings:
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    sizes = {key: getattr(args, key) if getattr(args, key) is not None else (_QUICK if args.quick else _FULL)[key]
+             for key in _FULL}
+    parts = tuple(p.strip() for p in sizes["parts"].split(",") if p.strip())
     unknown = sorted(set(parts) - {"breakdown", "load", "fanout", "autoscale"})
     if unknown or not parts:
         raise ValueError(f"--parts: unknown {', '.join(unknown) or 'empty list'}")
-    for flag, value, low in (("--runs", args.runs, 1), ("--max-tes", args.max_tes, 2)):
+    for flag, value, low in (("--runs", sizes["runs"], 1), ("--max-tes", args.max_tes, 2)):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     if not args.rate > 0 or not args.slo_ttft > 0:
         raise ValueError("--rate and --slo-ttft must be positive")
     if args.model is not None and not Path(args.model).is_dir():
         raise ValueError(f"--model: directory {args.model!r} does not exist")
-    return ScaleBenchSettings(model_dir=args.model or "", runs=args.runs, parts=parts, max_tes=args.max_tes,
+    return ScaleBenchSettings(model_dir=args.model or "", runs=sizes["runs"], parts=parts, max_tes=args.max_tes,
                               rate=args.rate, slo_ttft_s=args.slo_ttft, out_dir=args.out)
 
 

@@ -4,7 +4,7 @@ One engine per configuration (no drafts; MTP with each k of `--num-speculative-t
 kept alive. Each repetition runs every batch size on every engine in turn, the order rotating between
 repetitions, so drift on a shared machine hits all of them; every speedup is the ratio of two runs of the
 same repetition, and the medians over repetitions are reported. Prompts are windows of the corpus's held-out
-files (meshserve/train/corpus.py), and a batch size below MIN_REQUESTS runs that many requests in consecutive
+files (meshserve/train/corpus.py), and a batch size below --min-requests runs that many requests in consecutive
 batches; greedy, EOS ignored, so every run decodes the same number of tokens, and prefix caching is off, so
 every run prefills the same way.
 
@@ -63,15 +63,21 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="deepseek_v3",
                         help="architecture of the trained model (default: deepseek_v3)")
     parser.add_argument("--preset", default="small", help="preset of the trained model (default: small)")
-    parser.add_argument("--batch-sizes", default="1,8,32,64", help="decode batch sizes (default: 1,8,32,64)")
-    parser.add_argument("--num-speculative-tokens", default="1,2,3",
-                        help="draft lengths k compared with plain decoding (default: 1,2,3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the smallest run (for tests and a first look): the --quick value of every option "
+                             "below not given")
+    parser.add_argument("--batch-sizes", help="decode batch sizes (default: 1,8,32,64; --quick: 1,2)")
+    parser.add_argument("--num-speculative-tokens",
+                        help="draft lengths k compared with plain decoding (default: 1,2,3; --quick: 1)")
     parser.add_argument("--speculative-draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
                         help="tokens the MTP head scores (the most frequent); 0: the whole vocabulary "
                              f"(default: {DEFAULT_DRAFT_VOCAB})")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default: 64)")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens per request (default: 64)")
-    parser.add_argument("--runs", type=int, default=3, help="repetitions, medians reported (default: 3)")
+    parser.add_argument("--prompt-len", type=int, help="prompt tokens per request (default: 64; --quick: 32)")
+    parser.add_argument("--output-len", type=int, help="output tokens per request (default: 64; --quick: 8)")
+    parser.add_argument("--runs", type=int, help="repetitions, medians reported (default: 3; --quick: 1)")
+    parser.add_argument("--min-requests", type=int,
+                        help=f"requests per batch size at least: a smaller batch runs that many in consecutive "
+                             f"batches (default: {MIN_REQUESTS}; --quick: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out prompt offsets (default: 0)")
     parser.add_argument("--skip-rule", dest="rule", action="store_false",
                         help="do not run the large-batch rule (speculative_max_batch) afterwards")
@@ -92,6 +98,7 @@ class SpecBenchSettings:
     prompt_len: int
     output_len: int
     runs: int
+    min_requests: int
     seed: int
     rule: bool
     out_dir: str
@@ -116,21 +123,33 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+# the options --quick changes, for those not given
+_FULL = {"batch_sizes": "1,8,32,64", "num_speculative_tokens": "1,2,3", "prompt_len": 64, "output_len": 64,
+         "runs": 3, "min_requests": MIN_REQUESTS}
+_QUICK = {"batch_sizes": "1,2", "num_speculative_tokens": "1", "prompt_len": 32, "output_len": 8, "runs": 1,
+          "min_requests": 2}
+
+
 def settings_from_args(args: argparse.Namespace) -> SpecBenchSettings:
     """Validated settings (the trained model is not made yet); ValueError names the bad flag."""
-    batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
-    ks = _int_list(args.num_speculative_tokens, "--num-speculative-tokens")
-    for flag, value, low in (("--prompt-len", args.prompt_len, 1), ("--output-len", args.output_len, 2),
-                             ("--runs", args.runs, 1), ("--speculative-draft-vocab", args.speculative_draft_vocab, 0)):
+    sizes = {key: getattr(args, key) if getattr(args, key) is not None else (_QUICK if args.quick else _FULL)[key]
+             for key in _FULL}
+    batch_sizes = _int_list(sizes["batch_sizes"], "--batch-sizes")
+    ks = _int_list(sizes["num_speculative_tokens"], "--num-speculative-tokens")
+    for flag, value, low in (("--prompt-len", sizes["prompt_len"], 1), ("--output-len", sizes["output_len"], 2),
+                             ("--runs", sizes["runs"], 1), ("--min-requests", sizes["min_requests"], 1),
+                             ("--speculative-draft-vocab", args.speculative_draft_vocab, 0)):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     if args.model is not None and not Path(args.model).is_dir():
         raise ValueError(f"--model: directory {args.model!r} does not exist")
-    engine_args = _engine_args(given_engine_settings(args), batch_sizes, ks, args.prompt_len, args.output_len)
+    engine_args = _engine_args(given_engine_settings(args), batch_sizes, ks, sizes["prompt_len"],
+                               sizes["output_len"])
     return SpecBenchSettings(
         model_dir=args.model or "", arch=args.arch, preset=args.preset, batch_sizes=batch_sizes, ks=ks,
-        draft_vocab=args.speculative_draft_vocab, prompt_len=args.prompt_len, output_len=args.output_len,
-        runs=args.runs, seed=args.seed, rule=args.rule, out_dir=args.out, engine_args=engine_args)
+        draft_vocab=args.speculative_draft_vocab, prompt_len=sizes["prompt_len"], output_len=sizes["output_len"],
+        runs=sizes["runs"], min_requests=sizes["min_requests"], seed=args.seed, rule=args.rule, out_dir=args.out,
+        engine_args=engine_args)
 
 
 def _engine_args(given: dict, batch_sizes: tuple[int, ...], ks: tuple[int, ...], prompt_len: int,
@@ -212,11 +231,11 @@ def _counter_delta(after: list[int], before: list[int]) -> list[int]:
     return [a - b for a, b in itertools.zip_longest(after, before, fillvalue=0)]
 
 
-def batch_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-    """The prompts a batch size runs: one batch of `batch`, or below MIN_REQUESTS, that many requests in
+def batch_groups(prompts: list[list[int]], batch: int, min_requests: int = MIN_REQUESTS) -> list[list[list[int]]]:
+    """The prompts a batch size runs: one batch of `batch`, or below `min_requests`, that many requests in
     consecutive batches (one prompt's acceptance says little: greedy outputs fall into loops the MTP layer
     guesses all or nothing of)."""
-    groups = max(1, -(-MIN_REQUESTS // batch))
+    groups = max(1, -(-min_requests // batch))
     if groups * batch > len(prompts):
         raise SpecBenchError(f"batch {batch} needs {groups * batch} prompts, got {len(prompts)}")
     return [prompts[i * batch:(i + 1) * batch] for i in range(groups)]
@@ -276,7 +295,8 @@ def run_rounds(engines: dict, prompts: list[list[int]], batch_sizes: tuple[int, 
         for batch in batch_sizes:
             tokens = {}
             for name in _rotated(names, run):
-                record, tokens[name] = measure(engines[name], batch_groups(prompts, batch), settings.output_len)
+                record, tokens[name] = measure(engines[name], batch_groups(prompts, batch, settings.min_requests),
+                                               settings.output_len)
                 record |= {"phase": phase, "run": run, "batch_size": batch, "config": name}
                 records.append(record)
                 log(LOG_PREFIX, f"{phase} run {run + 1}/{settings.runs} batch {batch:>3} {name:<9}: "
@@ -393,7 +413,7 @@ def run_spec_benchmark(settings: SpecBenchSettings) -> dict:
 
     trained = not settings.model_dir
     settings = resolve_model(settings)
-    needed = max(batch * len(range(0, MIN_REQUESTS, batch)) for batch in settings.batch_sizes)
+    needed = max(batch * len(range(0, settings.min_requests, batch)) for batch in settings.batch_sizes)
     prompts = heldout_prompts(max(needed, settings.batch_sizes[-1]), settings.prompt_len, seed=settings.seed)
     log(LOG_PREFIX, f"{len(prompts)} held-out prompts of {settings.prompt_len} tokens; model {settings.model_dir}")
     engines: dict = {}
@@ -446,6 +466,7 @@ def _config_record(settings: SpecBenchSettings, trained: bool, corpus: dict) -> 
             "batch_sizes": list(settings.batch_sizes),
             "num_speculative_tokens": list(settings.ks), "speculative_draft_vocab": settings.draft_vocab,
             "prompt_len": settings.prompt_len, "output_len": settings.output_len, "runs": settings.runs,
+            "min_requests": settings.min_requests,
             "seed": settings.seed, "sampling": "greedy, ignore_eos", "prompts": "held-out corpus windows",
             "corpus": corpus, "engine_args": settings.engine_args,
             "order": "per run: each batch size, the engines in turn (order rotated each run)",

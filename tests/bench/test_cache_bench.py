@@ -1,19 +1,17 @@
 """`meshserve bench cache` at tiny sizes: every part runs end to end and writes JSON + PNG."""
 from __future__ import annotations
 
+import argparse
 import json
 
-from meshserve.bench.cache import parse_size
+from meshserve.bench.cache import add_cache_arguments, parse_size, with_sizes
 from meshserve.entrypoints.cli import main
 
 
 def test_cache_bench_smoke(tiny_model, tmp_path, capsys):
     model = tiny_model("qwen3_moe")
     out = tmp_path / "cache.json"
-    assert main(["bench", "cache", "--json", str(out), "--sizes", "64K,1M", "--total-mb", "2", "--servers", "1",
-                 "--repeats", "2", "--model", str(model), "--load-repeats", "1",
-                 "--prompt-len", "64", "--reuse-rates", "0,50", "--kv-requests", "1",
-                 "--failover-requests", "4", "--failover-prompt-len", "48"]) == 0
+    assert main(["bench", "cache", "--quick", "--json", str(out), "--model", str(model)]) == 0
     results = json.loads(out.read_text())
     rows = results["pool"]["rows"]
     assert [r["value_bytes"] for r in rows] == [64 << 10, 1 << 20]
@@ -43,6 +41,16 @@ def test_cache_bench_smoke(tiny_model, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "x memcpy" in printed and "model start-up: pool warm" in printed
     assert "kv-reuse 50%: TTFT median" in printed
+
+
+def test_quick_takes_the_smallest_sizes_for_those_not_given():
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    quick = with_sizes(parser.parse_args(["--json", "c.json", "--quick", "--servers", "2"]))
+    assert (quick.sizes, quick.total_mb, quick.repeats, quick.reuse_rates) == ("64K,1M", 2.0, 2, "0,50")
+    assert (quick.kv_requests, quick.failover_requests, quick.servers) == (1, 4, 2)  # a given size wins
+    full = with_sizes(parser.parse_args(["--json", "c.json"]))
+    assert (full.sizes, full.total_mb, full.servers, full.prompt_len) == ("64K,256K,1M,4M,16M,64M", 256.0, 2, 2048)
 
 
 def test_parse_size():

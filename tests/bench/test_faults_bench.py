@@ -226,7 +226,9 @@ def test_bad_arguments_are_one_line(args, message, capsys):
 def test_a_quick_run_on_the_tiny_model(tiny_model, tmp_path, capsys):
     out = tmp_path / "faults"
     model = tiny_model("deepseek_v3", overrides={"num_hidden_layers": 2})
-    assert main(["bench", "faults", "--quick", "--model", str(model), "--out", str(out), "--settle-s", "120"]) == 0
+    # the shortest phases that still hold load before and after each injection
+    assert main(["bench", "faults", "--quick", "--warmup-s", "2", "--observe-s", "6", "--model", str(model),
+                 "--out", str(out), "--settle-s", "120"]) == 0
     result = json.loads((out / "faults.json").read_text())
     assert (out / "faults.png").stat().st_size > 0
     phases = result["phases"]

@@ -3,12 +3,23 @@ request, with its five steps and its weight source), the autoscaling load's shap
 result, and one-line argument errors."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 
-from meshserve.bench.scale import CASES, PHASES, STEPS, _breakdown_summary, load_schedule, plot_scale, summary_lines
+from meshserve.bench.scale import (
+    CASES,
+    PHASES,
+    STEPS,
+    _breakdown_summary,
+    add_scale_arguments,
+    load_schedule,
+    plot_scale,
+    settings_from_args,
+    summary_lines,
+)
 from meshserve.entrypoints.cli import main
 
 pytestmark = pytest.mark.timeout(400)
@@ -18,9 +29,9 @@ pytestmark = pytest.mark.timeout(400)
 def test_the_breakdown_on_the_tiny_model(tiny_model, tmp_path, capsys):
     out = tmp_path / "scale"
     model = tiny_model("deepseek_v3", overrides={"num_hidden_layers": 2})
-    assert main(["bench", "scale", "--model", str(model), "--parts", "breakdown", "--runs", "1",
-                 "--out", str(out)]) == 0
+    assert main(["bench", "scale", "--quick", "--model", str(model), "--out", str(out)]) == 0
     result = json.loads((out / "scale.json").read_text())
+    assert result["settings"]["parts"] == ["breakdown"] and result["settings"]["runs"] == 1
     assert (out / "scale.png").stat().st_size > 0
     cases = result["breakdown"]["cases"]
     assert list(cases) == list(CASES)
@@ -74,6 +85,16 @@ def test_summary_ratios_and_plot(tmp_path):
                for line in lines)
     path = plot_scale(result, tmp_path / "scale.png")
     assert path.stat().st_size > 0
+
+
+def test_quick_measures_the_breakdown_once_unless_told_otherwise():
+    parser = argparse.ArgumentParser()
+    add_scale_arguments(parser)
+    quick = settings_from_args(parser.parse_args(["--quick"]))
+    assert (quick.parts, quick.runs) == (("breakdown",), 1)
+    assert settings_from_args(parser.parse_args(["--quick", "--runs", "2"])).runs == 2
+    full = settings_from_args(parser.parse_args([]))
+    assert (full.parts, full.runs) == (("breakdown", "load", "fanout", "autoscale"), 3)
 
 
 @pytest.mark.parametrize("args, message", [

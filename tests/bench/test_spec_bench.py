@@ -3,17 +3,25 @@ acceptance counters differenced per run, the ablation table and the large-batch 
 beside it; the threshold rule on made-up runs; one-line argument errors."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 
-from meshserve.bench.spec import BASELINE, MIN_REQUESTS, choose_rule, summarize_batches
+from meshserve.bench.spec import (
+    BASELINE,
+    MIN_REQUESTS,
+    add_spec_arguments,
+    choose_rule,
+    settings_from_args,
+    summarize_batches,
+)
 from meshserve.entrypoints.cli import main
 
 pytestmark = pytest.mark.timeout(180)
 
-OUTPUT_LEN = 8
+OUTPUT_LEN = 8  # --quick
 
 
 def _positive(value) -> bool:
@@ -22,13 +30,15 @@ def _positive(value) -> bool:
 
 def test_spec_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     out = tmp_path / "spec"
-    assert main(["bench", "spec", "--model", str(tiny_model()), "--batch-sizes", "2,1", "--num-speculative-tokens",
-                 "1", "--output-len", str(OUTPUT_LEN), "--prompt-len", "32", "--runs", "1", "--out", str(out)]) == 0
+    assert main(["bench", "spec", "--quick", "--model", str(tiny_model()), "--out", str(out)]) == 0
     result = json.loads((out / "spec.json").read_text())
     assert (out / "spec.png").stat().st_size > 0
     assert result["complete"] is True and result["runs_done"] == 1
     config = result["config"]
     assert config["batch_sizes"] == [1, 2] and config["num_speculative_tokens"] == [1]
+    assert config["output_len"] == OUTPUT_LEN and config["prompt_len"] == 32 and config["runs"] == 1
+    min_requests = config["min_requests"]
+    assert min_requests == 2
     assert config["speculative_draft_vocab"] == 4096 and config["trained_model"] is False
     assert config["engine_args"]["enable_prefix_caching"] is False and config["engine_args"]["max_num_seqs"] == 2
 
@@ -42,7 +52,7 @@ def test_spec_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
             assert summary["mismatching_requests"] == 0  # greedy: drafts never change the tokens
         assert math.isclose(k1["speedup"], k1["decode_tokens_per_s"] / baseline["decode_tokens_per_s"])
         # one verifying step per request and decode step after the first (which has no draft yet)
-        assert 0 < k1["spec_verify_steps"] <= MIN_REQUESTS * (OUTPUT_LEN - 1)
+        assert 0 < k1["spec_verify_steps"] <= min_requests * (OUTPUT_LEN - 1)
         assert k1["spec_drafted"] == [k1["spec_verify_steps"]]
         assert k1["spec_tokens"] == k1["spec_verify_steps"] + k1["spec_accepted"][0]  # k=1: 1 + accepted
         assert 0 <= k1["acceptance_rate"][0] <= 1
@@ -55,13 +65,24 @@ def test_spec_bench_on_the_tiny_model(tiny_model, tmp_path, capsys):
     assert {"always", "auto"} <= set(rule["verdict_at_largest"])
     assert {b["batch_size"] for b in rule["batches"]} == {1, 2}
     assert len(result["runs"]) == 2 * 2  # one per batch size and engine
-    # batches below MIN_REQUESTS run that many requests one batch after another
-    assert [r["requests"] for r in result["runs"]] == [MIN_REQUESTS] * 4
+    # batches below --min-requests run that many requests one batch after another
+    assert [r["requests"] for r in result["runs"]] == [min_requests] * 4
     phases = [row["phase"] for row in result["table"]]
     assert phases[:4] == ["main"] * 4 and set(phases[4:]) == {"rule"}
 
     printed = capsys.readouterr().out
     assert "+MTP k=1" in printed and result["summary"] in printed and "wrote" in printed
+
+
+def test_quick_takes_the_smallest_shape_for_the_options_not_given():
+    parser = argparse.ArgumentParser()
+    add_spec_arguments(parser)
+    quick = settings_from_args(parser.parse_args(["--quick", "--runs", "2"]))
+    assert (quick.batch_sizes, quick.ks, quick.prompt_len, quick.output_len) == ((1, 2), (1,), 32, OUTPUT_LEN)
+    assert (quick.runs, quick.min_requests) == (2, 2)  # a given option wins
+    full = settings_from_args(parser.parse_args([]))
+    assert (full.batch_sizes, full.ks, full.prompt_len, full.output_len) == ((1, 8, 32, 64), (1, 2, 3), 64, 64)
+    assert (full.runs, full.min_requests) == (3, MIN_REQUESTS)
 
 
 def _records(rates: dict[str, dict[int, list[float]]]) -> list[dict]:
