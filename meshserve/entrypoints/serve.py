@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from meshserve.config import ConfigError, EngineConfig, RouterConfig
-from meshserve.config.arguments import given_engine_settings
+from meshserve.config.arguments import given_engine_settings, given_settings
 from meshserve.entrypoints.engine_args import engine_config_from_args, resolve_deployment
 from meshserve.entrypoints.openai.frontend import make_job_executor
 from meshserve.entrypoints.openai.server_options import ServerOptions, check_bind, server_options_from_args
@@ -31,6 +31,12 @@ def http_options(args: argparse.Namespace) -> ServerOptions:
     options = server_options_from_args(args)
     check_bind(args.host, options)
     return options
+
+
+def router_config(args: argparse.Namespace, model: str, served_model_name: str | None, routing: str) -> RouterConfig:
+    """The first job executor's settings: the deployment file's `routing`, then the router flags given."""
+    return RouterConfig(**{"model": model, "served_model_name": served_model_name, "host": args.host,
+                           "routing": routing, **given_settings(args, RouterConfig)})
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -74,8 +80,7 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     log_level = getattr(logging, args.log_level.upper())
     served_name = settings.model_config.served_model_name
     max_queue = settings.scheduler_config.max_waiting
-    router = RouterConfig(model=model, served_model_name=served_name, routing=args.routing or deployment.routing,
-                          host=args.host, register_port=args.register_port)
+    router = router_config(args, model, served_name, deployment.routing)
     je = make_job_executor(router, deployment.heatmap, deployment.predictor)
     register_addrs = [je.register_addr, *args.also_register]
     procs: list = []
