@@ -15,12 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from meshserve.config import ConfigError
-from meshserve.config.arguments import add_engine_arguments, given_engine_settings
+from meshserve.config import ConfigError, RouterConfig
+from meshserve.config.arguments import add_engine_arguments, add_struct_arguments, given_engine_settings, given_settings
 from meshserve.entrypoints.openai.server_options import add_server_arguments
 from meshserve.utils import envs
 
 _QUERY_TIMEOUT_S = 5.0
+MANAGED_HOLD_S = 120.0  # a managed JE holds requests while the manager scales their pool from zero
 
 
 def default_state_dir(name: str) -> Path:
@@ -45,8 +46,7 @@ def add_cluster_commands(sub) -> None:
                                                         "local one)")
     up.add_argument("--host", default="127.0.0.1", help="address the JEs' HTTP servers bind")
     up.add_argument("--port", type=int, default=8000, help="the first JE's HTTP port (further JEs: the next ones)")
-    up.add_argument("--hold-s", type=float, default=120.0,
-                    help="how long a JE holds a request no TE can take yet (a pool scaling from zero)")
+    add_struct_arguments(up, RouterConfig, "job executors", names=("hold_s",), defaults={"hold_s": MANAGED_HOLD_S})
     up.add_argument("--detach", action="store_true", help="run the manager in the background; return once serving")
     _add_state_arguments(up)
     add_server_arguments(up)
@@ -90,13 +90,15 @@ def cluster_up(args: argparse.Namespace) -> int:
     check_bind(args.host, options)
     deployment = load_multi(args.deployment)  # a bad file fails here, in one line
     model = resolve_model(args.model or deployment.model)
+    # the JEs' settings, checked before anything starts
+    router = RouterConfig(**{"model": model, "hold_s": MANAGED_HOLD_S, **given_settings(args, RouterConfig)})
     os.environ.update(options.secrets_env)  # the JEs read the API keys from their environment
     cluster_auth.cluster_secret()  # every process inherits it; a bad one is reported once, here
     state_dir = _state_dir(args)
     kwargs = dict(deployment=args.deployment, model=model, state_dir=str(state_dir), name=args.name,
                   backend=args.backend, ray_address=args.ray_address, host=args.host, port=args.port,
                   engine_overrides=given_engine_settings(args), log_level=getattr(logging, args.log_level.upper()),
-                  hold_s=args.hold_s, server=options.public_kwargs())
+                  hold_s=router.hold_s, server=options.public_kwargs())
     if not args.detach:
         run_manager(**kwargs)
         return 0

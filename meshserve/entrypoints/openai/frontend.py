@@ -9,18 +9,15 @@ from __future__ import annotations
 import logging
 import signal
 
+from meshserve.config.router import RouterConfig
 from meshserve.entrypoints.openai.server_options import server_options
 from meshserve.router.pd_heatmap import PDHeatmap
 
 logger = logging.getLogger(__name__)
 
 
-def make_job_executor(model: str, host: str, register_port: int, policy: str, heatmap_path: str | None,
-                      predictor_path: str | None, served_model_name: str | None = None,
-                      manager_addrs: list[str] | None = None, hold_s: float = 0.0, name: str = "",
-                      http_addr: str = ""):
-    """The JE of a frontend; `manager_addrs`, `hold_s`, `name`, `http_addr`: as Router's (a cluster manager's
-    JE reports to it and holds requests while a pool scales from zero)."""
+def make_job_executor(config: RouterConfig, heatmap_path: str | None = None, predictor_path: str | None = None):
+    """The JE of a frontend, with the P/D heatmap and the length predictor its routing policy may use."""
     # keeps torch out of `meshserve` start-up: only a serving router needs it
     from meshserve.router.router import Router
 
@@ -32,9 +29,7 @@ def make_job_executor(model: str, host: str, register_port: int, policy: str, he
         from meshserve.router.length_predictor import LengthPredictor
 
         predictor = LengthPredictor.load(predictor_path)
-    return Router(model, served_model_name=served_model_name, host=host, register_port=register_port,
-                       policy=policy, heatmap=heatmap, predictor=predictor, manager_addrs=list(manager_addrs or ()),
-                       hold_s=hold_s, name=name, http_addr=http_addr)
+    return Router(config, heatmap=heatmap, predictor=predictor)
 
 
 def run_frontend(model: str, host: str, port: int, register_port: int, policy: str, heatmap: str | None,
@@ -49,8 +44,10 @@ def run_frontend(model: str, host: str, port: int, register_port: int, policy: s
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s frontend:{port} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
-    je = make_job_executor(model, host, register_port, policy, heatmap, predictor, served_model_name,
-                           manager_addrs=manager_addrs, hold_s=hold_s, name=name, http_addr=f"http://{host}:{port}")
+    config = RouterConfig(model=model, served_model_name=served_model_name, routing=policy, host=host,
+                          register_port=register_port, manager_addrs=tuple(manager_addrs or ()), hold_s=hold_s,
+                          name=name, http_addr=f"http://{host}:{port}")
+    je = make_job_executor(config, heatmap, predictor)
     try:
         logger.info("job executor on http://%s:%d, TEs register at %s", host, port, je.register_addr)
         run_server(je, host, port, log_level=logging.getLevelName(log_level).lower(),
