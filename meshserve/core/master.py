@@ -75,7 +75,6 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
 _INBOX = "te-inbox"  # the master's socket for client messages, as dropped frames name it
-_RESULT_TYPES = (ModelRunnerOutput, WorkerFailure, WorkerEvent, KVConnectorReport, WorkerPong)
 _WARMUP_TIMEOUT_S = 120.0
 
 
@@ -256,7 +255,7 @@ class EngineCore:
         master lives on to say so."""
         if item is None:
             return
-        if not isinstance(item, _RESULT_TYPES):
+        if type(item) not in self._RESULT_HANDLERS:
             drop_frame(RESULTS, f"a {type(item).__name__} is not an worker's message")
             return
         if isinstance(item, ModelRunnerOutput) and not self._expected_output(item):
@@ -275,16 +274,19 @@ class EngineCore:
         return True
 
     def _on_result(self, item) -> None:
-        if isinstance(item, WorkerFailure):
-            self._rank_failed(self.workers.explain(item), self.workers.dead_ranks())
-        elif isinstance(item, WorkerPong):
-            self.recovery.health.on_pong(item.rank, item.seq, time.monotonic())
-        elif self.dead_error is None:
+        # a failed engine still hears of its ranks' health; their other results no longer count
+        if self.dead_error is None or isinstance(item, (WorkerFailure, WorkerPong)):
             self._RESULT_HANDLERS[type(item)](self, item)
+
+    def _on_worker_failure(self, item: WorkerFailure) -> None:
+        self._rank_failed(self.workers.explain(item), self.workers.dead_ranks())
 
     def _rank_failed(self, error: str, dead_ranks: list[int]) -> None:
         if self.dead_error is None:
             self.recovery.on_rank_failure(error, self.workers, dead_ranks)
+
+    def _on_pong(self, item: WorkerPong) -> None:
+        self.recovery.health.on_pong(item.rank, item.seq, time.monotonic())
 
     def _on_worker_event(self, event: WorkerEvent) -> None:
         """A rank finished an expert-placement phase (or failed it), its weight server is ready, or it rolled a
@@ -318,7 +320,8 @@ class EngineCore:
         self.schedulers[report.dp_rank].update_connector_output(report)
 
     _RESULT_HANDLERS = {ModelRunnerOutput: _on_step_output, WorkerEvent: _on_worker_event,
-                        KVConnectorReport: _on_kv_connector_report}
+                        KVConnectorReport: _on_kv_connector_report, WorkerFailure: _on_worker_failure,
+                        WorkerPong: _on_pong}
 
     def _fail(self, error: str) -> None:
         if self.dead_error is not None:
