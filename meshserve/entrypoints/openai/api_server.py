@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import uvicorn
@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from meshserve.engine.outputs import RequestOutput
+from meshserve.engine.protocol import EngineClientProtocol
 from meshserve.entrypoints.openai.chat_prompt import ChatTemplateError, encode_chat
 from meshserve.entrypoints.openai.context_caches import (
     DEFAULT_TTL_S,
@@ -72,7 +72,6 @@ from meshserve.moe.placement import EMPTY as EMPTY_SLOT
 from meshserve.moe.placement import ExpertPlacement
 from meshserve.router.routing import POLICIES, REQUEST_ROUTING_POLICY, ROUTING_HEADER
 from meshserve.utils.faults import Fault
-from meshserve.wire.client import EngineStats
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -84,30 +83,6 @@ _MAX_REQUEST_ID_HEADER_LEN = 128
 _STREAM_END_MARGIN_S = 5.0
 # what a client that closed its connection gets logged with (nginx's convention; nobody receives it)
 _CLIENT_CLOSED_STATUS = 499
-
-
-class EngineClientProtocol(Protocol):
-    """What the API needs from an engine (meshserve.engine.async_client.AsyncEngineClient)."""
-
-    model_name: str
-    max_model_len: int
-    tokenizer: Any  # a transformers fast tokenizer
-
-    def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str, priority: int = 0, context_cache_id: str | None = None,
-                 context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    @property
-    def healthy(self) -> bool: ...
-
-    @property
-    def dead_error(self) -> str | None: ...
-
-    async def get_stats(self) -> EngineStats: ...
-
-    async def admin(self, op: str, args: dict | None = None) -> Any: ...  # an AdminReply
 
 
 class _EngineStreamResponse(StreamingResponse):
@@ -374,7 +349,7 @@ class OpenAIServing:
 
     def health(self) -> Response:
         # a deployment's job executor also says what can be routed now and what is missing
-        detail = self.engine.health() if callable(getattr(self.engine, "health", None)) else {}
+        detail = self.engine.health()
         if self.engine.healthy:
             return JSONResponse({"status": "ok", **detail})
         error = engine_dead(self.engine.dead_error or "unknown error")
@@ -700,9 +675,7 @@ async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_lev
     end, then every stream still running ends with an error event and [DONE]."""
     check_bind(host, options)
     app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint, options=options)
-    start = getattr(engine, "start", None)
-    if start is not None:  # a job executor starts taking TE heartbeats on this loop now, not at the first request
-        await start()
+    await engine.start()  # a job executor starts taking TE heartbeats on this loop now, not at the first request
     grace_s = options.shutdown_grace_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             http=protocol_for(options.header_timeout_s),
