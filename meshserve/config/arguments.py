@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from meshserve.config.base import ConfigStruct, Setting, settings_of
-from meshserve.config.engine import engine_settings
+from meshserve.config.engine import CONCERN_OF, engine_settings
 
 GIVEN_ENGINE_FLAGS = "_given_engine_flags"  # the namespace attribute naming the engine flags on the command line
 NOT_FLAGS = frozenset({"model"})  # every command names its model its own way
@@ -89,5 +89,7 @@ def _default_text(setting: Setting) -> str:
 
 
 def given_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine settings whose flag was given on the command line (whatever its value)."""
-    return {name: getattr(args, name) for name in sorted(getattr(args, GIVEN_ENGINE_FLAGS, set()))}
+    """The engine settings whose flag was given on the command line (whatever its value); the given flags of
+    other settings structs on the same command (the HTTP server's, the cluster manager's) are not engine's."""
+    given = getattr(args, GIVEN_ENGINE_FLAGS, set()) & set(CONCERN_OF)
+    return {name: getattr(args, name) for name in sorted(given)}
