@@ -94,6 +94,7 @@ def _default_text(setting: Setting) -> str:
 
 
 def given_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine settings whose flag was given on the command line (whatever its value); the flags of other
-    settings structs (`add_struct_arguments`) are not among them."""
-    return {name: getattr(args, name) for name in sorted(getattr(args, GIVEN_ENGINE_FLAGS, set()) & set(CONCERN_OF))}
+    """The engine settings whose flag was given on the command line (whatever its value); the given flags of
+    other settings structs on the same command (the HTTP server's, the cluster manager's) are not engine's."""
+    given = getattr(args, GIVEN_ENGINE_FLAGS, set()) & set(CONCERN_OF)
+    return {name: getattr(args, name) for name in sorted(given)}
