@@ -21,24 +21,21 @@ import os
 import signal
 import time
 import traceback
-from collections import deque
 
-import msgspec
 import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.core.admin_ops import AdminOps
 from meshserve.core.admission import Admission
 from meshserve.core.client_links import ClientLink, RouterLinks
+from meshserve.core.dp_group import StepMismatchError, build_dp_groups, connector_metadata
 from meshserve.core.drain import Drain
 from meshserve.core.eplb_controller import EplbController
-from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector import KVConnectors
 from meshserve.core.kv_events import KVEventPublisher
 from meshserve.core.recovery import RankRecovery
 from meshserve.core.request import Request
 from meshserve.core.request_outputs import WARMUP_ID, RequestOutputs
-from meshserve.core.scheduler import Scheduler
 from meshserve.core.spec_controller import StepSpeculation
 from meshserve.core.waiting_queue import DPWaitingQueue
 from meshserve.core.worker_group import DEAD_GRACE_S, RESULTS, SpareWorker, WeightServers, WorkerGroup, time_load
@@ -58,7 +55,7 @@ from meshserve.wire.client import (
 )
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
-from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport
+from meshserve.wire.kv import KVConnectorReport
 from meshserve.wire.receive import drop_frame, dropped_frames, recv_message
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import (
@@ -148,26 +145,17 @@ class EngineCore:
         self.config = config
         strategy = config.parallel_config.strategy
         self.dp_size = strategy.attn_dp
-        kv_managers: list[KVCacheManager] = []
-        for group in range(self.dp_size):
-            ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
-            kv_managers.append(KVCacheManager(min(r.num_kv_blocks for r in ranks), config.cache_config.block_size,
-                                              enable_prefix_caching=config.cache_config.enable_prefix_caching))
-        # remote KV (memory pool, prefill -> decode) comes through KV connectors, one set per DP group
         if self.kv_connectors is not None:
             self.kv_connectors.close()
-        self.kv_connectors = KVConnectors(config, ready, kv_managers, self.link.listen_addr, self.link.send_to)
-        scheduler_config = msgspec.structs.replace(config.scheduler_config, max_model_len=self.max_model_len)
-        self.schedulers = [Scheduler(scheduler_config, kv_manager, self.kv_connectors.per_group[group],
-                                     num_speculative_tokens=self.speculation.config.num_draft_tokens)
-                           for group, kv_manager in enumerate(kv_managers)]
+        self.groups, self.kv_connectors = build_dp_groups(config, ready, self.link.listen_addr, self.link.send_to,
+                                                          self.max_model_len, self.speculation.config.num_draft_tokens)
+        self.schedulers = [group.scheduler for group in self.groups]
         self.queue = DPWaitingQueue(self.schedulers, config.scheduler_config.max_waiting,
                                     config.cache_config.block_size)
         self.admission = Admission(self.vocab_size, config.cache_config.block_size, self.queue, self.kv_connectors,
                                    self.outputs, self.recovery.state)
         # step n + 1 is scheduled while step n runs (verifications included, see _may_schedule)
         self.pipeline_depth = 2 if config.scheduler_config.async_scheduling else 1
-        self.in_flight = [deque() for _ in range(self.dp_size)]
         self.eplb = EplbController.for_ranks(config, ready[0])
         self.admin_ops = AdminOps(eplb=self.eplb, schedulers=self.schedulers, queue=self.queue, workers=self.workers,
                                   kv_events=self.kv_events, drain=self.drain, engine_stats=self._stats,
@@ -268,7 +256,8 @@ class EngineCore:
 
     def _expected_output(self, item: ModelRunnerOutput) -> bool:
         """Whether a step output names a DP group with a step in flight (else it is dropped)."""
-        if not 0 <= item.dp_rank < self.dp_size or (self.dead_error is None and not self.in_flight[item.dp_rank]):
+        known = 0 <= item.dp_rank < self.dp_size
+        if not known or (self.dead_error is None and not self.groups[item.dp_rank].in_flight):
             drop_frame(RESULTS, f"step output of DP group {item.dp_rank} with no step in flight")
             return False
         return True
@@ -301,16 +290,16 @@ class EngineCore:
     def _on_step_output(self, item: ModelRunnerOutput) -> None:
         if item.expert_load is not None:
             self.eplb.on_counts(item.expert_load)
-        group = item.dp_rank
-        sched = self.in_flight[group].popleft()
-        if item.step_id != sched.step_id:
-            self._fail(f"DP group {group} returned step {item.step_id}, expected {sched.step_id}")
+        group = self.groups[item.dp_rank]
+        try:
+            sched, deltas = group.take_output(item)
+        except StepMismatchError as exc:
+            self._fail(str(exc))
             return
         self.speculation.observe(sched, item)
-        deltas = self.schedulers[group].update_from_output(sched, item)
         self.queue.on_deltas(deltas)
         self.outputs.send(deltas)
-        self.kv_events.publish(group, self.schedulers[group].kv_manager.drain_events())
+        self.kv_events.publish(group.index, group.kv_manager.drain_events())
 
     def _on_kv_connector_report(self, report: KVConnectorReport) -> None:
         """A rank's KV connectors finished background work (pool fetches, KV pulls)."""
@@ -328,8 +317,8 @@ class EngineCore:
             return
         logger.error("engine failed: %s", error)
         self.dead_error = error
-        for queue in self.in_flight:
-            queue.clear()
+        for group in self.groups:
+            group.in_flight.clear()
         # the error first: clients fail everything at once; the per-request deltas then only confirm it
         self.link.broadcast(EngineError(message=error, fatal=True, engine=self.config.te_name))
         deltas = self.queue.fail_all(error)
@@ -342,7 +331,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ steps
     def _steps_in_flight(self) -> int:
-        return max(len(queue) for queue in self.in_flight)
+        return max(len(group.in_flight) for group in self.groups)
 
     def _may_schedule(self) -> bool:
         """Room in the pipeline. A verification in flight does not hold the next step back: the scheduler books
@@ -350,7 +339,7 @@ class EngineCore:
         return self._steps_in_flight() < self.pipeline_depth
 
     def _has_work(self) -> bool:
-        return any(s.has_unfinished_requests() for s in self.schedulers)
+        return any(group.has_work() for group in self.groups)
 
     def _busy(self) -> bool:
         """Requests placed, waiting for a DP group, or steps in flight."""
@@ -369,19 +358,14 @@ class EngineCore:
             if faults.fire(faults.FaultKind.KILL_MASTER):
                 os.kill(os.getpid(), signal.SIGKILL)
             self.workers.send(StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
-                                              kv_connector=self._connector_metadata()))
-            for queue, sched in zip(self.in_flight, scheds):
-                queue.append(sched)
-        metadata = self._connector_metadata() if self.dead_error is None else {}
+                                        kv_connector=connector_metadata(self.groups)))
+            for group, sched in zip(self.groups, scheds):
+                group.sent(sched)
+        metadata = connector_metadata(self.groups) if self.dead_error is None else {}
         if self.dead_error is None and (self.eplb.has_pending_control or metadata):
             # no step carried it: send the control on its own (ranks apply it without a forward)
             eplb = self.eplb.idle_control()
             self.workers.send(StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
-
-    def _connector_metadata(self) -> dict[int, KVConnectorMetadata]:
-        """Each DP group's KV connector work not yet sent (loads, stores)."""
-        metadata = {group: s.build_connector_meta() for group, s in enumerate(self.schedulers)}
-        return {group: meta for group, meta in metadata.items() if meta is not None}
 
     # ------------------------------------------------------------------ what the TE tells others
     def _stats(self) -> EngineStats:
