@@ -368,14 +368,9 @@ class Router:
         live = self.registry.live()
         if not live:
             return EngineStats(healthy=False, error=self.dead_error)
-        # a TE's own failure counts and health stay its own (te_stats); the sum says what the deployment holds
+        # a TE's own failure counts and health stay in its heartbeat; the sum says what the deployment holds
         return EngineStats.merge([r.heartbeat.stats for r in live], num_rollbacks=0, num_recoveries=0, num_migrated=0,
                                  world_size=0, dropped_frames={}, last_failure_silent_s=0.0, healthy=True)
-
-    def te_stats(self) -> dict[str, dict]:
-        """Each live TE's role, group and last reported stats (for benchmarks and the status endpoint)."""
-        return {r.name: {"role": r.role, "group": r.heartbeat.group, **msgspec.structs.asdict(r.heartbeat.stats)}
-                for r in self.registry.live()}
 
     async def admin(self, op: str, args: dict | None = None, timeout_s: float = 30.0) -> AdminReply:
         """An operator command to one TE: `args["te"]` names it (optional when there is only one)."""
