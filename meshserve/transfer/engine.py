@@ -11,9 +11,8 @@ Transfers run on worker threads; results arrive on a completion queue (`poll`) a
 Link probing (xdeepserve §6.1): `probe(peer)` sends a tiny dummy payload to a linked peer's block server,
 the end a pull from it reaches, and times the round trip under a short timeout of its own; it reads no
 region, so it never occupies a KV cache.
-`meshserve.transfer.probe.LinkProber` runs probes periodically. Injected link faults
-(`meshserve.utils.faults`) fire here, on the pulling side: `link_break` fails pulls and probes from the
-matching peer as a reset connection would, `link_delay` holds each pull (not probes) for `delay_s`.
+`meshserve.transfer.probe.LinkProber` runs probes periodically. Injected link faults are hooked around an
+engine's pulls and probes only once one is armed (`meshserve.transfer.fault_hooks`).
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from meshserve.transfer import tcp as tcp_mod
 from meshserve.transfer.probe import PROBE_TIMEOUT_S
 from meshserve.transfer.shm import ShmKVRegion, dtype_from_str, dtype_to_str
 from meshserve.transfer.wire import MAX_CHUNK_BYTES, RegionDescriptor, RegionLayer, ShmSegment
-from meshserve.utils import faults
 
 PROBE_BYTES = 64
 
@@ -105,15 +103,9 @@ class _Pending:
     completion: Completion | None = None
 
 
-def _peer_address(peer: _Peer) -> tuple[str, int] | None:
+def peer_address(peer: _Peer) -> tuple[str, int] | None:
     """The peer's TCP block server (its regions all name the same one), or None."""
     return next((tuple(d.tcp_address) for d in peer.regions.values() if d.tcp_address is not None), None)
-
-
-def _peer_label(peer: _Peer) -> str:
-    """The peer as link faults match it: its name, and its block server's address where it has one."""
-    address = _peer_address(peer)
-    return peer.name if address is None else f"{peer.name}@{address[0]}:{address[1]}"
 
 
 def _parse_address(address: str | tuple[str, int] | list) -> tuple[str, int]:
@@ -370,8 +362,7 @@ class TransferEngine:
         handle = TransferHandle(next(self._ids))
         with self._lock:
             self._pending[handle.id] = _Pending()
-            peer = self._peers.get(src.engine) if src.engine not in (None, self.name) else None
-        self._workers.submit(self._run, handle, fetch, src, dst_tensors, dst.block_ids, layer_ids, peer)
+        self._workers.submit(self._run, handle, fetch, src, dst_tensors, dst.block_ids, layer_ids)
         return handle
 
     def _source(self, src: BlockRef):
@@ -425,11 +416,9 @@ class TransferEngine:
 
         return prepare
 
-    def _run(self, handle, fetch, src: BlockRef, dst_tensors, dst_ids, layer_ids, peer: _Peer | None) -> None:
+    def _run(self, handle, fetch, src: BlockRef, dst_tensors, dst_ids, layer_ids) -> None:
         nbytes = 0
         try:
-            if peer is not None:
-                self._link_faults(peer, data=True)
             read = fetch(src.block_ids, layer_ids)
             for layer in layer_ids:
                 d = dst_tensors[layer]
@@ -451,27 +440,14 @@ class TransferEngine:
         if peer is None:
             raise ValueError(f"engine {peer_name!r} is not linked to {self.name!r}")
         start = time.monotonic()
-        self._link_faults(peer, data=False)
         # the peer's block server: pulls over tcp and dist start there; over shm a mapped segment cannot
         # fail, but the process behind it can, and its server answers for it
-        address = _peer_address(peer)
+        address = peer_address(peer)
         if address is not None:
             tcp_mod.probe(address, nbytes, timeout)
         elif peer.backend != "shm":
             raise ValueError(f"peer {peer_name!r} has no TCP address to probe")
         return time.monotonic() - start
-
-    @staticmethod
-    def _link_faults(peer: _Peer, data: bool) -> None:
-        """Injected faults of the link to `peer` (tests and benchmarks): a broken link fails as a reset
-        connection does; a delay holds a pull (`data`), not a probe."""
-        where = _peer_label(peer)
-        if faults.fire(faults.FaultKind.LINK_BREAK, peer=where) is not None:
-            raise tcp_mod.TransferError(f"connection to {where} failed: [Errno 104] Connection reset by peer "
-                                        "(injected link_break)")
-        delay = faults.fire(faults.FaultKind.LINK_DELAY, peer=where) if data else None
-        if delay is not None:
-            time.sleep(delay.delay_s)
 
     def _finish(self, completion: Completion) -> None:
         with self._lock:
