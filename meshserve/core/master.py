@@ -108,6 +108,9 @@ class EngineCore:
         self.kv_events = KVEventPublisher(ctx, config.cache_config.kv_events_endpoint, config.te_name)
         self.speculation = StepSpeculation(config.speculative_config)
         self.kv_connectors: KVConnectors | None = None
+        # tests and benchmarks: a master that dies as it sends a step, wrapped in only once such a fault is armed
+        faults.on_arm({faults.FaultKind.KILL_MASTER}, lambda: faults.wrap_method(
+            self, "_send_step", faults.kill_when_fired(faults.FaultKind.KILL_MASTER)))
         ready = self._start_workers(config, spare_workers)
         self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
         self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)
@@ -355,10 +358,8 @@ class EngineCore:
                 break
             # blocks freed while scheduling are stored before this step's forward can overwrite them
             eplb = self.eplb.step_control(time.time())
-            if faults.fire(faults.FaultKind.KILL_MASTER):
-                os.kill(os.getpid(), signal.SIGKILL)
-            self.workers.send(StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
-                                        kv_connector=connector_metadata(self.groups)))
+            self._send_step(StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
+                                      kv_connector=connector_metadata(self.groups)))
             for group, sched in zip(self.groups, scheds):
                 group.sent(sched)
         metadata = connector_metadata(self.groups) if self.dead_error is None else {}
@@ -366,6 +367,10 @@ class EngineCore:
             # no step carried it: send the control on its own (ranks apply it without a forward)
             eplb = self.eplb.idle_control()
             self.workers.send(StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
+
+    def _send_step(self, batch: StepBatch) -> None:
+        """A step with work for the ranks (fault injection's `kill_master` hooks here, `__init__`)."""
+        self.workers.send(batch)
 
     # ------------------------------------------------------------------ what the TE tells others
     def _stats(self) -> EngineStats:
