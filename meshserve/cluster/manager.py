@@ -51,11 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources, make_backend
 from meshserve.cluster.state import ClusterState, ProcessRecord, load_state, manager_running, save_state
-from meshserve.config import ClusterConfig, ConfigError, EngineConfig
+from meshserve.config import ClusterConfig, ConfigError, EngineConfig, RouterConfig
 from meshserve.router.deployment import MultiDeployment, TEGroupSpec, check_pd_layouts
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import free_tcp_port
@@ -360,12 +361,12 @@ class ClusterManager:
     def _launch_je(self, name: str, port: int, register_port: int, restarts: int = 0) -> None:
         spec = self.deployment
         config = next(iter(self.configs.values()), None)
-        kwargs = dict(model=self.model, host=self.config.host, port=port, register_port=register_port,
-                      policy=spec.routing, heatmap=spec.heatmap, predictor=spec.predictor,
-                      served_model_name=config.model_config.served_model_name if config else None,
-                      max_queue_hint=config.scheduler_config.max_waiting if config else 1024,
-                      log_level=self.log_level, server=self.server, manager_addrs=[self.register_addr],
-                      hold_s=self.config.hold_s, name=name)
+        router = RouterConfig(model=self.model, routing=spec.routing, register_port=register_port,
+                              served_model_name=config.model_config.served_model_name if config else None,
+                              manager_addrs=(self.register_addr,), hold_s=self.config.hold_s, name=name)
+        kwargs = dict(router=msgspec.to_builtins(router), host=self.config.host, port=port, heatmap=spec.heatmap,
+                      predictor=spec.predictor, max_queue_hint=config.scheduler_config.max_waiting if config else 1024,
+                      log_level=self.log_level, server=self.server)
         handle = self.backend.launch("frontend", name, kwargs)
         self.jes[name] = _Process(ProcessRecord("frontend", name, handle.record(), port=port,
                                                 register_port=register_port, started_at=time.time(),
@@ -652,41 +653,45 @@ class ClusterManager:
             self._prefill_stopped_metric.inc()
             short -= self._ranks(victim.record.pool)
 
+    def _heal_te(self, te: _Process, now: float) -> None:
+        """One TE's turn: forget it if it drained, kill it if it hung, restart it (after a back-off when it keeps
+        dying young) once it is dead and there is room."""
+        alive = te.handle is not None and te.handle.alive()
+        if not alive and te.draining:
+            self._forget_te(te)
+            self._event(f"TE {te.name} drained and left")
+            return
+        hung = alive and te.heartbeat is not None and now - te.last_seen > self.config.heartbeat_timeout_s
+        if hung:
+            self._event(f"TE {te.name} sent no heartbeat for {now - te.last_seen:.0f} s: killing it")
+            te.handle.kill()
+        if alive and not hung:
+            return
+        if te.restart_at == 0.0:  # just found dead: decide when to restart it
+            quick = time.monotonic() - te.started_mono < QUICK_DEATH_S
+            te.quick_deaths = te.quick_deaths + 1 if quick else 0
+            delay = RESTART_BACKOFF_S[min(te.quick_deaths, len(RESTART_BACKOFF_S) - 1)]
+            te.restart_at = now + delay
+            code = te.handle.exit_code() if te.handle is not None else None
+            self._event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
+                        + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
+        if now < te.restart_at or not self._room_to_restart(te):
+            return  # a restart without room waits for devices (a decode TE has a prefill TE's freed for it)
+        self._forget_te(te)
+        self._restarts_metric.labels("te").inc()
+        self._scale_up(te.record.pool, "restart after a failure", name=te.name, restarts=te.record.restarts + 1)
+        self.tes[te.name].quick_deaths = te.quick_deaths
+
+    def _forget_te(self, te: _Process) -> None:
+        del self.tes[te.name]
+        if te.handle is not None:
+            self.backend.release(te.handle)
+        self._pending_scale_ups.pop(te.name, None)
+
     def _heal(self, now: float) -> None:
         # decode TEs first: a restart that needs devices frees them from prefill TEs before others take them
         for te in sorted(self.tes.values(), key=lambda t: self.specs[t.record.pool].role != "decode"):
-            alive = te.handle is not None and te.handle.alive()
-            if not alive and te.draining:
-                del self.tes[te.name]  # a drained TE left as asked
-                if te.handle is not None:
-                    self.backend.release(te.handle)
-                self._pending_scale_ups.pop(te.name, None)
-                self._event(f"TE {te.name} drained and left")
-                continue
-            hung = alive and te.heartbeat is not None and now - te.last_seen > self.config.heartbeat_timeout_s
-            if hung:
-                self._event(f"TE {te.name} sent no heartbeat for {now - te.last_seen:.0f} s: killing it")
-                te.handle.kill()
-            if alive and not hung:
-                continue
-            if te.restart_at == 0.0:  # just found dead: decide when to restart it
-                quick = time.monotonic() - te.started_mono < QUICK_DEATH_S
-                te.quick_deaths = te.quick_deaths + 1 if quick else 0
-                delay = RESTART_BACKOFF_S[min(te.quick_deaths, len(RESTART_BACKOFF_S) - 1)]
-                te.restart_at = now + delay
-                code = te.handle.exit_code() if te.handle is not None else None
-                self._event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
-                            + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
-            if now >= te.restart_at:
-                if not self._room_to_restart(te):
-                    continue  # waits for devices (a decode TE has a prefill TE's freed for it)
-                del self.tes[te.name]
-                if te.handle is not None:
-                    self.backend.release(te.handle)
-                self._pending_scale_ups.pop(te.name, None)
-                self._restarts_metric.labels("te").inc()
-                self._scale_up(te.record.pool, "restart after a failure", name=te.name, restarts=te.record.restarts + 1)
-                self.tes[te.name].quick_deaths = te.quick_deaths
+            self._heal_te(te, now)
         for je in list(self.jes.values()):
             if je.handle is not None and je.handle.alive():
                 continue

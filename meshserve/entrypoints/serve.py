@@ -6,6 +6,8 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
+
 from meshserve.config import ConfigError, EngineConfig, RouterConfig
 from meshserve.config.arguments import given_engine_settings, given_settings
 from meshserve.entrypoints.engine_args import engine_config_from_args, resolve_deployment
@@ -88,10 +90,10 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     try:
         for i in range(1, deployment.job_executors):  # JE replicas
             register_port = free_tcp_port(args.host)
-            procs.append(launch("frontend", model=model, host=args.host, port=args.port + i,
-                                register_port=register_port, policy=router.routing, heatmap=deployment.heatmap,
-                                predictor=deployment.predictor, served_model_name=served_name,
-                                max_queue_hint=max_queue, log_level=log_level, server=options.public_kwargs()))
+            replica = msgspec.structs.replace(router, register_port=register_port)
+            procs.append(launch("frontend", router=msgspec.to_builtins(replica), host=args.host, port=args.port + i,
+                                heatmap=deployment.heatmap, predictor=deployment.predictor, max_queue_hint=max_queue,
+                                log_level=log_level, server=options.public_kwargs()))
             names.append(f"frontend on port {args.port + i}")
             register_addrs.append(f"tcp://{args.host}:{register_port}")
         tes = deployment.tes()

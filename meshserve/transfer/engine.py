@@ -264,34 +264,10 @@ class TransferEngine:
             raise ValueError(f"engine {self.name!r} cannot link to itself; use engine=None in BlockRef")
         if backend not in (None, "shm", "tcp", "dist"):
             raise ValueError(f"backend must be 'shm', 'tcp', 'dist' or None, got {backend!r}")
-        if isinstance(descriptor_or_address, RegionDescriptor):
-            descriptors = [descriptor_or_address]
-        elif isinstance(descriptor_or_address, dict):
-            descriptors = [RegionDescriptor.from_dict(descriptor_or_address)]
-        else:
-            address = _parse_address(descriptor_or_address)
-            descriptors = tcp_mod.describe_remote(address, self.io_timeout)
-        for d in descriptors:
-            if d.engine != peer_name:
-                raise ValueError(f"descriptor of region {d.region!r} belongs to engine {d.engine!r}, not {peer_name!r}")
-        chosen = backend or ("tcp" if self.force_tcp else None)
-        if chosen is None:
-            same_host = all(d.host_id == self.host_id and d.shm is not None for d in descriptors)
-            chosen = "shm" if same_host and descriptors else "tcp"
-        for d in descriptors:
-            if chosen == "shm" and (d.shm is None or d.host_id != self.host_id):
-                raise ValueError(f"region {d.region!r} of {peer_name!r} is not in shared memory on this host")
-            if chosen in ("tcp", "dist") and d.tcp_address is None:
-                raise ValueError(f"region {d.region!r} of {peer_name!r} has no TCP address")
+        descriptors = self._peer_descriptors(peer_name, descriptor_or_address)
+        chosen = self._choose_backend(peer_name, descriptors, backend)
         if chosen == "dist":
-            if not dist_mod.available():
-                raise ValueError("the dist backend needs torch.distributed with Gloo, which this torch build lacks")
-            if len({d.tcp_address for d in descriptors}) > 1:
-                raise ValueError(f"regions of {peer_name!r} name different TCP servers")
-            # NCCL between distinct GPUs; anything else goes through CPU tensors over Gloo
-            group_backend = "nccl" if self._gpu_pair(descriptors) and dist_mod.nccl_usable() else "gloo"
-            with self._lock:
-                local_device = next((ts[0].device for ts in self._regions.values()), None)
+            group_backend, local_device = self._dist_plan(peer_name, descriptors)
         with self._lock:
             peer = self._peers.get(peer_name)
             if peer is not None and peer.backend != chosen:
@@ -305,6 +281,47 @@ class TransferEngine:
                 peer.attached[d.region] = shm_mod.attach_shm_kv_cache(msgspec.to_builtins(d.shm))
             peer.regions[d.region] = d
         return chosen
+
+    def _peer_descriptors(self, peer_name: str, descriptor_or_address: RegionDescriptor | dict[str, Any] | str
+                          | tuple[str, int]) -> list[RegionDescriptor]:
+        """The peer's region descriptors: the one given, or all of them asked from its TCP address."""
+        if isinstance(descriptor_or_address, RegionDescriptor):
+            descriptors = [descriptor_or_address]
+        elif isinstance(descriptor_or_address, dict):
+            descriptors = [RegionDescriptor.from_dict(descriptor_or_address)]
+        else:
+            address = _parse_address(descriptor_or_address)
+            descriptors = tcp_mod.describe_remote(address, self.io_timeout)
+        for d in descriptors:
+            if d.engine != peer_name:
+                raise ValueError(f"descriptor of region {d.region!r} belongs to engine {d.engine!r}, not {peer_name!r}")
+        return descriptors
+
+    def _choose_backend(self, peer_name: str, descriptors: list[RegionDescriptor], backend: str | None) -> str:
+        """The backend asked for, or shm for a peer on this host with its regions in shm, else TCP; checked
+        against what the peer's regions offer."""
+        chosen = backend or ("tcp" if self.force_tcp else None)
+        if chosen is None:
+            same_host = all(d.host_id == self.host_id and d.shm is not None for d in descriptors)
+            chosen = "shm" if same_host and descriptors else "tcp"
+        for d in descriptors:
+            if chosen == "shm" and (d.shm is None or d.host_id != self.host_id):
+                raise ValueError(f"region {d.region!r} of {peer_name!r} is not in shared memory on this host")
+            if chosen in ("tcp", "dist") and d.tcp_address is None:
+                raise ValueError(f"region {d.region!r} of {peer_name!r} has no TCP address")
+        return chosen
+
+    def _dist_plan(self, peer_name: str, descriptors: list[RegionDescriptor]) -> tuple[str, Any]:
+        """A "dist" link's process-group backend and this engine's device."""
+        if not dist_mod.available():
+            raise ValueError("the dist backend needs torch.distributed with Gloo, which this torch build lacks")
+        if len({d.tcp_address for d in descriptors}) > 1:
+            raise ValueError(f"regions of {peer_name!r} name different TCP servers")
+        # NCCL between distinct GPUs; anything else goes through CPU tensors over Gloo
+        group_backend = "nccl" if self._gpu_pair(descriptors) and dist_mod.nccl_usable() else "gloo"
+        with self._lock:
+            local_device = next((ts[0].device for ts in self._regions.values()), None)
+        return group_backend, local_device
 
     def _gpu_pair(self, descriptors: list[RegionDescriptor]) -> bool:
         """The peer's regions and this engine's are all on GPUs, never the same GPU (which NCCL refuses)."""

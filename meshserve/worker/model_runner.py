@@ -226,6 +226,32 @@ class ModelRunner:
         self.layout = self.model.kv_cache_layout(cache_dtype(config.cache_config.kv_cache_dtype, self.dtype),
                                                  num_mtp_caches)
         self.num_model_layers = self.layout.num_layers - num_mtp_caches
+        self._allocate_kv_cache(config)
+        self.eos_token_ids = eos_token_ids(config.model_config.model)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        # requests that failed on this rank; steps skip them until the master says to drop them
+        self.failed_ids: set[str] = set()
+        self.num_rollbacks = 0  # steps rolled back after a transient error and run again
+        self._rollback_events: list[str] = []  # rollbacks not reported yet (`poll_background`)
+        self.model_kv_caches = self.kv_caches[:self.num_model_layers]
+        self.proposer = None
+        if spec.enabled:
+            self.proposer = MTPProposer(self.model, spec.num_draft_tokens, self.kv_caches[self.num_model_layers],
+                                        self.block_size, self.device, lockstep=self.parallel.world_size > 1,
+                                        draft_vocab=self._draft_vocab(spec.speculative_draft_vocab))
+        # a prefill TE hands its requests over after their first token: it fills the MTP cache, never drafts
+        self.drafts_wanted = config.kv_transfer_config.kv_transfer != "producer"
+        self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        if config.eplb_config.eplb_placement:
+            self._apply_initial_placement(config.eplb_config.eplb_placement)
+        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
+        self._eplb_phase: str | None = None
+
+    def _allocate_kv_cache(self, config: EngineConfig) -> None:
+        """This rank's KV cache (its blocks from the memory budget unless counted) and the KV connectors' worker
+        halves: P/D transfer (its region is the KV cache), the memory pool."""
         cache = config.cache_config
         if cache.num_kv_blocks is not None:
             self.num_blocks = cache.num_kv_blocks
@@ -256,27 +282,6 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token, str(self.layout.dtype).removeprefix("torch."))
-        self.eos_token_ids = eos_token_ids(config.model_config.model)
-        self.vocab_size = int(self.hf_config["vocab_size"])
-        self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
-        # requests that failed on this rank; steps skip them until the master says to drop them
-        self.failed_ids: set[str] = set()
-        self.num_rollbacks = 0  # steps rolled back after a transient error and run again
-        self._rollback_events: list[str] = []  # rollbacks not reported yet (`poll_background`)
-        self.model_kv_caches = self.kv_caches[:self.num_model_layers]
-        self.proposer = None
-        if spec.enabled:
-            self.proposer = MTPProposer(self.model, spec.num_draft_tokens, self.kv_caches[self.num_model_layers],
-                                        self.block_size, self.device, lockstep=self.parallel.world_size > 1,
-                                        draft_vocab=self._draft_vocab(spec.speculative_draft_vocab))
-        # a prefill TE hands its requests over after their first token: it fills the MTP cache, never drafts
-        self.drafts_wanted = config.kv_transfer_config.kv_transfer != "producer"
-        self.expert_balancer = getattr(self.model, "expert_balancer", None)
-        if config.eplb_config.eplb_placement:
-            self._apply_initial_placement(config.eplb_config.eplb_placement)
-        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
-        self._eplb_phase: str | None = None
 
     def _load_model(self, config: EngineConfig):
         """This rank's model and how it got its weights: forked from a running TE (`fork_from`), from the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import signal
 
+import msgspec
+
 from meshserve.config.router import RouterConfig
 from meshserve.entrypoints.openai.server_options import server_options
 from meshserve.router.pd_heatmap import PDHeatmap
@@ -32,21 +34,18 @@ def make_job_executor(config: RouterConfig, heatmap_path: str | None = None, pre
     return Router(config, heatmap=heatmap, predictor=predictor)
 
 
-def run_frontend(model: str, host: str, port: int, register_port: int, policy: str, heatmap: str | None,
-                 predictor: str | None, served_model_name: str | None, max_queue_hint: int,
-                 log_level: int = logging.INFO, server: dict | None = None, manager_addrs: list[str] | None = None,
-                 hold_s: float = 0.0, name: str = "") -> None:
+def run_frontend(router: dict, host: str, port: int, heatmap: str | None, predictor: str | None,
+                 max_queue_hint: int, log_level: int = logging.INFO, server: dict | None = None) -> None:
     """An extra frontend process (started by `meshserve serve --deployment`, or by the cluster manager);
-    serves until SIGTERM. `server` holds the HTTP settings but the keys, which come from the environment.
-    `manager_addrs`: cluster managers it reports to; `hold_s`: how long a request may wait for a TE."""
+    serves until SIGTERM. `router`: its job executor's settings (a `RouterConfig` as a dict; its `host` and
+    `http_addr` come from `host` and `port`, which a placement on another node rewrites); `server` holds the
+    HTTP settings but the keys, which come from the environment."""
     # start-up: fastapi and uvicorn only when serving
     from meshserve.entrypoints.openai.api_server import run_server
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s frontend:{port} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
-    config = RouterConfig(model=model, served_model_name=served_model_name, routing=policy, host=host,
-                          register_port=register_port, manager_addrs=tuple(manager_addrs or ()), hold_s=hold_s,
-                          name=name, http_addr=f"http://{host}:{port}")
+    config = msgspec.convert({**router, "host": host, "http_addr": f"http://{host}:{port}"}, RouterConfig)
     je = make_job_executor(config, heatmap, predictor)
     try:
         logger.info("job executor on http://%s:%d, TEs register at %s", host, port, je.register_addr)
