@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from meshserve.bench import BENCH_ENGINE_SETTINGS
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, special_token_ids
-from meshserve.config import EngineConfig
+from meshserve.config import EngineConfig, RouterConfig
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
 from meshserve.models.factory import ensure_default_model
 from meshserve.utils import report
@@ -74,8 +74,8 @@ def started_deployment(model: str, deployment, engine: dict | None = None, polic
 
     if isinstance(deployment, str):
         deployment = MultiDeployment.preset(deployment)
-    je = Router(model, policy=policy, heatmap=heatmap, predictor=predictor,
-                     heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    je = Router(RouterConfig(model=model, routing=policy, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S), heatmap=heatmap,
+                predictor=predictor)
     tes = deployment.tes()
     procs = []
     try:

@@ -64,6 +64,7 @@ from meshserve.bench.faults_load import (
     reference_tokens,
     throughput_series,
 )
+from meshserve.config import ClusterConfig
 from meshserve.config.base import ConfigError
 from meshserve.utils import report
 
@@ -240,9 +241,9 @@ def managed(model: str, deployment: dict, work_dir: Path, hold_s: float):
 
     spec = MultiDeployment.from_dict(deployment, "bench deployment")
     state_dir = Path(tempfile.mkdtemp(prefix="state-", dir=work_dir))
-    manager = ClusterManager(spec, "bench-faults", model, LocalBackend(state_dir / "logs"), state_dir,
-                             base_port=free_tcp_port(), hold_s=hold_s, autoscale=False, preload=False, log_level=30,
-                             server={"enable_fault_injection": True})
+    config = ClusterConfig(port=free_tcp_port(), hold_s=hold_s, autoscale=False, preload=False)
+    manager = ClusterManager(spec, "bench-faults", model, LocalBackend(state_dir / "logs"), state_dir, config,
+                             log_level=30, server={"enable_fault_injection": True})
     with serving_in_background(manager, 600):
         yield manager
 

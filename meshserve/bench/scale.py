@@ -30,6 +30,7 @@ from typing import Any
 from meshserve.bench.deployment_load import log, one_line_errors, run_bench_cli
 from meshserve.bench.serve import RequestRecord, send_request
 from meshserve.bench.workload import WorkloadRequest
+from meshserve.config import ClusterConfig
 from meshserve.config.base import ConfigError
 from meshserve.utils import report
 
@@ -165,9 +166,8 @@ def managed(model: str, deployment: dict, work_dir: Path, autoscale: bool, prelo
 
     spec = MultiDeployment.from_dict(deployment, "bench deployment")
     state_dir = Path(tempfile.mkdtemp(prefix="state-", dir=work_dir))
-    manager = ClusterManager(spec, "bench", model, LocalBackend(state_dir / "logs"), state_dir,
-                             base_port=free_tcp_port(), hold_s=hold_s, autoscale=autoscale, preload=preload,
-                             log_level=30)
+    config = ClusterConfig(port=free_tcp_port(), hold_s=hold_s, autoscale=autoscale, preload=preload)
+    manager = ClusterManager(spec, "bench", model, LocalBackend(state_dir / "logs"), state_dir, config, log_level=30)
     with serving_in_background(manager, 600):
         yield manager
 

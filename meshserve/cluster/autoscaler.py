@@ -299,10 +299,6 @@ class Autoscaler:
             decisions.append(decision)
         return decisions
 
-    def target_of(self, key: str) -> int | None:
-        pool = self._pools.get(key)
-        return None if pool is None else pool.target
-
     def _pool(self, key: str, now: float) -> _Pool:
         pool = self._pools.get(key)
         if pool is None:

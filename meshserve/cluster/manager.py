@@ -51,11 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources, make_backend
 from meshserve.cluster.state import ClusterState, ProcessRecord, load_state, manager_running, save_state
-from meshserve.config import ConfigError, EngineConfig
+from meshserve.config import ClusterConfig, ConfigError, EngineConfig, RouterConfig
 from meshserve.router.deployment import MultiDeployment, TEGroupSpec, check_pd_layouts
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import free_tcp_port
@@ -78,7 +79,6 @@ from meshserve.wire.receive import drop_frame, recv_message
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.2
-HEARTBEAT_TIMEOUT_S = 10.0  # a registered TE silent this long is hung: killed and restarted
 REPORT_TIMEOUT_S = 5.0  # a JE whose reports stop this long no longer counts for Scaler-Post
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0, 15.0, 60.0)  # after 0, 1, 2, ... quick deaths in a row
 QUICK_DEATH_S = 30.0  # a process that dies sooner than this after its start counts as a quick death
@@ -180,16 +180,18 @@ class _Process:
 
 
 class ClusterManager:
+    """`config`: the manager's own settings; `engine_overrides`: engine settings for every TE (over the
+    deployment's); `server`: the JEs' HTTP settings but the keys (those travel in the environment)."""
+
     def __init__(self, deployment: MultiDeployment, deployment_source: str, model: str, backend: Backend,
-                 state_dir: str | Path, name: str = "default", host: str = "127.0.0.1", base_port: int = 8000,
+                 state_dir: str | Path, config: ClusterConfig = ClusterConfig(),
                  engine_overrides: dict[str, Any] | None = None, log_level: int = logging.INFO,
-                 hold_s: float = 120.0, server: dict[str, Any] | None = None, autoscale: bool = True,
-                 preload: bool = True) -> None:
+                 server: dict[str, Any] | None = None) -> None:
         self.deployment, self.deployment_source, self.model = deployment, deployment_source, model
-        self.backend, self.state_dir, self.name = backend, Path(state_dir), name
-        self.host, self.base_port, self.log_level = host, base_port, log_level
+        self.backend, self.state_dir, self.config = backend, Path(state_dir), config
+        self.log_level = log_level
         self.overrides = dict(engine_overrides or {})
-        self.hold_s, self.server = hold_s, dict(server or {})
+        self.server = dict(server or {})
         self.specs: dict[str, TEGroupSpec] = {spec.pool: spec for spec in deployment.groups}
         self.configs = self._pool_configs()
         initial = sum(self.configs[pool].parallel_config.world_size * spec.count for pool, spec in self.specs.items())
@@ -206,11 +208,10 @@ class ClusterManager:
         self._pending_scale_ups: dict[str, ScaleUp] = {}  # TE name -> its scale-up, until registered
         self.events: deque[str] = deque(maxlen=MAX_EVENTS)
         self.last_reason: dict[str, str] = {}
-        self.autoscale = autoscale
         self.capacity: int | None = deployment.devices  # devices the TEs may hold now (None: no limit)
         self._waiting_for_devices: set[str] = set()  # TEs and pools told to wait for devices (one event each)
-        self.autoscaler = None  # built in start() when the deployment asks for scaling (and `autoscale`)
-        self.preloader = DramPreloader() if preload else None
+        self.autoscaler = None  # built in start() when the deployment asks for scaling (and `config.autoscale`)
+        self.preloader = DramPreloader() if config.preload else None
         self._load_history: dict[str, deque[tuple[float, float]]] = {pool: deque() for pool in self.specs}
         self._last_decision = 0.0
         self.metrics = None  # the Prometheus registry served on the state's metrics port (start())
@@ -258,7 +259,7 @@ class ClusterManager:
 
     def _http_addr(self, je: _Process) -> str:
         """Where a JE serves HTTP: its host, unless it runs on the manager's machine (then --host)."""
-        host = je.handle.host if je.handle is not None and je.handle.host != "localhost" else self.host
+        host = je.handle.host if je.handle is not None and je.handle.host != "localhost" else self.config.host
         return f"http://{host}:{je.record.port}"
 
     # ------------------------------------------------------------------ start, adopt
@@ -274,10 +275,11 @@ class ClusterManager:
         me = psutil.Process()
         host = self.backend.advertise_host()
         if previous is None:
-            self.state = ClusterState(name=self.name, backend=self.backend.name, deployment=self.deployment_source,
-                                      model=self.model, manager_pid=me.pid, manager_create_time=me.create_time(),
+            self.state = ClusterState(name=self.config.name, backend=self.backend.name,
+                                      deployment=self.deployment_source, model=self.model, manager_pid=me.pid,
+                                      manager_create_time=me.create_time(),
                                       host=host, control_port=free_tcp_port(host), register_port=free_tcp_port(host),
-                                      base_port=self.base_port, targets=dict(self.targets))
+                                      base_port=self.config.port, targets=dict(self.targets))
         else:
             if previous.deployment != self.deployment_source:
                 raise ConfigError(f"{self.state_dir} holds the deployment {previous.deployment!r}, not "
@@ -293,7 +295,7 @@ class ClusterManager:
             self._adopt(previous)
         else:
             for i in range(self.deployment.job_executors):
-                self._launch_je(f"je-{i}", self.base_port + i, free_tcp_port(host))
+                self._launch_je(f"je-{i}", self.config.port + i, free_tcp_port(host))
         for pool in self.specs:  # what the state or the deployment asks for and is not there
             for _ in range(self.targets[pool] - len(self._pool_tes(pool))):
                 self._scale_up(pool, "initial deployment" if previous is None else "missing after manager restart")
@@ -322,13 +324,13 @@ class ClusterManager:
                                       ["step", "process", "weights"], registry=self.metrics,
                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
         if not self.state.metrics_port:
-            self.state.metrics_port = free_tcp_port(self.host)
+            self.state.metrics_port = free_tcp_port(self.config.host)
         try:
-            start_http_server(self.state.metrics_port, addr=self.host, registry=self.metrics)
+            start_http_server(self.state.metrics_port, addr=self.config.host, registry=self.metrics)
         except OSError as exc:  # the port was taken while no manager ran: metrics elsewhere, serving goes on
-            self.state.metrics_port = free_tcp_port(self.host)
+            self.state.metrics_port = free_tcp_port(self.config.host)
             logger.warning("metrics port taken (%s); serving metrics on %d", exc, self.state.metrics_port)
-            start_http_server(self.state.metrics_port, addr=self.host, registry=self.metrics)
+            start_http_server(self.state.metrics_port, addr=self.config.host, registry=self.metrics)
 
     def _adopt(self, previous: ClusterState) -> None:
         kept = gone = 0
@@ -347,7 +349,7 @@ class ClusterManager:
         self._event(f"took over the deployment: {kept} process(es) still running, {gone} gone")
 
     def _build_autoscaler(self) -> None:
-        if self.deployment.autoscaler is None or not self.autoscale:
+        if self.deployment.autoscaler is None or not self.config.autoscale:
             return
         # start-up: prometheus and the policy only for a deployment that scales
         from meshserve.cluster.autoscaler import Autoscaler, AutoscalerSettings
@@ -359,12 +361,12 @@ class ClusterManager:
     def _launch_je(self, name: str, port: int, register_port: int, restarts: int = 0) -> None:
         spec = self.deployment
         config = next(iter(self.configs.values()), None)
-        kwargs = dict(model=self.model, host=self.host, port=port, register_port=register_port,
-                      policy=spec.routing, heatmap=spec.heatmap, predictor=spec.predictor,
-                      served_model_name=config.model_config.served_model_name if config else None,
-                      max_queue_hint=config.scheduler_config.max_waiting if config else 1024,
-                      log_level=self.log_level, server=self.server, manager_addrs=[self.register_addr],
-                      hold_s=self.hold_s, name=name)
+        router = RouterConfig(model=self.model, routing=spec.routing, register_port=register_port,
+                              served_model_name=config.model_config.served_model_name if config else None,
+                              manager_addrs=(self.register_addr,), hold_s=self.config.hold_s, name=name)
+        kwargs = dict(router=msgspec.to_builtins(router), host=self.config.host, port=port, heatmap=spec.heatmap,
+                      predictor=spec.predictor, max_queue_hint=config.scheduler_config.max_waiting if config else 1024,
+                      log_level=self.log_level, server=self.server)
         handle = self.backend.launch("frontend", name, kwargs)
         self.jes[name] = _Process(ProcessRecord("frontend", name, handle.record(), port=port,
                                                 register_port=register_port, started_at=time.time(),
@@ -549,11 +551,11 @@ class ClusterManager:
     def _operator_scale(self, query: ClusterQuery) -> ClusterStatus:
         spec = self.specs.get(query.pool)
         if spec is None:
-            return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+            return ClusterStatus(name=self.config.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
                                      error=f"no pool {query.pool!r}; pools: {', '.join(sorted(self.specs))}")
         low, high = spec.bounds
         if not low <= query.target <= high:
-            return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+            return ClusterStatus(name=self.config.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
                                      error=f"pool {query.pool} scales between {low} and {high} TEs, not "
                                            f"{query.target}")
         self.set_target(query.pool, query.target, "operator: meshserve cluster scale")
@@ -570,7 +572,7 @@ class ClusterManager:
 
     def _operator_capacity(self, query: ClusterQuery) -> ClusterStatus:
         if query.target < 1:
-            return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
+            return ClusterStatus(name=self.config.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
                                      error=f"capacity must be at least 1 device, not {query.target}")
         self.set_capacity(query.target, "asked by an operator")
         return self.status()
@@ -651,41 +653,45 @@ class ClusterManager:
             self._prefill_stopped_metric.inc()
             short -= self._ranks(victim.record.pool)
 
+    def _heal_te(self, te: _Process, now: float) -> None:
+        """One TE's turn: forget it if it drained, kill it if it hung, restart it (after a back-off when it keeps
+        dying young) once it is dead and there is room."""
+        alive = te.handle is not None and te.handle.alive()
+        if not alive and te.draining:
+            self._forget_te(te)
+            self._event(f"TE {te.name} drained and left")
+            return
+        hung = alive and te.heartbeat is not None and now - te.last_seen > self.config.heartbeat_timeout_s
+        if hung:
+            self._event(f"TE {te.name} sent no heartbeat for {now - te.last_seen:.0f} s: killing it")
+            te.handle.kill()
+        if alive and not hung:
+            return
+        if te.restart_at == 0.0:  # just found dead: decide when to restart it
+            quick = time.monotonic() - te.started_mono < QUICK_DEATH_S
+            te.quick_deaths = te.quick_deaths + 1 if quick else 0
+            delay = RESTART_BACKOFF_S[min(te.quick_deaths, len(RESTART_BACKOFF_S) - 1)]
+            te.restart_at = now + delay
+            code = te.handle.exit_code() if te.handle is not None else None
+            self._event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
+                        + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
+        if now < te.restart_at or not self._room_to_restart(te):
+            return  # a restart without room waits for devices (a decode TE has a prefill TE's freed for it)
+        self._forget_te(te)
+        self._restarts_metric.labels("te").inc()
+        self._scale_up(te.record.pool, "restart after a failure", name=te.name, restarts=te.record.restarts + 1)
+        self.tes[te.name].quick_deaths = te.quick_deaths
+
+    def _forget_te(self, te: _Process) -> None:
+        del self.tes[te.name]
+        if te.handle is not None:
+            self.backend.release(te.handle)
+        self._pending_scale_ups.pop(te.name, None)
+
     def _heal(self, now: float) -> None:
         # decode TEs first: a restart that needs devices frees them from prefill TEs before others take them
         for te in sorted(self.tes.values(), key=lambda t: self.specs[t.record.pool].role != "decode"):
-            alive = te.handle is not None and te.handle.alive()
-            if not alive and te.draining:
-                del self.tes[te.name]  # a drained TE left as asked
-                if te.handle is not None:
-                    self.backend.release(te.handle)
-                self._pending_scale_ups.pop(te.name, None)
-                self._event(f"TE {te.name} drained and left")
-                continue
-            hung = alive and te.heartbeat is not None and now - te.last_seen > HEARTBEAT_TIMEOUT_S
-            if hung:
-                self._event(f"TE {te.name} sent no heartbeat for {now - te.last_seen:.0f} s: killing it")
-                te.handle.kill()
-            if alive and not hung:
-                continue
-            if te.restart_at == 0.0:  # just found dead: decide when to restart it
-                quick = time.monotonic() - te.started_mono < QUICK_DEATH_S
-                te.quick_deaths = te.quick_deaths + 1 if quick else 0
-                delay = RESTART_BACKOFF_S[min(te.quick_deaths, len(RESTART_BACKOFF_S) - 1)]
-                te.restart_at = now + delay
-                code = te.handle.exit_code() if te.handle is not None else None
-                self._event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
-                            + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
-            if now >= te.restart_at:
-                if not self._room_to_restart(te):
-                    continue  # waits for devices (a decode TE has a prefill TE's freed for it)
-                del self.tes[te.name]
-                if te.handle is not None:
-                    self.backend.release(te.handle)
-                self._pending_scale_ups.pop(te.name, None)
-                self._restarts_metric.labels("te").inc()
-                self._scale_up(te.record.pool, "restart after a failure", name=te.name, restarts=te.record.restarts + 1)
-                self.tes[te.name].quick_deaths = te.quick_deaths
+            self._heal_te(te, now)
         for je in list(self.jes.values()):
             if je.handle is not None and je.handle.alive():
                 continue
@@ -830,7 +836,7 @@ class ClusterManager:
                             pid=je.handle.pid if je.handle is not None else 0,
                             state="dead" if je.handle is None or not je.handle.alive() else
                             "ready" if je.report is not None else "starting") for je in self.jes.values()]
-        return ClusterStatus(name=self.name, backend=self.backend.name, manager_pid=os.getpid(), tes=tes,
+        return ClusterStatus(name=self.config.name, backend=self.backend.name, manager_pid=os.getpid(), tes=tes,
                                  groups=groups, jes=jes, warm=sum(1 for w in self.warm.values() if w.assign_addr),
                                  events=list(self.events))
 
@@ -904,22 +910,22 @@ def serving_in_background(manager: ClusterManager, timeout_s: float = 600.0):
         manager.close()
 
 
-def run_manager(deployment: str, model: str, state_dir: str, name: str = "default", backend: str = "local",
-                ray_address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-                engine_overrides: dict | None = None, log_level: int = logging.INFO, hold_s: float = 120.0,
-                server: dict | None = None, ready_file: str | None = None) -> None:
+def run_manager(deployment: str, model: str, state_dir: str, cluster: dict[str, Any] | None = None,
+                engine_overrides: dict | None = None, log_level: int = logging.INFO, server: dict | None = None,
+                ready_file: str | None = None) -> None:
     """`meshserve cluster up` (also run as its own process with `--detach`): start or take over the
-    deployment and manage it until SIGTERM/SIGINT (which stop the deployment) or `cluster down`."""
+    deployment and manage it until SIGTERM/SIGINT (which stop the deployment) or `cluster down`.
+    `cluster`: the ClusterConfig settings (by name; the rest keep their defaults)."""
     # start-up: the deployment loader only here
     from meshserve.router.deployment import load_multi
 
     logging.basicConfig(level=log_level, format="%(asctime)s manager %(levelname)s %(message)s", force=True)
+    config = ClusterConfig.from_dict(cluster or {})
     spec = load_multi(deployment)
-    backend_impl = make_backend(backend, Path(state_dir) / "logs", host=host, ray_address=ray_address,
-                                namespace=f"meshserve-{name}")
-    manager = ClusterManager(spec, deployment, model, backend_impl, state_dir, name=name, host=host,
-                             base_port=port, engine_overrides=engine_overrides, log_level=log_level, hold_s=hold_s,
-                             server=server)
+    backend_impl = make_backend(config.backend, Path(state_dir) / "logs", host=config.host,
+                                ray_address=config.ray_address, namespace=f"meshserve-{config.name}")
+    manager = ClusterManager(spec, deployment, model, backend_impl, state_dir, config,
+                             engine_overrides=engine_overrides, log_level=log_level, server=server)
 
     def on_signal(signum, frame):
         manager.down_requested = True

@@ -9,11 +9,12 @@ cluster manager's, the HTTP server's) become flags the same way (`add_struct_arg
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshserve.config.base import ConfigStruct, Setting, settings_of
-from meshserve.config.engine import engine_settings
+from meshserve.config.engine import CONCERN_OF, engine_settings
 
 GIVEN_ENGINE_FLAGS = "_given_engine_flags"  # the namespace attribute naming the engine flags on the command line
 NOT_FLAGS = frozenset({"model"})  # every command names its model its own way
@@ -55,13 +56,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str] |
 
 
 def add_struct_arguments(parser: argparse.ArgumentParser, cls: type[ConfigStruct], title: str,
-                         names: Iterable[str] | None = None, skip: Iterable[str] = ()) -> None:
+                         names: Iterable[str] | None = None, skip: Iterable[str] = (),
+                         defaults: Mapping[str, Any] | None = None) -> None:
     """One `--flag` per plain setting of `cls` (or per setting in `names`, less those in `skip`), in one
-    argument group; `given_settings(args, cls)` then reads back the ones given."""
-    wanted, skipped = (None if names is None else set(names)), set(skip)
+    argument group; `given_settings(args, cls)` then reads back the ones given. `defaults`: this command's
+    own defaults for some settings (the flag's value and its help when it is not given)."""
+    wanted, skipped, defaults = (None if names is None else set(names)), set(skip), dict(defaults or {})
     group = parser.add_argument_group(title)
     for setting in settings_of(cls):
         if setting.name not in skipped and (wanted is None or setting.name in wanted):
+            if setting.name in defaults:
+                setting = dataclasses.replace(setting, default=defaults[setting.name])
             _add_flag(group, setting)
 
 
@@ -89,5 +94,7 @@ def _default_text(setting: Setting) -> str:
 
 
 def given_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine settings whose flag was given on the command line (whatever its value)."""
-    return {name: getattr(args, name) for name in sorted(getattr(args, GIVEN_ENGINE_FLAGS, set()))}
+    """The engine settings whose flag was given on the command line (whatever its value); the given flags of
+    other settings structs on the same command (the HTTP server's, the cluster manager's) are not engine's."""
+    given = getattr(args, GIVEN_ENGINE_FLAGS, set()) & set(CONCERN_OF)
+    return {name: getattr(args, name) for name in sorted(given)}

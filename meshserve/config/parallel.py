@@ -41,6 +41,12 @@ class ParallelConfig(ConfigStruct, frozen=True):
     hang_timeout_s: Annotated[float, Meta(
         gt=0, description="a rank that answers no health ping for this long (stuck in a kernel or a collective) "
                           "is declared hung and the ranks are recovered; must exceed the longest step")] = 30.0
+    collective_timeout_s: Annotated[float, Meta(
+        gt=0, description="a step's collective (attention TP, MoE dispatch and combine) fails after waiting this "
+                          "long for a peer instead of hanging; the ranks then roll the step back and run it again "
+                          "on new process groups, or give up when they cannot agree (a dead rank). Keep it below "
+                          "hang_timeout_s: a rank waiting longer is taken for hung and the ranks are restarted")
+    ] = 10.0
     on_rank_failure: Annotated[Literal["restart", "shrink", "fail"], Meta(
         description="when a rank dies or hangs: restart the ranks and continue every request from its tokens so "
                     "far; shrink: go on at once on the ranks left (fewer DP groups and EP ranks, every expert "

@@ -25,11 +25,12 @@ from typing import ClassVar
 
 import msgspec
 
+from meshserve.config import EngineConfig
 from meshserve.moe.load_record import ExpertLoadRecord
-from meshserve.moe.placement import ExpertPlacement, PlacementShape
+from meshserve.moe.placement import ExpertPlacement, PlacementShape, engine_shape, load_placement_file
 from meshserve.wire.client import EplbStatus, ExpertLoad
 from meshserve.wire.eplb import EplbCommand, EplbPhase, PlacementData
-from meshserve.wire.worker import WorkerEventKind
+from meshserve.wire.worker import WorkerEventKind, WorkerReady
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,18 @@ class EplbController:
         self.last_error: str | None = None
         self.last_started_at: float | None = None  # unix times of the last reconfiguration
         self.last_finished_at: float | None = None
+
+    @classmethod
+    def for_ranks(cls, config: EngineConfig, ready: WorkerReady) -> EplbController:
+        """The controller of a TE whose rank 0 reported `ready` (its MoE layers and experts)."""
+        strategy = config.parallel_config.strategy
+        eplb = config.eplb_config
+        shape = None
+        if ready.moe_layers and ready.num_logical_experts:
+            shape = engine_shape(ready.num_logical_experts, strategy.moe_ep, eplb.eplb_redundant_experts)
+        initial = load_placement_file(eplb.eplb_placement) if eplb.eplb_placement else None
+        return cls(shape, ready.moe_layers, strategy.world_size, eplb.eplb_slice_s, eplb.eplb_interval_s,
+                   initial=initial)
 
     @property
     def enabled(self) -> bool:

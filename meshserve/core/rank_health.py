@@ -5,12 +5,16 @@ same queue as the steps, and a rank answers with a `WorkerPong` from its loop, b
 stuck in a kernel, a deadlock or a collective whose peer is gone answers nothing, so a rank silent for
 `hang_timeout_s` is hung, found in seconds rather than at the 300 s collective timeout. The master's own
 heartbeat (to its JEs and the cluster manager) comes from its loop too, so a hung master shows up as a
-silent one one tier up.
+silent one one tier up. A rank that rolls a step back after a transient collective error and runs it again
+(xdeepserve §6.2) reports it: the TE counts such steps.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+
+logger = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 1.0
 RECOVERY_WINDOW_S = 600.0  # max_recoveries counts the recoveries within this window
@@ -23,6 +27,8 @@ class RankHealth:
         self._first_seq = 1  # pongs to pings of ranks from before the last restart are ignored
         self._last_ping = 0.0
         self._answered: list[float] = []  # per rank: time.monotonic() of its last pong (or of the restart)
+        self.num_rollbacks = 0  # steps the ranks rolled back and ran again (a transient collective error)
+        self._rollbacks_of_rank: dict[int, int] = {}  # ROLLED_BACK events per rank (num_rollbacks: the most)
 
     def reset(self, world_size: int) -> None:
         """New ranks: each counts as having answered now."""
@@ -49,6 +55,13 @@ class RankHealth:
 
     def silent_for(self, now: float) -> list[float]:
         return [now - at for at in self._answered]
+
+    def on_rolled_back(self, rank: int, detail: str) -> None:
+        # every rank rolls the same step back and reports it: the TE's count is the most any rank reported
+        count = self._rollbacks_of_rank[rank] = self._rollbacks_of_rank.get(rank, 0) + 1
+        if count > self.num_rollbacks:
+            self.num_rollbacks = count
+            logger.warning("a step was rolled back and run again (rank %d: %s)", rank, detail)
 
 
 class RecoveryState:

@@ -9,7 +9,9 @@ socket monitor reports the disconnect when the process, or its host, goes away.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -25,6 +27,8 @@ logger = logging.getLogger(__name__)
 _MAX_HANDSHAKE_BYTES = 2**16  # a handshake names one rank; anything larger is not one
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 10000  # a peer silent this long after a ping counts as gone
+# a recovery binds the port its last handshake socket held, whose close libzmq completes in the background
+_REBIND_WAIT_S = 2.0
 
 
 def enable_heartbeats(sock: zmq.Socket) -> None:
@@ -82,12 +86,25 @@ class RemoteRanks:
         self.handshakes.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDSHAKE_BYTES)
         cluster_auth.server(self.handshakes, self.endpoint)  # a rank must hold the cluster secret to join
         try:
-            self.handshakes.bind(self.endpoint)
+            self._bind()
         except zmq.ZMQError as exc:
             self.close()
             raise RuntimeError(f"cannot listen for remote workers on {self.endpoint}: {exc}") from None
         logger.info("waiting for remote worker rank(s) %s on %s",
                     rank_range(self.first, self.world_size - 1), self.endpoint)
+
+    def _bind(self) -> None:
+        """Bind the handshake socket, waiting a moment while the port is still held (the socket of the ranks
+        before a recovery may not be closed yet)."""
+        deadline = time.monotonic() + _REBIND_WAIT_S
+        while True:
+            try:
+                self.handshakes.bind(self.endpoint)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
 
     def answer_handshakes(self) -> None:
         while self.handshakes.poll(0):

@@ -18,6 +18,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from meshserve.config import SpeculativeConfig
+from meshserve.core.scheduler import Scheduler
+from meshserve.wire.worker import ModelRunnerOutput, SchedulerOutput
+
 logger = logging.getLogger(__name__)
 
 MEASURE = -1  # speculative_max_batch: measure where drafting pays
@@ -84,3 +88,29 @@ class SpeculationController:
         """The lowest batch size of each measured bucket -> whether it drafts there now."""
         return {1 << (b - 1): bucket.choice for b, bucket in sorted(self._buckets.items())
                 if bucket.choice is not None}
+
+
+class StepSpeculation:
+    """The master's use of the controller: one decision per step for all DP groups (the MTP layers' MoE
+    collectives run in lockstep), fed by decode-only steps."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.controller = SpeculationController(config.speculative_max_batch)
+
+    def decide(self, schedulers: list[Scheduler]) -> None:
+        """Whether this step drafts, set on every DP group's scheduler."""
+        if not self.config.enabled:
+            return
+        speculating, catch_up = self.controller.decide(max(s.num_running for s in schedulers))
+        for scheduler in schedulers:
+            scheduler.speculating, scheduler.mtp_catch_up = speculating, catch_up
+
+    def observe(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Feed a decode-only step's throughput to the controller (prefill work would blur it)."""
+        if not self.config.enabled or sched.new_reqs or not sched.num_scheduled_tokens:
+            return
+        if sched.total_num_scheduled_tokens > len(sched.num_scheduled_tokens) * (1 + self.config.num_draft_tokens):
+            return
+        self.controller.observe(len(sched.num_scheduled_tokens), sched.num_draft_tokens > 0, bool(out.num_drafts),
+                                sum(len(tokens) for tokens in out.sampled.values()), out.execute_seconds)

@@ -139,10 +139,17 @@ class AsyncEngineClient:
             return False
         return True
 
-    # ------------------------------------------------------------------ API
+    # ------------------------------------------------------------------ API (meshserve.engine.protocol)
+    async def start(self) -> None:
+        """Nothing to do before the first request: the reader starts on the loop of the first request."""
+
     @property
     def healthy(self) -> bool:
         return self.dead_error is None
+
+    def health(self) -> dict:
+        """Nothing beyond ok or not: one engine has no routes to report."""
+        return {}
 
     @property
     def dead_error(self) -> str | None:

@@ -6,8 +6,8 @@ import logging
 import sys
 
 from meshserve.bench.cli import register_bench_commands
-from meshserve.config import DEFAULT_ENGINE_PORT, ConfigError
-from meshserve.config.arguments import add_engine_arguments
+from meshserve.config import DEFAULT_ENGINE_PORT, ConfigError, RouterConfig
+from meshserve.config.arguments import add_engine_arguments, add_struct_arguments
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.entrypoints.cluster import add_cluster_commands
 from meshserve.entrypoints.engine_args import add_deployment_arguments
@@ -62,11 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     add_server_arguments(serve)
     add_deployment_arguments(serve)
-    serve.add_argument("--routing", default=None,
-                       help="with a multi-TE deployment: the job executor's routing policy (round_robin, load, "
-                            "locality, pd_aware, combined; default: the deployment's)")
-    serve.add_argument("--register-port", type=int, default=0,
-                       help="with a multi-TE deployment: where TEs register with the job executor (0: a free port)")
+    add_struct_arguments(serve, RouterConfig, "job executor (a multi-TE deployment)",
+                         names=("routing", "register_port"))
     serve.add_argument("--also-register", action="append", default=[],
                        help="with a multi-TE deployment: another job executor's registration address its TEs also "
                             "register with (repeatable)")

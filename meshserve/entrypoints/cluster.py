@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from meshserve.config import ConfigError
-from meshserve.config.arguments import add_engine_arguments, given_engine_settings
+from meshserve.config import ClusterConfig, ConfigError
+from meshserve.config.arguments import add_engine_arguments, add_struct_arguments, given_engine_settings, given_settings
+from meshserve.config.cluster import CLUSTER_FLAGS
 from meshserve.entrypoints.openai.server_options import add_server_arguments
 from meshserve.utils import envs
 
@@ -39,16 +40,9 @@ def add_cluster_commands(sub) -> None:
     up.add_argument("deployment", help="deployment file or preset (colocated, colocatedN, MpNd, joined by +)")
     up.add_argument("--model", default=None, help="HF-format model directory (default: the deployment's, else "
                                                   "the built-in default model)")
-    up.add_argument("--backend", choices=["local", "ray"], default="local",
-                    help="where processes run: this machine, or a Ray cluster")
-    up.add_argument("--ray-address", default=None, help="an existing Ray cluster (HOST:PORT; default: start a "
-                                                        "local one)")
-    up.add_argument("--host", default="127.0.0.1", help="address the JEs' HTTP servers bind")
-    up.add_argument("--port", type=int, default=8000, help="the first JE's HTTP port (further JEs: the next ones)")
-    up.add_argument("--hold-s", type=float, default=120.0,
-                    help="how long a JE holds a request no TE can take yet (a pool scaling from zero)")
     up.add_argument("--detach", action="store_true", help="run the manager in the background; return once serving")
-    _add_state_arguments(up)
+    _add_state_dir_argument(up)
+    add_struct_arguments(up, ClusterConfig, "cluster manager", names=CLUSTER_FLAGS)  # --name among them
     add_server_arguments(up)
     add_engine_arguments(up)
     up.set_defaults(func=cluster_up)
@@ -73,7 +67,11 @@ def add_cluster_commands(sub) -> None:
 
 
 def _add_state_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--name", default="default", help="the deployment's name (its state directory)")
+    parser.add_argument("--name", default=ClusterConfig().name, help="the deployment's name (its state directory)")
+    _add_state_dir_argument(parser)
+
+
+def _add_state_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="where the manager keeps its state and logs (default: <cache>/cluster/NAME)")
 
@@ -86,17 +84,17 @@ def cluster_up(args: argparse.Namespace) -> int:
     from meshserve.router.deployment import load_multi
     from meshserve.utils import cluster_auth
 
+    cluster = ClusterConfig(**given_settings(args, ClusterConfig))
     options = server_options_from_args(args)
-    check_bind(args.host, options)
+    check_bind(cluster.host, options)
     deployment = load_multi(args.deployment)  # a bad file fails here, in one line
     model = resolve_model(args.model or deployment.model)
     os.environ.update(options.secrets_env)  # the JEs read the API keys from their environment
     cluster_auth.cluster_secret()  # every process inherits it; a bad one is reported once, here
     state_dir = _state_dir(args)
-    kwargs = dict(deployment=args.deployment, model=model, state_dir=str(state_dir), name=args.name,
-                  backend=args.backend, ray_address=args.ray_address, host=args.host, port=args.port,
+    kwargs = dict(deployment=args.deployment, model=model, state_dir=str(state_dir), cluster=cluster.to_dict(),
                   engine_overrides=given_engine_settings(args), log_level=getattr(logging, args.log_level.upper()),
-                  hold_s=args.hold_s, server=options.public_kwargs())
+                  server=options.public_kwargs())
     if not args.detach:
         run_manager(**kwargs)
         return 0

@@ -6,8 +6,10 @@ import logging
 import os
 from pathlib import Path
 
-from meshserve.config import ConfigError, EngineConfig
-from meshserve.config.arguments import given_engine_settings
+import msgspec
+
+from meshserve.config import ConfigError, EngineConfig, RouterConfig
+from meshserve.config.arguments import given_engine_settings, given_settings
 from meshserve.entrypoints.engine_args import engine_config_from_args, resolve_deployment
 from meshserve.entrypoints.openai.frontend import make_job_executor
 from meshserve.entrypoints.openai.server_options import ServerOptions, check_bind, server_options_from_args
@@ -31,6 +33,12 @@ def http_options(args: argparse.Namespace) -> ServerOptions:
     options = server_options_from_args(args)
     check_bind(args.host, options)
     return options
+
+
+def router_config(args: argparse.Namespace, model: str, served_model_name: str | None, routing: str) -> RouterConfig:
+    """The first job executor's settings: the deployment file's `routing`, then the router flags given."""
+    return RouterConfig(**{"model": model, "served_model_name": served_model_name, "host": args.host,
+                           "routing": routing, **given_settings(args, RouterConfig)})
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -71,22 +79,21 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
     settings = EngineConfig.from_kwargs(model, **overrides)
     if any(getattr(args, name, None) is not None for name in ("tp", "dp", "ep")):
         raise ConfigError("--tp/--dp/--ep set one TE's layout; give each TE group's `parallel` in the deployment file")
-    policy = args.routing or deployment.routing
     log_level = getattr(logging, args.log_level.upper())
     served_name = settings.model_config.served_model_name
     max_queue = settings.scheduler_config.max_waiting
-    je = make_job_executor(model, args.host, args.register_port, policy, deployment.heatmap, deployment.predictor,
-                           served_name)
+    router = router_config(args, model, served_name, deployment.routing)
+    je = make_job_executor(router, deployment.heatmap, deployment.predictor)
     register_addrs = [je.register_addr, *args.also_register]
     procs: list = []
     names: list[str] = []
     try:
         for i in range(1, deployment.job_executors):  # JE replicas
             register_port = free_tcp_port(args.host)
-            procs.append(launch("frontend", model=model, host=args.host, port=args.port + i,
-                                register_port=register_port, policy=policy, heatmap=deployment.heatmap,
-                                predictor=deployment.predictor, served_model_name=served_name,
-                                max_queue_hint=max_queue, log_level=log_level, server=options.public_kwargs()))
+            replica = msgspec.structs.replace(router, register_port=register_port)
+            procs.append(launch("frontend", router=msgspec.to_builtins(replica), host=args.host, port=args.port + i,
+                                heatmap=deployment.heatmap, predictor=deployment.predictor, max_queue_hint=max_queue,
+                                log_level=log_level, server=options.public_kwargs()))
             names.append(f"frontend on port {args.port + i}")
             register_addrs.append(f"tcp://{args.host}:{register_port}")
         tes = deployment.tes()
@@ -102,7 +109,7 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
         timeout = settings.parallel_config.startup_timeout_s + 30
         je.wait_for_tes_blocking(deployment.role_counts(), timeout, alive=all_alive)
         logger.info("serving %s as %r on http://%s:%d through %d TE(s), routing %s", model, je.model_name,
-                    args.host, args.port, len(tes), policy)
+                    args.host, args.port, len(tes), router.routing)
         run_server(je, args.host, args.port, log_level=args.log_level, served_model_name=je.model_name,
                    max_queue_hint=max_queue, options=options)
     except (TimeoutError, RuntimeError) as exc:

@@ -17,6 +17,7 @@ torch path runs instead (same results up to float rounding).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -63,13 +64,34 @@ def _build() -> bool:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         logger.info("loading native CPU kernels (the first run compiles them, about 15 s)")
-        cpp_extension.load(
-            name=_extension_name(), sources=[str(source) for source in _SOURCES], is_python_module=False, verbose=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        name = _extension_name()
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _builder_lock(build_dir):
+            cpp_extension.load(
+                name=name, sources=[str(source) for source in _SOURCES], is_python_module=False, verbose=False,
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
         return hasattr(torch.ops.meshserve_cpu, "moe_experts")
     except Exception as exc:  # no compiler, no headers: the torch path still serves
         logger.warning("native CPU kernels unavailable, using the torch path: %s", str(exc).splitlines()[0])
         return False
+
+
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path):
+    """One process at a time builds or loads the cached build. cpp_extension's own lock is a file that a killed
+    build leaves behind, after which every later load waits forever; this one is an flock, which the kernel
+    releases when its holder dies, so whoever holds it knows a leftover `lock` file is stale and removes it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "builder.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing the lock a killed build left in %s", build_dir)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _require() -> None:

@@ -100,12 +100,6 @@ def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     return out.view(*x.shape[:-1], q.shape[0])
 
 
-def vnni() -> bool:
-    """Whether the native kernels are built with AVX-512 VNNI (elsewhere they run plain loops: the same results,
-    not tuned for speed)."""
-    return cpu_kernels.enabled() and bool(torch.ops.meshserve_cpu.int8_vnni())
-
-
 def _native(x: torch.Tensor) -> bool:
     return x.is_cpu and x.dtype == torch.float32 and cpu_kernels.enabled()
 

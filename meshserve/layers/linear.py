@@ -25,13 +25,16 @@ _INT8_ATTR = "_int8_packed"
 
 
 @functools.cache
-def onednn_linear_available() -> bool:
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's prepacked linear runs in `dtype` here: its bf16 path needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT, which some x86 CPUs lack (they then take F.linear)."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
         return False
     try:  # the op exists in every CPU build we know, but prove it runs before relying on it
-        w = torch.randn(8, 4)
-        out = op(torch.randn(3, 4), torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], "")
+        w = torch.randn(8, 4, dtype=dtype)
+        out = op(torch.randn(3, 4, dtype=dtype), torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [],
+                 "")
         return out.shape == (3, 8)
     except RuntimeError:
         return False
@@ -41,7 +44,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a [out, in] weight, or None where it does not apply."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not onednn_linear_available():
+    if not onednn_linear_available(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 

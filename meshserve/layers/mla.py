@@ -146,6 +146,20 @@ def uninitialized_linear(in_features: int, out_features: int, bias: bool, dtype:
     return layer
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """The sizes of one MLA layer, named as a DeepSeek-V3 config names them (`num_heads`: all of them; a rank
+    under attention TP keeps its share)."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None  # None: q projected directly, without the low-rank step
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
 class MultiHeadLatentAttention(torch.nn.Module):
     """MLA with optional q-LoRA; the input projections of q and the latent run as one matmul.
 
@@ -155,22 +169,14 @@ class MultiHeadLatentAttention(torch.nn.Module):
     are the same on every rank.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        q_lora_rank: int | None,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        softmax_scale: float,
-        rope_interleave: bool = True,
-        attention_bias: bool = False,
-        dtype: torch.dtype = torch.float32,
-        parallel: ParallelContext | None = None,
-    ) -> None:
+    def __init__(self, shape: MLAShape, softmax_scale: float, rope_interleave: bool = True,
+                 attention_bias: bool = False, dtype: torch.dtype = torch.float32,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        hidden_size, num_heads, q_lora_rank, kv_lora_rank = (shape.hidden_size, shape.num_heads, shape.q_lora_rank,
+                                                             shape.kv_lora_rank)
+        qk_nope_head_dim, qk_rope_head_dim = shape.qk_nope_head_dim, shape.qk_rope_head_dim
+        v_head_dim = shape.v_head_dim
         self.parallel = parallel or ParallelContext.single()
         num_heads = attention_tp_part(self.parallel, num_heads, "num_attention_heads")
         self.num_heads = num_heads

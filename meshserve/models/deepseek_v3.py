@@ -26,6 +26,7 @@ from meshserve.layers.linear import attach_packed, linear
 from meshserve.layers.metadata import AttentionMetadata, KVCacheLayout
 from meshserve.layers.mla import (
     MLABatchPlan,
+    MLAShape,
     MultiHeadLatentAttention,
     copy_checked,
     mla_softmax_scale,
@@ -307,13 +308,9 @@ class DeepseekV3DecoderLayer(torch.nn.Module):
                  parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.self_attn = MultiHeadLatentAttention(
-            hidden_size=p.hidden_size,
-            num_heads=p.num_attention_heads,
-            q_lora_rank=p.q_lora_rank,
-            kv_lora_rank=p.kv_lora_rank,
-            qk_nope_head_dim=p.qk_nope_head_dim,
-            qk_rope_head_dim=p.qk_rope_head_dim,
-            v_head_dim=p.v_head_dim,
+            MLAShape(hidden_size=p.hidden_size, num_heads=p.num_attention_heads, q_lora_rank=p.q_lora_rank,
+                     kv_lora_rank=p.kv_lora_rank, qk_nope_head_dim=p.qk_nope_head_dim,
+                     qk_rope_head_dim=p.qk_rope_head_dim, v_head_dim=p.v_head_dim),
             softmax_scale=mla_softmax_scale(p.qk_nope_head_dim + p.qk_rope_head_dim, p.rope_parameters,
                                             p.max_position_embeddings),
             rope_interleave=p.rope_interleave,

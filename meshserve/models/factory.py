@@ -71,7 +71,9 @@ def _common_config(architecture: str, model_type: str) -> dict:
 
 
 def _deepseek_v3(*, hidden: int, layers: int, experts: int, moe_intermediate: int, intermediate: int,
-                 heads: int, q_lora: int, kv_lora: int, rope_dim: int, nope_dim: int, v_dim: int) -> dict:
+                 heads: int, mla: tuple[int, int, int, int, int]) -> dict:
+    """`mla`: q_lora_rank, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim."""
+    q_lora, kv_lora, rope_dim, nope_dim, v_dim = mla
     return _common_config("DeepseekV3ForCausalLM", "deepseek_v3") | {
         "hidden_size": hidden,
         "intermediate_size": intermediate,
@@ -145,9 +147,9 @@ def _qwen3(**attention) -> dict:
 PRESETS: dict[str, dict[str, dict]] = {
     "deepseek_v3": {
         "tiny": _deepseek_v3(hidden=256, layers=4, experts=16, moe_intermediate=128, intermediate=512,
-                             heads=8, q_lora=128, kv_lora=64, rope_dim=16, nope_dim=32, v_dim=32),
+                             heads=8, mla=(128, 64, 16, 32, 32)),
         "small": _deepseek_v3(hidden=768, layers=8, experts=32, moe_intermediate=256, intermediate=2048,
-                              heads=12, q_lora=384, kv_lora=256, rope_dim=32, nope_dim=64, v_dim=64),
+                              heads=12, mla=(384, 256, 32, 64, 64)),
     },
     "qwen3_moe": {
         "tiny": _qwen3_moe(hidden=256, layers=4, experts=16, moe_intermediate=128, heads=8, kv_heads=2,

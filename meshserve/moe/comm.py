@@ -14,12 +14,9 @@ Two layouts:
   of MixServe Algorithms 1 and 2, where intra-node and inter-node transfers of
   different node blocks run concurrently.
 
-Expert ids are global; slices are contiguous (`first_expert` = owner index * slice size).
-
-Injected faults (tests and benchmarks, `meshserve.utils.faults`): a `collective_error` fires at the entry
-of the first dispatch of a step (the runner calls `step_begins` before each forward), so its `after_steps`
-counts steps whatever the number of MoE layers, and every rank, counting the same steps, fails the same
-collective before sending anything: no rank is left waiting in it.
+Expert ids are global; slices are contiguous (`first_expert` = owner index * slice size). After the ranks
+rebuild their process groups (a rolled-back step, meshserve/parallel/context.py) a communicator takes the new
+ones with `use_group` / `use_groups`; its buffers stay.
 """
 from __future__ import annotations
 
@@ -31,7 +28,6 @@ import torch.distributed as dist
 
 from meshserve.layers.moe import fused_experts
 from meshserve.parallel.topology import TopologyGroups
-from meshserve.utils import faults
 
 # Newer torch names first; the older ones are the same operations.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,26 +36,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 INT8_MAX = 127.0
 _DISPATCH_TAG = 11
 _COMBINE_TAG = 12
-
-
-# ---------------------------------------------------------------- injected collective errors
-
-_fault_check: int | None = None  # the rank whose step has not reached its first dispatch yet (faults armed)
-
-
-def step_begins(rank: int) -> None:
-    """A step of `rank` begins: its first dispatch may fire an injected `collective_error`."""
-    global _fault_check
-    _fault_check = rank if faults.switch().armed else None
-
-
-def _fire_collective_fault() -> None:
-    global _fault_check
-    if _fault_check is None:
-        return
-    rank, _fault_check = _fault_check, None
-    if faults.fire(faults.FaultKind.COLLECTIVE_ERROR, rank=rank) is not None:
-        raise faults.TransientCollectiveError(f"injected collective error on rank {rank} (MoE dispatch)")
 
 
 # ---------------------------------------------------------------- expert compute helpers
@@ -213,6 +189,12 @@ class EPDispatcher:
             combine_recv=empty(self.max_send_rows, self.hidden, dtype=self.dtype),
         )
 
+    def use_group(self, ep_group) -> None:
+        """Run on `ep_group` from now on: the same ranks in the same order, on new communicators."""
+        if dist.get_world_size(ep_group) != self.world or dist.get_rank(ep_group) != self.rank:
+            raise ValueError(f"a new EP group must hold this rank ({self.rank} of {self.world}) as the old one did")
+        self.group = ep_group
+
     def buffer_data_ptrs(self) -> list[list[int]]:
         """data_ptr of every pre-allocated buffer, per set (lets callers check nothing is re-allocated)."""
         return [[t.data_ptr() for t in buffers.tensors()] for buffers in self._buffers]
@@ -232,7 +214,6 @@ class EPDispatcher:
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send rows to expert owners; returns (recv_hidden [R, H], recv_expert_ids [R] global, handle)."""
-        _fire_collective_fault()
         self._check_inputs(hidden, topk_ids)
         index = self._step % 2
         self._step += 1
@@ -341,11 +322,16 @@ class HybridMoEComm:
         self.first_expert = self.node * self.experts_per_node
         self.fused = fused
 
+    def use_groups(self, groups: TopologyGroups) -> None:
+        """Run on `groups` from now on: the same topology and rank, on new communicators."""
+        if groups.topology != self.topology or groups.rank != self.groups.rank:
+            raise ValueError(f"new groups must have this rank's topology {self.topology} and rank {self.groups.rank}")
+        self.groups = groups
+
     # ---- public entry points
 
     def dispatch(self, hidden_shard: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, HybridHandle]:
-        _fire_collective_fault()
         return (self.dispatch_fused if self.fused else self.dispatch_sync)(hidden_shard, topk_ids)
 
     def combine(self, partial_out: torch.Tensor, handle: HybridHandle, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ stays in full precision.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -62,12 +63,16 @@ INT8_DISPATCH_MAX_ERROR = 0.02
 _SHARED_COMMS: dict[tuple, object] = {}
 
 
-def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object]) -> object:
+def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object],
+                 regroup: Callable[[object], None]) -> object:
+    """The context's communicator for `key`, made once; `regroup(comm)` moves it to the context's new groups
+    whenever they are rebuilt."""
     full_key = (id(ctx), *key)
     comm = _SHARED_COMMS.get(full_key)
     if comm is None:
         comm = _SHARED_COMMS[full_key] = make()
         weakref.finalize(ctx, _SHARED_COMMS.pop, full_key, None)  # ids are reused once ctx is gone
+        ctx.on_rebuild(functools.partial(regroup, comm))
     return comm
 
 
@@ -141,12 +146,13 @@ class MoERuntime:
                 else ctx.max_tokens_per_step
             self.ep_dispatcher = _shared_comm(ctx, ("ep", *shape), lambda: EPDispatcher(
                 ctx.moe_groups.inter_node, self.num_slots, top_k, hidden_size, per_rank, dtype,
-                int8=ctx.int8_dispatch))
+                int8=ctx.int8_dispatch), lambda comm: comm.use_group(ctx.moe_groups.inter_node))
         else:
             if ctx.int8_dispatch:
                 raise ValueError(f"INT8 dispatch needs pure EP (moe=TP1+EPn); {ctx.strategy} has MoE TP")
             self.hybrid = _shared_comm(ctx, ("hybrid", *shape), lambda: HybridMoEComm(
-                ctx.moe_groups, self.num_slots, top_k, hidden_size, fused=ctx.moe_comm == "fused"))
+                ctx.moe_groups, self.num_slots, top_k, hidden_size, fused=ctx.moe_comm == "fused"),
+                lambda comm: comm.use_groups(ctx.moe_groups))
 
     def make_weights(self, intermediate_size: int) -> FusedMoEWeights:
         """Expert weights holding this rank's slots and intermediate-column block."""

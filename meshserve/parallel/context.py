@@ -11,14 +11,23 @@ For `attn=TPa+DPb moe=TPc+EPd` (world W = a*b = c*d), rank r is
 
 `ParallelContext.single()` is the one-rank context: every group is None and every
 collective helper is the identity, so model code calls them unconditionally.
+
+A step's collectives run on these groups only, never on the WORLD group the ranks rendezvoused with, and each
+of them fails after `collective_timeout_s` rather than waiting forever for a peer. After a transient error
+(parallel/rollback.py) the ranks agree on a rollback through the world's store (`agree_on_rollback`) and
+replace every group with a new one (`rebuild_groups`): what holds a group (the MoE dispatchers) registers to
+follow (`on_rebuild`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from meshserve.parallel.rollback import RollbackAgreement
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import Topology, TopologyGroups, build_groups
 
@@ -36,13 +45,17 @@ class ParallelContext:
     # R: extra physical expert slots per EP rank for replicas of hot experts (expert load balancing);
     # each EP rank then holds E/EP primary slots + R redundant ones per MoE layer
     redundant_experts_per_rank: int = 0
+    # a collective on this context's groups fails after this long (None: torch's default timeout)
+    collective_timeout_s: float | None = None
     attn_tp_group: dist.ProcessGroup | None = None
     moe_groups: TopologyGroups | None = None
-    world_group: dist.ProcessGroup | None = None
     # rank lists of this rank's groups (for tests and logs)
     attn_tp_ranks: list[int] = field(default_factory=lambda: [0])
     moe_tp_ranks: list[int] = field(default_factory=lambda: [0])
     ep_ranks: list[int] = field(default_factory=lambda: [0])
+    rollback: RollbackAgreement | None = None  # the ranks' rollback rounds (None: one rank)
+    _all_groups: list = field(default_factory=list, init=False, repr=False)  # the groups this rank is in
+    _rebuild_listeners: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.moe_comm not in ("fused", "sync"):
@@ -61,31 +74,69 @@ class ParallelContext:
 
     @classmethod
     def build(cls, strategy: ParallelStrategy, moe_comm: str = "fused", int8_dispatch: bool = False,
-              max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0) -> ParallelContext:
+              max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0,
+              collective_timeout_s: float | None = None) -> ParallelContext:
         """Create every group on an initialised world; collective: every rank calls it in the same order."""
+        settings = dict(moe_comm=moe_comm, int8_dispatch=int8_dispatch, max_tokens_per_step=max_tokens_per_step,
+                        redundant_experts_per_rank=redundant_experts_per_rank,
+                        collective_timeout_s=collective_timeout_s)
         if not dist.is_initialized():
             if strategy.world_size == 1:
-                return cls(strategy, moe_comm=moe_comm, int8_dispatch=int8_dispatch,
-                           max_tokens_per_step=max_tokens_per_step,
-                           redundant_experts_per_rank=redundant_experts_per_rank)
+                return cls(strategy, **settings)
             raise RuntimeError(f"strategy {strategy} needs torch.distributed to be initialised")
         world = dist.get_world_size()
         if world != strategy.world_size:
             raise ValueError(f"strategy {strategy} spans {strategy.world_size} ranks but the world has {world}")
         rank = dist.get_rank()
+        topo = Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp)
         a = strategy.attn_tp
-        attn_groups = [list(range(dp * a, (dp + 1) * a)) for dp in range(strategy.attn_dp)]
-        # new_group is collective over the world: every rank creates every group, in one order
-        attn_pgs = [dist.new_group(ranks) for ranks in attn_groups]
-        moe_groups = build_groups(Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp))
-        topo = moe_groups.topology
-        ctx = cls(strategy, rank=rank, moe_comm=moe_comm, int8_dispatch=int8_dispatch,
-                  max_tokens_per_step=max_tokens_per_step, redundant_experts_per_rank=redundant_experts_per_rank,
-                  attn_tp_group=attn_pgs[rank // a], moe_groups=moe_groups, world_group=dist.group.WORLD,
-                  attn_tp_ranks=attn_groups[rank // a],
+        # a peer still in a collective fails it within one timeout; the second covers the compute before it
+        wait_s = 2 * (collective_timeout_s or dist.default_pg_timeout.total_seconds())
+        # the store the world rendezvoused on: its server lives in rank 0's process, apart from the groups
+        store = dist.distributed_c10d._get_default_store()
+        ctx = cls(strategy, rank=rank, **settings, attn_tp_ranks=list(range(rank // a * a, (rank // a + 1) * a)),
                   moe_tp_ranks=topo.intra_node_ranks(topo.node_of(rank)),
-                  ep_ranks=topo.inter_node_ranks(topo.local_rank(rank)))
+                  ep_ranks=topo.inter_node_ranks(topo.local_rank(rank)),
+                  rollback=RollbackAgreement(store, rank, world, wait_s))
+        ctx._create_groups()
         return ctx
+
+    def _create_groups(self) -> None:
+        """This rank's groups, new; collective over the world (new_group must be called for every group on every
+        rank, in one order). They meet under torch's default timeout; their collectives then get the bounded one."""
+        a = self.strategy.attn_tp
+        attn_pgs = [dist.new_group(list(range(dp * a, (dp + 1) * a))) for dp in range(self.strategy.attn_dp)]
+        self.moe_groups = build_groups(Topology(num_nodes=self.strategy.moe_ep, ranks_per_node=self.strategy.moe_tp))
+        self.attn_tp_group = attn_pgs[self.rank // a]
+        self._all_groups = [group for group in (*attn_pgs, *self.moe_groups.all_intra_node,
+                                                *self.moe_groups.all_inter_node)
+                            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
+        if self.collective_timeout_s is not None:
+            for group in self._all_groups:
+                group.set_timeout(timedelta(seconds=self.collective_timeout_s))
+
+    # ------------------------------------------------------------------ rollback (xdeepserve §6.2)
+    def agree_on_rollback(self, step_id: int) -> None:
+        """Wait until every rank has failed `step_id` too (RollbackAbandoned when they failed different steps or
+        one does not come); nothing to agree with for one rank."""
+        if self.rollback is not None:
+            self.rollback.agree(step_id)
+
+    def rebuild_groups(self) -> None:
+        """Replace every group with a new one (a transient error leaves the old communicators unusable); what
+        registered with `on_rebuild` follows. Collective: every rank calls it after agreeing on the rollback."""
+        if self.rollback is None:
+            return
+        old = self._all_groups
+        self._create_groups()
+        for listener in self._rebuild_listeners:
+            listener()
+        for group in old:
+            dist.destroy_process_group(group)
+
+    def on_rebuild(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after each `rebuild_groups` (it takes the new groups from this context)."""
+        self._rebuild_listeners.append(listener)
 
     # ------------------------------------------------------------------ coordinates
     @property

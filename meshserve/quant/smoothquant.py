@@ -69,11 +69,6 @@ class _Group:
         return total / len(self.consumers)
 
 
-def group_error(x: torch.Tensor, consumers: list[Consumer], s: torch.Tensor | None) -> float:
-    """Mean relative W8A8 output error of the group with smoothing scales `s` (None: unsmoothed)."""
-    return _Group(x, consumers).error(s)
-
-
 def search_alpha(x: torch.Tensor, consumers: list[Consumer], grid: tuple[float, ...] = ALPHA_GRID
                  ) -> tuple[float | None, torch.Tensor | None, dict]:
     """(best alpha or None for no smoothing, its scales [in] or None, {"errors": {alpha: error}}) for the

@@ -37,11 +37,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
+from meshserve.config.router import RoutingPolicyName
 from meshserve.router.prompt_tree import GlobalPromptTree
 
-POLICIES = ("round_robin", "load", "locality", "pd_aware", "combined")
+POLICIES: tuple[str, ...] = get_args(RoutingPolicyName)  # one list of names for the settings and the router
 ROLES = ("colocated", "prefill", "decode")
 # the scaling unit of the cluster manager: one role of one TE group, "GROUP/ROLE"; ANY_POOL stands for
 # whichever pool would serve (a job executor that has never seen a TE cannot tell)

@@ -11,9 +11,8 @@ Transfers run on worker threads; results arrive on a completion queue (`poll`) a
 Link probing (xdeepserve §6.1): `probe(peer)` sends a tiny dummy payload to a linked peer's block server,
 the end a pull from it reaches, and times the round trip under a short timeout of its own; it reads no
 region, so it never occupies a KV cache.
-`meshserve.transfer.probe.LinkProber` runs probes periodically. Injected link faults
-(`meshserve.utils.faults`) fire here, on the pulling side: `link_break` fails pulls and probes from the
-matching peer as a reset connection would, `link_delay` holds each pull (not probes) for `delay_s`.
+`meshserve.transfer.probe.LinkProber` runs probes periodically. Injected link faults are hooked around an
+engine's pulls and probes only once one is armed (`meshserve.transfer.fault_hooks`).
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from meshserve.transfer import tcp as tcp_mod
 from meshserve.transfer.probe import PROBE_TIMEOUT_S
 from meshserve.transfer.shm import ShmKVRegion, dtype_from_str, dtype_to_str
 from meshserve.transfer.wire import MAX_CHUNK_BYTES, RegionDescriptor, RegionLayer, ShmSegment
-from meshserve.utils import faults
 
 PROBE_BYTES = 64
 
@@ -105,15 +103,9 @@ class _Pending:
     completion: Completion | None = None
 
 
-def _peer_address(peer: _Peer) -> tuple[str, int] | None:
+def peer_address(peer: _Peer) -> tuple[str, int] | None:
     """The peer's TCP block server (its regions all name the same one), or None."""
     return next((tuple(d.tcp_address) for d in peer.regions.values() if d.tcp_address is not None), None)
-
-
-def _peer_label(peer: _Peer) -> str:
-    """The peer as link faults match it: its name, and its block server's address where it has one."""
-    address = _peer_address(peer)
-    return peer.name if address is None else f"{peer.name}@{address[0]}:{address[1]}"
 
 
 def _parse_address(address: str | tuple[str, int] | list) -> tuple[str, int]:
@@ -272,34 +264,10 @@ class TransferEngine:
             raise ValueError(f"engine {self.name!r} cannot link to itself; use engine=None in BlockRef")
         if backend not in (None, "shm", "tcp", "dist"):
             raise ValueError(f"backend must be 'shm', 'tcp', 'dist' or None, got {backend!r}")
-        if isinstance(descriptor_or_address, RegionDescriptor):
-            descriptors = [descriptor_or_address]
-        elif isinstance(descriptor_or_address, dict):
-            descriptors = [RegionDescriptor.from_dict(descriptor_or_address)]
-        else:
-            address = _parse_address(descriptor_or_address)
-            descriptors = tcp_mod.describe_remote(address, self.io_timeout)
-        for d in descriptors:
-            if d.engine != peer_name:
-                raise ValueError(f"descriptor of region {d.region!r} belongs to engine {d.engine!r}, not {peer_name!r}")
-        chosen = backend or ("tcp" if self.force_tcp else None)
-        if chosen is None:
-            same_host = all(d.host_id == self.host_id and d.shm is not None for d in descriptors)
-            chosen = "shm" if same_host and descriptors else "tcp"
-        for d in descriptors:
-            if chosen == "shm" and (d.shm is None or d.host_id != self.host_id):
-                raise ValueError(f"region {d.region!r} of {peer_name!r} is not in shared memory on this host")
-            if chosen in ("tcp", "dist") and d.tcp_address is None:
-                raise ValueError(f"region {d.region!r} of {peer_name!r} has no TCP address")
+        descriptors = self._peer_descriptors(peer_name, descriptor_or_address)
+        chosen = self._choose_backend(peer_name, descriptors, backend)
         if chosen == "dist":
-            if not dist_mod.available():
-                raise ValueError("the dist backend needs torch.distributed with Gloo, which this torch build lacks")
-            if len({d.tcp_address for d in descriptors}) > 1:
-                raise ValueError(f"regions of {peer_name!r} name different TCP servers")
-            # NCCL between distinct GPUs; anything else goes through CPU tensors over Gloo
-            group_backend = "nccl" if self._gpu_pair(descriptors) and dist_mod.nccl_usable() else "gloo"
-            with self._lock:
-                local_device = next((ts[0].device for ts in self._regions.values()), None)
+            group_backend, local_device = self._dist_plan(peer_name, descriptors)
         with self._lock:
             peer = self._peers.get(peer_name)
             if peer is not None and peer.backend != chosen:
@@ -313,6 +281,47 @@ class TransferEngine:
                 peer.attached[d.region] = shm_mod.attach_shm_kv_cache(msgspec.to_builtins(d.shm))
             peer.regions[d.region] = d
         return chosen
+
+    def _peer_descriptors(self, peer_name: str, descriptor_or_address: RegionDescriptor | dict[str, Any] | str
+                          | tuple[str, int]) -> list[RegionDescriptor]:
+        """The peer's region descriptors: the one given, or all of them asked from its TCP address."""
+        if isinstance(descriptor_or_address, RegionDescriptor):
+            descriptors = [descriptor_or_address]
+        elif isinstance(descriptor_or_address, dict):
+            descriptors = [RegionDescriptor.from_dict(descriptor_or_address)]
+        else:
+            address = _parse_address(descriptor_or_address)
+            descriptors = tcp_mod.describe_remote(address, self.io_timeout)
+        for d in descriptors:
+            if d.engine != peer_name:
+                raise ValueError(f"descriptor of region {d.region!r} belongs to engine {d.engine!r}, not {peer_name!r}")
+        return descriptors
+
+    def _choose_backend(self, peer_name: str, descriptors: list[RegionDescriptor], backend: str | None) -> str:
+        """The backend asked for, or shm for a peer on this host with its regions in shm, else TCP; checked
+        against what the peer's regions offer."""
+        chosen = backend or ("tcp" if self.force_tcp else None)
+        if chosen is None:
+            same_host = all(d.host_id == self.host_id and d.shm is not None for d in descriptors)
+            chosen = "shm" if same_host and descriptors else "tcp"
+        for d in descriptors:
+            if chosen == "shm" and (d.shm is None or d.host_id != self.host_id):
+                raise ValueError(f"region {d.region!r} of {peer_name!r} is not in shared memory on this host")
+            if chosen in ("tcp", "dist") and d.tcp_address is None:
+                raise ValueError(f"region {d.region!r} of {peer_name!r} has no TCP address")
+        return chosen
+
+    def _dist_plan(self, peer_name: str, descriptors: list[RegionDescriptor]) -> tuple[str, Any]:
+        """A "dist" link's process-group backend and this engine's device."""
+        if not dist_mod.available():
+            raise ValueError("the dist backend needs torch.distributed with Gloo, which this torch build lacks")
+        if len({d.tcp_address for d in descriptors}) > 1:
+            raise ValueError(f"regions of {peer_name!r} name different TCP servers")
+        # NCCL between distinct GPUs; anything else goes through CPU tensors over Gloo
+        group_backend = "nccl" if self._gpu_pair(descriptors) and dist_mod.nccl_usable() else "gloo"
+        with self._lock:
+            local_device = next((ts[0].device for ts in self._regions.values()), None)
+        return group_backend, local_device
 
     def _gpu_pair(self, descriptors: list[RegionDescriptor]) -> bool:
         """The peer's regions and this engine's are all on GPUs, never the same GPU (which NCCL refuses)."""
@@ -370,8 +379,7 @@ class TransferEngine:
         handle = TransferHandle(next(self._ids))
         with self._lock:
             self._pending[handle.id] = _Pending()
-            peer = self._peers.get(src.engine) if src.engine not in (None, self.name) else None
-        self._workers.submit(self._run, handle, fetch, src, dst_tensors, dst.block_ids, layer_ids, peer)
+        self._workers.submit(self._run, handle, fetch, src, dst_tensors, dst.block_ids, layer_ids)
         return handle
 
     def _source(self, src: BlockRef):
@@ -425,11 +433,9 @@ class TransferEngine:
 
         return prepare
 
-    def _run(self, handle, fetch, src: BlockRef, dst_tensors, dst_ids, layer_ids, peer: _Peer | None) -> None:
+    def _run(self, handle, fetch, src: BlockRef, dst_tensors, dst_ids, layer_ids) -> None:
         nbytes = 0
         try:
-            if peer is not None:
-                self._link_faults(peer, data=True)
             read = fetch(src.block_ids, layer_ids)
             for layer in layer_ids:
                 d = dst_tensors[layer]
@@ -451,27 +457,14 @@ class TransferEngine:
         if peer is None:
             raise ValueError(f"engine {peer_name!r} is not linked to {self.name!r}")
         start = time.monotonic()
-        self._link_faults(peer, data=False)
         # the peer's block server: pulls over tcp and dist start there; over shm a mapped segment cannot
         # fail, but the process behind it can, and its server answers for it
-        address = _peer_address(peer)
+        address = peer_address(peer)
         if address is not None:
             tcp_mod.probe(address, nbytes, timeout)
         elif peer.backend != "shm":
             raise ValueError(f"peer {peer_name!r} has no TCP address to probe")
         return time.monotonic() - start
-
-    @staticmethod
-    def _link_faults(peer: _Peer, data: bool) -> None:
-        """Injected faults of the link to `peer` (tests and benchmarks): a broken link fails as a reset
-        connection does; a delay holds a pull (`data`), not a probe."""
-        where = _peer_label(peer)
-        if faults.fire(faults.FaultKind.LINK_BREAK, peer=where) is not None:
-            raise tcp_mod.TransferError(f"connection to {where} failed: [Errno 104] Connection reset by peer "
-                                        "(injected link_break)")
-        delay = faults.fire(faults.FaultKind.LINK_DELAY, peer=where) if data else None
-        if delay is not None:
-            time.sleep(delay.delay_s)
 
     def _finish(self, completion: Completion) -> None:
         with self._lock:

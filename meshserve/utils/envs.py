@@ -1,7 +1,7 @@
 """Every environment variable meshserve reads: its name, default and meaning, and a typed accessor.
 
 Code reads the environment through these accessors only (a test holds every other module to it), and
-the README's "Environment variables" section lists `ENV_VARS`. Each accessor reads the environment when
+docs/serving.md's "Environment variables" section lists `ENV_VARS`. Each accessor reads the environment when
 called, so a variable set after start-up (a test's monkeypatch, `--cluster-secret-file`) is seen. Setting a
 variable for child processes to inherit is not reading and stays where it happens.
 """
@@ -101,7 +101,7 @@ def rank() -> int | None:
 
 
 def markdown_table() -> str:
-    """The README's table of ENV_VARS (a test checks the README against it)."""
+    """The table of ENV_VARS in docs/serving.md (a test checks the page against it)."""
     rows = [f"| `{v.name}` | {f'`{v.default}`' if v.default is not None else 'unset'} | {v.meaning} |"
             for v in ENV_VARS]
     return "\n".join(["| variable | default | meaning |", "| --- | --- | --- |", *rows])

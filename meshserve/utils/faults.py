@@ -1,4 +1,4 @@
-"""Fault injection for tests and benchmarks: never armed unless someone asks.
+"""Fault injection for tests and benchmarks: never armed unless someone asks, and free when nothing is armed.
 
 Two switches arm faults, the way an operator meets them:
 - the environment, read once per process: `MESHSERVE_FAULTS="kind:key=value:...;kind:..."`, e.g.
@@ -7,18 +7,32 @@ Two switches arm faults, the way an operator meets them:
 - at run time, a `Fault` sent to a TE (`POST /admin/faults` on the API, `AdminOp.FAULT_INJECT` on the
   master's socket): the master arms its own faults and forwards the others to its worker ranks.
 
-A fault fires where the code that would fail calls `fire(kind, ...)`: a worker's step loop (kill, stall),
-a MoE collective (collective_error), the transfer engine (link_break, link_delay), the master's loop
-(kill_master). Each fault fires `times` times (0: every time) once `after_steps` matching calls have
-passed, then disarms; `rank` and `peer` narrow where it fires. A worker fires each of its kinds once per
-step (a collective_error at the step's first MoE dispatch), so after_steps counts steps there.
+The code that would fail carries no fault call: a fault fires from a hook wrapped around its target
+(`wrap_method`) when a fault of its kind is first armed in the process (`on_arm`). A process registers its
+installers once at start (a worker: `meshserve/worker/fault_hooks.py`, which installs the worker loop's,
+the MoE dispatch's and the transfer engine's hooks); until a fault is armed nothing is wrapped. Hooking a
+new place takes two lines, e.g. the master's `kill_master` around a method of its own that sends a step
+(`_send_step` here), registered once when the master starts:
+
+    faults.on_arm({FaultKind.KILL_MASTER}, lambda: faults.wrap_method(
+        self, "_send_step", faults.kill_when_fired(FaultKind.KILL_MASTER)))
+
+A hook fires `fire(kind, ...)`: each fault fires `times` times (0: every time) once `after_steps` matching
+calls have passed, then disarms; `rank` and `peer` narrow where it fires. A worker fires each of its kinds
+once per step (a collective_error at the first MoE dispatch of each attempt at a step), so after_steps
+counts steps there.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 
@@ -32,7 +46,7 @@ ENV = envs.MESHSERVE_FAULTS.name
 class FaultKind(enum.StrEnum):
     KILL = "kill"  # a worker rank dies at once (SIGKILL itself), as a lost device does
     STALL = "stall"  # a worker rank stops answering for duration_s (a hung kernel or collective)
-    COLLECTIVE_ERROR = "collective_error"  # every rank's next MoE collective fails (a network glitch)
+    COLLECTIVE_ERROR = "collective_error"  # the first MoE dispatch of a step fails, as a broken link does
     LINK_BREAK = "link_break"  # KV transfers with `peer` fail for duration_s (0: until disarmed)
     LINK_DELAY = "link_delay"  # KV transfers with `peer` wait delay_s first, for duration_s
     KILL_MASTER = "kill_master"  # the TE's master process dies at once
@@ -89,11 +103,29 @@ class FaultSwitch:
         self._lock = threading.Lock()
         self._armed: list[_Armed] = [_Armed(f) for f in faults]
         self.fired: list[tuple[float, Fault]] = []  # what fired, when (time.time())
+        self._installers: list[tuple[frozenset[FaultKind], Callable[[], None]]] = []  # not installed yet
+        self._ever_armed: set[FaultKind] = {f.kind for f in faults}
 
     def arm(self, fault: Fault) -> None:
         logger.warning("fault armed: %s", msgspec.json.encode(fault).decode())
         with self._lock:
             self._armed.append(_Armed(fault))
+            self._ever_armed.add(fault.kind)
+        self._install_due()
+
+    def on_arm(self, kinds: Iterable[FaultKind], install: Callable[[], None]) -> None:
+        """Run `install` (it wraps the hooks of `kinds` around their targets) once, the first time a fault of
+        one of `kinds` is armed here: at once when one is armed already (the environment switch)."""
+        with self._lock:
+            self._installers.append((frozenset(kinds), install))
+        self._install_due()
+
+    def _install_due(self) -> None:
+        with self._lock:
+            due = [entry for entry in self._installers if entry[0] & self._ever_armed]
+            self._installers = [entry for entry in self._installers if entry not in due]
+        for _, install in due:  # outside the lock: an installer may look at the switch
+            install()
 
     def disarm(self, kind: FaultKind | None = None) -> None:
         with self._lock:
@@ -163,6 +195,33 @@ def arm(fault: Fault) -> None:
     switch().arm(fault)
 
 
-class TransientCollectiveError(RuntimeError):
-    """A collective failed in a way worth retrying (a glitch in the network): the step is rolled back
-    and run again, without restarting the TE."""
+def on_arm(kinds: Iterable[FaultKind], install: Callable[[], None]) -> None:
+    """`FaultSwitch.on_arm` on this process's switch."""
+    switch().on_arm(kinds, install)
+
+
+# ---------------------------------------------------------------- hooks
+
+def wrap_method(obj: object, name: str, before: Callable[..., None]) -> None:
+    """Call `before` with a method's arguments ahead of each call of it: on an instance, `obj.name` becomes a
+    wrapper of the bound method (this object only); on a class, of the function (`before` gets `self` first).
+    `before` fires faults: it may raise, sleep or end the process; the method then runs as it would."""
+    original = getattr(obj, name)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+
+
+def kill_when_fired(kind: FaultKind, rank: int = -1) -> Callable[..., None]:
+    """A `before` hook that ends this process at once (SIGKILL, as a lost device or host does) when a fault of
+    `kind` fires."""
+
+    def before(*args: Any, **kwargs: Any) -> None:
+        if fire(kind, rank=rank) is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return before

@@ -204,6 +204,31 @@ def fetch_manifest(pool: PoolClient, model_id: str, version: str) -> Manifest | 
 
 
 # ---------------------------------------------------------------- storing and evicting
+def _manifest(model_dir: Path, layout: list, model_id: str, version: str, chunk_bytes: int) -> Manifest:
+    """What the pool will hold of a checkpoint: each tensor's dtype, shape, size and chunk count, and its small
+    files."""
+    tensors = []
+    for _, _, name, entry in layout:
+        nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
+        tensors.append(TensorInfo(name, entry["dtype"], list(entry["shape"]), nbytes, -(-nbytes // chunk_bytes)))
+    return Manifest(model_id, version, chunk_bytes, tensors, _small_files(model_dir))
+
+
+def _chunks(layout: list, tensors: list[TensorInfo], model_id: str, version: str, chunk_bytes: int
+            ) -> Iterator[tuple[str, memoryview]]:
+    """Each tensor's chunks in file order, read from its shard, with their pool keys."""
+    for (path, data_start, name, entry), info in zip(layout, tensors):
+        begin = data_start + entry["data_offsets"][0]
+        with open(path, "rb") as f:
+            for i in range(info.chunks):
+                size = min(chunk_bytes, info.nbytes - i * chunk_bytes)
+                data = bytearray(size)
+                f.seek(begin + i * chunk_bytes)
+                if f.readinto(data) != size:
+                    raise ModelCacheError(f"{path} is shorter than its header says ({name})")
+                yield chunk_key(model_id, version, name, i), memoryview(data)
+
+
 def put_model(pool: PoolClient, model_dir: str | Path, model_id: str | None = None,
               chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_bytes: int | None = None,
               progress: Callable[[str], None] | None = None) -> CatalogEntry:
@@ -221,11 +246,8 @@ def put_model(pool: PoolClient, model_dir: str | Path, model_id: str | None = No
     model_id = model_id or default_model_id(model_dir)
     version = model_version(model_dir)
     layout = _tensor_layout(model_dir)
-    tensors = []
-    for _, _, name, entry in layout:
-        nbytes = entry["data_offsets"][1] - entry["data_offsets"][0]
-        tensors.append(TensorInfo(name, entry["dtype"], list(entry["shape"]), nbytes, -(-nbytes // chunk_bytes)))
-    manifest = Manifest(model_id, version, chunk_bytes, tensors, _small_files(model_dir))
+    manifest = _manifest(model_dir, layout, model_id, version, chunk_bytes)
+    tensors = manifest.tensors
     ref = model_ref(model_id, version)
 
     catalog = read_catalog(pool)
@@ -252,18 +274,10 @@ def put_model(pool: PoolClient, model_dir: str | Path, model_id: str | None = No
         say(f"{ref}: {_mib(done)} / {_mib(total)} ({100 * done // max(1, total)}%)")
         batch.clear()
 
-    for (path, data_start, name, entry), info in zip(layout, tensors):
-        begin = data_start + entry["data_offsets"][0]
-        with open(path, "rb") as f:
-            for i in range(info.chunks):
-                size = min(chunk_bytes, info.nbytes - i * chunk_bytes)
-                data = bytearray(size)
-                f.seek(begin + i * chunk_bytes)
-                if f.readinto(data) != size:
-                    raise ModelCacheError(f"{path} is shorter than its header says ({name})")
-                if batch and sum(v.nbytes for v in batch.values()) + size > BATCH_BYTES:
-                    flush()
-                batch[chunk_key(model_id, version, name, i)] = memoryview(data)
+    for key, data in _chunks(layout, tensors, model_id, version, chunk_bytes):
+        if batch and sum(v.nbytes for v in batch.values()) + data.nbytes > BATCH_BYTES:
+            flush()
+        batch[key] = data
     if batch:
         flush()
     # The manifest goes last: a reader that finds it knows every chunk was stored.

@@ -16,17 +16,23 @@ lie outside the vocabulary) fails alone: it is reported in
 `ModelRunnerOutput.failed`, this rank stops running it at once (a step already
 queued for it skips it), and the step's other requests go on.
 
-A step that fails with a transient collective error (a network glitch: xdeepserve
-§6.2, token recomputation) is rolled back and run again, up to MAX_STEP_ATTEMPTS
-times, without restarting anything: the request state a step changes (the request
+A step that fails with a transient collective error (a network glitch: a connection
+closed or reset under gloo or NCCL, or a collective that outlasted
+`collective_timeout_s` waiting for a failed peer; meshserve/parallel/rollback.py) is
+rolled back and run again, up to MAX_STEP_ATTEMPTS times, without restarting
+anything (xdeepserve §6.2, Stage 3): the request state a step changes (the request
 table, each scheduled request's token, block and draft lists, its progress and its
-seeded generator) is snapshotted before the step and restored after the failure,
-and the same `SchedulerOutput` runs again. The KV cache needs no restoring: the
-re-run writes the same entries. Only the forward part of a batch is retried (its
-KV connector and expert-placement control ran once, before it). Expert-load counts
-keep what the failed attempt routed (statistics only). Every rank reports each
-rollback (`WorkerEventKind.ROLLED_BACK`); the last failed attempt raises
-`StepRetriesExhausted`, which ends the worker as any other error does.
+seeded generator) is snapshotted before the step and restored after the failure; the
+ranks agree through the world's store that all of them failed this step, replace
+their process groups with new ones (the broken communicators cannot be reused) and
+run the same `SchedulerOutput` again. The KV cache needs no restoring: the re-run
+writes the same entries. Only the forward part of a batch is retried (its KV
+connector and expert-placement control ran once, before it). Expert-load counts keep
+what the failed attempt routed (statistics only). Every rank reports each rollback
+(`WorkerEventKind.ROLLED_BACK`). A rollback the ranks cannot agree on
+(`RollbackAbandoned`: they failed different steps, or a rank never came) and the last
+failed attempt (`StepRetriesExhausted`) end the worker as any other error does, and
+the master recovers the ranks.
 """
 from __future__ import annotations
 
@@ -47,10 +53,10 @@ from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.draft_vocab import load_draft_vocab
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
-from meshserve.moe import comm as moe_comm
 from meshserve.moe.placement import ExpertPlacement, describe_placement_source, load_placement_file
 from meshserve.parallel.context import ParallelContext
-from meshserve.utils import faults, page_cache
+from meshserve.parallel.rollback import is_transient
+from meshserve.utils import page_cache
 from meshserve.wire.eplb import EplbCommand, EplbPhase
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVRegion
 from meshserve.wire.sampling_params import SamplingParams
@@ -82,9 +88,6 @@ logger = logging.getLogger(__name__)
 
 _NO_TOKEN = -2  # padding of the verified tokens a driver shares with its attention TP group
 MAX_STEP_ATTEMPTS = 3  # a step failing with a transient error runs at most this often before the rank gives up
-# errors worth a rollback: only the ones known to leave every rank at the same point (torch.distributed's own
-# errors may come from a dead peer, where a retry waits out the collective timeout again)
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (faults.TransientCollectiveError,)
 
 
 class StepRetriesExhausted(RuntimeError):
@@ -223,6 +226,32 @@ class ModelRunner:
         self.layout = self.model.kv_cache_layout(cache_dtype(config.cache_config.kv_cache_dtype, self.dtype),
                                                  num_mtp_caches)
         self.num_model_layers = self.layout.num_layers - num_mtp_caches
+        self._allocate_kv_cache(config)
+        self.eos_token_ids = eos_token_ids(config.model_config.model)
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        # requests that failed on this rank; steps skip them until the master says to drop them
+        self.failed_ids: set[str] = set()
+        self.num_rollbacks = 0  # steps rolled back after a transient error and run again
+        self._rollback_events: list[str] = []  # rollbacks not reported yet (`poll_background`)
+        self.model_kv_caches = self.kv_caches[:self.num_model_layers]
+        self.proposer = None
+        if spec.enabled:
+            self.proposer = MTPProposer(self.model, spec.num_draft_tokens, self.kv_caches[self.num_model_layers],
+                                        self.block_size, self.device, lockstep=self.parallel.world_size > 1,
+                                        draft_vocab=self._draft_vocab(spec.speculative_draft_vocab))
+        # a prefill TE hands its requests over after their first token: it fills the MTP cache, never drafts
+        self.drafts_wanted = config.kv_transfer_config.kv_transfer != "producer"
+        self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        if config.eplb_config.eplb_placement:
+            self._apply_initial_placement(config.eplb_config.eplb_placement)
+        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
+        self._eplb_phase: str | None = None
+
+    def _allocate_kv_cache(self, config: EngineConfig) -> None:
+        """This rank's KV cache (its blocks from the memory budget unless counted) and the KV connectors' worker
+        halves: P/D transfer (its region is the KV cache), the memory pool."""
         cache = config.cache_config
         if cache.num_kv_blocks is not None:
             self.num_blocks = cache.num_kv_blocks
@@ -253,27 +282,6 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token, str(self.layout.dtype).removeprefix("torch."))
-        self.eos_token_ids = eos_token_ids(config.model_config.model)
-        self.vocab_size = int(self.hf_config["vocab_size"])
-        self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
-        # requests that failed on this rank; steps skip them until the master says to drop them
-        self.failed_ids: set[str] = set()
-        self.num_rollbacks = 0  # steps rolled back after a transient error and run again
-        self._rollback_events: list[str] = []  # rollbacks not reported yet (`poll_background`)
-        self.model_kv_caches = self.kv_caches[:self.num_model_layers]
-        self.proposer = None
-        if spec.enabled:
-            self.proposer = MTPProposer(self.model, spec.num_draft_tokens, self.kv_caches[self.num_model_layers],
-                                        self.block_size, self.device, lockstep=self.parallel.world_size > 1,
-                                        draft_vocab=self._draft_vocab(spec.speculative_draft_vocab))
-        # a prefill TE hands its requests over after their first token: it fills the MTP cache, never drafts
-        self.drafts_wanted = config.kv_transfer_config.kv_transfer != "producer"
-        self.expert_balancer = getattr(self.model, "expert_balancer", None)
-        if config.eplb_config.eplb_placement:
-            self._apply_initial_placement(config.eplb_config.eplb_placement)
-        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
-        self._eplb_phase: str | None = None
 
     def _load_model(self, config: EngineConfig):
         """This rank's model and how it got its weights: forked from a running TE (`fork_from`), from the
@@ -507,18 +515,22 @@ class ModelRunner:
         return out
 
     def execute_rolling_back(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """`execute(sched)`; after a transient error, the state from before it and the same step again (every
-        rank of the TE sees the error in the same collective, so all of them run the step again together)."""
+        """`execute(sched)`; after a transient error, the state from before it and, once every rank of the TE has
+        failed the same step, the same step again on new process groups, on all of them together."""
         snapshot = _StepSnapshot.take(self.requests, self.failed_ids, sched)
         for attempt in itertools.count(1):
             try:
                 return self.execute(sched)
-            except TRANSIENT_ERRORS as exc:
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
                 snapshot.restore(self.requests, self.failed_ids)
                 why = describe_error(exc)
                 if attempt == MAX_STEP_ATTEMPTS:
                     raise StepRetriesExhausted(f"step {sched.step_id} failed {attempt} times in a row, "
                                                f"giving up after {attempt - 1} rollback(s): {why}") from exc
+                self.parallel.agree_on_rollback(sched.step_id)  # RollbackAbandoned: the master recovers the ranks
+                self.parallel.rebuild_groups()
                 self.num_rollbacks += 1
                 detail = (f"step {sched.step_id} attempt {attempt} of {MAX_STEP_ATTEMPTS} failed ({why}); "
                           f"rollback {self.num_rollbacks} of this rank")
@@ -529,7 +541,6 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One attempt at a step (`execute_rolling_back` retries it)."""
         t0 = time.perf_counter()
-        moe_comm.step_begins(self.parallel.rank)  # an injected collective error counts steps
         failed = self._apply(sched)
         # every rank of the DP group skips the same failed requests, so the group stays in lockstep
         num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}

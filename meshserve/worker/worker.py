@@ -8,9 +8,9 @@ worker exits on its own.
 
 Between steps the loop answers the master's `WorkerPing`s (a rank stuck in a step
 stays silent: that is how the master finds a hung rank) and arms the faults the
-master forwards (`InjectFault`; tests and benchmarks). Injected `kill` and `stall`
-faults fire here, before a step's forward; a `collective_error` fires in the MoE
-dispatch and is rolled back by the runner (see model_runner.py).
+master forwards (`InjectFault`; tests and benchmarks). Injected faults fire from
+hooks wrapped around the runner and what it holds once one is armed
+(fault_hooks.py); the loop itself carries none.
 
 The master starts its local ranks as child processes; a rank on another host joins
 with `join_engine` (`meshserve worker`), which fetches the config and addresses
@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -47,6 +46,7 @@ from meshserve.wire.worker import (
     WorkerPong,
     WorkerReady,
 )
+from meshserve.worker import fault_hooks
 
 if TYPE_CHECKING:
     from meshserve.worker.model_runner import ModelRunner
@@ -185,7 +185,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
     parallel = ParallelContext.build(
         parallel_config.strategy, moe_comm=parallel_config.moe_comm, int8_dispatch=parallel_config.int8_dispatch,
         max_tokens_per_step=engine_config.scheduler_config.max_num_batched_tokens,
-        redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts)
+        redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts,
+        collective_timeout_s=parallel_config.collective_timeout_s)
     runner = ModelRunner(engine_config, parallel)
     logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
                 threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)
@@ -204,6 +205,7 @@ def _ready_message(rank: int, runner: ModelRunner) -> WorkerReady:
 def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket,
            master_gone: Callable[[], bool]) -> None:
     """Run the master's steps until it says stop or is gone; report background work as it finishes."""
+    fault_hooks.install(runner, rank, master_gone)  # wraps nothing until a fault is armed
     poller = zmq.Poller()
     poller.register(work, zmq.POLLIN)
     while True:
@@ -232,29 +234,9 @@ def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket
             if item is not None:
                 drop_frame("worker-work", f"unexpected {type(item).__name__}")
             continue
-        if item.per_dp and not _fire_step_faults(rank, master_gone):
-            logger.warning("master is gone; exiting")
-            return
         out = runner.run_batch(item)
         if out is not None:
             results.send(codec.encode(out))
-
-
-def _fire_step_faults(rank: int, master_gone: Callable[[], bool]) -> bool:
-    """Injected faults of a step's start: `kill` ends this process at once, as a lost device does; `stall`
-    hangs it for the fault's duration, neither stepping nor answering pings. False: the master went away."""
-    if faults.fire(faults.FaultKind.KILL, rank=rank) is not None:
-        os.kill(os.getpid(), signal.SIGKILL)
-    stall = faults.fire(faults.FaultKind.STALL, rank=rank)
-    if stall is None:
-        return True
-    logger.warning("stalling for %.1f s (injected fault)", stall.duration_s)
-    deadline = time.monotonic() + stall.duration_s
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(left, _PARENT_CHECK_MS / 1000))
-        if master_gone():  # a hung rank still leaves once its master is gone
-            return False
-    return True
 
 
 def _leave_distributed() -> None:

@@ -15,7 +15,7 @@ import zmq
 
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources
 from meshserve.cluster.manager import ClusterManager, serving_in_background
-from meshserve.config import ConfigError
+from meshserve.config import ClusterConfig, ConfigError
 from meshserve.router.deployment import MultiDeployment
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import free_tcp_port
@@ -85,7 +85,7 @@ def _deployment(devices: int | None, prefill: int = 1, decode: int = 1, colocate
 @contextlib.contextmanager
 def stand_in_manager(model: Path, tmp_path: Path, deployment: MultiDeployment):
     manager = ClusterManager(deployment, "test", str(model), StandInBackend(), tmp_path / "state",
-                             base_port=free_tcp_port(), preload=False, log_level=30)
+                             ClusterConfig(port=free_tcp_port(), preload=False), log_level=30)
     try:
         manager.start()
         serve_all(manager)
@@ -198,7 +198,7 @@ def test_without_a_capacity_nothing_is_stopped(small_model, tmp_path):
 def test_a_deployment_larger_than_its_devices_is_refused(small_model, tmp_path):
     with pytest.raises(ConfigError, match="more than its 1 devices"):
         ClusterManager(_deployment(devices=1), "test", str(small_model), StandInBackend(), tmp_path / "state",
-                       preload=False)
+                       ClusterConfig(preload=False))
     with pytest.raises(ConfigError, match="devices must be a positive integer"):
         MultiDeployment.from_dict({"te_groups": [], "devices": 0})
 
@@ -218,8 +218,8 @@ def local_manager(model: Path, tmp_path: Path):
 
     state_dir = tmp_path / "state"
     manager = ClusterManager(MultiDeployment.from_dict(DEPLOYMENT), "test", str(model),
-                             LocalBackend(state_dir / "logs"), state_dir, base_port=free_tcp_port(), preload=False,
-                             log_level=30, hold_s=120.0)
+                             LocalBackend(state_dir / "logs"), state_dir,
+                             ClusterConfig(port=free_tcp_port(), preload=False, hold_s=120.0), log_level=30)
     with serving_in_background(manager, 300):
         yield manager
 

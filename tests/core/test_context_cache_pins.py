@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from meshserve.core.admission import set_context_cache
 from meshserve.core.kv_cache_manager import KVCacheManager
-from meshserve.core.master import EngineCore
 from meshserve.core.request import Request
 from meshserve.wire import codec
 from meshserve.wire.client import AddRequest
@@ -143,12 +143,12 @@ def test_add_request_carries_the_cache_fields_and_checks_them():
     req = Request.from_message(decoded)
     assert (req.context_cache_id, req.context_cache_ttl_s) == (CACHE, 30.0)
     target = Request("t", [1, 2, 3])
-    EngineCore._set_context_cache(target, decoded)
+    set_context_cache(target, decoded)
     assert (target.context_cache_id, target.context_cache_ttl_s) == (CACHE, 30.0)
     for bad in (dict(context_cache_ttl_s=30.0), dict(context_cache_id=CACHE, context_cache_ttl_s=0.0)):
         with pytest.raises(ValueError):
-            EngineCore._set_context_cache(target, AddRequest(req_id="b", prompt_token_ids=[1], sampling_params={},
-                                                                 arrival_time=0.0, **bad))
+            set_context_cache(target, AddRequest(req_id="b", prompt_token_ids=[1], sampling_params={},
+                                                 arrival_time=0.0, **bad))
 
 
 def test_caches_pin_at_most_half_of_the_pool():

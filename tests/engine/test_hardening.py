@@ -201,7 +201,7 @@ def test_ranks_fail_the_same_requests_and_stay_in_lockstep(model_dir, monkeypatc
 def _poison_the_worker(te: _TE, monkeypatch) -> None:
     """The master's checks off: the poisoned requests reach the worker, which fails them alone."""
     reference = _reference(te)
-    monkeypatch.setattr(te.core, "_check_add_request", lambda item: item.sampling_params)
+    monkeypatch.setattr(te.core.admission, "check", lambda item: item.sampling_params)
     vocab = te.core.vocab_size
     poisoned = {f"stop-{uuid.uuid4().hex[:6]}": ([5, 6, 7], _params(stop_token_ids=[vocab], min_tokens=1)),
                 f"prompt-{uuid.uuid4().hex[:6]}": ([5, vocab + 7], _params())}

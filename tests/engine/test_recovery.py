@@ -99,7 +99,10 @@ def test_policy_fail_keeps_the_old_behaviour(model_dir, monkeypatch):
         llm.shutdown()
 
 
-def test_the_api_client_restarts_a_killed_master_and_streams_continue(model_dir, reference):
+@pytest.mark.parametrize("how", ["kill -9", "kill_master fault"])
+def test_the_api_client_restarts_a_killed_master_and_streams_continue(model_dir, reference, how):
+    """The master dies mid-stream: killed from outside, or by the `kill_master` fault (its hook is wrapped around
+    the master's step sending only once the fault is armed)."""
     engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, kv_cache_memory_gb=0.05))
 
     async def scenario():
@@ -113,7 +116,11 @@ def test_the_api_client_restarts_a_killed_master_and_streams_continue(model_dir,
         while sum(len(v) for v in outputs.values()) < 3:  # streaming
             await asyncio.sleep(0.02)
         first_master = engine.engine.proc.pid
-        os.kill(first_master, signal.SIGKILL)
+        if how == "kill -9":
+            os.kill(first_master, signal.SIGKILL)
+        else:
+            reply = await engine.admin("fault.inject", {"fault": {"kind": "kill_master"}})
+            assert reply.ok, reply.error
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
         assert engine.engine.proc.pid != first_master
         streamed = []

@@ -59,3 +59,14 @@ def test_a_bad_deployment_is_refused_before_anything_starts(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "need min <= count <= max" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "state").exists()
+
+
+def test_a_bad_router_setting_is_refused_before_anything_starts(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert main(["cluster", "up", "colocated", "--model", str(model), "--hold-s", "-1",
+                 "--state-dir", str(tmp_path / "state")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "hold_s must be a number >= 0" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "state").exists()

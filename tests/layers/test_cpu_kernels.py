@@ -427,3 +427,36 @@ def test_write_slot_updates_the_native_copy(kernel_calls):
     assert routed_expert_calls(kernel_calls) == 1
     assert want[:3].abs().amax(1).min() > 1e-3
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path):
+    """cpp_extension's lock file outlives a build killed mid-way; the next process removes it under its flock
+    (which died with the killed builder) instead of waiting for it forever."""
+    (tmp_path / "lock").touch()
+    with cpu_kernels._builder_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    # a builder alive elsewhere keeps its flock: nobody else enters (and so nobody removes its lock file)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        handle = open({str(tmp_path / "builder.flock")!r}, "w")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "lock").touch()
+        entered = threading.Event()
+
+        def enter() -> None:
+            with cpu_kernels._builder_lock(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=enter, daemon=True)
+        waiter.start()
+        assert not entered.wait(0.5) and (tmp_path / "lock").exists()
+        holder.kill()  # the builder dies: its flock goes with it, and its lock file is stale now
+        assert entered.wait(10) and not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()

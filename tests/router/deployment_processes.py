@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 
+from meshserve.config import RouterConfig
 from meshserve.router.deployment import MultiDeployment, launch_tes
 from meshserve.router.router import Router
 from meshserve.utils.processes import stop_process
@@ -15,12 +16,13 @@ from meshserve.wire.sampling_params import SamplingParams
 
 @contextlib.contextmanager
 def running_deployment(model: str, deployment: str | MultiDeployment, engine: dict | None = None,
-                       num_jes: int = 1, startup_timeout_s: float = 120.0, **je_kwargs):
-    """Yields (job executors, {TE name: process}); every process is stopped on exit."""
+                       num_jes: int = 1, startup_timeout_s: float = 120.0, **router_settings):
+    """Yields (job executors, {TE name: process}); every process is stopped on exit. `router_settings`: the
+    job executors' (RouterConfig; a heartbeat timeout of 3 s unless given)."""
     if isinstance(deployment, str):
         deployment = MultiDeployment.preset(deployment)
-    jes = [Router(model, heartbeat_timeout_s=je_kwargs.pop("heartbeat_timeout_s", 3.0), **je_kwargs)
-           for _ in range(num_jes)]
+    config = RouterConfig(**{"model": model, "heartbeat_timeout_s": 3.0, **router_settings})
+    jes = [Router(config) for _ in range(num_jes)]
     tes = deployment.tes()
     procs = {}
     try:

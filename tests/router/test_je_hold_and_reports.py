@@ -11,6 +11,7 @@ import time
 import pytest
 import zmq
 
+from meshserve.config import RouterConfig
 from meshserve.router.router import Router, RouteUnavailableError
 from meshserve.router.routing import ANY_POOL
 from meshserve.utils import cluster_auth
@@ -108,11 +109,12 @@ def demand_of(report: JobExecutorReport, pool: str) -> GroupDemand | None:
 
 
 @contextlib.contextmanager
-def cluster(model: str, **je_kwargs):
+def cluster(model: str, **router_settings):
     """A JE reporting to a fake manager; yields (je, manager, make_te)."""
     ctx = zmq.Context()
     manager = Manager(ctx)
-    je = Router(model, manager_addrs=[manager.addr], name="je-test", http_addr="http://127.0.0.1:1", **je_kwargs)
+    je = Router(RouterConfig(model=model, manager_addrs=(manager.addr,), name="je-test",
+                             http_addr="http://127.0.0.1:1", **router_settings))
     try:
         yield je, manager, lambda name, **kw: FakeTE(ctx, je, name, **kw)
     finally:

@@ -146,8 +146,7 @@ def test_a_decode_job_with_no_decode_te_left_continues_on_a_colocated_te(model):
 
 
 def test_a_job_waits_for_a_restarted_te_then_fails_after_the_deadline(model):
-    with fake_deployment(model, [("a", "colocated", "main", 0.0)]) as (je, tes):
-        je.migrate_deadline_s = 1.0
+    with fake_deployment(model, [("a", "colocated", "main", 0.0)], migrate_deadline_s=1.0) as (je, tes):
 
         async def scenario():
             await _register(je, tes)

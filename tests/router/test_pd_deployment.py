@@ -18,6 +18,7 @@ import time
 import pytest
 import zmq
 
+from meshserve.config import RouterConfig
 from meshserve.router.deployment import MultiDeployment
 from meshserve.router.router import Router
 from meshserve.router.routing import REQUEST_ROUTING_POLICY
@@ -354,14 +355,14 @@ def test_requests_routed_to_a_dead_prefill_te_are_rerouted(models, colocated):
         je = jes[0]
         dead = "pd-prefill-0"
         sent: list[tuple[str, str]] = []  # (engine request id "child@attempt", TE) of every prefill task
-        send = je._send
+        send = je.dispatcher.send
 
         def record(te, item):
             if isinstance(item, AddRequest) and item.kv_transfer == PRODUCER:
                 sent.append((item.req_id, te.name))
             send(te, item)
 
-        je._send = record
+        je.dispatcher.send = record
         kill_te(procs[dead])
         outputs = asyncio.run(generate_all(je, MIXED, MIXED_TOKENS, policy="round_robin", timeout_s=60))
         assert token_ids(outputs) == colocated["deepseek_v3"]["mixed"]
@@ -421,9 +422,10 @@ class FakeTE:
 
 
 @contextlib.contextmanager
-def fake_deployment(model: str, spec: list[tuple[str, str, str, float]]):
-    """A JE with fake TEs (name, role, group, KV usage its heartbeats report); yields (je, {name: FakeTE})."""
-    je = Router(model, heartbeat_timeout_s=30.0)
+def fake_deployment(model: str, spec: list[tuple[str, str, str, float]], **router_settings):
+    """A JE with fake TEs (name, role, group, KV usage its heartbeats report); yields (je, {name: FakeTE}).
+    `router_settings`: the JE's (RouterConfig; a heartbeat timeout of 30 s unless given)."""
+    je = Router(RouterConfig(**{"model": model, "heartbeat_timeout_s": 30.0, **router_settings}))
     ctx = zmq.Context()
     tes = {name: FakeTE(ctx, je, name, role, group, kv_usage) for name, role, group, kv_usage in spec}
     try:

@@ -12,6 +12,7 @@ import pytest
 import zmq
 from starlette.testclient import TestClient
 
+from meshserve.config import RouterConfig
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.router.router import Router
 from meshserve.utils import cluster_auth
@@ -57,7 +58,7 @@ class FakeTE:
 
 @contextlib.contextmanager
 def fake_tes(model: str, spec: list[tuple[str, str, str, bytes | None]]):
-    je = Router(model, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    je = Router(RouterConfig(model=model, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S))
     ctx = zmq.Context()
     try:
         yield je, {name: FakeTE(ctx, je, name, role, group, secret) for name, role, group, secret in spec}
@@ -93,7 +94,7 @@ def test_garbage_frames_do_not_stop_the_reader(model, caplog):
                 te.outputs.send(frame)
             assert await beat_until(je, [te], lambda: live(je) == {"main-0"})
             assert je.bad_frames >= 8 and je.healthy
-            assert je._reader.is_alive()
+            assert je.reader.is_alive()
             assert any("does not decode" in r.getMessage() for r in caplog.records)
 
     asyncio.run(scenario())
@@ -122,7 +123,7 @@ def test_a_dead_reader_makes_the_job_executor_unhealthy(model, monkeypatch):
 
             monkeypatch.setattr(je.registry, "apply_subscription_changes", broken)
             for _ in range(100):  # bounded: 5 s
-                if not je._reader.is_alive():
+                if not je.reader.is_alive():
                     break
                 await asyncio.sleep(0.05)
             assert not je.healthy and "reader thread stopped" in je.dead_error

@@ -1,6 +1,7 @@
 """Link probing over a real transfer engine pair on loopback (xdeepserve §6.1): the probe op on the wire, a
-decode engine probing the prefill engine it pulls from, injected link faults on both paths, the prober thread,
-and the P/D worker half reporting probes of the links its pulls use."""
+decode engine probing the prefill engine it pulls from, injected link faults on both paths (hooked around the
+pulling engine, as a worker does once such a fault is armed), the prober thread, and the P/D worker half
+reporting probes of the links its pulls use."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from meshserve.transfer import BlockRef, LinkProber, TransferEngine, TransferError, TransferStatus, wire
+from meshserve.transfer import BlockRef, LinkProber, TransferEngine, TransferError, TransferStatus, fault_hooks, wire
 from meshserve.utils import faults
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVPull
 from meshserve.worker.kv_connector.pd import PDConnectorWorker
@@ -46,6 +47,7 @@ def pair():
     def make(backend: str | None = "tcp") -> tuple[TransferEngine, TransferEngine]:
         prefill, decode = TransferEngine("pd-prefill-0/rank0"), TransferEngine("pd-decode-0/rank0")
         engines.extend([prefill, decode])
+        fault_hooks.install(decode)  # the pulling side, where link faults fire
         prefill.allocate_region("kv", 2, 6, BS, (3,), torch.float32)
         decode.allocate_region("kv", 2, 6, BS, (3,), torch.float32)
         assert decode.link(prefill.name, prefill.descriptor("kv"), backend=backend) == (backend or "shm")
@@ -214,6 +216,7 @@ def make_worker(name: str) -> PDConnectorWorker:
 
 def test_a_failed_pull_has_its_link_probed_at_once_and_reported():
     prefill, decode = make_worker("pd-prefill-0/rank0"), make_worker("pd-decode-0/rank0")
+    fault_hooks.install(decode.engine)
     decode.prober.interval_s = 3600.0  # no periodic probe: what comes is the one the failure asked for
     try:
         report = KVConnectorReport(rank=0, dp_rank=0)

@@ -1,4 +1,5 @@
-"""The environment variables meshserve reads are listed in one module and in the README, and read only there."""
+"""The environment variables meshserve reads are listed in one module and in the serving guide, and read only
+there."""
 from __future__ import annotations
 
 import ast
@@ -13,11 +14,11 @@ PACKAGE = ROOT / "meshserve"
 ENVS_MODULE = PACKAGE / "utils" / "envs.py"
 
 
-def test_the_readme_lists_every_variable_as_envs_does():
-    readme = (ROOT / "README.md").read_text()
-    assert envs.markdown_table() in readme
+def test_the_serving_guide_lists_every_variable_as_envs_does():
+    guide = (ROOT / "docs" / "serving.md").read_text()
+    assert envs.markdown_table() in guide
     for var in envs.ENV_VARS:
-        assert f"`{var.name}`" in readme
+        assert f"`{var.name}`" in guide
 
 
 def _environment_reads(tree: ast.AST) -> list[tuple[int, ast.expr | None]]:

@@ -1,6 +1,8 @@
 """Fault injection switches: the environment syntax, and when an armed fault fires."""
 from __future__ import annotations
 
+import os
+import signal
 import types
 
 import pytest
@@ -144,3 +146,71 @@ def test_a_bad_environment_switch_fails_loudly(monkeypatch, fresh_switch):
     monkeypatch.setenv(faults.ENV, "stall:rank=one")
     with pytest.raises(ValueError, match="rank"):
         faults.switch()
+
+
+# ---------------------------------------------------------------- hooks
+class Target:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def step(self, n: int) -> int:
+        self.calls.append(n)
+        return n * 2
+
+
+def test_an_installer_runs_once_when_a_fault_of_its_kinds_is_first_armed():
+    switch = FaultSwitch()
+    installed = []
+    switch.on_arm({FaultKind.KILL, FaultKind.STALL}, lambda: installed.append("step hooks"))
+    switch.on_arm({FaultKind.LINK_BREAK}, lambda: installed.append("link hooks"))
+    assert installed == []  # nothing armed: nothing wrapped
+    switch.arm(Fault(kind=FaultKind.STALL))
+    switch.arm(Fault(kind=FaultKind.KILL))
+    switch.disarm()
+    switch.arm(Fault(kind=FaultKind.STALL))
+    assert installed == ["step hooks"]
+
+
+def test_an_installer_for_a_fault_armed_from_the_environment_runs_at_once():
+    switch = FaultSwitch([Fault(kind=FaultKind.LINK_DELAY, delay_s=1.0)])
+    installed = []
+    switch.on_arm({FaultKind.LINK_BREAK, FaultKind.LINK_DELAY}, lambda: installed.append(True))
+    assert installed == [True]
+
+
+def test_wrap_method_calls_the_hook_first_on_that_instance_only():
+    target, other = Target(), Target()
+    seen = []
+    faults.wrap_method(target, "step", lambda n: seen.append(n))
+    assert target.step(3) == 6 and seen == [3] and target.calls == [3]
+    assert other.step(4) == 8 and seen == [3]  # another instance runs unwrapped
+    assert "step" not in vars(other)
+
+
+def test_wrap_method_on_a_class_hooks_every_instance_and_a_raising_hook_stops_the_call(monkeypatch):
+    monkeypatch.setattr(Target, "step", Target.step)  # undone after the test
+
+    def refuse(self, n):
+        if n < 0:
+            raise RuntimeError("injected")
+
+    faults.wrap_method(Target, "step", refuse)
+    target = Target()
+    assert target.step(1) == 2
+    with pytest.raises(RuntimeError, match="injected"):
+        target.step(-1)
+    assert target.calls == [1]
+
+
+def test_kill_when_fired_kills_this_process_when_its_fault_fires(monkeypatch, fresh_switch):
+    monkeypatch.delenv(faults.ENV, raising=False)
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    hook = faults.kill_when_fired(FaultKind.KILL_MASTER)
+    hook("any", "arguments")
+    assert killed == []
+    faults.arm(Fault(kind=FaultKind.KILL_MASTER, after_steps=1))
+    hook()
+    assert killed == []
+    hook()
+    assert killed == [(os.getpid(), signal.SIGKILL)]

@@ -9,18 +9,17 @@ from __future__ import annotations
 import logging
 import signal
 
+import msgspec
+
+from meshserve.config.router import RouterConfig
 from meshserve.entrypoints.openai.server_options import server_options
 from meshserve.router.pd_heatmap import PDHeatmap
 
 logger = logging.getLogger(__name__)
 
 
-def make_job_executor(model: str, host: str, register_port: int, policy: str, heatmap_path: str | None,
-                      predictor_path: str | None, served_model_name: str | None = None,
-                      manager_addrs: list[str] | None = None, hold_s: float = 0.0, name: str = "",
-                      http_addr: str = ""):
-    """The JE of a frontend; `manager_addrs`, `hold_s`, `name`, `http_addr`: as Router's (a cluster manager's
-    JE reports to it and holds requests while a pool scales from zero)."""
+def make_job_executor(config: RouterConfig, heatmap_path: str | None = None, predictor_path: str | None = None):
+    """The JE of a frontend, with the P/D heatmap and the length predictor its routing policy may use."""
     # keeps torch out of `meshserve` start-up: only a serving router needs it
     from meshserve.router.router import Router
 
@@ -32,25 +31,22 @@ def make_job_executor(model: str, host: str, register_port: int, policy: str, he
         from meshserve.router.length_predictor import LengthPredictor
 
         predictor = LengthPredictor.load(predictor_path)
-    return Router(model, served_model_name=served_model_name, host=host, register_port=register_port,
-                       policy=policy, heatmap=heatmap, predictor=predictor, manager_addrs=list(manager_addrs or ()),
-                       hold_s=hold_s, name=name, http_addr=http_addr)
+    return Router(config, heatmap=heatmap, predictor=predictor)
 
 
-def run_frontend(model: str, host: str, port: int, register_port: int, policy: str, heatmap: str | None,
-                 predictor: str | None, served_model_name: str | None, max_queue_hint: int,
-                 log_level: int = logging.INFO, server: dict | None = None, manager_addrs: list[str] | None = None,
-                 hold_s: float = 0.0, name: str = "") -> None:
+def run_frontend(router: dict, host: str, port: int, heatmap: str | None, predictor: str | None,
+                 max_queue_hint: int, log_level: int = logging.INFO, server: dict | None = None) -> None:
     """An extra frontend process (started by `meshserve serve --deployment`, or by the cluster manager);
-    serves until SIGTERM. `server` holds the HTTP settings but the keys, which come from the environment.
-    `manager_addrs`: cluster managers it reports to; `hold_s`: how long a request may wait for a TE."""
+    serves until SIGTERM. `router`: its job executor's settings (a `RouterConfig` as a dict; its `host` and
+    `http_addr` come from `host` and `port`, which a placement on another node rewrites); `server` holds the
+    HTTP settings but the keys, which come from the environment."""
     # start-up: fastapi and uvicorn only when serving
     from meshserve.entrypoints.openai.api_server import run_server
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s frontend:{port} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us in order
-    je = make_job_executor(model, host, register_port, policy, heatmap, predictor, served_model_name,
-                           manager_addrs=manager_addrs, hold_s=hold_s, name=name, http_addr=f"http://{host}:{port}")
+    config = msgspec.convert({**router, "host": host, "http_addr": f"http://{host}:{port}"}, RouterConfig)
+    je = make_job_executor(config, heatmap, predictor)
     try:
         logger.info("job executor on http://%s:%d, TEs register at %s", host, port, je.register_addr)
         run_server(je, host, port, log_level=logging.getLevelName(log_level).lower(),

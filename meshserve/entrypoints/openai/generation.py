@@ -10,17 +10,15 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import anyio
 from starlette.requests import Request
 
 from meshserve.engine.outputs import CompletionOutput, RequestOutput
+from meshserve.engine.protocol import EngineClientProtocol
 from meshserve.entrypoints.openai.metrics import RequestTracker
 from meshserve.wire.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from meshserve.entrypoints.openai.api_server import EngineClientProtocol
 
 T = TypeVar("T")
 
@@ -40,11 +38,6 @@ class EnginePrompt:
     params: SamplingParams
     context_cache_id: str | None = None  # the named context cache leading token_ids
     context_cache_ttl_s: float | None = None  # set: this prompt creates that cache
-
-    def cache_kwargs(self) -> dict:
-        """The engine's context-cache arguments, only when there are any (engines without them still work)."""
-        kwargs = {"context_cache_id": self.context_cache_id, "context_cache_ttl_s": self.context_cache_ttl_s}
-        return {k: v for k, v in kwargs.items() if v is not None}
 
 
 @dataclass
@@ -71,8 +64,9 @@ class GenerationRun:
         self._stopping = stopping
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self._requests = [
-            _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority, **p.cache_kwargs()),
-                           tracker)
+            _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority,
+                                                   context_cache_id=p.context_cache_id,
+                                                   context_cache_ttl_s=p.context_cache_ttl_s), tracker)
             for rid, p, tracker in zip(ids, prompts, trackers)
         ]
         self._pending: dict[asyncio.Task, int] = {}

@@ -33,7 +33,6 @@ from meshserve.entrypoints.openai.server_options import ServerOptions, is_loopba
 logger = logging.getLogger(__name__)
 
 PRINCIPAL_SCOPE_KEY = "meshserve.principal"
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _JSON_MEDIA_TYPE = "application/json"
 

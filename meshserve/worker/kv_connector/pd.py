@@ -57,7 +57,8 @@ class PDConnectorWorker(KVConnectorWorker):
         self._linked: dict[str, KVRegion] = {}  # peer -> the region it was linked with
         self._pulls: dict[int, _InFlight] = {}  # by transfer handle id
         self._failed_now: list[KVPullDone] = []  # pulls that could not even start
-        self.prober = LinkProber(self.engine.probe, name=f"link-prober-{name}")
+        # the engine's probe is looked up per probe, so a hook wrapped around it later is called too
+        self.prober = LinkProber(lambda peer, timeout: self.engine.probe(peer, timeout), name=f"link-prober-{name}")
 
     @property
     def region(self) -> KVRegion:

@@ -27,15 +27,11 @@ EPLB_STATUS = EplbStatus(enabled=True, phase="idle", num_reconfigurations=0, las
 
 
 class AdminFakeEngine(FakeEngine):
-    """FakeEngine plus `admin` (records every command) and the context-cache arguments of `generate`."""
+    """FakeEngine whose `admin` records every command and answers with an EPLB status."""
 
     def __init__(self) -> None:
         super().__init__()
         self.admin_calls: list[tuple[str, dict]] = []
-
-    def generate(self, prompt, prompt_token_ids, params, request_id, priority=0, context_cache_id=None,
-                 context_cache_ttl_s=None):
-        return super().generate(prompt, prompt_token_ids, params, request_id, priority)
 
     async def admin(self, op: str, args: dict | None = None) -> AdminReply:
         self.admin_calls.append((op, dict(args or {})))

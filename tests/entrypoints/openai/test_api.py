@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from meshserve.entrypoints.openai.api_server import build_app
-from meshserve.wire.client import EngineStats
+from meshserve.wire.client import AdminReply, EngineStats
 from meshserve.wire.errors import EngineDeadError, QueueFullError, RequestTooLongError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -89,14 +89,25 @@ class FakeEngine:
     def dead_error(self) -> str | None:
         return self._dead_error
 
+    def health(self) -> dict:
+        return {}
+
+    async def start(self) -> None:
+        pass
+
     async def get_stats(self) -> EngineStats:
         self.stats_queries += 1
         return self.stats
 
+    async def admin(self, op: str, args: dict | None = None) -> AdminReply:
+        return AdminReply(query_id=0, ok=False, error=f"the fake engine takes no operator commands ({op})")
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def generate(self, prompt, prompt_token_ids, params, request_id, priority=0):
+    async def generate(self, prompt, prompt_token_ids, params, request_id, priority=0, context_cache_id=None,
+                       context_cache_ttl_s=None):
+        """Every prompt the same way: a context cache's prefix is part of `prompt_token_ids` already."""
         assert isinstance(params, SamplingParams)
         self.calls.append({"prompt": prompt, "prompt_token_ids": list(prompt_token_ids), "params": params,
                            "request_id": request_id, "priority": priority})

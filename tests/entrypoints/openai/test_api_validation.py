@@ -22,17 +22,9 @@ from tests.entrypoints.openai.test_api import MODEL, REPLIES, FakeEngine, assert
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
-class CachingFakeEngine(FakeEngine):
-    """The fake, taking the context-cache arguments too (a cache's prefix is one generated token)."""
-
-    def generate(self, prompt, prompt_token_ids, params, request_id, priority=0, context_cache_id=None,
-                 context_cache_ttl_s=None):
-        return super().generate(prompt, prompt_token_ids, params, request_id, priority)
-
-
 @pytest.fixture
 def engine() -> FakeEngine:
-    return CachingFakeEngine()
+    return FakeEngine()
 
 
 @pytest.fixture
@@ -214,7 +206,7 @@ def test_templates_that_trim_contents_are_followed(house_tokenizer):
 
 
 def test_chat_request_with_special_token_text_reaches_the_engine_as_text(house_tokenizer):
-    engine = CachingFakeEngine()
+    engine = FakeEngine()
     engine.tokenizer = house_tokenizer
     with TestClient(build_app(engine)) as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,

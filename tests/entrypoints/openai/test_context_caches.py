@@ -374,7 +374,7 @@ def test_with_two_dp_groups_requests_go_to_the_group_that_pins_the_blocks(model_
 # ---------------------------------------------------------------- job executor over several TEs
 def test_the_job_executor_sends_a_caches_requests_to_the_te_that_pins_it(model_dir):
     engine = {"block_size": BLOCK, "num_kv_blocks": NUM_KV_BLOCKS}
-    with running_deployment(str(model_dir), "colocated2", engine=engine, policy="round_robin") as (jes, _):
+    with running_deployment(str(model_dir), "colocated2", engine=engine, routing="round_robin") as (jes, _):
         je = jes[0]
         prefix = random_tokens(4 * BLOCK, seed=10)
 
