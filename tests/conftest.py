@@ -42,6 +42,7 @@ FOLDER_TIERS = {
     "cluster": "deployment",
     "config": "unit",
     "core": "unit",
+    "docs": "deployment",  # test_docs.py runs the guide's commands, servers included
     "e2e": "deployment",
     "engine": "engine",
     "entrypoints": "unit",
@@ -64,6 +65,10 @@ FOLDER_TIERS = {
 TIER_EXCEPTIONS = {
     **dict.fromkeys([
         "cluster/test_autoscaler.py",
+        "docs/test_blocks.py",
+        "docs/test_dependencies.py",
+        "docs/test_links.py",
+        "engine/test_protocol.py",
         "engine/test_client_core.py",
         "engine/test_detokenizer.py",
         "engine/test_output_processor.py",
@@ -90,6 +95,7 @@ TIER_EXCEPTIONS = {
         "entrypoints/test_predictor_cli.py::test_predictor_train_end_to_end_on_a_micro_model",  # its outputs
         "models/test_fp8_checkpoint.py::test_engine_serves_an_fp8_checkpoint_as_its_dequantized_weights",
         "models/test_parallel_models.py",
+        "parallel/test_rollback.py::test_a_timed_out_collective_is_rolled_back_on_new_groups",
         "models/test_w8a8.py::test_engine_serves_int8_alike_on_dp2_ep2",
         "models/test_w8a8.py::test_engine_serves_int8_alike_on_tp2",
         "models/test_w8a8.py::test_engine_rounds_a_float_checkpoint_with_the_quantization_flag",

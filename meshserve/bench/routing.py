@@ -27,6 +27,7 @@ import asyncio
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from meshserve.bench.deployment_load import (
     add_engine_flags,
@@ -121,9 +122,10 @@ def routing_main(args: argparse.Namespace) -> int:
         if longest > model_max_len(model, engine):
             raise ValueError(f"the longest request ({longest} tokens) exceeds the model's context "
                              f"({model_max_len(model, engine)})")
-        result = run_routing_benchmark(
-            model, deployment, args.deployment, policies, mix, args.requests, args.rate, args.repeats,
-            args.num_prefixes, args.prefix_len, engine, heatmap, predictor, args.seed, args.timeout)
+        load = RoutingWorkload(mix, args.requests, args.rate, args.repeats, args.num_prefixes, args.prefix_len,
+                               args.seed, args.timeout)
+        result = run_routing_benchmark(model, deployment, args.deployment, policies, load, engine, heatmap,
+                                       predictor)
     except (ValueError, OSError, ConfigError, RuntimeError, TimeoutError) as exc:
         print(f"meshserve bench routing: error: {exc}", file=sys.stderr)
         return 2
@@ -151,11 +153,25 @@ def _routing_inputs(heatmap_path: str | None, predictor_path: str | None):
     return heatmap, predictor, predictor_name
 
 
-def run_routing_benchmark(model: str, deployment, deployment_name: str, policies: list[str], mix: Mix,
-                          num_requests: int, rate: float, repeats: int, num_prefixes: int, prefix_len: int,
-                          engine: dict, heatmap=None, predictor=None, seed: int = 0,
-                          timeout_s: float = 600.0) -> dict:
+@dataclass(frozen=True)
+class RoutingWorkload:
+    """What each policy is measured on: `requests` of `mix` behind `num_prefixes` shared prefixes, at `rate`
+    requests/s, `repeats` times; `timeout_s` bounds one run."""
+    mix: Mix
+    requests: int
+    rate: float
+    repeats: int
+    num_prefixes: int
+    prefix_len: int
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+def run_routing_benchmark(model: str, deployment, deployment_name: str, policies: list[str],
+                          load: RoutingWorkload, engine: dict, heatmap=None, predictor=None) -> dict:
     vocab_size, special = vocabulary(model)
+    mix, num_requests, rate, repeats, seed = load.mix, load.requests, load.rate, load.repeats, load.seed
+    num_prefixes, prefix_len, timeout_s = load.num_prefixes, load.prefix_len, load.timeout_s
 
     def workload(token_seed: int):
         return make_mixed_workload(num_requests, mix, vocab_size, seed=seed, token_seed=token_seed,

@@ -473,52 +473,60 @@ def plot_scale(result: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, max(1, count), figsize=(5.5 * max(1, count), 4.5), squeeze=False)
     axes = list(axes[0])
     if result.get("breakdown"):
-        ax = axes.pop(0)
-        cases = result["breakdown"]["cases"]
-        bottom = [0.0] * len(cases)
-        for step in STEPS:
-            values = [max(0.0, cases[c]["steps"][step]) for c in cases]
-            ax.bar(list(cases), values, bottom=bottom, label=STEP_LABELS[step])
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.plot(list(cases), [cases[c]["ttft_s"] for c in cases], "k^", label="first token")
-        ax.set_ylabel("seconds after the scale-up decision")
-        ax.set_title("scale-up steps (deepserve Fig. 9)")
-        ax.legend(fontsize=8)
+        _plot_breakdown(axes.pop(0), result["breakdown"]["cases"])
     if result.get("load_by_source"):
-        ax = axes.pop(0)
-        rows = result["load_by_source"]["results"]
-        names = [row["source"] for row in rows]
-        ax.bar(names, [statistics.median(row["seconds"]) for row in rows], label="measured")
-        ax.plot(names, [row["bound_s"] for row in rows], "k_", markersize=30, mew=2, label="bytes / bandwidth")
-        ax.set_ylabel("TE-Load of one rank (s)")
-        ax.set_title("TE-Load by weight source (Fig. 10)")
-        ax.legend(fontsize=8)
+        _plot_load_by_source(axes.pop(0), result["load_by_source"]["results"])
     if result.get("fork_fanout"):
-        ax = axes.pop(0)
-        rows = result["fork_fanout"]
-        ax.plot([row["count"] for row in rows], [row["all_done_s"] for row in rows], "o-")
-        ax.set_xticks([row["count"] for row in rows])
-        ax.set_xlabel("TEs forking from one source at once")
-        ax.set_ylabel("seconds until all hold their weights")
-        ax.set_title("fork fan-out (Fig. 11a)")
+        _plot_fork_fanout(axes.pop(0), result["fork_fanout"])
     if result.get("autoscale"):
-        auto = result["autoscale"]
-        ax_tes, ax_ttft = axes.pop(0), axes.pop(0)
-        for mode, data in auto["modes"].items():
-            ts = [s["t"] for s in data["pool_over_time"]]
-            ax_tes.plot(ts, [s["tes"] for s in data["pool_over_time"]], label=f"{mode} TEs")
-            if mode == "autoscaled":
-                ax_tes.plot(ts, [s["queue"] for s in data["pool_over_time"]], ":", label="autoscaled queue")
-            done = [r for r in data["requests_over_time"] if r["ok"]]
-            ax_ttft.scatter([r["t"] for r in done], [r["ttft_s"] for r in done], s=6,
-                            label=f"{mode} ({data['slo_attainment']:.0%} in SLO, {data['te_seconds']:.0f} TE-s)")
-        ax_ttft.axhline(auto["slo_ttft_s"], color="k", ls="--", lw=1)
-        ax_tes.set_xlabel("seconds")
-        ax_tes.set_title("TEs and queue over time")
-        ax_tes.legend(fontsize=8)
-        ax_ttft.set_xlabel("request sent at (s)")
-        ax_ttft.set_ylabel("TTFT (s)")
-        ax_ttft.set_title("TTFT over time")
-        ax_ttft.legend(fontsize=8)
+        _plot_autoscale(axes.pop(0), axes.pop(0), result["autoscale"])
     fig.tight_layout()
     return report.save_figure(fig, path)
+
+
+def _plot_breakdown(ax, cases: dict) -> None:
+    bottom = [0.0] * len(cases)
+    for step in STEPS:
+        values = [max(0.0, cases[c]["steps"][step]) for c in cases]
+        ax.bar(list(cases), values, bottom=bottom, label=STEP_LABELS[step])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.plot(list(cases), [cases[c]["ttft_s"] for c in cases], "k^", label="first token")
+    ax.set_ylabel("seconds after the scale-up decision")
+    ax.set_title("scale-up steps (deepserve Fig. 9)")
+    ax.legend(fontsize=8)
+
+
+def _plot_load_by_source(ax, rows: list[dict]) -> None:
+    names = [row["source"] for row in rows]
+    ax.bar(names, [statistics.median(row["seconds"]) for row in rows], label="measured")
+    ax.plot(names, [row["bound_s"] for row in rows], "k_", markersize=30, mew=2, label="bytes / bandwidth")
+    ax.set_ylabel("TE-Load of one rank (s)")
+    ax.set_title("TE-Load by weight source (Fig. 10)")
+    ax.legend(fontsize=8)
+
+
+def _plot_fork_fanout(ax, rows: list[dict]) -> None:
+    ax.plot([row["count"] for row in rows], [row["all_done_s"] for row in rows], "o-")
+    ax.set_xticks([row["count"] for row in rows])
+    ax.set_xlabel("TEs forking from one source at once")
+    ax.set_ylabel("seconds until all hold their weights")
+    ax.set_title("fork fan-out (Fig. 11a)")
+
+
+def _plot_autoscale(ax_tes, ax_ttft, auto: dict) -> None:
+    for mode, data in auto["modes"].items():
+        ts = [s["t"] for s in data["pool_over_time"]]
+        ax_tes.plot(ts, [s["tes"] for s in data["pool_over_time"]], label=f"{mode} TEs")
+        if mode == "autoscaled":
+            ax_tes.plot(ts, [s["queue"] for s in data["pool_over_time"]], ":", label="autoscaled queue")
+        done = [r for r in data["requests_over_time"] if r["ok"]]
+        ax_ttft.scatter([r["t"] for r in done], [r["ttft_s"] for r in done], s=6,
+                        label=f"{mode} ({data['slo_attainment']:.0%} in SLO, {data['te_seconds']:.0f} TE-s)")
+    ax_ttft.axhline(auto["slo_ttft_s"], color="k", ls="--", lw=1)
+    ax_tes.set_xlabel("seconds")
+    ax_tes.set_title("TEs and queue over time")
+    ax_tes.legend(fontsize=8)
+    ax_ttft.set_xlabel("request sent at (s)")
+    ax_ttft.set_ylabel("TTFT (s)")
+    ax_ttft.set_title("TTFT over time")
+    ax_ttft.legend(fontsize=8)
