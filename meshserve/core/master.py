@@ -41,6 +41,7 @@ from meshserve.core.waiting_queue import DPWaitingQueue
 from meshserve.core.worker_group import DEAD_GRACE_S, RESULTS, SpareWorker, WeightServers, WorkerGroup, time_load
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.utils import cluster_auth, faults
+from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
 from meshserve.wire.client import (
@@ -98,6 +99,7 @@ class EngineCore:
         self.ipc_dir, self.log_level = ipc_dir, log_level
         self.dead_error: str | None = None
         self.running = True
+        self.stop_requested = False  # told to stop (SIGTERM): ranks dying now are part of the stop
         self.outputs = RequestOutputs(link)
         self.drain = Drain()
         # the queue and the EPLB controller are built again with each set of ranks: looked up when asked
@@ -273,7 +275,16 @@ class EngineCore:
     def _on_worker_failure(self, item: WorkerFailure) -> None:
         self._rank_failed(self.workers.explain(item), self.workers.dead_ranks())
 
+    def stop_on_signal(self) -> None:
+        """SIGTERM (on the main thread, between two steps): leave the loop and stop the ranks in order. A
+        signal to the whole process group reaches the ranks too: their deaths are then no failure to recover."""
+        self.stop_requested = True
+        self.running = False
+
     def _rank_failed(self, error: str, dead_ranks: list[int]) -> None:
+        if self.stop_requested:
+            logger.info("rank(s) %s ended while stopping: %s", dead_ranks, error)
+            return
         if self.dead_error is None:
             self.recovery.on_rank_failure(error, self.workers, dead_ranks)
 
@@ -475,6 +486,8 @@ class EngineCore:
                 logger.info("context cache %s expired; its blocks are unpinned", cache_id)
 
     def _check_peers(self) -> None:
+        if self.stop_requested:
+            return
         if self.watch_parent and os.getppid() != self.parent:
             logger.warning("client is gone; shutting down")
             self.running = False
@@ -506,6 +519,9 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         out.send(codec.encode(EngineError(message=f"engine start-up failed: {exc}", fatal=True)))
         out.close()
         raise SystemExit(1) from exc
+    signal.signal(signal.SIGTERM, lambda signum, frame: core.stop_on_signal())
     core.run()
+    if core.stop_requested:  # the engine client must not take this for a crash and start another engine
+        raise SystemExit(STOPPED_BY_SIGNAL_EXIT_CODE)
     if core.dead_error is not None:  # the engine client starts a new engine
         raise SystemExit(1)

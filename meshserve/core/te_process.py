@@ -48,7 +48,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
 
     def stop(signum, frame):
         if core is not None:
-            core.running = False
+            core.stop_on_signal()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

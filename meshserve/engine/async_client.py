@@ -8,6 +8,10 @@ When the master dies (killed, or ended after a failure it could not recover from
 new engine and every running request continues there from its prompt and the tokens it already streamed
 (token recomputation): the caller sees one stream, nothing repeated or missing. Requests arriving
 meanwhile wait for the new engine. Only after `max_recoveries` restarts within 10 minutes do requests fail.
+
+A master stopped on purpose is not restarted: once the server begins to shut down (`begin_shutdown`, called
+from its signal handler), or when the master exits because it was sent SIGTERM (a signal to the whole
+process group reaches it before the server has stopped), the requests still running fail instead.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from meshserve.engine.core_client import EngineCoreClient
 from meshserve.engine.detokenizer import load_tokenizer
 from meshserve.engine.outputs import RequestOutput
 from meshserve.models.generation_config import eos_token_ids
+from meshserve.utils.processes import stopped_on_request
 from meshserve.wire.client import AddRequest, AdminReply, AdminRequest, EngineError, EngineStats, StatsQuery
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.sampling_params import SamplingParams
@@ -52,6 +57,7 @@ class AsyncEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stop = threading.Event()
+        self._stopping = threading.Event()  # shutdown has begun: a lost engine is not restarted
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_started(self) -> None:
@@ -62,7 +68,13 @@ class AsyncEngineClient:
         self._reader = threading.Thread(target=self._read_forever, name="meshserve-engine-reader", daemon=True)
         self._reader.start()
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping (called from its SIGTERM/SIGINT handler): from now on an engine that ends
+        is not restarted, so nothing outlives the server."""
+        self._stopping.set()
+
     def shutdown(self) -> None:
+        self._stopping.set()
         self._stop.set()
         if self._reader is not None:
             self._reader.join(5)
@@ -80,15 +92,23 @@ class AsyncEngineClient:
             item = self.engine.recv(500)
             if item is None:
                 if not self.engine.alive and not self._stop.is_set():
-                    if not self._restart_engine(f"engine process died (exit code {self.engine.proc.returncode})"):
+                    if not self._engine_lost(f"engine process died (exit code {self.engine.proc.returncode})"):
                         return
                 continue
             if isinstance(item, EngineError) and item.fatal:  # the master ends after it: start another
-                if not self._restart_engine(item.message):
+                if not self._engine_lost(item.message):
                     return
                 continue
             if not self._post(self.core.on_message, item):
                 return
+
+    def _engine_lost(self, reason: str) -> bool:
+        """On the reader thread: restart a crashed engine; fail the requests of one stopped on purpose."""
+        if self._stopping.is_set() or stopped_on_request(self.engine.proc.poll()):
+            logger.info("engine stopped (%s): not restarting it", reason)
+            self._post(self.core.engine_died, f"the engine was stopped ({reason})")
+            return False
+        return self._restart_engine(reason)
 
     def _restart_engine(self, reason: str) -> bool:
         """On the reader thread: start a new engine and have the loop continue the running requests there.
@@ -105,6 +125,10 @@ class AsyncEngineClient:
             engine = EngineCoreClient(self.config, log_level=self.log_level)
         except Exception as exc:  # noqa: BLE001 - the requests fail with the reason
             self._post(self.core.engine_died, f"{reason}; starting a new engine failed: {exc}")
+            return False
+        if self._stopping.is_set():  # shutdown began while it started: it must not outlive the server
+            engine.shutdown()
+            self._post(self.core.engine_died, f"{reason}; the server is stopping")
             return False
         self.engine = engine
         return self._post(self._continue_requests, reason)

@@ -58,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         logger.info("serving %s as %r on http://%s:%d", model, engine.model_name, args.host, args.port)
         run_server(engine, args.host, args.port, log_level=args.log_level, served_model_name=engine.model_name,
-                   max_queue_hint=config.scheduler_config.max_waiting, options=options)
+                   max_queue_hint=config.scheduler_config.max_waiting, options=options,
+                   on_signal=engine.begin_shutdown)
     finally:
         engine.shutdown()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,14 @@ PROCESS_ENTRY_POINTS: dict[str, str] = {
     "cluster-manager": "meshserve.cluster.manager:run_manager",  # `meshserve cluster up` in the background
 }
 RUNNER_MODULE = "meshserve.utils.processes"  # this module, run as `python -m`
+# a process that ends because it was told to (SIGTERM) exits with the shell's code for that signal
+STOPPED_BY_SIGNAL_EXIT_CODE = 128 + signal.SIGTERM
+
+
+def stopped_on_request(returncode: int | None) -> bool:
+    """Whether an exit status says the process was stopped on purpose (SIGTERM, handled or not): an owner
+    that restarts crashed processes leaves this one stopped."""
+    return returncode in (-signal.SIGTERM, STOPPED_BY_SIGNAL_EXIT_CODE)
 
 
 def launch(name: str, **kwargs: Any) -> subprocess.Popen:

@@ -146,9 +146,17 @@ class _Server(uvicorn.Server):
     before the caller shuts the engine down; here `serve()` simply returns.
     """
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None],
+                 on_signal: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        self._on_signal = on_signal
+
+    def _handle_signal(self, sig: int, frame) -> None:
+        # at once, not when uvicorn's loop next looks: a process-group signal is ending the engine meanwhile
+        if self._on_signal is not None:
+            self._on_signal()
+        self.handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
         self._on_shutdown()  # uvicorn stops accepting now; the app starts the streams' grace period
@@ -159,7 +167,7 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._handle_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
@@ -169,9 +177,11 @@ class _Server(uvicorn.Server):
 
 async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_level: str = "info", *,
                      served_model_name: str | None = None, max_queue_hint: int | None = None,
-                     options: ServerOptions = ServerOptions()) -> None:
+                     options: ServerOptions = ServerOptions(),
+                     on_signal: Callable[[], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or `should_exit`); running requests get `options.shutdown_grace_s` to
-    end, then every stream still running ends with an error event and [DONE]."""
+    end, then every stream still running ends with an error event and [DONE]. `on_signal` is called in the
+    signal handler itself (the engine client stops restarting lost engines there)."""
     check_bind(host, options)
     app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint, options=options)
     await engine.start()  # a job executor starts taking TE heartbeats on this loop now, not at the first request
@@ -180,7 +190,8 @@ async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_lev
                             http=protocol_for(options.header_timeout_s),
                             limit_concurrency=options.max_connections,
                             timeout_graceful_shutdown=grace_s + _STREAM_END_MARGIN_S)  # type: ignore[arg-type]
-    await _Server(config, on_shutdown=lambda: app.state.serving.begin_shutdown(grace_s)).serve()
+    await _Server(config, on_shutdown=lambda: app.state.serving.begin_shutdown(grace_s),
+                  on_signal=on_signal).serve()
 
 
 def run_server(engine: EngineClientProtocol, host: str, port: int, log_level: str = "info", **kwargs: Any) -> None:
