@@ -36,7 +36,8 @@ manager cannot ask again; a manager restarted on the same state directory adopts
 Sockets (CurveZMQ with the cluster secret): `register` (PULL) takes TEs' EngineHeartbeats, JEs'
 JobExecutorReports and warm TEs' WarmReady; `control` (ROUTER) answers `meshserve status`,
 `meshserve cluster down` and `cluster scale` (ClusterQuery -> ClusterStatus), and `op="capacity"` (`target`:
-the devices usable now); Prometheus metrics on `metrics_port`.
+the devices usable now); Prometheus metrics on `metrics_port`, bound to `metrics_host` (loopback by
+default: metrics_http.py).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ import msgspec
 import zmq
 
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources, make_backend
+from meshserve.cluster.metrics_http import serve_metrics_http
 from meshserve.cluster.state import ClusterState, ProcessRecord, load_state, manager_running, save_state
 from meshserve.config import ClusterConfig, ConfigError, EngineConfig, RouterConfig
 from meshserve.router.deployment import MultiDeployment, TEGroupSpec, check_pd_layouts
@@ -312,7 +314,7 @@ class ClusterManager:
 
     def _serve_metrics(self) -> None:
         """The autoscaler's metrics and the manager's own, on the metrics port (kept across restarts)."""
-        from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.metrics = self.autoscaler.registry if self.autoscaler is not None else CollectorRegistry()
         self._restarts_metric = Counter("meshserve_cluster_restarts", "Processes restarted after a failure.",
@@ -323,14 +325,7 @@ class ClusterManager:
         self._step_metric = Histogram("meshserve_cluster_scale_up_step_seconds", "Seconds per scale-up step.",
                                       ["step", "process", "weights"], registry=self.metrics,
                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
-        if not self.state.metrics_port:
-            self.state.metrics_port = free_tcp_port(self.config.host)
-        try:
-            start_http_server(self.state.metrics_port, addr=self.config.host, registry=self.metrics)
-        except OSError as exc:  # the port was taken while no manager ran: metrics elsewhere, serving goes on
-            self.state.metrics_port = free_tcp_port(self.config.host)
-            logger.warning("metrics port taken (%s); serving metrics on %d", exc, self.state.metrics_port)
-            start_http_server(self.state.metrics_port, addr=self.config.host, registry=self.metrics)
+        self.state.metrics_port = serve_metrics_http(self.metrics, self.config.metrics_host, self.state.metrics_port)
 
     def _adopt(self, previous: ClusterState) -> None:
         kept = gone = 0

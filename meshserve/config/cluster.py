@@ -21,6 +21,9 @@ class ClusterConfig(ConfigStruct, frozen=True):
     ray_address: Annotated[str, Meta(
         description="an existing Ray cluster (HOST:PORT; default: start a local one)")] | None = None
     host: Annotated[str, Meta(description="address the JEs' HTTP servers bind")] = "127.0.0.1"
+    metrics_host: Annotated[str, Meta(
+        description="address the manager's Prometheus metrics (plain HTTP, no key) bind; beyond loopback only "
+                    "on a network trusted with the deployment's load figures")] = "127.0.0.1"
     port: Annotated[int, Meta(
         ge=1, le=65535, description="the first JE's HTTP port (further JEs: the next ones)")] = 8000
     hold_s: Annotated[float, Meta(
@@ -45,4 +48,4 @@ class ClusterConfig(ConfigStruct, frozen=True):
 
 
 # the settings `meshserve cluster up` takes as flags (the others are for benchmarks and tests building a manager)
-CLUSTER_FLAGS = ("name", "backend", "ray_address", "host", "port", "hold_s")
+CLUSTER_FLAGS = ("name", "backend", "ray_address", "host", "metrics_host", "port", "hold_s")
