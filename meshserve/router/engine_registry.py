@@ -8,7 +8,8 @@ Each TE's prefix-cache events feed the global prompt tree; a gap in their sequen
 announcing events the JE never got: a subscriber connecting late misses the first ones) makes the JE ask
 the TE for a snapshot, so the tree never keeps a prefix the TE has evicted for longer than that round trip.
 A decode TE's heartbeat also says which prefill TEs its KV links are down from (link probing); routing
-pairs neither with the other until the link is back.
+pairs neither with the other until the link is back. A TE whose link from the JE is down (its process died:
+te_links.py) is not routable from that moment, though only the heartbeat timeout drops it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import zmq
 
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import LoadTracker, TELoad, TEView
+from meshserve.router.te_links import TELinkEvent, TELinkWatch
 from meshserve.utils import cluster_auth
 from meshserve.wire.client import KVSnapshot
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
@@ -42,6 +44,7 @@ class EngineRecord:
     buffered: list[KVCacheEvents] = field(default_factory=list)
     registered_at: float = field(default_factory=time.time)  # wall clock, as link states' `since`
     lagging_since: float | None = None
+    link_up: bool = True  # the JE's socket to it is connected (te_links.py)
 
     @property
     def role(self) -> EngineRole:
@@ -72,6 +75,7 @@ class EngineRegistry:
         self._kv_event_sources: dict[str, str] = {}  # PUB address -> TE name
         # the SUB socket belongs to the reader thread: (dis)connections wait here until it applies them
         self._subscription_changes: queue.SimpleQueue = queue.SimpleQueue()
+        self.links = TELinkWatch()  # the TEs' sockets as seen from here: a dead TE's link drops at once
 
     # ------------------------------------------------------------------ membership
     def on_heartbeat(self, hb: EngineHeartbeat, now: float) -> tuple[EngineRecord | None, bool]:
@@ -90,6 +94,7 @@ class EngineRegistry:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
             cluster_auth.client(sock, hb.input_addr)
+            self.links.watch(sock, hb.name, hb.input_addr)
             sock.connect(hb.input_addr)
             record = EngineRecord(hb.name, hb, sock, now)
             self.tes[hb.name] = record
@@ -120,6 +125,18 @@ class EngineRegistry:
             del self._kv_event_sources[addr]
             self._subscription_changes.put(("disconnect", addr))
 
+    def on_link_event(self, event: TELinkEvent) -> EngineRecord | None:
+        """The JE's link to a TE went down or came back: the TE if that changed whether it is routable."""
+        record = self.get(event.te)
+        if record is None or record.heartbeat.input_addr != event.input_addr or record.link_up == event.up:
+            return None  # a TE dropped since, or one registered again under its name
+        record.link_up = event.up
+        if event.up:
+            logger.info("TE %s: link back; routable again", record.name)
+        else:
+            logger.warning("TE %s: link lost (its process ended?); not routable until it is back", record.name)
+        return record
+
     def apply_subscription_changes(self) -> None:
         """On the thread that reads `kv_events`: follow the TEs that came and went."""
         while True:
@@ -139,8 +156,10 @@ class EngineRegistry:
         return [r for r in self.tes.values() if r.alive]
 
     def routable(self) -> list[EngineRecord]:
-        """The live TEs that take new requests (not draining, not recovering their ranks: those keep their jobs)."""
-        return [r for r in self.tes.values() if r.alive and not r.draining and not r.heartbeat.stats.recovering]
+        """The live TEs that take new requests (not draining, not recovering their ranks: those keep their jobs;
+        not cut off from the JE)."""
+        return [r for r in self.tes.values()
+                if r.alive and r.link_up and not r.draining and not r.heartbeat.stats.recovering]
 
     def views(self) -> list[TEView]:
         """What routing sees: the TEs that take new requests."""
@@ -209,7 +228,9 @@ class EngineRegistry:
                 break
 
     def close(self) -> None:
+        """After the reader thread stopped."""
         for record in self.tes.values():
             if record.alive:
                 record.sock.close(0)
+        self.links.close()
         self.kv_events.close(0)

@@ -1,8 +1,9 @@
 """The job executor's inbound sockets and the thread that reads them.
 
 Every TE sends its jobs' outputs (and admin replies) to the JE's output socket and its heartbeats to the
-registration socket; the KV-event SUB socket (the registry's) carries their prefix-cache events. A reader
-thread polls the three and hands each batch of messages to the event loop, where all job state lives. Every
+registration socket; the KV-event SUB socket (the registry's) carries their prefix-cache events, and the
+monitors of the JE's sockets to the TEs say when a TE's link drops (te_links.py). A reader thread polls them
+and hands each batch of messages to the event loop, where all job state lives. Every
 socket is authenticated (CurveZMQ with the cluster secret), and a frame that does not decode, or a message
 whose handling fails, is logged, counted and dropped: nothing a peer sends stops the reader. Should the
 reader itself fail, `error` says why (the JE is unhealthy from then on).
@@ -123,9 +124,13 @@ class FrameReader:
                    (self.registry.kv_events, "KV event"))
         for sock, _ in sources:
             poller.register(sock, zmq.POLLIN)
+        links = self.registry.links
+        for monitor in links.monitors():  # a reader moved to a new loop keeps watching the links it knew
+            poller.register(monitor, zmq.POLLIN)
         while not stop.is_set():
             try:
                 self.registry.apply_subscription_changes()
+                links.apply(poller)
                 ready = dict(poller.poll(int(TICK_S * 1000)))
             except zmq.ContextTerminated:
                 return
@@ -136,6 +141,9 @@ class FrameReader:
                         item = self.decode(sock.recv(), source)
                         if item is not None:
                             items.append(item)
+            for monitor in links.monitors():
+                if monitor in ready:
+                    items.extend(links.read(monitor, poller))
             if not self._post(items):
                 return
 

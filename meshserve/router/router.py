@@ -63,6 +63,7 @@ from meshserve.router.routing import (
     SupportsPredictTokens,
     route_health,
 )
+from meshserve.router.te_links import TELinkEvent
 from meshserve.wire.client import AdminReply, EngineError, EngineOutputs, EngineStats, RequestDelta
 from meshserve.wire.cluster import JobExecutorReport
 from meshserve.wire.heartbeat import EngineHeartbeat
@@ -202,6 +203,11 @@ class Router:
         if record is not None:
             self._drop_te(record, f"it failed: {item.message}")
 
+    def _on_link_event(self, item: TELinkEvent, now: float) -> None:
+        record = self.registry.on_link_event(item)
+        if record is not None and record.link_up and self.held.pending:
+            self.held.serve(now)
+
     def _tick(self, now: float) -> None:
         """Drop the TEs whose heartbeats stopped; ask for the KV snapshots the prompt tree lacks; dispatch or
         fail held jobs; report to the cluster managers."""
@@ -246,7 +252,7 @@ class Router:
 
     _ITEM_HANDLERS: ClassVar[dict[type, Callable]] = {
         EngineOutputs: _on_outputs, EngineHeartbeat: _on_heartbeat, KVCacheEvents: _on_kv_events,
-        AdminReply: _on_admin_reply, EngineError: _on_engine_error}
+        AdminReply: _on_admin_reply, EngineError: _on_engine_error, TELinkEvent: _on_link_event}
 
     def _drop_te(self, record: EngineRecord, why: str) -> None:
         self.migration.drop_te(record, why)

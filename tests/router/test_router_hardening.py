@@ -21,11 +21,12 @@ from meshserve.wire.base import Shutdown
 from meshserve.wire.client import AdminReply, AdminRequest
 from meshserve.wire.heartbeat import EngineHeartbeat
 from meshserve.wire.sampling_params import SamplingParams
-from tests.router.deployment_processes import running_deployment
+from tests.router.deployment_processes import kill_te, running_deployment
 
 pytestmark = pytest.mark.timeout(300)
 
 HEARTBEAT_TIMEOUT_S = 1.0
+LONG_HEARTBEAT_TIMEOUT_S = 60.0  # far longer than a test waits: what /health sees before it comes from sockets
 WRONG = b"an-attackers-guess"
 
 
@@ -57,8 +58,9 @@ class FakeTE:
 
 
 @contextlib.contextmanager
-def fake_tes(model: str, spec: list[tuple[str, str, str, bytes | None]]):
-    je = Router(RouterConfig(model=model, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S))
+def fake_tes(model: str, spec: list[tuple[str, str, str, bytes | None]],
+             heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+    je = Router(RouterConfig(model=model, heartbeat_timeout_s=heartbeat_timeout_s))
     ctx = zmq.Context()
     try:
         yield je, {name: FakeTE(ctx, je, name, role, group, secret) for name, role, group, secret in spec}
@@ -163,6 +165,34 @@ def test_health_says_what_cannot_be_routed_when_the_decode_te_stops(model):
             assert "no live decode TE" in body["error"]["message"]
 
 
+def test_health_follows_a_te_whose_socket_closed_before_its_heartbeats_time_out(model):
+    """The finding: /health said ok for ~5 s after a decode TE died, until its heartbeats timed out. A dead
+    process's sockets close at once: the JE's link to it drops, and routing and /health follow then."""
+    spec = [("pd-prefill-0", "prefill", "pd", None), ("pd-decode-0", "decode", "pd", None)]
+    with fake_tes(model, spec, heartbeat_timeout_s=LONG_HEARTBEAT_TIMEOUT_S) as (je, tes):
+        with TestClient(build_app(je)) as client:
+            client.portal.call(je.start)
+            for _ in range(100):  # bounded: 5 s
+                for te in tes.values():
+                    te.beat()
+                if client.get("/health").status_code == 200:
+                    break
+                time.sleep(0.05)
+            assert client.get("/health").json()["status"] == "ok"
+            tes["pd-decode-0"].inbox.close(0)  # what a kill -9 does to its sockets; it beats no more
+            for _ in range(200):  # bounded: 10 s, a sixth of the heartbeat timeout
+                tes["pd-prefill-0"].beat()
+                health = client.get("/health")
+                if health.status_code == 503:
+                    break
+                time.sleep(0.05)
+            assert health.status_code == 503
+            assert health.json()["missing"] == ["group pd: no live decode TE"]
+            # seen by the socket, not the heartbeat timeout: the TE is still registered, only not routable
+            assert je.registry.get("pd-decode-0") is not None and not je.registry.expired(time.monotonic())
+            assert "pd-decode-0" not in {r.name for r in je.registry.routable()}
+
+
 # ---------------------------------------------------------------- a real TE (`meshserve te`)
 def admin_snapshot(input_addr: str, secret: bytes | None, timeout_s: float) -> AdminReply | None:
     """Send a TE a kv.snapshot request from sockets keyed by `secret`; its reply, or None."""
@@ -211,3 +241,25 @@ def test_route_health_names_the_missing_part_of_each_kind():
     lost_colocated = route_health([view("p0", "prefill", "pd"), view("d0", "decode", "pd")], known)
     assert lost_colocated.routable and lost_colocated.missing[0] == "no live colocated TE"
     assert route_health([]).missing == ["no TE is registered"] and not route_health([]).routable
+
+
+def test_health_says_a_killed_decode_te_is_gone_before_its_heartbeat_timeout(model):
+    """kill -9 of a real decode TE in a 1p1d deployment: /health's routable set loses it while its heartbeats
+    are still within their (long) timeout."""
+    with running_deployment(model, "1p1d", heartbeat_timeout_s=LONG_HEARTBEAT_TIMEOUT_S) as (jes, procs):
+        je = jes[0]
+
+        async def health_after_kill() -> dict:
+            await je.start()
+            assert je.health()["status"] == "ok"
+            kill_te(procs["pd-decode-0"])
+            for _ in range(200):  # bounded: 20 s, a third of the heartbeat timeout
+                if not je.healthy:
+                    break
+                await asyncio.sleep(0.1)
+            return je.health()
+
+        health = asyncio.run(health_after_kill())
+        assert health["status"] == "unavailable" and health["missing"] == ["group pd: no live decode TE"]
+        assert je.registry.get("pd-decode-0") is not None  # not dropped: its heartbeat timeout has not passed
+        assert not je.registry.expired(time.monotonic())
