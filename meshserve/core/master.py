@@ -329,6 +329,9 @@ class EngineCore:
     def _fail(self, error: str) -> None:
         if self.dead_error is not None:
             return
+        if self.stop_requested:  # a step cut short by the stop (its ranks got the signal too) is no failure
+            logger.info("stopping; a step failed meanwhile: %s", error)
+            return
         logger.error("engine failed: %s", error)
         self.dead_error = error
         for group in self.groups:
