@@ -595,7 +595,7 @@ class Scheduler:
         and to the connectors (the memory pool stores them)."""
         num_full = min(num_kv_ready, req.num_tokens) // self.block_size
         if self.kv_manager.enable_prefix_caching and num_full > req.num_inserted_blocks:
-            self.kv_manager.insert_prefix(req.all_token_ids, req.block_ids, num_full)
+            self.kv_manager.insert_prefix(req.all_token_ids, req.block_ids, num_full, req.tenancy.cache_salt)
             req.num_inserted_blocks = num_full
         for connector in self.connectors:
             connector.on_blocks_ready(req, num_full)
@@ -683,7 +683,8 @@ class Scheduler:
         limit = len(tokens) - 1
         prefix: list[int] = []
         if self.kv_manager.enable_prefix_caching:
-            prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False)
+            prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False,
+                                                     cache_salt=req.tenancy.cache_salt)
         pinned = self._match_context_cache(req.context_cache_id, tokens, limit)
         # a block's KV depends only on the tokens up to it, so pinned and tree blocks of equal tokens mix freely
         hit = pinned + prefix[len(pinned):]
