@@ -32,6 +32,7 @@ class FairWaitingQueue:
         self._requests: list[Request] = []  # by queue_key: priority, front (preempted) or not, arrival
         self._served: dict[str, float] = {}  # tenant -> tokens of its requests taken since the queue was empty
         self._waiting_per_tenant: dict[str, int] = {}
+        self._order: list[Request] | None = None  # `ordered()` until the queue or a counter changes
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -51,10 +52,12 @@ class FairWaitingQueue:
                 self._served[tenant] = max(self._served.get(tenant, 0.0), min(active))
         self._waiting_per_tenant[tenant] = self._waiting_per_tenant.get(tenant, 0) + 1
         bisect.insort(self._requests, req, key=_fifo_key)
+        self._order = None
 
     def remove(self, req: Request) -> None:
         """Take `req` out without serving it (an abort, an error)."""
         self._requests.remove(req)
+        self._order = None
         tenant = req.tenancy.tenant
         self._waiting_per_tenant[tenant] -= 1
         if not self._waiting_per_tenant[tenant]:
@@ -70,7 +73,10 @@ class FairWaitingQueue:
 
     def ordered(self) -> list[Request]:
         """Every waiting request in the order the scheduler should try them: by priority, preempted ones first
-        within theirs, then the tenants' requests interleaved by their counters (as if each were taken in turn)."""
+        within theirs, then the tenants' requests interleaved by their counters (as if each were taken in turn).
+        Kept until the next change; do not mutate it."""
+        if self._order is not None:
+            return self._order
         out: list[Request] = []
         start = 0
         while start < len(self._requests):
@@ -80,6 +86,7 @@ class FairWaitingQueue:
                 end += 1
             out += self._fair_order(self._requests[start:end])
             start = end
+        self._order = out
         return out
 
     def _fair_order(self, same_priority: list[Request]) -> list[Request]:

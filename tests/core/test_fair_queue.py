@@ -4,8 +4,9 @@ an idle tenant no banked credit."""
 from __future__ import annotations
 
 from meshserve.core.fair_queue import FairWaitingQueue
+from meshserve.core.waiting_queue import DPWaitingQueue
 from meshserve.wire.client import Tenancy
-from tests.core.test_scheduler import FakeWorker, make_request, make_scheduler, prompt_of, run_sync
+from tests.core.test_scheduler import BS, FakeWorker, make_request, make_scheduler, prompt_of, run_sync
 
 
 def of_tenant(tenant: str, req_id: str, prompt_len: int = 6, priority: int = 0, arrival: float = 0.0):
@@ -80,3 +81,15 @@ def test_a_single_tenant_keeps_fcfs_and_the_counters_reset_when_the_queue_emptie
     for req in queue.ordered():
         queue.take(req)
     assert len(queue) == 0 and queue._served == {}
+
+
+def test_the_dp_queue_places_tenants_in_turns():
+    queue = DPWaitingQueue([make_scheduler(num_blocks=32) for _ in range(2)], max_waiting=100, block_size=BS)
+    for i in range(50):
+        queue.admit(of_tenant("noisy", f"n{i}", arrival=float(i)))
+    queue.admit(of_tenant("polite", "p0", arrival=100.0))
+    order = [r.req_id for r in queue.pending]
+    assert order.index("p0") <= 1 and [r for r in order if r != "p0"] == [f"n{i}" for i in range(50)]
+    queue.abort(["n0"])  # an abort charges nobody
+    remaining = [r.req_id for r in queue.pending]
+    assert "n0" not in remaining and remaining.index("p0") <= 1
