@@ -2,9 +2,9 @@
 
 A block's key chains the previous block's key with the block's token ids, the model's
 identity (a content hash of its weights and the KV layout: compute dtype, KV cache dtype,
-weight quantization, MTP) and the namespaces (the pool's, and the request's prefix-cache namespace: its tenant and
-`cache_salt`), so equal prefixes share blocks while different models, versions, number
-formats or tenants never do. Each rank
+weight quantization, MTP) and two namespaces: the pool's (`--pool-namespace`) and the
+request's prefix-cache salt (its tenant's namespace and `cache_salt`). Equal prefixes
+share blocks while different models, versions, number formats or tenants never do. Each rank
 stores its own part of a block under the key plus its attention-TP coordinates
 (`rank_key`), so layouts with different TP never read each other's bytes.
 

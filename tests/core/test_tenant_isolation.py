@@ -3,12 +3,16 @@ prefix hits, the memory pool's keys and the router's prompt tree all keep equal 
 apart, and an AddRequest's tenancy survives the wire."""
 from __future__ import annotations
 
+import pytest
+
+from meshserve.core.admission import MAX_TENANCY_CHARS, Admission
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.request import Request
 from meshserve.pool.context_keys import block_keys, key_root
 from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.wire import codec
 from meshserve.wire.client import AddRequest, Tenancy
+from meshserve.wire.errors import InvalidRequestError
 from meshserve.wire.kv import BlockRemoved, BlockStored, KVCacheEvents, chain_block_hash
 from meshserve.wire.sampling_params import SamplingParams
 from tests.core.test_scheduler import BS, FakeWorker, make_request, make_scheduler, prompt_of, run_sync
@@ -117,3 +121,14 @@ def test_tenancy_travels_in_an_add_request_and_reaches_the_request():
     plain = codec.decode(codec.encode(AddRequest(req_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(),
                                                  arrival_time=0.0)))
     assert plain.tenancy == Tenancy()
+
+
+def test_the_master_refuses_an_overlong_tenant_or_salt():
+    admission = Admission(vocab_size=100, block_size=BS, queue=None, kv_connectors=None, outputs=None, recovery=None)
+    long = "x" * (MAX_TENANCY_CHARS + 1)
+    for tenancy in (Tenancy(tenant=long), Tenancy(cache_salt=long)):
+        with pytest.raises(InvalidRequestError, match="tenant or cache salt"):
+            admission.check(AddRequest(req_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(),
+                                       arrival_time=0.0, tenancy=tenancy))
+    admission.check(AddRequest(req_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(), arrival_time=0.0,
+                               tenancy=Tenancy(tenant="t" * MAX_TENANCY_CHARS, cache_salt=SALT_A)))
