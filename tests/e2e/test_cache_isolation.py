@@ -12,13 +12,13 @@ equal work: docs/caching.md#tenant-isolation); the suite asserts no timing.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from meshserve.entrypoints.openai.cache_namespaces import key_fingerprint
+from meshserve.pool.sdk import PoolClient
 from tests.e2e.server_process import running_server
 from tests.pool.pool_processes import free_address, pool_processes, start_pool, wait_until
 
@@ -27,6 +27,7 @@ MODEL = "tiny"
 BLOCK = 16
 PROMPT_TOKENS = 6 * BLOCK + 5
 STARTUP_TIMEOUT_S = 180
+POOL_JOIN_S = 60.0
 POOL_WAIT_S = 30.0  # the pool stores blocks in the background: A's repeat polls until it hits
 TOPOLOGIES = [("colocated", False), ("colocated", True), ("1p1d", False), ("1p1d", True)]
 
@@ -40,7 +41,9 @@ def pool_controller(tmp_path_factory) -> Iterator[str]:
         procs.append(start_pool(["controller", "--bind", controller, "--server-timeout", "3"], logs / "pool.log"))
         procs.append(start_pool(["server", "--controller", controller, "--bind", free_address(), "--dram-gb", "0.25",
                                  "--heartbeat", "0.2"], logs / "pool.log"))
-        time.sleep(1.0)  # the server joins within its first heartbeats; a miss costs hits, never requests
+        with PoolClient(controller, timeout_s=2.0) as client:
+            wait_until(lambda: client.view() is not None and len(client.view().servers) == 1, POOL_JOIN_S,
+                       "the pool server to join")
         yield controller
 
 
