@@ -17,6 +17,7 @@ from meshserve.wire.errors import InvalidRequestError, QueueFullError, RequestTo
 from meshserve.wire.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_TENANCY_CHARS = 256  # a tenant name or cache salt (the frontend sends hashes of 16 to 64 characters)
 MAX_ID_LIST = 1024  # eos and stop token ids of one request
 
 
@@ -75,6 +76,8 @@ class Admission:
         for what, token_ids in (("prompt", item.prompt_token_ids), ("eos", item.eos_token_ids),
                                 ("output", item.output_token_ids)):
             check_token_ids(token_ids, self.vocab_size, what)
+        if max(len(item.tenancy.tenant), len(item.tenancy.cache_salt)) > MAX_TENANCY_CHARS:
+            raise InvalidRequestError(f"a tenant or cache salt must have at most {MAX_TENANCY_CHARS} characters")
         if not INT64_MIN <= item.priority <= INT64_MAX:
             raise InvalidRequestError(f"priority must fit in a signed 64-bit integer, got {item.priority}")
         params = item.sampling_params  # its own checks ran when the frame was decoded
@@ -89,6 +92,7 @@ class Admission:
                           sampling_params=params, arrival_time=item.arrival_time, priority=item.priority,
                           eos_token_ids=item.eos_token_ids)
         set_context_cache(request, item)
+        request.tenancy = item.tenancy
         if request.context_cache_ttl_s is not None and not self.queue.can_pin(
                 request.num_prompt_tokens // self.block_size):
             raise QueueFullError("named context caches already pin the share of the KV cache they may hold; "

@@ -5,7 +5,10 @@ Three structures over one pool of fixed-size blocks (deepserve §4.3, Table 1):
 - a block pool with reference counts (`alloc_blocks`, `append_block`, `acquire`, `free`);
 - a radix tree over full blocks for implicit prefix caching (`match_by_prefix`,
   `insert_prefix`); a node's key is the tuple of its block's token ids and its
-  parent is the node of the preceding block, so equal prefixes share nodes;
+  parent is the node of the preceding block, so equal prefixes share nodes. The
+  tree has one root per prefix-cache namespace (a request's `cache_salt`, one per
+  tenant unless the operator shares it): equal prefixes of two namespaces never
+  share a node, and their chain hashes differ (docs/caching.md#tenant-isolation);
 - an id index (`match_by_id`, `register_id`, `unregister_id`) for explicit
   caching (a session, a transfer handle); registered blocks stay pinned.
 
@@ -37,8 +40,9 @@ class _Node:
     key: tuple[int, ...]
     block_id: int
     block_hash: int
-    parent: _Node | None  # None: a child of the root
+    parent: _Node | None  # None: a child of its namespace's root
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    cache_salt: str = ""  # the namespace whose root holds it (set on a chain's first node)
 
 
 class KVCacheManager:
@@ -62,7 +66,7 @@ class KVCacheManager:
         self._ref_counts = [0] * num_blocks
         self._num_referenced = 0
         self._free: deque[int] = deque(range(num_blocks))  # unreferenced and not in the tree
-        self._root_children: dict[tuple[int, ...], _Node] = {}
+        self._roots: dict[str, dict[tuple[int, ...], _Node]] = {}  # cache salt -> its root's children
         self._nodes: dict[int, _Node] = {}  # block id -> its tree node
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached and unreferenced, oldest first
         self._id_index: dict[Hashable, list[int]] = {}
@@ -173,13 +177,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ prefix tree
     def match_by_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
-                        record: bool = True) -> list[int]:
-        """Block ids of the longest cached prefix of full blocks within the first `max_tokens`
-        tokens (all of them by default). Takes no reference; counts the lookup when `record`."""
+                        record: bool = True, cache_salt: str = "") -> list[int]:
+        """Block ids of the longest prefix of full blocks cached under `cache_salt` within the first
+        `max_tokens` tokens (all of them by default). Takes no reference; counts the lookup when `record`."""
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         matched: list[int] = []
         if self.enable_prefix_caching:
-            children = self._root_children
+            children = self._roots.get(cache_salt, {})
             for start in range(0, limit - self.block_size + 1, self.block_size):
                 node = children.get(tuple(token_ids[start : start + self.block_size]))
                 if node is None:
@@ -199,8 +203,10 @@ class KVCacheManager:
         self.prefix_queries += num_query_tokens
         self.prefix_hits += num_hit_tokens
 
-    def insert_prefix(self, token_ids: Sequence[int], block_ids: Sequence[int], num_full_blocks: int) -> None:
-        """Register the first `num_full_blocks` blocks of a sequence whose KV is computed.
+    def insert_prefix(self, token_ids: Sequence[int], block_ids: Sequence[int], num_full_blocks: int,
+                      cache_salt: str = "") -> None:
+        """Register the first `num_full_blocks` blocks of a sequence whose KV is computed, under the
+        prefix-cache namespace `cache_salt`.
 
         Where a node for the same tokens already exists it is kept, and the caller's own
         block for that position stays unregistered (it is freed normally)."""
@@ -212,7 +218,7 @@ class KVCacheManager:
                 f"block ids; got {len(token_ids)} tokens and {len(block_ids)} blocks"
             )
         parent: _Node | None = None
-        children = self._root_children
+        children = self._roots.setdefault(cache_salt, {})
         new_nodes: list[_Node] = []
         for i in range(num_full_blocks):
             key = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -225,7 +231,8 @@ class KVCacheManager:
                 if self._ref_counts[block_id] == 0:
                     raise ValueError(f"block {block_id} is free; only a held block can be cached")
                 parent_hash = parent.block_hash if parent else None
-                node = _Node(key, block_id, chain_block_hash(parent_hash, key), parent)
+                node = _Node(key, block_id, chain_block_hash(parent_hash, key, cache_salt), parent,
+                             cache_salt=cache_salt)
                 children[key] = node
                 self._nodes[block_id] = node
                 new_nodes.append(node)
@@ -244,7 +251,7 @@ class KVCacheManager:
         """Every cached block as (block_hash, parent_block_hash or None, token_ids), parents first: what a
         router that lost events needs to rebuild its view of this cache."""
         out: list[CachedBlock] = []
-        stack = list(self._root_children.values())
+        stack = [node for children in self._roots.values() for node in children.values()]
         while stack:
             node = stack.pop()
             out.append((node.block_hash, node.parent.block_hash if node.parent else None, list(node.key)))
@@ -258,7 +265,7 @@ class KVCacheManager:
             self._free.append(block_id)
         self._evictable.clear()
         self._nodes.clear()
-        self._root_children = {}
+        self._roots = {}
         self._emit(AllBlocksCleared())
 
     def _evict_one(self, removed_hashes: list[int]) -> int | None:
@@ -269,8 +276,10 @@ class KVCacheManager:
         else:
             return None
         del self._evictable[block_id]
-        siblings = node.parent.children if node.parent else self._root_children
+        siblings = node.parent.children if node.parent else self._roots[node.cache_salt]
         del siblings[node.key]
+        if node.parent is None and not siblings:
+            del self._roots[node.cache_salt]  # a namespace's last chain: its root goes too
         del self._nodes[block_id]
         removed_hashes.append(node.block_hash)
         return block_id

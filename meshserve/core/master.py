@@ -12,7 +12,7 @@ scheduler (deepserve §4.2, asynchronous execution).
 Its other concerns have modules of their own: the ranks' processes and sockets (`worker_group`), taking
 requests (`admission`, `waiting_queue`) and sending their outputs (`request_outputs`), operator commands
 (`admin_ops`, `drain`), rank failures and recovery (`recovery`, `rank_health`), prefix-cache events
-(`kv_events`) and when to draft (`spec_controller`).
+(`kv_events`), when to draft (`spec_controller`) and its stats and heartbeat (`engine_report`).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from meshserve.core.admission import Admission
 from meshserve.core.client_links import ClientLink, RouterLinks
 from meshserve.core.dp_group import StepMismatchError, build_dp_groups, connector_metadata
 from meshserve.core.drain import Drain
+from meshserve.core.engine_report import engine_heartbeat, engine_stats
 from meshserve.core.eplb_controller import EplbController
 from meshserve.core.kv_connector import KVConnectors
 from meshserve.core.kv_events import KVEventPublisher
@@ -55,9 +56,9 @@ from meshserve.wire.client import (
     StatsQuery,
 )
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
-from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
+from meshserve.wire.heartbeat import EngineHeartbeat, StartupTimeline
 from meshserve.wire.kv import KVConnectorReport
-from meshserve.wire.receive import drop_frame, dropped_frames, recv_message
+from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import (
     ModelRunnerOutput,
@@ -388,34 +389,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ what the TE tells others
     def _stats(self) -> EngineStats:
-        parts = [s.stats() for s in self.schedulers]
-        pending, recovery = self.queue.pending, self.recovery.state
-        return EngineStats.merge(
-            parts,
-            num_waiting=sum(p.num_waiting for p in parts) + len(pending),
-            waiting_tokens=sum(p.waiting_tokens for p in parts) + sum(r.num_tokens for r in pending),
-            dropped_frames=dropped_frames(),
-            num_rollbacks=self.recovery.health.num_rollbacks,
-            num_recoveries=recovery.total,
-            num_migrated=recovery.migrated,
-            world_size=self.workers.world_size,
-            recovering=recovery.in_progress,
-            last_failure=recovery.last_failure,
-            last_failure_silent_s=recovery.last_failure_silent_s,
-            healthy=self.dead_error is None,
-            error=self.dead_error,
-        )
+        return engine_stats(self)
 
     def _heartbeat(self) -> EngineHeartbeat:
-        strategy = self.config.parallel_config.strategy
-        return EngineHeartbeat(name=self.config.te_name, role=EngineRole(self.role), group=self.group,
-                               input_addr=self.link.listen_addr, kv_events_addr=self.kv_events.addr,
-                               model=self.config.model_config.served_model_name or self.config.model_config.model,
-                               max_model_len=self.max_model_len, block_size=self.config.cache_config.block_size,
-                               attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),
-                               kv_event_seq=self.kv_events.seq, timestamp=time.time(),
-                               draining=self.drain.active, pid=os.getpid(), startup=self.startup,
-                               weights_addrs=self.weight_servers.addrs)
+        return engine_heartbeat(self)
 
     # ------------------------------------------------------------------ loop
     def warm_up(self) -> None:

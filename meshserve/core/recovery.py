@@ -166,6 +166,7 @@ class RankRecovery:
         request = Request(req_id=old.req_id, prompt_token_ids=old.prompt_token_ids,
                           sampling_params=old.sampling_params, arrival_time=old.arrival_time,
                           priority=old.priority, eos_token_ids=old.eos_token_ids)
+        request.tenancy = old.tenancy
         for token in old.output_token_ids:
             request.append_output_token(token)
         if old.kv_transfer is not None and old.kv_transfer.role is KVTransferRole.PRODUCER:

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from meshserve.wire.client import AddRequest
+from meshserve.wire.client import NO_TENANCY, AddRequest
 from meshserve.wire.kv import KVTransferParams, KVTransferRole
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -97,6 +97,8 @@ class Request:
         # request creates it (its prompt's full blocks are pinned once computed, and the ttl is cleared)
         self.context_cache_id: str | None = None
         self.context_cache_ttl_s: float | None = None
+        # its sender (fair scheduling between tenants) and prefix-cache namespace (the blocks it may share)
+        self.tenancy = NO_TENANCY
         self.arrival_seq = 0  # order of admission: breaks ties between equal arrival times
         self.queue_key: tuple = ()  # position in the waiting queue
 
@@ -112,6 +114,7 @@ class Request:
         )
         req.context_cache_id = msg.context_cache_id
         req.context_cache_ttl_s = msg.context_cache_ttl_s
+        req.tenancy = msg.tenancy
         return req
 
     @property

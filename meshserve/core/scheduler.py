@@ -2,8 +2,9 @@
 
 Each `schedule()` builds one step under a token budget: running requests first
 (a decode costs one token, an unfinished chunked prefill takes what the budget
-leaves), then waiting requests in priority order, FCFS within a priority, with
-their prefix-cache hits skipped. When blocks run out the lowest-priority,
+leaves), then waiting requests in priority order, the tenants taking turns within a
+priority and FCFS within a tenant (`fair_queue`), with their prefix-cache hits
+skipped. When blocks run out the lowest-priority,
 latest-arrived running request is preempted by recompute.
 
 Overlapped scheduling (deepserve §4.2, asynchronous execution): a step's
@@ -34,7 +35,6 @@ Works on token ids and block ids only; the worker owns every tensor.
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 import logging
 import time
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from meshserve.config import SchedulerConfig
 from meshserve.core.dp_balancer import DPGroupLoad
+from meshserve.core.fair_queue import FairWaitingQueue
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
 from meshserve.core.request import Request, RequestStatus
@@ -104,10 +105,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _queue_key(req: Request) -> tuple:
-    return req.queue_key
-
-
 def _victim_key(req: Request) -> tuple:
     """Larger = preempted first: lowest priority (largest value), then latest arrival."""
     return (req.priority, req.arrival_time, req.arrival_seq)
@@ -138,7 +135,7 @@ class Scheduler:
         self._spec_tokens = 0
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._running: list[Request] = []
-        self._waiting: list[Request] = []  # sorted by queue_key
+        self._waiting = FairWaitingQueue()  # by priority; tenants take turns within one (fair_queue.py)
         self._add_seq = 0
         self._front_seq = 0  # preempted requests go to the front of their priority class
         self._step_id = 0
@@ -187,7 +184,7 @@ class Scheduler:
         req.queue_key = (req.priority, 1, req.arrival_time, self._add_seq)
         self._add_seq += 1
         self._requests[req.req_id] = req
-        bisect.insort(self._waiting, req, key=_queue_key)
+        self._waiting.add(req)
 
     def _check_fits(self, req: Request) -> None:
         cfg = self.config
@@ -273,10 +270,13 @@ class Scheduler:
         return max(0, min(self.num_speculative_tokens - 1, self.max_model_len - num_tokens))
 
     def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+        # by priority, the tenants taking turns within one (fair_queue.py); the order counts each request as
+        # taken, so it holds for the whole step until a preemption puts victims back
+        order = self._waiting.ordered()
         index = 0  # the requests before it wait for a connector's lookup: the ones behind them go first
-        while (index < len(self._waiting) and plan.budget > 0
+        while (index < len(order) and plan.budget > 0
                and len(self._running) + self._num_loading < self.config.max_num_seqs):
-            req = self._waiting[index]
+            req = order[index]
             if req.req_id in preempted_now:
                 break  # it just lost its blocks; resuming it in the same step would thrash
             hit_blocks = self.match_cached_blocks(req)
@@ -291,8 +291,9 @@ class Scheduler:
                     break  # no free blocks: the load waits (backpressure), nothing is dropped
             elif not self._start_compute(req, hit_blocks, plan, preempted_now):
                 break
+            index += 1
             if len(preempted_now) > num_preempted:
-                index = 0  # a victim may now stand before the skipped requests
+                order, index = self._waiting.ordered(), 0  # a victim may now stand before the skipped requests
 
     def _remote_match(self, req: Request, num_local_tokens: int) -> tuple[int, KVConnectorScheduler | None] | None:
         """The tokens past the local hit the first connector that has them loads, and that connector;
@@ -341,7 +342,7 @@ class Scheduler:
             return False
         if self.kv_manager.enable_prefix_caching:
             self.kv_manager.record_prefix_lookup(req.num_tokens, len(hit_blocks) * self.block_size)
-        self._waiting.remove(req)  # victims of this request may now stand before it
+        self._waiting.take(req)  # its tenant is charged its tokens (fair_queue.py)
         return True
 
     # ------------------------------------------------------------ remote KV (KV connectors)
@@ -433,7 +434,7 @@ class Scheduler:
         preempted_now.add(req.req_id)
         self._front_seq -= 1
         req.queue_key = (req.priority, 0, self._front_seq, req.arrival_seq)
-        bisect.insort(self._waiting, req, key=_queue_key)
+        self._waiting.add(req)
         logger.debug("preempted %s (%d tokens) to free KV blocks", req.req_id, req.num_tokens)
 
     def _release(self, req: Request, cache: bool) -> None:
@@ -595,7 +596,7 @@ class Scheduler:
         and to the connectors (the memory pool stores them)."""
         num_full = min(num_kv_ready, req.num_tokens) // self.block_size
         if self.kv_manager.enable_prefix_caching and num_full > req.num_inserted_blocks:
-            self.kv_manager.insert_prefix(req.all_token_ids, req.block_ids, num_full)
+            self.kv_manager.insert_prefix(req.all_token_ids, req.block_ids, num_full, req.tenancy.cache_salt)
             req.num_inserted_blocks = num_full
         for connector in self.connectors:
             connector.on_blocks_ready(req, num_full)
@@ -683,7 +684,8 @@ class Scheduler:
         limit = len(tokens) - 1
         prefix: list[int] = []
         if self.kv_manager.enable_prefix_caching:
-            prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False)
+            prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False,
+                                                     cache_salt=req.tenancy.cache_salt)
         pinned = self._match_context_cache(req.context_cache_id, tokens, limit)
         # a block's KV depends only on the tokens up to it, so pinned and tree blocks of equal tokens mix freely
         hit = pinned + prefix[len(pinned):]

@@ -1,15 +1,15 @@
 """The DP waiting queue: requests no DP group has taken yet, and where each placed one went.
 
 With one DP group a request goes straight to its scheduler. With several, requests wait in one shared
-queue (priority, then arrival) and the DP balancer places a batch of them each step (`dp_balancer`,
+queue (priority, then the tenants taking turns, FCFS within one: `fair_queue`) and the DP balancer places a
+batch of them each step (`dp_balancer`,
 xdeepserve §4.3: one collaborative placement per step); `owner` remembers each placed request's group
 until it finishes, so an abort reaches the right scheduler.
 """
 from __future__ import annotations
 
-import bisect
-
 from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, PendingRequest, place_batch
+from meshserve.core.fair_queue import FairWaitingQueue
 from meshserve.core.request import Request
 from meshserve.core.scheduler import Scheduler
 from meshserve.wire.client import FinishReason, RequestDelta
@@ -21,9 +21,9 @@ class DPWaitingQueue:
         self.schedulers = schedulers  # one per DP group
         self.max_waiting = max_waiting
         self.block_size = block_size
-        self.pending: list[Request] = []  # in queue order (DP > 1 only)
+        self._queue = FairWaitingQueue()  # requests no group has taken (DP > 1 only)
         self._seq = 0
-        self._keys: dict[str, tuple] = {}  # queue order: priority, then arrival
+        self._keys: dict[str, tuple] = {}  # a waiting request's queue key: priority, then arrival
         self.owner: dict[str, int] = {}  # a placed request's DP group
 
     def admit(self, request: Request) -> None:
@@ -37,12 +37,17 @@ class DPWaitingQueue:
     def _enqueue(self, request: Request) -> None:
         if request.req_id in self.owner or request.req_id in self._keys:
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        if len(self.pending) >= self.max_waiting:
+        if len(self._queue) >= self.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
         self.schedulers[0].check_fits(request)  # every group has the same limits
         self._seq += 1
-        self._keys[request.req_id] = (request.priority, request.arrival_time, self._seq)
-        bisect.insort(self.pending, request, key=lambda r: self._keys[r.req_id])
+        self._keys[request.req_id] = request.queue_key = (request.priority, 1, request.arrival_time, self._seq)
+        self._queue.add(request)
+
+    @property
+    def pending(self) -> list[Request]:
+        """The waiting requests in the order they are placed (do not mutate)."""
+        return self._queue.ordered()
 
     def can_pin(self, num_blocks: int) -> bool:
         """Whether some DP group may pin `num_blocks` more blocks for a named context cache."""
@@ -50,7 +55,7 @@ class DPWaitingQueue:
 
     def place(self) -> None:
         """Hand waiting requests to DP groups (xdeepserve §4.3: one collaborative placement per step)."""
-        if not self.pending:
+        if not len(self._queue):
             return
         loads = [s.dp_load(DEFAULT_EXPECTED_OUTPUT_TOKENS) for s in self.schedulers]
         items = [PendingRequest(key=r, num_prompt_tokens=r.num_prompt_tokens,
@@ -66,19 +71,18 @@ class DPWaitingQueue:
         placed = place_batch(items, self.block_size, loads, prefix_hits)
         if not placed:
             return
-        taken = set()
         for item, group in placed:
             request = item.key
+            self._queue.take(request)  # its tenant is charged before the group's scheduler re-keys it
             self.schedulers[group].add_request(request)
             self.owner[request.req_id] = group
             self._keys.pop(request.req_id, None)
-            taken.add(request.req_id)
-        self.pending = [r for r in self.pending if r.req_id not in taken]
 
     def abort(self, req_ids: list[str]) -> None:
         """Take the requests out of the queue or out of the group that has them."""
         aborted = set(req_ids)
-        self.pending = [r for r in self.pending if r.req_id not in aborted]
+        for request in [r for r in self.pending if r.req_id in aborted]:
+            self._queue.remove(request)
         for req_id in req_ids:
             self._keys.pop(req_id, None)
             group = self.owner.pop(req_id, None) if len(self.schedulers) > 1 else 0
@@ -96,7 +100,7 @@ class DPWaitingQueue:
         """An error delta for every request still waiting; the queue is left empty and owns nothing."""
         deltas = [RequestDelta(req_id=r.req_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error,
                                num_prompt_tokens=r.num_prompt_tokens) for r in self.pending]
-        self.pending = []
+        self._queue = FairWaitingQueue()
         self._keys.clear()
         self.owner.clear()
         return deltas

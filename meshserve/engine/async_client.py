@@ -31,7 +31,16 @@ from meshserve.engine.detokenizer import load_tokenizer
 from meshserve.engine.outputs import RequestOutput
 from meshserve.models.generation_config import eos_token_ids
 from meshserve.utils.processes import stopped_on_request
-from meshserve.wire.client import AddRequest, AdminReply, AdminRequest, EngineError, EngineStats, StatsQuery
+from meshserve.wire.client import (
+    NO_TENANCY,
+    AddRequest,
+    AdminReply,
+    AdminRequest,
+    EngineError,
+    EngineStats,
+    StatsQuery,
+    Tenancy,
+)
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -137,13 +146,13 @@ class AsyncEngineClient:
         """On the loop: send every running child to the new engine with its tokens so far."""
         self._generation += 1
         children = self.core.processor.unfinished_children()
-        for child_id, params, prompt_token_ids, token_ids, arrival in children:
+        for child_id, params, prompt_token_ids, token_ids, arrival, tenancy in children:
             if self._sent_to.get(child_id) == self._generation:
                 continue  # submitted to the new engine already
             self._sent_to[child_id] = self._generation
             self.engine.send(AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
                                             arrival_time=arrival, eos_token_ids=self.eos_token_ids,
-                                            output_token_ids=token_ids))
+                                            output_token_ids=token_ids, tenancy=tenancy))
         self.restarts.migrated += len(children)
         live = {child_id for child_id, *_ in children}
         self._sent_to = {c: g for c, g in self._sent_to.items() if c in live}
@@ -189,9 +198,11 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, context_cache_id: str | None = None,
-                       context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
+                       context_cache_ttl_s: float | None = None,
+                       tenancy: Tenancy = NO_TENANCY) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come. `context_cache_id` names a context cache whose pinned blocks lead
-        the prompt; with `context_cache_ttl_s` this request creates that cache from its prompt instead."""
+        the prompt; with `context_cache_ttl_s` this request creates that cache from its prompt instead.
+        `tenancy`: its sender and prefix-cache namespace (meshserve.engine.protocol)."""
         self._ensure_started()
         if not self.healthy:
             raise EngineDeadError(self.dead_error or "engine is not running")
@@ -203,7 +214,8 @@ class AsyncEngineClient:
                 self._sent_to[child_id] = self._generation
             try:
                 self.engine.submit(children, prompt_token_ids, now, priority, self.eos_token_ids,
-                                   context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
+                                   context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s,
+                                   tenancy=tenancy)
             except EngineDeadError:
                 if self.restarts.allow(time.monotonic()):
                     for child_id, _ in children:  # the reader restarts the engine and sends them there
@@ -211,7 +223,8 @@ class AsyncEngineClient:
                     return
                 raise
 
-        async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit)) as outs:
+        async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit,
+                                                        tenancy)) as outs:
             async for out in outs:
                 yield out
 

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from meshserve.engine.output_processor import OutputProcessor
 from meshserve.engine.outputs import RequestOutput
-from meshserve.wire.client import AdminReply, EngineError, EngineOutputs, EngineStats, RequestDelta
+from meshserve.wire.client import NO_TENANCY, AdminReply, EngineError, EngineOutputs, EngineStats, RequestDelta, Tenancy
 from meshserve.wire.errors import ADMISSION_ERRORS, EngineDeadError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -126,11 +126,11 @@ class ClientCore:
 
     # ------------------------------------------------------------------ registration
     def register(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, deliver: Deliver) -> Children:
+                 arrival_time: float, deliver: Deliver, tenancy: Tenancy = NO_TENANCY) -> Children:
         """Register a caller request; returns its children to send. Raises ValueError for a duplicate id."""
         if request_id in self._deliver:
             raise ValueError(f"duplicate request id {request_id!r}")
-        children = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        children = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time, tenancy)
         self._deliver[request_id] = deliver
         self._children[request_id] = [child_id for child_id, _ in children]
         for child_id, _ in children:
@@ -146,13 +146,14 @@ class ClientCore:
             self.abort(request_id)
 
     async def stream(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                     submit: Callable[[Children, float], None]) -> AsyncIterator[RequestOutput]:
+                     submit: Callable[[Children, float], None],
+                     tenancy: Tenancy = NO_TENANCY) -> AsyncIterator[RequestOutput]:
         """Register the request, `submit(children, arrival_time)` it, and yield its outputs until it
         finishes; an admission error (or a failure of its outputs) is raised. A caller that leaves early
         (client disconnect) aborts it."""
         queue: asyncio.Queue = asyncio.Queue()
         now = time.time()
-        children = self.register(request_id, prompt, prompt_token_ids, params, now, queue.put_nowait)
+        children = self.register(request_id, prompt, prompt_token_ids, params, now, queue.put_nowait, tenancy)
         finished = False
         try:
             submit(children, now)

@@ -16,7 +16,7 @@ from meshserve.config import EngineConfig
 from meshserve.utils.processes import launch, stop_process
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
-from meshserve.wire.client import AbortRequests, AddRequest, EngineError, EngineReady
+from meshserve.wire.client import NO_TENANCY, AbortRequests, AddRequest, EngineError, EngineReady, Tenancy
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.receive import recv_message
 
@@ -83,13 +83,14 @@ class EngineCoreClient:
 
     def submit(self, children, prompt_token_ids: list[int], arrival_time: float, priority: int,
                eos_token_ids: list[int], context_cache_id: str | None = None,
-               context_cache_ttl_s: float | None = None) -> None:
+               context_cache_ttl_s: float | None = None, tenancy: Tenancy = NO_TENANCY) -> None:
         """Send the engine-level requests (child id, SamplingParams) of one caller request."""
         for child_id, params in children:
             self.send(AddRequest(req_id=child_id, prompt_token_ids=prompt_token_ids,
                                      sampling_params=params, arrival_time=arrival_time,
                                      priority=priority, eos_token_ids=eos_token_ids,
-                                     context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s))
+                                     context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s,
+                                     tenancy=tenancy))
 
     def recv(self, timeout_ms: int) -> object | None:
         """The next message from the master, or None after `timeout_ms` (or for a frame that was

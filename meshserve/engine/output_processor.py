@@ -16,7 +16,7 @@ import msgspec
 
 from meshserve.engine.detokenizer import IncrementalDetokenizer, as_decoder
 from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, TokenLogprob
-from meshserve.wire.client import RequestDelta
+from meshserve.wire.client import NO_TENANCY, RequestDelta, Tenancy
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import SampleLogprobs
 
@@ -70,6 +70,7 @@ class _Request:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    tenancy: Tenancy = NO_TENANCY  # its children's sender and prefix-cache namespace (kept for a resend)
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,7 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        tenancy: Tenancy = NO_TENANCY,
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; return the engine-level (request_id, params) pairs to submit."""
         if request_id in self._requests:
@@ -122,6 +124,7 @@ class OutputProcessor:
             params=params,
             completions=completions,
             metrics=RequestMetrics(arrival_time=arrival_time),
+            tenancy=tenancy,
         )
         self._requests[request_id] = request
         for completion in completions:
@@ -184,16 +187,16 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def unfinished_children(self) -> list[tuple[str, SamplingParams, list[int], list[int], float]]:
-        """Each running child as (engine id, its params, prompt token ids, tokens so far, arrival time): what an
-        engine that took over needs to continue it from its tokens so far."""
+    def unfinished_children(self) -> list[tuple[str, SamplingParams, list[int], list[int], float, Tenancy]]:
+        """Each running child as (engine id, its params, prompt token ids, tokens so far, arrival time, tenancy):
+        what an engine that took over needs to continue it from its tokens so far, in its own cache namespace."""
         children = []
         for request in self._requests.values():
             params = child_params(request.params, request.params.n)
             for completion in request.completions:
                 if not completion.finished:
                     children.append((completion.engine_id, params[completion.index], request.prompt_token_ids,
-                                     list(completion.token_ids), request.metrics.arrival_time))
+                                     list(completion.token_ids), request.metrics.arrival_time, request.tenancy))
         return children
 
     @property

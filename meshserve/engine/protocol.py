@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from meshserve.engine.outputs import RequestOutput
-from meshserve.wire.client import AdminReply, EngineStats
+from meshserve.wire.client import NO_TENANCY, AdminReply, EngineStats, Tenancy
 from meshserve.wire.sampling_params import SamplingParams
 
 
@@ -28,9 +28,12 @@ class EngineClientProtocol(Protocol):
 
     def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str, priority: int = 0, context_cache_id: str | None = None,
-                 context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
+                 context_cache_ttl_s: float | None = None,
+                 tenancy: Tenancy = NO_TENANCY) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; `context_cache_id` names a context cache leading the prompt,
-        with `context_cache_ttl_s` the request creates that cache from its prompt."""
+        with `context_cache_ttl_s` the request creates that cache from its prompt. `tenancy` names its sender
+        (fair scheduling) and its prefix-cache namespace (cache isolation); every engine request it makes
+        (each choice, each leg, each resend) carries it."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -2,8 +2,9 @@
 
 A block's key chains the previous block's key with the block's token ids, the model's
 identity (a content hash of its weights and the KV layout: compute dtype, KV cache dtype,
-weight quantization, MTP) and the namespace (tenant), so equal prefixes share blocks while
-different models, versions, number formats or tenants never do. Each rank
+weight quantization, MTP) and two namespaces: the pool's (`--pool-namespace`) and the
+request's prefix-cache salt (its tenant's namespace and `cache_salt`). Equal prefixes
+share blocks while different models, versions, number formats or tenants never do. Each rank
 stores its own part of a block under the key plus its attention-TP coordinates
 (`rank_key`), so layouts with different TP never read each other's bytes.
 
@@ -41,15 +42,18 @@ def kv_layout_name(dtype: str, kv_cache_dtype: str = "auto", quantization: str |
     return name + ("+mtp" if mtp else "")
 
 
-def key_root(model_id: str, namespace: str) -> str:
-    """What the first block's key chains from."""
-    return f"{namespace}\0{model_id}"
+def key_root(model_id: str, namespace: str, cache_salt: str = "") -> str:
+    """What the first block's key chains from: the pool namespace, the model and the request's prefix-cache
+    namespace (`Tenancy.cache_salt`: tenants' equal prompts get different keys; docs/caching.md#tenant-isolation).
+    An unsalted key keeps its historical form, so pools filled before salting still serve single-tenant engines."""
+    root = f"{namespace}\0{model_id}"
+    return f"{root}\0salt:{cache_salt}" if cache_salt else root
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, model_id: str, namespace: str,
-               num_blocks: int | None = None) -> list[str]:
+               num_blocks: int | None = None, cache_salt: str = "") -> list[str]:
     """Keys of the first `num_blocks` full blocks of `token_ids` (default: every full block)."""
-    return chain_block_keys(key_root(model_id, namespace), token_ids, block_size, 0, num_blocks)
+    return chain_block_keys(key_root(model_id, namespace, cache_salt), token_ids, block_size, 0, num_blocks)
 
 
 def chain_block_keys(parent: str, token_ids: Sequence[int], block_size: int, first_block: int,

@@ -45,7 +45,8 @@ class Dispatcher:
         """Route the job's first stage and send it; raises NoRouteError."""
         views = [v for v in self.registry.views() if v.name not in exclude]
         decision = self.cache_homes.route(job, views, self.routing) or self.routing.route(
-            job.prompt_token_ids, views, policy=job.policy, max_tokens=job.params.max_tokens)
+            job.prompt_token_ids, views, policy=job.policy, max_tokens=job.params.max_tokens,
+            cache_salt=job.tenancy.cache_salt)
         self.jobs.new_attempt(job)
         if decision.kind == "colocated":
             job.stage, job.te, job.decode_te = "colocated", decision.te, ""
@@ -62,7 +63,7 @@ class Dispatcher:
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.reply_to, kv_transfer=kv_transfer, context_cache_id=job.context_cache_id,
-            context_cache_ttl_s=job.context_cache_ttl_s))
+            context_cache_ttl_s=job.context_cache_ttl_s, tenancy=job.tenancy))
         if job.context_cache_ttl_s is not None:  # the TE that computes the prompt pins the cache's blocks
             self.cache_homes.pin(job.context_cache_id, job.te, job.context_cache_ttl_s)
 
@@ -81,7 +82,7 @@ class Dispatcher:
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
             reply_to=self.reply_to, kv_transfer=msgspec.structs.replace(job.kv_params, recompute=recompute),
-            output_token_ids=list(job.token_ids)))
+            output_token_ids=list(job.token_ids), tenancy=job.tenancy))
 
     def _decode_te(self, job: Job, exclude: set[str]) -> EngineRecord:
         """The job's decode TE, or the least loaded other one of its group when that one is gone, excluded or
@@ -111,7 +112,7 @@ class Dispatcher:
         self.send(self.registry.get(job.te), AddRequest(
             req_id=job.engine_id, prompt_token_ids=job.prompt_token_ids, sampling_params=job.params,
             arrival_time=job.arrival_time, priority=job.priority, eos_token_ids=self.eos_token_ids,
-            reply_to=self.reply_to, output_token_ids=list(job.token_ids)))
+            reply_to=self.reply_to, output_token_ids=list(job.token_ids), tenancy=job.tenancy))
 
     def release_prefill_hold(self, job: Job) -> None:
         """Nobody will pull the job's KV from its prefill TE: have it free the blocks now rather than when

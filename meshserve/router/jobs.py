@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshserve.router.routing import LoadTracker
+from meshserve.wire.client import NO_TENANCY, Tenancy
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.kv import KVTransferParams
 from meshserve.wire.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class Job:
     token_ids: list[int] = field(default_factory=list)  # tokens received so far
     context_cache_id: str | None = None  # a named context cache leading the prompt
     context_cache_ttl_s: float | None = None  # set: this job creates that cache
+    tenancy: Tenancy = NO_TENANCY  # its sender and prefix-cache namespace: every leg's AddRequest carries it
     held_since: float | None = None  # time.monotonic() when it started waiting for a TE; None: not held
     hold_limit_s: float = 0.0  # ... and how long it may wait
     first_token_time: float = 0.0  # time.time() of its first token

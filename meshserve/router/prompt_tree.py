@@ -5,12 +5,12 @@ replays them, so matching a prompt here tells, for every TE, how many of the
 prompt's tokens it could reuse without asking it.
 
 Nodes are full blocks named by their chain hash (`chain_block_hash`): a block's
-hash covers its whole prefix, so one dict lookup per prompt block walks the
-tree, and two trees fed the same events hold the same nodes (how JE replicas
-stay consistent). Each node records its holders, (te, dp_rank) pairs; a holder
-matches a prompt up to the first block of the chain it does not hold. A node
-that nobody holds stays only while it has children, so the tree never keeps
-more than the TEs cache.
+hash covers its whole prefix and its prefix-cache namespace (the request's
+`cache_salt`), so one dict lookup per prompt block walks the tree, and two
+trees fed the same events hold the same nodes (how JE replicas stay consistent).
+Each node records its holders, (te, dp_rank) pairs; a holder matches a prompt
+up to the first block of the chain it does not hold. A node that nobody holds
+stays only while it has children, so the tree never keeps more than the TEs cache.
 
 Thread-safe: events arrive on a subscriber thread, matches come from the
 asyncio thread; one lock guards everything.
@@ -96,9 +96,10 @@ class GlobalPromptTree:
             self._last_seq.pop(te, None)
 
     # ------------------------------------------------------------ queries
-    def match(self, prompt_token_ids: Sequence[int]) -> dict[str, int]:
+    def match(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> dict[str, int]:
         """For each TE holding the prompt's first block: prompt tokens its best DP group caches
-        as a prefix (whole blocks, consecutive from the start)."""
+        as a prefix (whole blocks, consecutive from the start). Only blocks cached under the same
+        `cache_salt` (prefix-cache namespace) match: the TEs salt their chains' hashes with it."""
         bs = self.block_size
         num_blocks = len(prompt_token_ids) // bs
         best: dict[str, int] = {}
@@ -106,7 +107,7 @@ class GlobalPromptTree:
             alive: set[Holder] = set()
             parent: int | None = None
             for depth in range(num_blocks):
-                block_hash = chain_block_hash(parent, prompt_token_ids[depth * bs : (depth + 1) * bs])
+                block_hash = chain_block_hash(parent, prompt_token_ids[depth * bs : (depth + 1) * bs], cache_salt)
                 node = self._nodes.get(block_hash)
                 holders = node.holders if node is not None else set()
                 if depth == 0:

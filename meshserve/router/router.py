@@ -64,7 +64,15 @@ from meshserve.router.routing import (
     route_health,
 )
 from meshserve.router.te_links import TELinkEvent
-from meshserve.wire.client import AdminReply, EngineError, EngineOutputs, EngineStats, RequestDelta
+from meshserve.wire.client import (
+    NO_TENANCY,
+    AdminReply,
+    EngineError,
+    EngineOutputs,
+    EngineStats,
+    RequestDelta,
+    Tenancy,
+)
 from meshserve.wire.cluster import JobExecutorReport
 from meshserve.wire.heartbeat import EngineHeartbeat
 from meshserve.wire.kv import KVCacheEvents
@@ -345,15 +353,17 @@ class Router:
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0, context_cache_id: str | None = None,
-                       context_cache_ttl_s: float | None = None) -> AsyncIterator[RequestOutput]:
-        """As AsyncEngineClient.generate; a job of a named context cache goes to the TE holding it."""
+                       context_cache_ttl_s: float | None = None,
+                       tenancy: Tenancy = NO_TENANCY) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngineClient.generate; a job of a named context cache goes to the TE holding it. Every leg
+        of every job (prefill, decode, a retry or resume) carries `tenancy`."""
         self._ensure_started()
         policy = REQUEST_ROUTING_POLICY.get()
 
         def submit(children, now: float) -> None:
             for child_id, child_params in children:
                 job = Job(child_id, request_id, child_params, list(prompt_token_ids), priority, now, policy,
-                          context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s)
+                          context_cache_id=context_cache_id, context_cache_ttl_s=context_cache_ttl_s, tenancy=tenancy)
                 self.jobs.track(job)
                 try:
                     self.dispatcher.dispatch(job)
@@ -362,7 +372,8 @@ class Router:
                         raise RouteUnavailableError(str(exc)) from None
                     self.held.hold(job, str(exc))  # dispatched when a TE can take it, or failed after hold_s
 
-        async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit)) as outs:
+        async with contextlib.aclosing(self.core.stream(request_id, prompt, prompt_token_ids, params, submit,
+                                                        tenancy)) as outs:
             async for out in outs:
                 yield out
 

@@ -256,11 +256,12 @@ class RoutingPolicy:
         self._rr_decode: dict[str, int] = {}
 
     def route(self, prompt_token_ids: Sequence[int], tes: Sequence[TEView], policy: str | None = None,
-              max_tokens: int | None = None) -> RouteDecision:
+              max_tokens: int | None = None, cache_salt: str = "") -> RouteDecision:
         """The unit for one request; `policy` overrides the router's for this request.
 
         `max_tokens` is the request's output limit as the JE resolved it; None leaves the predictor
-        out and assumes DEFAULT_DECODE_TOKENS."""
+        out and assumes DEFAULT_DECODE_TOKENS. `cache_salt` is the request's prefix-cache namespace: locality
+        sees only the prefixes cached under it (another tenant's cached prompt never attracts the request)."""
         name = self.policy if policy is None else _check_policy(policy)
         cands = _Candidates.of(tes)
         if name == "round_robin":
@@ -268,14 +269,15 @@ class RoutingPolicy:
         if name == "load":
             return self._least_load(cands, cands.colocated + cands.prefill, name, "")
         if name == "locality":
-            return self._locality(cands, cands.colocated + cands.prefill, prompt_token_ids, name, "")
+            return self._locality(cands, cands.colocated + cands.prefill, prompt_token_ids, name, "", cache_salt)
         entries, why = self._pd_type(cands, prompt_token_ids, max_tokens)
         if name == "pd_aware":
             return self._least_load(cands, entries, name, why)
         scores = [self._unit_score(cands, t) for t in entries]
         spread, top = max(scores) - min(scores), max(scores)
         if spread <= self.balance_threshold * max(top, self.balance_floor):
-            return self._locality(cands, entries, prompt_token_ids, name, f"{why}; load balanced (spread {spread:.0f})")
+            return self._locality(cands, entries, prompt_token_ids, name,
+                                  f"{why}; load balanced (spread {spread:.0f})", cache_salt)
         return self._least_load(cands, entries, name, f"{why}; load unbalanced (spread {spread:.0f})")
 
     def route_to(self, name: str, tes: Sequence[TEView], reason: str) -> RouteDecision | None:
@@ -321,10 +323,10 @@ class RoutingPolicy:
         return self._decide(cands, best, policy, _join(why, f"least load ({self._unit_score(cands, best):.0f})"))
 
     def _locality(self, cands: _Candidates, entries: list[TEView], prompt: Sequence[int], policy: str,
-                  why: str) -> RouteDecision:
+                  why: str, cache_salt: str = "") -> RouteDecision:
         if self.tree is None:
             return self._least_load(cands, entries, policy, _join(why, "no prompt tree"))
-        cached = self.tree.match(prompt)
+        cached = self.tree.match(prompt, cache_salt)
         best = min(entries, key=lambda t: (-cached.get(t.name, 0), self._unit_score(cands, t)))
         hit = cached.get(best.name, 0)
         return self._decide(cands, best, policy, _join(why, f"longest cached prefix ({hit} tokens)"))

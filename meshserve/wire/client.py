@@ -63,6 +63,24 @@ class AdminOp(enum.StrEnum):
     FAULT_INJECT = "fault.inject"  # arm a fault (tests and benchmarks only: `meshserve.utils.faults`)
 
 
+class Tenancy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Whose request it is, as far as sharing goes (docs/caching.md#tenant-isolation).
+
+    `tenant` names the sender (an opaque hash of its API key, or its client address; never a key): the
+    master schedules tenants fairly against each other. `cache_salt` names the prefix-cache namespace:
+    cached KV blocks (the local prefix cache, the memory pool, a router's prompt tree) are shared only
+    between requests of equal salts. The HTTP frontend derives it from the tenant's namespace (its own, or
+    the group an operator shares) and the request's own `cache_salt`; "" is the one unsalted namespace of a
+    single-tenant engine.
+    """
+
+    tenant: str = ""
+    cache_salt: str = ""
+
+
+NO_TENANCY = Tenancy()
+
+
 class AddRequest(Message):
     req_id: str
     prompt_token_ids: list[int]
@@ -77,6 +95,7 @@ class AddRequest(Message):
     # full blocks stay pinned under the id until the ttl ends or it is deleted); without, it reuses the cache's blocks
     context_cache_id: str | None = None
     context_cache_ttl_s: float | None = None
+    tenancy: Tenancy = NO_TENANCY  # the sender (fair scheduling) and the prefix-cache namespace (cache isolation)
 
 
 class AbortRequests(Message):

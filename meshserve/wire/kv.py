@@ -198,12 +198,16 @@ def down_prefills(links: Iterable[LinkStatus]) -> frozenset[str]:
 
 
 # ---------------------------------------------------------------- prefix-cache events (master -> routers)
-def chain_block_hash(parent_block_hash: int | None, token_ids: Sequence[int]) -> int:
+def chain_block_hash(parent_block_hash: int | None, token_ids: Sequence[int], cache_salt: str = "") -> int:
     """Stable 64-bit hash of a block given its parent's hash: equal prefixes give equal hashes
-    in every process (unlike Python's randomised `hash`)."""
+    in every process (unlike Python's randomised `hash`). A chain's first block also hashes the
+    prefix-cache namespace (`Tenancy.cache_salt`; its children inherit it through their parent's hash),
+    so equal tokens under two salts never share a hash (docs/caching.md#tenant-isolation)."""
     h = hashlib.blake2b(digest_size=8)
     if parent_block_hash is None:
-        h.update(b"\x00")
+        # the unsalted root keeps its historical encoding; a salt is length-prefixed so no two salts collide
+        salt = cache_salt.encode()
+        h.update(b"\x02" + len(salt).to_bytes(4, "little") + salt if salt else b"\x00")
     else:
         h.update(b"\x01" + parent_block_hash.to_bytes(8, "little"))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))

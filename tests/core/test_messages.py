@@ -41,6 +41,7 @@ from meshserve.wire.client import (
     RequestDelta,
     StatsQuery,
     StatsResult,
+    Tenancy,
     error_type_of,
 )
 from meshserve.wire.cluster import (
@@ -195,7 +196,8 @@ SAMPLES: dict[type, object] = {
     AddRequest: AddRequest(req_id="cmpl-1-0", prompt_token_ids=[1, 2, 3], sampling_params=PARAMS,
                                    arrival_time=1.7e9, priority=-2, eos_token_ids=[2], reply_to="tcp://10.0.0.9:7000",
                                    kv_transfer=TRANSFER, output_token_ids=[44], context_cache_id="ctxc-1",
-                                   context_cache_ttl_s=60.0),
+                                   context_cache_ttl_s=60.0,
+                                   tenancy=Tenancy(tenant="key:0123456789abcdef", cache_salt="9f" * 16)),
     AbortRequests: AbortRequests(req_ids=["cmpl-1-0", "cmpl-1-1"]),
     ReleaseKV: ReleaseKV(req_ids=["cmpl-2-0"]),
     RequestDelta: DELTA,

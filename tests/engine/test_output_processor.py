@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from meshserve.engine.output_processor import OutputProcessor
-from meshserve.wire.client import RequestDelta
+from meshserve.wire.client import RequestDelta, Tenancy
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import SampleLogprobs
 from tests.engine.byte_level_bpe import byte_level_bpe, encode
@@ -158,6 +158,16 @@ def test_n_children_fan_out_with_offset_seeds():
     assert [p.seed for _, p in unseeded] == [None, None]
     single = _add(processor, request_id="s", seed=3)
     assert single == [("s", SamplingParams(seed=3))]
+
+
+def test_unfinished_children_keep_their_tenancy_for_a_resend():
+    processor, tenancy = _processor(), Tenancy(tenant="key:0123456789abcdef", cache_salt="5a" * 16)
+    processor.add_request("r", PROMPT, encode(PROMPT), SamplingParams(n=2), arrival_time=1.0, tenancy=tenancy)
+    _add(processor, request_id="plain")
+    _stream(processor, "r-0", encode("ab"))
+    children = {child[0]: child for child in processor.unfinished_children()}
+    assert children["r-0"][3] == encode("ab") and children["r-0"][5] == tenancy
+    assert children["r-1"][5] == tenancy and children["plain"][5] == Tenancy()
 
 
 def test_n_children_aggregate_into_one_output():

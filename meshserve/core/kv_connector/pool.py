@@ -80,10 +80,11 @@ class PoolConnector(KVConnectorScheduler):
 
     def _start_lookup(self, req: Request) -> _PoolKeys:
         """Ask the pool (one batched exists, rank 0's parts) which leading prompt blocks it holds."""
-        namespace = self.config.pool_namespace
+        namespace, salt = self.config.pool_namespace, req.tenancy.cache_salt
         # like the local prefix cache, never the block of the last prompt token: its logits are needed
-        keys = _PoolKeys(key_root(self.model_id, namespace),
-                         block_keys(req.prompt_token_ids[:-1], self.block_size, self.model_id, namespace))
+        keys = _PoolKeys(key_root(self.model_id, namespace, salt),
+                         block_keys(req.prompt_token_ids[:-1], self.block_size, self.model_id, namespace,
+                                    cache_salt=salt))
         if keys.keys:
             keys.lookup = self.pool.exists_async(namespace, [rank_key(k, 0, self.attn_tp) for k in keys.keys])
         self._keys[req.req_id] = keys

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from meshserve.engine.outputs import CompletionOutput, RequestOutput
 from meshserve.engine.protocol import EngineClientProtocol
 from meshserve.entrypoints.openai.metrics import RequestTracker
+from meshserve.wire.client import NO_TENANCY, Tenancy
 from meshserve.wire.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -38,6 +39,7 @@ class EnginePrompt:
     params: SamplingParams
     context_cache_id: str | None = None  # the named context cache leading token_ids
     context_cache_ttl_s: float | None = None  # set: this prompt creates that cache
+    tenancy: Tenancy = NO_TENANCY  # its sender and prefix-cache namespace (`CacheNamespaces.tenancy`)
 
 
 @dataclass
@@ -66,7 +68,8 @@ class GenerationRun:
         self._requests = [
             _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority,
                                                    context_cache_id=p.context_cache_id,
-                                                   context_cache_ttl_s=p.context_cache_ttl_s), tracker)
+                                                   context_cache_ttl_s=p.context_cache_ttl_s,
+                                                   tenancy=p.tenancy), tracker)
             for rid, p, tracker in zip(ids, prompts, trackers)
         ]
         self._pending: dict[asyncio.Task, int] = {}

@@ -111,6 +111,9 @@ class _SamplingRequest(_StrictModel):
     priority: Int64 = 0
     # explicit context caching: the named cache (POST /v1/context_caches) whose prefix comes first
     context_cache_id: str | None = None
+    # vLLM's prefix-cache salt: only requests of this key (or its shared group) with the same salt share cached
+    # prompt blocks (docs/caching.md#tenant-isolation)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop", mode="before")
     @classmethod

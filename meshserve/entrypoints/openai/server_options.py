@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from meshserve.config import ConfigError, ConfigStruct
 from meshserve.config.arguments import add_struct_arguments, given_settings
+from meshserve.entrypoints.openai.cache_namespaces import parse_shared_cache_keys
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
 from meshserve.utils import envs
 
@@ -61,6 +62,11 @@ class ServerOptions(ConfigStruct, frozen=True):
                           "(default: max_model_len)")] | None = None
     context_caches_total: Annotated[int, Meta(
         gt=0, description="context caches held at once, all keys together")] = 1024
+    shared_cache_keys: Annotated[str, Meta(
+        description="API keys whose requests share one prefix-cache namespace (their cached prompts show in each "
+                    "other's cached_tokens and timing): groups separated by ';', each a comma-separated list of key "
+                    "fingerprints (the first 16 hex digits of the key's SHA-256), or '*' for one namespace shared by "
+                    "every key and client; unset, each key (or keyless client address) has its own")] = ""
     enable_fault_injection: Annotated[bool, Meta(
         description="tests and benchmarks only: open POST /admin/faults, which kills, stalls or breaks parts of the "
                     f"deployment on request (also on when ${envs.MESHSERVE_FAULT_INJECTION.name} is set)")] = False
@@ -69,6 +75,7 @@ class ServerOptions(ConfigStruct, frozen=True):
         # the keys first, and in words: the generic message would print the value, a key
         if any(not key for key in self.api_keys) or self.admin_key == "":
             raise ConfigError("an API or admin key must not be empty")
+        parse_shared_cache_keys(self.shared_cache_keys)  # a bad group stops the server before it serves
         super().__post_init__()
 
     def __repr__(self) -> str:  # never print the keys

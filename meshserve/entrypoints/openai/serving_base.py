@@ -20,11 +20,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from meshserve.engine.protocol import EngineClientProtocol
+from meshserve.entrypoints.openai.cache_namespaces import CacheNamespaces
 from meshserve.entrypoints.openai.chat_prompt import ChatTemplateError, encode_chat
 from meshserve.entrypoints.openai.errors import bad_request, from_exception, model_not_found
 from meshserve.entrypoints.openai.http_guard import PRINCIPAL_SCOPE_KEY, Principal
 from meshserve.entrypoints.openai.metrics import ServerMetrics
 from meshserve.entrypoints.openai.server_options import PROMPT_CHARS_PER_TOKEN, ServerOptions
+from meshserve.wire.client import Tenancy
 from meshserve.wire.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class ServingContext:
         self.metrics = metrics
         self.max_queue_hint = max_queue_hint
         self.options = options
+        self.cache_namespaces = CacheNamespaces(options.shared_cache_keys)
         self.created = int(time.time())
         self.active_ids: set[str] = set()
         self.max_prompt_chars = options.max_prompt_chars or engine.max_model_len * PROMPT_CHARS_PER_TOKEN
@@ -88,6 +91,10 @@ class ServingBase:
     @property
     def model_name(self) -> str:
         return self.context.model_name
+
+    def _tenancy(self, raw: Request, cache_salt: str | None = None) -> Tenancy:
+        """The sender and prefix-cache namespace every engine request of `raw` carries."""
+        return self.context.cache_namespaces.tenancy(principal_of(raw).owner, cache_salt)
 
     def _parse(self, model: type[RequestModel], body: bytes) -> RequestModel:
         if not body.strip():

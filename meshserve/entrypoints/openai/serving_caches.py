@@ -75,8 +75,9 @@ class ContextCacheServing(ServingBase):
             raise APIError(429, f"Context cache quota exceeded: {exc}.", code="context_cache_quota_exceeded") from None
         # one token: the engine computes the prompt's KV and pins its full blocks under the id
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        run = GenerationRun(self.engine, [EnginePrompt(text, token_ids, params, cache_id, ttl_s)], cache_id, 0,
-                            [self.context.metrics.track(arrival)])
+        # the creator's namespace: its blocks serve the creator's later prompts too, never another tenant's
+        prompt = EnginePrompt(text, token_ids, params, cache_id, ttl_s, tenancy=self._tenancy(raw))
+        run = GenerationRun(self.engine, [prompt], cache_id, 0, [self.context.metrics.track(arrival)])
         try:
             await unless_disconnected(raw, run.start())
             await unless_disconnected(raw, collect(run))

@@ -36,7 +36,7 @@ class ChatServing(ServingBase):
             raise bad_request("The messages render to an empty prompt.", param="messages")
         max_tokens = self._max_tokens(len(token_ids), req.requested_max_tokens, "messages")
         prompt = EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.num_logprobs),
-                              context_cache_id=req.context_cache_id)
+                              context_cache_id=req.context_cache_id, tenancy=self._tenancy(raw, req.cache_salt))
         request_id = self._request_id(raw, "chatcmpl")
         renderer = ChatRenderer(request_id, self.model_name, req.n, req.num_logprobs, req.include_usage_in_stream)
         return await generate_response(self.context, raw, request_id, [prompt], req.priority, bool(req.stream),

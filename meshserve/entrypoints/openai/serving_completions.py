@@ -38,7 +38,8 @@ class CompletionServing(ServingBase):
             token_ids = prefix + token_ids
             max_tokens = self._max_tokens(len(token_ids), req.max_tokens, "prompt")
             prompts.append(EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs),
-                                        context_cache_id=req.context_cache_id))
+                                        context_cache_id=req.context_cache_id,
+                                        tenancy=self._tenancy(raw, req.cache_salt)))
         echo_texts = own_texts if req.echo else None  # the request's own prompt, not the cached prefix
         request_id = self._request_id(raw, "cmpl")
         renderer = CompletionRenderer(request_id, self.model_name, req.n, req.logprobs, req.include_usage_in_stream,

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 from meshserve.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from meshserve.entrypoints.openai.api_server import build_app
-from meshserve.wire.client import AdminReply, EngineStats
+from meshserve.wire.client import NO_TENANCY, AdminReply, EngineStats
 from meshserve.wire.errors import EngineDeadError, QueueFullError, RequestTooLongError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -106,11 +106,11 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     async def generate(self, prompt, prompt_token_ids, params, request_id, priority=0, context_cache_id=None,
-                       context_cache_ttl_s=None):
+                       context_cache_ttl_s=None, tenancy=NO_TENANCY):
         """Every prompt the same way: a context cache's prefix is part of `prompt_token_ids` already."""
         assert isinstance(params, SamplingParams)
         self.calls.append({"prompt": prompt, "prompt_token_ids": list(prompt_token_ids), "params": params,
-                           "request_id": request_id, "priority": priority})
+                           "request_id": request_id, "priority": priority, "tenancy": tenancy})
         if self._dead_error is not None:
             raise EngineDeadError(self._dead_error)
         if self.fail_with is not None:
