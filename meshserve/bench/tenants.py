@@ -1,8 +1,8 @@
 """`meshserve bench tenants`: a noisy neighbour against per-tenant limits.
 
 One `meshserve serve` on the model, with two API keys (a polite tenant and a noisy one), a token budget per
-tenant (`--tokens-per-minute-per-tenant`) and a cap on each tenant's running requests
-(`--max-requests-per-tenant`). Two phases on the same server:
+tenant (`--tokens-per-minute-per-tenant`, its bucket 10 s of it: `--token-burst-s`) and a cap on each tenant's
+running requests (`--max-requests-per-tenant`, 4). Two phases on the same server:
 
 1. alone: the polite tenant sends its requests at a fixed rate (open loop), each a streaming completion of a
    fixed prompt and length; its time to first token is measured;
@@ -11,8 +11,7 @@ tenant (`--tokens-per-minute-per-tenant`) and a cap on each tenant's running req
    sends.
 
 The polite tenant runs at half its budget, so the limits should never refuse it; the noisy one gets
-429s for most of its requests: a bucket holds a minute's budget, so a short run refuses the noisy tenant
-mostly for its running requests, a longer one for its tokens too. Reported:
+429s for most of its requests, for its running requests and its tokens. Reported:
 the polite tenant's TTFT (p50/p90/p99) alone and beside the noisy one, their p99 ratio (the target is
 within 2x), every polite failure, and the noisy tenant's answers by status. Writes JSON and a PNG (the polite
 TTFT's CDF in both phases, the noisy tenant's answers) and prints a summary.
@@ -50,7 +49,7 @@ STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 
 # what --quick changes, for the options not given
-_FULL = {"requests": 60, "rate": 1.0, "prompt_len": 32, "max_tokens": 16}
+_FULL = {"requests": 30, "rate": 0.5, "prompt_len": 32, "max_tokens": 8}
 _QUICK = {"requests": 8, "rate": 1.0, "prompt_len": 16, "max_tokens": 4}
 
 
@@ -63,6 +62,7 @@ class TenantsBenchSettings:
     max_tokens: int
     tokens_per_minute: int | None  # the budget per tenant (default: the polite rate / POLITE_SHARE)
     max_requests_per_tenant: int
+    token_burst_s: float
     out_dir: str
 
 
@@ -74,16 +74,18 @@ def add_tenants_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the smallest shape, for tests: 8 polite requests per phase, 16-token prompts, "
                              "4 tokens each")
     parser.add_argument("--requests", type=int, default=None,
-                        help="the polite tenant's requests per phase (default: 60; --quick: 8)")
+                        help="the polite tenant's requests per phase (default: 30; --quick: 8)")
     parser.add_argument("--rate", type=float, default=None,
-                        help="the polite tenant's requests per second (default: 1)")
+                        help="the polite tenant's requests per second (default: 0.5; --quick: 1)")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default: 32; --quick: 16)")
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="tokens generated per request (default: 16; --quick: 4)")
+                        help="tokens generated per request (default: 8; --quick: 4)")
     parser.add_argument("--tokens-per-minute", type=int, default=None,
                         help="each tenant's token budget (default: twice what the polite tenant uses a minute)")
-    parser.add_argument("--max-requests-per-tenant", type=int, default=8,
-                        help="each tenant's running requests at most (default: 8)")
+    parser.add_argument("--max-requests-per-tenant", type=int, default=4,
+                        help="each tenant's running requests at most (default: 4)")
+    parser.add_argument("--token-burst-s", type=float, default=10.0,
+                        help="seconds of its budget a tenant may spend at once (default: 10)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     parser.set_defaults(func=tenants_main)
 
@@ -96,12 +98,14 @@ def settings_from_args(args: argparse.Namespace) -> TenantsBenchSettings:
                         ("--max-requests-per-tenant", args.max_requests_per_tenant)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
-    if not sizes["rate"] > 0:
-        raise ValueError(f"--rate must be positive, got {sizes['rate']}")
+    for flag, value in (("--rate", sizes["rate"]), ("--token-burst-s", args.token_burst_s)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
     if args.model is not None and not Path(args.model).is_dir():
         raise ValueError(f"--model: directory {args.model!r} does not exist")
     return TenantsBenchSettings(model_dir=args.model or "", tokens_per_minute=args.tokens_per_minute,
-                                max_requests_per_tenant=args.max_requests_per_tenant, out_dir=args.out, **sizes)
+                                max_requests_per_tenant=args.max_requests_per_tenant,
+                                token_burst_s=args.token_burst_s, out_dir=args.out, **sizes)
 
 
 def tenants_main(args: argparse.Namespace) -> int:
@@ -123,14 +127,16 @@ def _report(settings: TenantsBenchSettings, result: dict) -> None:
 class _Server:
     """`meshserve serve` with two API keys and a token budget per tenant, on a free loopback port."""
 
-    def __init__(self, model_dir: str, tokens_per_minute: int, max_requests: int, log_path: Path) -> None:
+    def __init__(self, settings: TenantsBenchSettings, model_dir: str, tokens_per_minute: int,
+                 log_path: Path) -> None:
         self.keys = {"polite": secrets.token_hex(16), "noisy": secrets.token_hex(16)}
         port = free_tcp_port()
         self.base = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--model", model_dir,
                    "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
                    "--tokens-per-minute-per-tenant", str(tokens_per_minute),
-                   "--max-requests-per-tenant", str(max_requests)]
+                   "--max-requests-per-tenant", str(settings.max_requests_per_tenant),
+                   "--token-burst-s", str(settings.token_burst_s)]
         env = {**os.environ, envs.MESHSERVE_API_KEY.name: ",".join(self.keys.values())}  # not in `ps`
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log_file:
@@ -224,7 +230,7 @@ def run_tenants_benchmark(settings: TenantsBenchSettings) -> dict[str, Any]:
     budget = settings.tokens_per_minute or int(settings.rate * 60 * cost / POLITE_SHARE)
     noisy_rate = NOISY_FACTOR * budget / 60 / cost
     noisy_requests = [requests[i % len(requests)] for i in range(int(noisy_rate * settings.requests / settings.rate))]
-    server = _Server(model_dir, budget, settings.max_requests_per_tenant, Path(settings.out_dir) / "server.log")
+    server = _Server(settings, model_dir, budget, Path(settings.out_dir) / "server.log")
     try:
         server.wait_healthy()
         model = _served_model(server)

@@ -48,6 +48,9 @@ class TenantLimits(ConfigStruct, frozen=True):
         gt=0, description="token budget of one API key (or client address without keys) per minute, prompt plus "
                           "max_tokens reserved on admission and corrected with the tokens used when the request "
                           "ends; beyond it 429 (default: no budget)")] | None = None
+    token_burst_s: Annotated[float, Meta(
+        gt=0, le=3600, description="seconds of its token budget a tenant may spend at once (the token bucket's "
+                                   "size); less smooths a tenant's bursts")] = 60.0
 
 
 class ServerOptions(ConfigStruct, frozen=True):

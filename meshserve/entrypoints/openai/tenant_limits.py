@@ -7,7 +7,8 @@ limits (`TenantLimits`), each answered with 429 OpenAI error JSON and a `Retry-A
   known; the connections one address holds beyond its share no longer count against the server's global cap,
   so one client's many connections do not lock out the others;
 - requests running at once per tenant;
-- tokens per minute per tenant, a token bucket (capacity: a minute's tokens, refilled continuously). A
+- tokens per minute per tenant, a token bucket (capacity: `token_burst_s` of the budget, a minute by
+  default as OpenAI's limits have it, refilled continuously). A
   request reserves its worst case on admission (its prompt estimated from the body's bytes, plus
   prompts x n x max_tokens) and, when it ends, gets back what it did not use (the prompt and generated tokens
   its outputs counted). A request that needs more than the bucket holds waits until it is full, so no request
@@ -66,12 +67,13 @@ def rate_limited(what: str, retry_after_s: float) -> APIError:
 
 
 class TokenBucket:
-    """`capacity` tokens, refilled at `capacity / 60` a second; takes may drive it below zero (a debt)."""
+    """`burst_s` seconds of `tokens_per_minute`, refilled at `tokens_per_minute / 60` a second; takes may drive
+    it below zero (a debt)."""
 
-    def __init__(self, capacity: int, now: float) -> None:
-        self.capacity = capacity
-        self.rate_per_s = capacity / 60.0
-        self.level = float(capacity)
+    def __init__(self, tokens_per_minute: int, now: float, burst_s: float = 60.0) -> None:
+        self.rate_per_s = tokens_per_minute / 60.0
+        self.capacity = max(1, round(self.rate_per_s * burst_s))
+        self.level = float(self.capacity)
         self._updated = now
 
     def refill(self, now: float) -> None:
@@ -199,7 +201,8 @@ class TenantLimiter:
         if budget is None or cost <= 0:
             return 0
         now = self.clock()
-        bucket = self._buckets.get(tenant) or self._buckets.setdefault(tenant, TokenBucket(budget, now))
+        bucket = self._buckets.get(tenant) or self._buckets.setdefault(
+            tenant, TokenBucket(budget, now, self.limits.token_burst_s))
         wait_s = bucket.try_take(cost, now)
         if wait_s is not None:
             raise TenantLimitExceeded("tokens_per_minute", wait_s, f"tokens per minute ({budget})")

@@ -62,6 +62,12 @@ def test_a_take_larger_than_the_bucket_waits_for_a_full_bucket_then_leaves_a_deb
     assert bucket.try_take(10, now=0.1) == pytest.approx(41.0)
 
 
+def test_a_shorter_burst_makes_a_smaller_bucket_refilled_as_fast():
+    bucket = TokenBucket(600, now=0.0, burst_s=6.0)
+    assert bucket.capacity == 60 and bucket.try_take(60, now=0.0) is None
+    assert bucket.try_take(20, now=0.0) == pytest.approx(2.0)
+
+
 def test_a_bucket_never_holds_more_than_its_capacity():
     bucket = TokenBucket(60, now=0.0)
     bucket.give_back(1000, now=500.0)
