@@ -42,18 +42,17 @@ def _owner(key: str) -> str:
 
 
 def test_a_noisy_tenant_gets_429s_and_a_polite_one_is_served(server):
-    polite = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {POLITE_KEY}"})
-    noisy = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {NOISY_KEY}"},
-                         limits=httpx.Limits(max_connections=16))
-    model = polite.get("/v1/models").json()["data"][0]["id"]
     noisy_answers: list[httpx.Response] = []
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {POLITE_KEY}"}) as polite, \
+            httpx.Client(base_url=server, headers={"Authorization": f"Bearer {NOISY_KEY}"},
+                         limits=httpx.Limits(max_connections=16)) as noisy:
+        model = polite.get("/v1/models").json()["data"][0]["id"]
 
-    def flood() -> None:
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            noisy_answers.extend(pool.map(lambda _: _post(noisy, model), range(NOISY_REQUESTS)))
+        def flood() -> None:
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                noisy_answers.extend(pool.map(lambda _: _post(noisy, model), range(NOISY_REQUESTS)))
 
-    flooding = threading.Thread(target=flood)
-    with polite, noisy:
+        flooding = threading.Thread(target=flood)
         flooding.start()
         polite_answers = [_post(polite, model) for _ in range(POLITE_REQUESTS)]
         flooding.join(300)
