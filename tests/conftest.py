@@ -106,6 +106,7 @@ TIER_EXCEPTIONS = {
     **dict.fromkeys([
         "entrypoints/openai/test_api.py::test_run_server_serves_and_stops_cleanly_on_signals",
         "entrypoints/openai/test_context_caches.py",
+        "entrypoints/openai/test_tenant_connections.py",
         "entrypoints/openai/test_server_limits.py::test_a_body_declared_too_large_is_413",
         "entrypoints/openai/test_server_limits.py::test_a_chunked_body_that_grows_too_large_is_413",
         "entrypoints/openai/test_server_limits.py::test_a_body_shorter_than_its_content_length_is_408_not_a_hang",

@@ -26,7 +26,7 @@ from meshserve.utils import report
 
 def register_bench_commands(subparsers) -> None:
     """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd`,
-    `routing`, `spec`, `scale`, `faults` and `quant` to the `bench` subcommand's subparsers."""
+    `routing`, `spec`, `scale`, `faults`, `quant` and `tenants` to the `bench` subcommand's subparsers."""
     # keeps torch out of importing this module: these benchmarks load it at import
     from meshserve.bench.eplb import add_eplb_arguments, eplb_main
     from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
@@ -82,6 +82,12 @@ def register_bench_commands(subparsers) -> None:
     add_quant_arguments(subparsers.add_parser(
         "quant", help="INT8 W8A8 and the INT8 KV cache against float32 and bfloat16: weight bytes, decode and "
                       "prefill tokens/s, roofline fraction, and quality per quantization method"))
+    # keeps httpx and the HTTP server's modules out of importing this module: the benchmark loads them at import
+    from meshserve.bench.tenants import add_tenants_arguments
+
+    add_tenants_arguments(subparsers.add_parser(
+        "tenants", help="a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT "
+                        "alone and beside it, with per-tenant limits on"))
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:

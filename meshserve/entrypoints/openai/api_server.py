@@ -7,7 +7,8 @@ GET /v1/context_caches (admin), GET /health, GET /metrics, /admin/eplb/*, POST /
 This module builds the app, registers the routes and runs the server; the handlers live with their route
 family (serving_completions.py, serving_chat.py, serving_caches.py, serving_status.py, serving_admin.py)
 over one shared `ServingContext` (serving_base.py). Every request first passes `RequestGuard`
-(meshserve/entrypoints/openai/http_guard.py): keys, content type, body size and read timeout. Tokenizing
+(meshserve/entrypoints/openai/http_guard.py): keys, content type, body size and read timeout, and its
+tenant's limits (tenant_limits.py). Tokenizing
 and chat templating run on one worker thread, never on the event loop; prompts longer than
 `max_prompt_chars` are refused before it.
 """
@@ -43,6 +44,7 @@ from meshserve.entrypoints.openai.serving_caches import ContextCacheServing
 from meshserve.entrypoints.openai.serving_chat import ChatServing
 from meshserve.entrypoints.openai.serving_completions import CompletionServing
 from meshserve.entrypoints.openai.serving_status import StatusServing
+from meshserve.entrypoints.openai.tenant_limits import TenantGate, connection_limiter
 
 # after the grace period: time for the streams still running to send their error event and [DONE]
 _STREAM_END_MARGIN_S = 5.0
@@ -58,7 +60,10 @@ def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = N
     app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
     app.state.serving = context
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, options=options, on_reject=metrics.count_rejected)
+    limits = options.tenant_limits
+    app.state.connection_limiter = connection_limiter(limits, metrics.tenants)  # the server's protocol counts
+    app.add_middleware(RequestGuard, options=options, on_reject=metrics.count_rejected,
+                       tenant_gate=TenantGate(limits, engine.max_model_len, metrics.tenants))
     caches = ContextCacheServing(context)
     _add_generation_routes(app, CompletionServing(context, caches), ChatServing(context, caches))
     _add_context_cache_routes(app, caches)
@@ -187,7 +192,7 @@ async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_lev
     await engine.start()  # a job executor starts taking TE heartbeats on this loop now, not at the first request
     grace_s = options.shutdown_grace_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            http=protocol_for(options.header_timeout_s),
+                            http=protocol_for(options.header_timeout_s, app.state.connection_limiter),
                             limit_concurrency=options.max_connections,
                             timeout_graceful_shutdown=grace_s + _STREAM_END_MARGIN_S)  # type: ignore[arg-type]
     await _Server(config, on_shutdown=lambda: app.state.serving.begin_shutdown(grace_s),

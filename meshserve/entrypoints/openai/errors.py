@@ -42,19 +42,20 @@ class APIError(Exception):
     """A failure the client sees as an HTTP status with an OpenAI error body."""
 
     def __init__(self, status_code: int, message: str, *, error_type: str | None = None,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.error_type = error_type or default_error_type(status_code)
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. a 429's Retry-After
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def to_response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=headers)
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers={**self.headers, **(headers or {})})
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:

@@ -9,14 +9,17 @@
 3. the body is read here, bounded in size (413, from Content-Length or while it streams, chunked too)
    and in time (408), so a handler only ever sees a complete body of bounded size;
 4. response writes that wait on a client that does not read are cut after a timeout;
-5. anything a handler lets escape still answers OpenAI error JSON, never a plain-text 500.
+5. anything a handler lets escape still answers OpenAI error JSON, never a plain-text 500;
+6. a `/v1` request passes its tenant's limits (`TenantGate`, tenant_limits.py): 429 with Retry-After beyond.
 
 `GuardedH11Protocol` closes connections that do not finish sending a request's headers in time
-(uvicorn's keep-alive timeout stops counting once any byte arrives).
+(uvicorn's keep-alive timeout stops counting once any byte arrives), and answers 429 on the connections one
+client address opens beyond its share (`ConnectionLimiter`), which do not count against the global cap.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -29,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from meshserve.entrypoints.openai.errors import APIError
 from meshserve.entrypoints.openai.server_options import ServerOptions, is_loopback_host
+from meshserve.entrypoints.openai.tenant_limits import ConnectionLimiter, TenantGate, Ticket, rate_limited
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +153,13 @@ class _BodyTooLarge(Exception):
 class RequestGuard:
     """ASGI middleware in front of the API app; `on_reject(reason)` counts what it turns away."""
 
-    def __init__(self, app: Any, options: ServerOptions, on_reject: Callable[[str], None] | None = None) -> None:
+    def __init__(self, app: Any, options: ServerOptions, on_reject: Callable[[str], None] | None = None,
+                 tenant_gate: TenantGate | None = None) -> None:
         self.app = app
         self.options = options
         self.auth = Authenticator(options.api_keys, options.admin_key)
         self.on_reject = on_reject or (lambda reason: None)
+        self.tenant_gate = tenant_gate
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -163,6 +169,7 @@ class RequestGuard:
             scope[PRINCIPAL_SCOPE_KEY] = self.auth.principal(scope, _bearer(scope))
             self._check_content_type(scope)
             body = await self._read_body(scope, receive)
+            ticket = None if body is None else self._tenant_ticket(scope, body)
         except APIError as exc:
             self.on_reject(_REASONS.get(exc.status_code, "other"))
             # a 408's body never came whole: close instead of waiting for the rest
@@ -170,7 +177,14 @@ class RequestGuard:
             return
         if body is None:  # the client left while sending its body
             return
-        await self._serve(scope, _replay(body, receive), send)
+        with ticket or contextlib.nullcontext():  # frees the tenant's slot and settles its tokens however it ends
+            await self._serve(scope, _replay(body, receive), send)
+
+    def _tenant_ticket(self, scope: dict, body: bytes) -> Ticket | None:
+        if self.tenant_gate is None:
+            return None
+        principal = scope[PRINCIPAL_SCOPE_KEY]
+        return self.tenant_gate.admit(principal.owner, principal.is_admin, scope["method"], scope["path"], body)
 
     async def _serve(self, scope: dict, receive: Callable, send: Callable) -> None:
         state = {"started": False}
@@ -230,7 +244,7 @@ class RequestGuard:
 
 
 _REASONS = {401: "unauthenticated", 403: "forbidden", 408: "body_timeout", 413: "body_too_large",
-            415: "unsupported_media_type"}
+            415: "unsupported_media_type", 429: "rate_limited"}
 
 
 def _too_large(limit: int) -> APIError:
@@ -259,11 +273,17 @@ async def _too_many_connections(scope: dict, receive: Callable, send: Callable) 
     await send_error(send, error, close=True)
 
 
+async def _too_many_from_client(scope: dict, receive: Callable, send: Callable) -> None:
+    await send_error(send, rate_limited("connections from one client address", 1.0), close=True)
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head in time, and
-    answering requests beyond the connection cap (uvicorn's `limit_concurrency`) with OpenAI error JSON."""
+    answering requests beyond the connection cap (uvicorn's `limit_concurrency`) with OpenAI error JSON, and
+    those on a connection beyond its client address's share with 429."""
 
     header_timeout_s = 10.0  # set per server by `protocol_for`
+    connection_limiter: ConnectionLimiter | None = None  # likewise; None: the global cap only
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -273,14 +293,21 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        limiter, self._client_address = self.connection_limiter, "client:" + (self.client or ("", 0))[0]
+        self._client_admitted = limiter is None or limiter.try_open(self._client_address)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer(self.header_timeout_s)
 
     def handle_events(self) -> None:
         cycle = self.cycle
         cap = self._max_connections
-        over = cap is not None and (len(self.connections) >= cap or len(self.tasks) >= cap)
+        limiter = self.connection_limiter
+        # a client's connections beyond its share do not count: they cannot lock the others out
+        open_connections = len(self.connections) if limiter is None else limiter.admitted_total
+        over = cap is not None and (open_connections >= cap or len(self.tasks) >= cap)
         self.app = _too_many_connections if over else self._serving_app
+        if not self._client_admitted:
+            self.app = _too_many_from_client
         super().handle_events()
         if self.cycle is not cycle:  # a request head arrived
             self._cancel_header_timer()
@@ -292,6 +319,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if getattr(self, "_client_admitted", False) and self.connection_limiter is not None:
+            self.connection_limiter.close(self._client_address)
+            self._client_admitted = False
         super().connection_lost(exc)
 
     def _arm_header_timer(self, delay: float) -> None:
@@ -316,6 +346,9 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_for(header_timeout_s: float) -> type[GuardedH11Protocol]:
-    """The protocol class uvicorn builds per connection, with this server's head timeout."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": header_timeout_s})
+def protocol_for(header_timeout_s: float,
+                 connection_limiter: ConnectionLimiter | None = None) -> type[GuardedH11Protocol]:
+    """The protocol class uvicorn builds per connection, with this server's head timeout and its
+    per-client connection limiter."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"header_timeout_s": header_timeout_s, "connection_limiter": connection_limiter})

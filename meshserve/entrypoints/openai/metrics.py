@@ -1,4 +1,5 @@
-"""Prometheus metrics of one API server: request latencies measured here, engine state mirrored at scrape time."""
+"""Prometheus metrics of one API server: request latencies measured here, engine state mirrored at scrape time,
+and per tenant (an API key's hash or a client address, never a key) requests, rejections and tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from meshserve.engine.outputs import RequestOutput
+from meshserve.entrypoints.openai.tenant_limits import current_ticket
 from meshserve.wire.client import EngineStats
 from meshserve.wire.kv import LinkState, LinkStatus
 from meshserve.wire.receive import dropped_frames
@@ -25,6 +27,9 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 # finish reasons of a request that completed as asked (not aborted, not failed)
 _SUCCESS_REASONS = ("stop", "length")
 STATS_TIMEOUT_S = 5.0
+# distinct tenant labels kept; later tenants share one label (client addresses are unbounded without keys)
+MAX_TENANT_LABELS = 1000
+OTHER_TENANTS = "other"
 
 
 class TokenRateWindow:
@@ -129,6 +134,36 @@ def _spec_decode_metrics(s: EngineStats) -> Iterator[Metric]:
     yield from (drafted, accepted, rate)
 
 
+class TenantMetrics:
+    """Requests admitted, requests refused by reason and tokens used, per tenant."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("meshserve_tenant_requests", "Requests admitted, by tenant.", ["tenant"],
+                                registry=registry)
+        self.rejected = Counter("meshserve_tenant_rejected", "Requests refused over a tenant limit, by reason.",
+                                ["tenant", "reason"], registry=registry)
+        self.tokens = Counter("meshserve_tenant_tokens", "Tokens used, by tenant and kind (prompt, generation).",
+                              ["tenant", "kind"], registry=registry)
+        self._labels: set[str] = set()
+
+    def label(self, tenant: str) -> str:
+        if tenant not in self._labels and len(self._labels) >= MAX_TENANT_LABELS:
+            return OTHER_TENANTS
+        self._labels.add(tenant)
+        return tenant
+
+    def count_request(self, tenant: str) -> None:
+        self.requests.labels(tenant=self.label(tenant)).inc()
+
+    def count_rejected(self, tenant: str, reason: str) -> None:
+        self.rejected.labels(tenant=self.label(tenant), reason=reason).inc()
+
+    def count_tokens(self, tenant: str, prompt_tokens: int, generation_tokens: int) -> None:
+        label = self.label(tenant)
+        self.tokens.labels(tenant=label, kind="prompt").inc(prompt_tokens)
+        self.tokens.labels(tenant=label, kind="generation").inc(generation_tokens)
+
+
 class ServerMetrics:
     """All metrics of one app, in a registry of its own (several apps can live in one process)."""
 
@@ -149,6 +184,7 @@ class ServerMetrics:
                                        ["finish_reason"], registry=self.registry)
         self.http_rejected = Counter("meshserve_http_rejected", "Requests turned away before a handler, by reason.",
                                      ["reason"], registry=self.registry)
+        self.tenants = TenantMetrics(self.registry)
         self.token_rate = TokenRateWindow(rate_window_s)
         self._engine_stats = _EngineStatsCollector(self.token_rate)
         self.registry.register(self._engine_stats)
@@ -175,12 +211,14 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Feeds one engine request's outputs into the latency histograms and token counters."""
+    """Feeds one engine request's outputs into the latency histograms and token counters, and the tokens into
+    the tenant's ticket of the request it serves (its token budget is settled with them)."""
 
     def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
         self._metrics = metrics
         self._arrival_time = arrival_time
         self._first_token_time: float | None = None
+        self._ticket = current_ticket()  # built in the request's task, where its ticket is current
 
     def observe(self, output: RequestOutput, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -192,8 +230,14 @@ class RequestTracker:
                 self._first_token_time = now
                 self._metrics.prompt_tokens.inc(len(output.prompt_token_ids))
                 self._metrics.time_to_first_token.observe(now - self._arrival_time)
+                self._count_for_tenant(len(output.prompt_token_ids), 0)
+            self._count_for_tenant(0, new_tokens)
         if output.finished and output.error is None:
             self._on_finished(output, now)
+
+    def _count_for_tenant(self, prompt_tokens: int, generation_tokens: int) -> None:
+        if self._ticket is not None:
+            self._ticket.add_usage(prompt_tokens, generation_tokens)
 
     def _on_finished(self, output: RequestOutput, now: float) -> None:
         m = self._metrics

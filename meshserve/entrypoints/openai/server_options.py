@@ -1,4 +1,5 @@
-"""The HTTP server's own settings (authentication, request limits, timeouts, context-cache quotas, shutdown).
+"""The HTTP server's own settings (authentication, request limits, timeouts, context-cache quotas, shutdown,
+per-tenant limits).
 
 One settings struct (`ConfigStruct`): each rule and help text sits on the field, and the flags are generated
 from it (`add_struct_arguments`). The keys are the exception: they have flags of their own and can also come
@@ -15,6 +16,7 @@ import argparse
 import ipaddress
 from typing import Annotated
 
+import msgspec
 from msgspec import Meta
 
 from meshserve.config import ConfigError, ConfigStruct
@@ -28,6 +30,28 @@ ADMIN_KEY_ENV = envs.MESHSERVE_ADMIN_KEY.name
 # a token is rarely longer than a few characters; 32 leaves room for long runs of spaces or digits
 PROMPT_CHARS_PER_TOKEN = 32
 _SECRET_FIELDS = ("api_keys", "admin_key")
+
+
+class TenantLimits(ConfigStruct, frozen=True):
+    """What one client address or one tenant (an API key's owner; the client address without keys) may hold.
+
+    The defaults change nothing for a single local user (half the server's connections, half its requests,
+    no token budget) yet keep any one client or key from holding all of a shared server; a multi-tenant
+    operator sets a token budget that fits the model and the hardware."""
+
+    max_connections_per_client: Annotated[int, Meta(
+        gt=0, description="open connections one client address may hold (counted before its key is known); "
+                          "requests on more get 429 and the connection is closed")] = 512
+    max_requests_per_tenant: Annotated[int, Meta(
+        gt=0, description="requests one API key (or one client address without keys) may have running at once; "
+                          "more get 429")] = 512
+    tokens_per_minute_per_tenant: Annotated[int, Meta(
+        gt=0, description="token budget of one API key (or client address without keys) per minute, prompt plus "
+                          "max_tokens reserved on admission and corrected with the tokens used when the request "
+                          "ends; beyond it 429 (default: no budget)")] | None = None
+    token_burst_s: Annotated[float, Meta(
+        gt=0, le=3600, description="seconds of its token budget a tenant may spend at once (the token bucket's "
+                                   "size); less smooths a tenant's bursts")] = 60.0
 
 
 class ServerOptions(ConfigStruct, frozen=True):
@@ -70,6 +94,8 @@ class ServerOptions(ConfigStruct, frozen=True):
     enable_fault_injection: Annotated[bool, Meta(
         description="tests and benchmarks only: open POST /admin/faults, which kills, stalls or breaks parts of the "
                     f"deployment on request (also on when ${envs.MESHSERVE_FAULT_INJECTION.name} is set)")] = False
+    # flags of their own group (add_server_arguments); its settings travel flat (public_kwargs)
+    tenant_limits: TenantLimits = TenantLimits()
 
     def __post_init__(self) -> None:
         # the keys first, and in words: the generic message would print the value, a key
@@ -93,8 +119,11 @@ class ServerOptions(ConfigStruct, frozen=True):
         return env
 
     def public_kwargs(self) -> dict:
-        """Every setting but the keys (those travel in the environment, see `secrets_env`)."""
-        return {name: getattr(self, name) for name in self.__struct_fields__ if name not in _SECRET_FIELDS}
+        """Every setting but the keys (those travel in the environment, see `secrets_env`), the tenant limits'
+        among them: `server_options(**public_kwargs())` makes the same options."""
+        kwargs = {name: getattr(self, name) for name in self.__struct_fields__
+                  if name not in _SECRET_FIELDS and name != "tenant_limits"}
+        return {**kwargs, **msgspec.structs.asdict(self.tenant_limits)}  # flat, as the flags name them
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,12 +136,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"key for /admin/* and the context-cache listing (default: ${ADMIN_KEY_ENV}; "
                            "without one those endpoints answer loopback clients only)")
     add_struct_arguments(parser, ServerOptions, "HTTP server", skip=_SECRET_FIELDS)
+    add_struct_arguments(parser, TenantLimits, "Tenant limits")
 
 
 def server_options_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerOptions:
     """The flags given, with the keys from the environment where no flag names them."""
     return server_options(environ, api_keys=getattr(args, "api_keys", None) or (),
-                          admin_key=getattr(args, "admin_key", None), **given_settings(args, ServerOptions))
+                          admin_key=getattr(args, "admin_key", None), **given_settings(args, ServerOptions),
+                          **given_settings(args, TenantLimits))
 
 
 def server_options(environ: dict[str, str] | None = None, **kwargs) -> ServerOptions:
@@ -122,6 +153,9 @@ def server_options(environ: dict[str, str] | None = None, **kwargs) -> ServerOpt
     if kwargs.get("admin_key") is None:
         kwargs["admin_key"] = envs.admin_key(environ)
     kwargs["api_keys"] = tuple(kwargs["api_keys"])
+    tenant_settings = {name: kwargs.pop(name) for name in TenantLimits.__struct_fields__ if name in kwargs}
+    if tenant_settings:
+        kwargs["tenant_limits"] = TenantLimits(**tenant_settings)
     if not kwargs.get("enable_fault_injection"):
         kwargs["enable_fault_injection"] = envs.fault_injection_enabled(environ)
     return ServerOptions(**kwargs)
