@@ -22,6 +22,9 @@ from meshserve.entrypoints.openai.metrics import RequestTracker
 from meshserve.wire.sampling_params import SamplingParams
 
 T = TypeVar("T")
+# engine requests submitted in one turn of the event loop: each costs a little, a large request's many would
+# hold up every other request's turn
+_SUBMIT_BATCH = 16
 
 
 class ClientDisconnected(Exception):
@@ -84,6 +87,8 @@ class GenerationRun:
         """
         for index in range(len(self._requests)):
             self._schedule(index)
+            if index % _SUBMIT_BATCH == _SUBMIT_BATCH - 1:
+                await asyncio.sleep(0)  # the submissions so far run; other requests (and /health) get a turn
         await asyncio.wait(self._pending, return_when=asyncio.FIRST_EXCEPTION)
         for task in self._pending:
             if task.done() and task.exception() is not None:
