@@ -17,11 +17,15 @@ from starlette.requests import Request
 
 from meshserve.engine.outputs import CompletionOutput, RequestOutput
 from meshserve.engine.protocol import EngineClientProtocol
+from meshserve.entrypoints.openai.admission import WaitingChoices
 from meshserve.entrypoints.openai.metrics import RequestTracker
 from meshserve.wire.client import NO_TENANCY, Tenancy
 from meshserve.wire.sampling_params import SamplingParams
 
 T = TypeVar("T")
+# engine requests submitted in one turn of the event loop: each costs a little, a large request's many would
+# hold up every other request's turn
+_SUBMIT_BATCH = 16
 
 
 class ClientDisconnected(Exception):
@@ -61,9 +65,11 @@ async def _next_or_none(stream: AsyncIterator[RequestOutput]) -> RequestOutput |
 
 class GenerationRun:
     def __init__(self, engine: EngineClientProtocol, prompts: list[EnginePrompt], request_id: str,
-                 priority: int, trackers: list[RequestTracker], stopping: asyncio.Event | None = None) -> None:
+                 priority: int, trackers: list[RequestTracker], stopping: asyncio.Event | None = None,
+                 waiting: WaitingChoices | None = None) -> None:
         self._engine = engine
         self._stopping = stopping
+        self._waiting = waiting  # the choices admission counts as queued, until each one's first output
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self._requests = [
             _EngineRequest(rid, p, engine.generate(p.text, p.token_ids, p.params, rid, priority,
@@ -84,6 +90,8 @@ class GenerationRun:
         """
         for index in range(len(self._requests)):
             self._schedule(index)
+            if index % _SUBMIT_BATCH == _SUBMIT_BATCH - 1:
+                await asyncio.sleep(0)  # the submissions so far run; other requests (and /health) get a turn
         await asyncio.wait(self._pending, return_when=asyncio.FIRST_EXCEPTION)
         for task in self._pending:
             if task.done() and task.exception() is not None:
@@ -115,6 +123,8 @@ class GenerationRun:
                 req.tracker.observe(output)
                 req.last = output
                 for choice in output.outputs:
+                    if self._waiting is not None and (index, choice.index) not in self.choices:
+                        self._waiting.started()
                     self.choices[(index, choice.index)] = choice
                 if output.finished:
                     req.done = True
@@ -136,6 +146,8 @@ class GenerationRun:
     async def close(self) -> None:
         """Abort what is still running and release the engine streams; safe to call more than once."""
         with anyio.CancelScope(shield=True):
+            if self._waiting is not None:
+                self._waiting.release()
             pending, self._pending = list(self._pending), {}
             for task in pending:
                 task.cancel()

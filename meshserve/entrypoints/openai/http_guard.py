@@ -13,8 +13,10 @@
 6. a `/v1` request passes its tenant's limits (`TenantGate`, tenant_limits.py): 429 with Retry-After beyond.
 
 `GuardedH11Protocol` closes connections that do not finish sending a request's headers in time
-(uvicorn's keep-alive timeout stops counting once any byte arrives), and answers 429 on the connections one
-client address opens beyond its share (`ConnectionLimiter`), which do not count against the global cap.
+(uvicorn's keep-alive timeout stops counting once any byte arrives), refuses heads whose body framing is
+ambiguous or invalid with OpenAI error JSON, closing the connection (http_framing.py), and answers 429 on the
+connections one client address opens beyond its share (`ConnectionLimiter`), which do not count against the
+global cap.
 """
 from __future__ import annotations
 
@@ -25,12 +27,19 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from meshserve.entrypoints.openai.errors import APIError
+from meshserve.entrypoints.openai.http_framing import (
+    ambiguous_framing_error,
+    buffered_head,
+    framing_problem,
+    head_fields,
+)
 from meshserve.entrypoints.openai.server_options import ServerOptions, is_loopback_host
 from meshserve.entrypoints.openai.tenant_limits import ConnectionLimiter, TenantGate, Ticket, rate_limited
 
@@ -268,6 +277,10 @@ _HEADER_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: appl
                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
 
+_RAW_RESPONSE = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                 b"content-length: %d\r\n\r\n%s")
+
+
 async def _too_many_connections(scope: dict, receive: Callable, send: Callable) -> None:
     error = APIError(503, "The server is at its connection limit; retry later.", code="too_many_connections")
     await send_error(send, error, close=True)
@@ -277,17 +290,31 @@ async def _too_many_from_client(scope: dict, receive: Callable, send: Callable) 
     await send_error(send, rate_limited("connections from one client address", 1.0), close=True)
 
 
+def refusing_ambiguous_framing(app: Callable) -> Callable:
+    """`app` behind a check of the parsed headers' framing (a head h11 read without `buffered_head` seeing it)."""
+
+    async def checked(scope: dict, receive: Callable, send: Callable) -> None:
+        problem = framing_problem(scope["headers"]) if scope["type"] == "http" else None
+        if problem is None:
+            await app(scope, receive, send)
+        else:
+            await send_error(send, ambiguous_framing_error(problem), close=True)
+
+    return checked
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head in time, and
-    answering requests beyond the connection cap (uvicorn's `limit_concurrency`) with OpenAI error JSON, and
-    those on a connection beyond its client address's share with 429."""
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head in time, refusing
+    ambiguous framing, answering requests beyond the connection cap (uvicorn's `limit_concurrency`) and
+    requests h11 cannot parse with OpenAI error JSON, and those on a connection beyond its client address's
+    share with 429."""
 
     header_timeout_s = 10.0  # set per server by `protocol_for`
     connection_limiter: ConnectionLimiter | None = None  # likewise; None: the global cap only
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._serving_app = self.app
+        self._serving_app = refusing_ambiguous_framing(self.app)
         # the cap is checked here: uvicorn's own check answers in plain text
         self._max_connections, self.limit_concurrency = self.limit_concurrency, None
 
@@ -299,6 +326,11 @@ class GuardedH11Protocol(H11Protocol):
         self._arm_header_timer(self.header_timeout_s)
 
     def handle_events(self) -> None:
+        head = buffered_head(self.conn)
+        problem = None if head is None else framing_problem(head_fields(head))
+        if problem is not None:  # before h11 settles on one reading of it
+            self._answer_and_close(ambiguous_framing_error(problem))
+            return
         cycle = self.cycle
         cap = self._max_connections
         limiter = self.connection_limiter
@@ -311,6 +343,18 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not cycle:  # a request head arrived
             self._cancel_header_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (conflicting lengths, a bad head): uvicorn answers it in plain text."""
+        self._answer_and_close(APIError(400, f"Invalid HTTP request: {msg}", code="invalid_http_request"))
+
+    def _answer_and_close(self, error: APIError) -> None:
+        """`error` written straight to the socket (no request cycle runs), then the connection closed."""
+        self.logger.warning("refused a request: %s", error.message)
+        body = error.to_response().body
+        self.transport.write(_RAW_RESPONSE % (error.status_code, HTTPStatus(error.status_code).phrase.encode(),
+                                              len(body), body))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

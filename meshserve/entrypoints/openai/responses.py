@@ -67,8 +67,9 @@ async def generate_response(context: ServingContext, raw: Request, request_id: s
     if request_id in context.active_ids:
         raise bad_request(f"Request id {request_id!r} is already in use by a running request.")
     _route_by_header(raw)
+    waiting = context.admission.reserve(sum(p.params.n for p in prompts))  # 503 queue_full without room
     run = GenerationRun(context.engine, prompts, request_id, priority,
-                        [context.metrics.track(arrival) for _ in prompts], stopping=context.stopping)
+                        [context.metrics.track(arrival) for _ in prompts], stopping=context.stopping, waiting=waiting)
     context.active_ids.add(request_id)
 
     async def release() -> None:

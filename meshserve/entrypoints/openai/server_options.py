@@ -30,6 +30,8 @@ ADMIN_KEY_ENV = envs.MESHSERVE_ADMIN_KEY.name
 # a token is rarely longer than a few characters; 32 leaves room for long runs of spaces or digits
 PROMPT_CHARS_PER_TOKEN = 32
 _SECRET_FIELDS = ("api_keys", "admin_key")
+# the default token budget of one request: this many full contexts (prompt + completion)
+TOKENS_PER_REQUEST_CONTEXTS = 32
 
 
 class TenantLimits(ConfigStruct, frozen=True):
@@ -65,6 +67,17 @@ class ServerOptions(ConfigStruct, frozen=True):
     max_prompt_chars: Annotated[int, Meta(
         gt=0, description="longest prompt (characters, all messages together) accepted for tokenizing; longer ones "
                           f"get 400 (default: max_model_len x {PROMPT_CHARS_PER_TOKEN})")] | None = None
+    max_choices_per_request: Annotated[int, Meta(
+        gt=0, description="choices one request may ask for (prompts x n); more get 400 before anything is tokenized "
+                          "or sent to the engine")] = 128
+    max_tokens_per_request: Annotated[int, Meta(
+        gt=0, description="tokens one request's choices may hold together (n x (prompt + max_tokens), summed over "
+                          f"its prompts); more get 400 (default: max_model_len x {TOKENS_PER_REQUEST_CONTEXTS})")
+    ] | None = None
+    max_waiting_choices: Annotated[int, Meta(
+        gt=0, description="choices of all running requests together that may wait for their first token; a request "
+                          "beyond it gets 503 queue_full before any of its choices is sent (default: the engine's "
+                          "--max-waiting; a deployment of several TEs may set the sum of theirs)")] | None = None
     header_timeout_s: Annotated[float, Meta(
         gt=0, description="seconds a connection may take to send a request's headers before it is closed")] = 10.0
     body_timeout_s: Annotated[float, Meta(

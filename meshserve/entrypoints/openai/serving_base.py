@@ -20,12 +20,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from meshserve.engine.protocol import EngineClientProtocol
+from meshserve.entrypoints.openai.admission import AdmissionGate, AdmissionLimits
 from meshserve.entrypoints.openai.cache_namespaces import CacheNamespaces
 from meshserve.entrypoints.openai.chat_prompt import ChatTemplateError, encode_chat
 from meshserve.entrypoints.openai.errors import bad_request, from_exception, model_not_found
 from meshserve.entrypoints.openai.http_guard import PRINCIPAL_SCOPE_KEY, Principal
 from meshserve.entrypoints.openai.metrics import ServerMetrics
-from meshserve.entrypoints.openai.server_options import PROMPT_CHARS_PER_TOKEN, ServerOptions
+from meshserve.entrypoints.openai.server_options import (
+    PROMPT_CHARS_PER_TOKEN,
+    TOKENS_PER_REQUEST_CONTEXTS,
+    ServerOptions,
+)
 from meshserve.wire.client import Tenancy
 from meshserve.wire.errors import EngineDeadError
 
@@ -33,6 +38,9 @@ logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 T = TypeVar("T")
 _MAX_REQUEST_ID_HEADER_LEN = 128
+# a body larger than this is parsed on the tokenizer's thread: validating its token ids takes long enough
+# to stall every other request (and /health) if done on the event loop
+_PARSE_ON_LOOP_MAX_BYTES = 64 * 1024
 
 
 def principal_of(raw: Request) -> Principal:
@@ -55,6 +63,10 @@ class ServingContext:
         self.created = int(time.time())
         self.active_ids: set[str] = set()
         self.max_prompt_chars = options.max_prompt_chars or engine.max_model_len * PROMPT_CHARS_PER_TOKEN
+        self.admission = AdmissionGate(AdmissionLimits(
+            max_choices=options.max_choices_per_request,
+            max_tokens=options.max_tokens_per_request or engine.max_model_len * TOKENS_PER_REQUEST_CONTEXTS,
+            max_waiting=options.max_waiting_choices or max_queue_hint))
         # one thread: a fast tokenizer must not be used from two threads at once ("Already borrowed")
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         # set when a shutdown's grace period is over: the streams still running end with an error event
@@ -96,11 +108,15 @@ class ServingBase:
         """The sender and prefix-cache namespace every engine request of `raw` carries."""
         return self.context.cache_namespaces.tenancy(principal_of(raw).owner, cache_salt)
 
-    def _parse(self, model: type[RequestModel], body: bytes) -> RequestModel:
+    async def _parse(self, model: type[RequestModel], body: bytes) -> RequestModel:
         if not body.strip():
             raise bad_request("The request body is empty; expected a JSON object.")
         # token ids (prompts, stop_token_ids) are checked against the model's vocabulary
-        return model.model_validate_json(body, context={"vocab_size": len(self.engine.tokenizer)})
+        context = {"vocab_size": len(self.engine.tokenizer)}
+        validate = functools.partial(model.model_validate_json, body, context=context)
+        if len(body) <= _PARSE_ON_LOOP_MAX_BYTES:
+            return validate()
+        return await self._tokenizing(validate)
 
     def _check_model_and_engine(self, model: str) -> None:
         if model != self.model_name:

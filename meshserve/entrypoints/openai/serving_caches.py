@@ -57,7 +57,7 @@ class ContextCacheServing(ServingBase):
     async def create(self, raw: Request) -> Response:
         """Have the engine compute a prefix's KV once and keep its blocks pinned under a new id until it expires."""
         arrival, created = time.monotonic(), time.time()
-        req = self._parse(ContextCacheCreateRequest, await raw.body())
+        req = await self._parse(ContextCacheCreateRequest, await raw.body())
         self._check_model_and_engine(req.model)
         ttl_s = self._ttl(req.ttl_seconds)
         text, token_ids, messages, param = await self._prefix(req)

@@ -23,8 +23,9 @@ class ChatServing(ServingBase):
 
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()
-        req = self._parse(ChatCompletionRequest, await raw.body())
+        req = await self._parse(ChatCompletionRequest, await raw.body())
         self._check_model_and_engine(req.model)
+        self.context.admission.check_choices(1, req.n)  # before the template is rendered (admission.py)
         cache = self.caches.for_request(req.context_cache_id, "messages", "/v1/chat/completions", principal_of(raw))
         cached_messages = cache.messages if cache is not None else []
         messages = [m.for_template() for m in req.messages]
@@ -35,6 +36,7 @@ class ChatServing(ServingBase):
         if not token_ids:
             raise bad_request("The messages render to an empty prompt.", param="messages")
         max_tokens = self._max_tokens(len(token_ids), req.requested_max_tokens, "messages")
+        self.context.admission.check_tokens([len(token_ids)], [max_tokens], req.n)
         prompt = EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.num_logprobs),
                               context_cache_id=req.context_cache_id, tenancy=self._tenancy(raw, req.cache_salt))
         request_id = self._request_id(raw, "chatcmpl")
