@@ -122,7 +122,9 @@ def test_a_broken_link_is_found_routed_around_and_used_again_once_it_heals(je):
 
 def test_a_slow_decode_side_is_reported_saturated_not_down(je):
     async def scenario():
-        await wait_for(lambda: all(link.state is not LinkState.DOWN for link in links(je).values()),
+        # both links reported (a heartbeat may predate the decode TE's first pull from P1) and neither down
+        await wait_for(lambda: {P0, P1} <= set(links(je))
+                       and all(link.state is not LinkState.DOWN for link in links(je).values()),
                        "every link up before the test", BREAK_S + DETECT_BOUND_S)
         pulls_before = links(je)[P1].pulls
         # every pull from the second prefill TE takes 3 s more (past the 2 s stall threshold); probes do not
