@@ -65,14 +65,16 @@ def recorded_routes(je):
         del je.routing.route
 
 
-async def wait_for(predicate, what: str, timeout_s: float):
+async def wait_for(predicate, what: str, timeout_s: float, report=None):
+    """`predicate`'s first true value within `timeout_s`; `report()` says what was seen instead."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            seen = f": {report()}" if report is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{seen}")
         await asyncio.sleep(0.1)
 
 
@@ -122,10 +124,11 @@ def test_a_broken_link_is_found_routed_around_and_used_again_once_it_heals(je):
 
 def test_a_slow_decode_side_is_reported_saturated_not_down(je):
     async def scenario():
-        # both links reported (a heartbeat may predate the decode TE's first pull from P1) and neither down
+        # both links in use (round robin: each prefill TE hands off to the decode TE), reported, neither down
+        await generate_all(je, PROMPTS, MAX_TOKENS)
         await wait_for(lambda: {P0, P1} <= set(links(je))
                        and all(link.state is not LinkState.DOWN for link in links(je).values()),
-                       "every link up before the test", BREAK_S + DETECT_BOUND_S)
+                       "every link up before the test", BREAK_S + DETECT_BOUND_S, report=lambda: links(je))
         pulls_before = links(je)[P1].pulls
         # every pull from the second prefill TE takes 3 s more (past the 2 s stall threshold); probes do not
         await inject(je, DECODE, kind="link_delay", peer=P1, delay_s=3.0, duration_s=6.0)

@@ -547,7 +547,8 @@ GREEDY_SMALL_PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=
 
 
 def _run_drafting_model(model: str, k: int, stop_params: list[SamplingParams] | None) -> DraftingRun:
-    args = dict(max_num_batched_tokens=NUM_SAMPLES * len(DIST_PROMPT), max_num_seqs=NUM_SAMPLES,
+    # steps of a few hundred requests each: one step of all of them can outlast the hang timeout on a busy host
+    args = dict(max_num_batched_tokens=2048, max_num_seqs=NUM_SAMPLES,
                 max_waiting=NUM_SAMPLES, num_kv_blocks=NUM_SAMPLES + 64, block_size=16, num_threads=1)
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(NUM_SAMPLES)]
     with LLM(model=model, **args, **_spec(k)) as llm:
