@@ -360,7 +360,7 @@ class ClusterManager:
                               served_model_name=config.model_config.served_model_name if config else None,
                               manager_addrs=(self.register_addr,), hold_s=self.config.hold_s, name=name)
         kwargs = dict(router=msgspec.to_builtins(router), host=self.config.host, port=port, heatmap=spec.heatmap,
-                      predictor=spec.predictor, max_queue_hint=config.scheduler_config.max_waiting if config else 1024,
+                      predictor=spec.predictor, max_queue_hint=spec.waiting_room(),
                       log_level=self.log_level, server=self.server)
         handle = self.backend.launch("frontend", name, kwargs)
         self.jes[name] = _Process(ProcessRecord("frontend", name, handle.record(), port=port,

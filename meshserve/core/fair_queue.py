@@ -10,9 +10,10 @@ lifted to the smallest counter of the tenants already waiting, so an idle tenant
 one cannot crowd out the others either. One tenant's 500 queued requests then cost another tenant's single
 request at most one turn; within a tenant the order is FCFS, as with one tenant it always was.
 
-A request's cost is its tokens to compute when it leaves the queue (prompt, plus output so far for a resumed
-one); decode tokens are not counted (the waiting queue decides who starts, not how fast a running request
-goes). The counters are forgotten whenever the queue empties. Not thread-safe: the scheduler's loop owns it.
+A tenant is charged as VTC charges it: the tokens a request computes when it leaves the queue (prompt, plus
+output so far for a resumed one), then each token it generates while others wait, at `OUTPUT_TOKEN_WEIGHT`
+(the paper's w_p = 1, w_q = 2), so a tenant of long answers takes its turns less often than one of short
+ones. The counters are forgotten whenever the queue empties. Not thread-safe: the scheduler's loop owns it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import heapq
 from collections.abc import Iterator
 
 from meshserve.core.request import Request
+
+OUTPUT_TOKEN_WEIGHT = 2.0  # a generated token costs as much as two prompt tokens (VTC's w_q / w_p)
 
 
 def _fifo_key(req: Request) -> tuple:
@@ -70,6 +73,15 @@ class FairWaitingQueue:
         tenant = req.tenancy.tenant
         self._served[tenant] = self._served.get(tenant, 0.0) + _cost(req)
         self.remove(req)
+
+    def charge_output(self, tenant: str, num_tokens: int) -> None:
+        """A running request of `tenant` generated `num_tokens`. Counted only while someone waits: the counters
+        order the waiting tenants and are forgotten when nobody does."""
+        if not self._requests or num_tokens <= 0:
+            return
+        self._served[tenant] = self._served.get(tenant, 0.0) + OUTPUT_TOKEN_WEIGHT * num_tokens
+        if self._waiting_per_tenant.get(tenant):  # its place among the waiting tenants moved
+            self._order = None
 
     def ordered(self) -> list[Request]:
         """Every waiting request in the order the scheduler should try them: by priority, preempted ones first

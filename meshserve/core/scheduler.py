@@ -530,6 +530,7 @@ class Scheduler:
                     req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready + len(tokens) - 1)
                     self._shift_later_steps(req_id, len(tokens) - 1)
                 deltas.append(self._accept_tokens(req, tokens, out.logprobs.get(req_id)))
+                self._waiting.charge_output(req.tenancy.tenant, len(deltas[-1].new_token_ids))
             if not req.is_finished:
                 self._cache_full_blocks(req, req.num_kv_ready_tokens)
         return deltas

@@ -25,6 +25,7 @@ class DPWaitingQueue:
         self._seq = 0
         self._keys: dict[str, tuple] = {}  # a waiting request's queue key: priority, then arrival
         self.owner: dict[str, int] = {}  # a placed request's DP group
+        self._tenant_of: dict[str, str] = {}  # a placed request's tenant: charged for its tokens (fair_queue)
 
     def admit(self, request: Request) -> None:
         """Into the one group's scheduler, or into the queue; QueueFullError or RequestTooLongError when it
@@ -76,6 +77,7 @@ class DPWaitingQueue:
             self._queue.take(request)  # its tenant is charged before the group's scheduler re-keys it
             self.schedulers[group].add_request(request)
             self.owner[request.req_id] = group
+            self._tenant_of[request.req_id] = request.tenancy.tenant
             self._keys.pop(request.req_id, None)
 
     def abort(self, req_ids: list[str]) -> None:
@@ -85,16 +87,22 @@ class DPWaitingQueue:
             self._queue.remove(request)
         for req_id in req_ids:
             self._keys.pop(req_id, None)
+            self._tenant_of.pop(req_id, None)
             group = self.owner.pop(req_id, None) if len(self.schedulers) > 1 else 0
             if group is not None:
                 self.schedulers[group].abort_requests([req_id])
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
-        """A request that finished (or was handed to decode) belongs to no group any more."""
+        """Tenants are charged for the tokens their placed requests generated (while others wait); a request that
+        finished (or was handed to decode) belongs to no group any more."""
         if len(self.schedulers) > 1:
             for delta in deltas:
+                tenant = self._tenant_of.get(delta.req_id)
+                if tenant is not None:
+                    self._queue.charge_output(tenant, len(delta.new_token_ids))
                 if delta.finish_reason is not None or delta.kv_transfer_params is not None:
                     self.owner.pop(delta.req_id, None)
+                    self._tenant_of.pop(delta.req_id, None)
 
     def fail_all(self, error: str) -> list[RequestDelta]:
         """An error delta for every request still waiting; the queue is left empty and owns nothing."""
@@ -103,6 +111,7 @@ class DPWaitingQueue:
         self._queue = FairWaitingQueue()
         self._keys.clear()
         self.owner.clear()
+        self._tenant_of.clear()
         return deltas
 
     def unfinished(self) -> list[Request]:

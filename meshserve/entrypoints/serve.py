@@ -82,7 +82,7 @@ def serve_deployment(args: argparse.Namespace, options: ServerOptions) -> int:
         raise ConfigError("--tp/--dp/--ep set one TE's layout; give each TE group's `parallel` in the deployment file")
     log_level = getattr(logging, args.log_level.upper())
     served_name = settings.model_config.served_model_name
-    max_queue = settings.scheduler_config.max_waiting
+    max_queue = deployment.waiting_room(overrides)  # the frontend admits what all the TEs may hold waiting
     router = router_config(args, model, served_name, deployment.routing)
     je = make_job_executor(router, deployment.heatmap, deployment.predictor)
     register_addrs = [je.register_addr, *args.also_register]

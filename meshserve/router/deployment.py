@@ -107,6 +107,12 @@ class MultiDeployment:
                                   {**self.engine, **spec.engine, "te_name": name}))
         return out
 
+    def waiting_room(self, overrides: dict[str, Any] | None = None) -> int:
+        """The requests its TEs may hold waiting, counted where a request waits first: the colocated and
+        prefill TEs' `max_waiting` summed (a decode TE takes only what a prefill TE hands it)."""
+        return sum(EngineConfig.from_kwargs("", **{**spec.engine, **(overrides or {})}).scheduler_config.max_waiting
+                   for spec in self.tes() if spec.role != "decode")
+
     def role_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for spec in self.groups:

@@ -9,9 +9,10 @@ from meshserve.wire.client import Tenancy
 from tests.core.test_scheduler import BS, FakeWorker, make_request, make_scheduler, prompt_of, run_sync
 
 
-def of_tenant(tenant: str, req_id: str, prompt_len: int = 6, priority: int = 0, arrival: float = 0.0):
-    req = make_request(req_id, prompt_of(len(req_id) + prompt_len, prompt_len), max_tokens=2, priority=priority,
-                       arrival_time=arrival)
+def of_tenant(tenant: str, req_id: str, prompt_len: int = 6, priority: int = 0, arrival: float = 0.0,
+              max_tokens: int = 2):
+    req = make_request(req_id, prompt_of(len(req_id) + prompt_len, prompt_len), max_tokens=max_tokens,
+                       priority=priority, arrival_time=arrival)
     req.tenancy = Tenancy(tenant=tenant)
     return req
 
@@ -41,6 +42,33 @@ def test_tenants_take_turns_by_tokens():
     # each long prompt costs two short ones: two shorts start for every long one
     first_six = order[:6]
     assert sum(r.startswith("l") for r in first_six) == 2 and sum(r.startswith("s") for r in first_six) == 4
+
+
+def test_generated_tokens_are_charged_while_others_wait():
+    """VTC's output charge: a tenant whose running request generates tokens falls behind in the queue."""
+    queue = FairWaitingQueue()
+    reqs = [of_tenant(t, f"{t[0]}{i}") for t in ("chatty", "terse") for i in range(3)]
+    for i, req in enumerate(reqs):
+        req.queue_key = (0, 1, 0.0, i)
+        queue.add(req)
+    queue.take(reqs[0])  # c0 starts: "chatty" is charged its 6 prompt tokens
+    assert [r.req_id for r in queue.ordered()][:2] == ["t0", "c1"]  # turns by prompt tokens alone
+    queue.charge_output("chatty", 9)  # c0 generated 9 tokens: 6 + 2 x 9 = 24, past terse's three prompts
+    assert [r.req_id for r in queue.ordered()] == ["t0", "t1", "t2", "c1", "c2"]
+    for req in queue.ordered():
+        queue.take(req)
+    queue.charge_output("chatty", 5)  # nobody waits: nothing to order, nothing kept
+    assert queue._served == {}
+
+
+def test_a_tenant_of_long_answers_starts_less_often():
+    sched, ex = make_scheduler(num_blocks=256, max_num_seqs=1), FakeWorker()
+    for i in range(4):
+        sched.add_request(of_tenant("chatty", f"c{i}", arrival=float(i), max_tokens=12))
+        sched.add_request(of_tenant("terse", f"t{i}", arrival=float(i), max_tokens=1))
+    order = start_order(sched, ex)
+    # equal prompts: by prompt tokens alone they would alternate; chatty's 12 tokens each cost it four turns
+    assert order[:5] == ["c0", "t0", "t1", "t2", "t3"]
 
 
 def test_priority_comes_before_fairness():

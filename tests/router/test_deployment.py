@@ -46,6 +46,21 @@ te_groups:
     assert decode1.name == "pd-decode-1" and prefill.model == "some/model"
 
 
+def test_the_waiting_room_sums_the_tes_a_request_waits_at_first(tmp_path):
+    """The frontend's --max-waiting-choices default: colocated and prefill TEs' max_waiting, not decode TEs'."""
+    path = tmp_path / "d.yaml"
+    path.write_text("""
+engine: {max_waiting: 100}
+te_groups:
+  - {group: pd, role: prefill, count: 2, engine: {max_waiting: 40}}
+  - {group: pd, role: decode, count: 1}
+  - {group: main, role: colocated, count: 1}
+""")
+    deployment = load_multi(str(path))
+    assert deployment.waiting_room() == 2 * 40 + 100
+    assert deployment.waiting_room({"max_waiting": 7}) == 3 * 7  # a flag given to every TE wins
+
+
 def test_one_te_deployment_files_are_not_multi(tmp_path):
     path = tmp_path / "one.yaml"
     path.write_text('parallel: "attn=TP1+DP2 moe=TP1+EP2"\n')

@@ -45,6 +45,7 @@ from meshserve.entrypoints.openai.serving_chat import ChatServing
 from meshserve.entrypoints.openai.serving_completions import CompletionServing
 from meshserve.entrypoints.openai.serving_status import StatusServing
 from meshserve.entrypoints.openai.tenant_limits import TenantGate, connection_limiter
+from meshserve.utils.gc_pauses import freeze_startup_heap
 
 # after the grace period: time for the streams still running to send their error event and [DONE]
 _STREAM_END_MARGIN_S = 5.0
@@ -190,6 +191,7 @@ async def serve_http(engine: EngineClientProtocol, host: str, port: int, log_lev
     check_bind(host, options)
     app = build_app(engine, served_model_name=served_model_name, max_queue_hint=max_queue_hint, options=options)
     await engine.start()  # a job executor starts taking TE heartbeats on this loop now, not at the first request
+    freeze_startup_heap()  # a full collection over the start-up objects would pause the loop for a second
     grace_s = options.shutdown_grace_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             http=protocol_for(options.header_timeout_s, app.state.connection_limiter),

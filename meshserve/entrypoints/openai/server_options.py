@@ -77,7 +77,7 @@ class ServerOptions(ConfigStruct, frozen=True):
     max_waiting_choices: Annotated[int, Meta(
         gt=0, description="choices of all running requests together that may wait for their first token; a request "
                           "beyond it gets 503 queue_full before any of its choices is sent (default: the engine's "
-                          "--max-waiting; a deployment of several TEs may set the sum of theirs)")] | None = None
+                          "--max-waiting; a deployment's: the sum over its colocated and prefill TEs)")] | None = None
     header_timeout_s: Annotated[float, Meta(
         gt=0, description="seconds a connection may take to send a request's headers before it is closed")] = 10.0
     body_timeout_s: Annotated[float, Meta(
