@@ -3,8 +3,8 @@ VENV   ?= .venv
 PYTHON ?= python3.11
 STAMP  := $(VENV)/.installed
 ARGS   ?=
-# pytest-xdist workers: `make test` runs the tests that start processes one after another on one worker and
-# the unit and model tiers beside them; `make test-quick` spreads the unit tier over all of them
+# pytest-xdist workers: `make test` gives each a whole module at a time (a module's engines and servers start
+# once); `make test-quick` spreads the unit tier's tests over all of them
 WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -q -ra -n $(WORKERS)
 
@@ -29,7 +29,7 @@ lint: install
 
 # every tier (CI: .ci/run); the slowest tests are listed at the end
 test: lint
-	$(PYTEST) --dist loadgroup --durations=25 tests $(ARGS)
+	$(PYTEST) --dist loadscope --durations=25 tests $(ARGS)
 
 # the unit tier (docs/testing.md): no process started, no model built; a few minutes at most
 test-quick: lint

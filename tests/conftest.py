@@ -10,8 +10,8 @@ Every test gets exactly one tier marker, by what it starts (docs/testing.md):
   bench       a benchmark command run end to end (tests/bench)
 A module's tier is its folder's (FOLDER_TIERS) unless TIER_EXCEPTIONS names the module or one of its tests;
 a fixture in FIXTURE_TIERS raises a test to at least that tier; in tests/bench every tier above unit is
-`bench`. The tests run cheapest tier first; those that start processes share one pytest-xdist group. A
-`unit` test that starts a process fails (`forbid_processes`).
+`bench`. The tests run cheapest tier first, each module whole on one pytest-xdist worker (`--dist
+loadscope`). A `unit` test that starts a process fails (`forbid_processes`).
 """
 from __future__ import annotations
 
@@ -30,11 +30,6 @@ TESTS_DIR = Path(__file__).parent
 # by what a test may start, least first: a test takes the highest tier any of its rules gives it
 TIERS = ("unit", "model", "engine", "deployment", "bench")
 BENCH_FOLDER = "bench"
-# Tests that start processes run one after another on one pytest-xdist worker (`--dist loadgroup`, as `make
-# test` runs): two engines or deployments at once on a small machine would slow each other into timeouts. The
-# unit and model tiers run on the other workers meanwhile.
-SERIAL_TIERS = ("engine", "deployment", "bench")
-SERIAL_GROUP = "processes"
 
 FOLDER_TIERS = {
     "": "unit",  # the modules directly under tests/
@@ -195,8 +190,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: folder {folder_of(item.path)!r} has no test tier: "
                                     "add it to FOLDER_TIERS in tests/conftest.py")
         item.add_marker(tier)
-        if tier in SERIAL_TIERS:
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
         tiers[item.nodeid] = TIERS.index(tier)
     # the cheapest tiers first (a failure shows early), each in the order collected: a stable sort
     items.sort(key=lambda item: tiers[item.nodeid])
