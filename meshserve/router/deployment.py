@@ -108,10 +108,15 @@ class MultiDeployment:
         return out
 
     def waiting_room(self, overrides: dict[str, Any] | None = None) -> int:
-        """The requests its TEs may hold waiting, counted where a request waits first: the colocated and
-        prefill TEs' `max_waiting` summed (a decode TE takes only what a prefill TE hands it)."""
-        return sum(EngineConfig.from_kwargs("", **{**spec.engine, **(overrides or {})}).scheduler_config.max_waiting
-                   for spec in self.tes() if spec.role != "decode")
+        """The requests its TEs may hold waiting, counted where a request waits first: the `max_waiting` of
+        its colocated and prefill TEs summed (a decode TE takes only what a prefill TE hands it), each group
+        at the most TEs the cluster manager may scale it to (a group scaled to zero still takes requests)."""
+        room = 0
+        for spec in self.groups:
+            if spec.role != "decode":
+                engine = {**self.engine, **spec.engine, **(overrides or {})}
+                room += max(spec.bounds) * EngineConfig.from_kwargs("", **engine).scheduler_config.max_waiting
+        return room
 
     def role_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

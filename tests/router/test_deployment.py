@@ -59,6 +59,13 @@ te_groups:
     deployment = load_multi(str(path))
     assert deployment.waiting_room() == 2 * 40 + 100
     assert deployment.waiting_room({"max_waiting": 7}) == 3 * 7  # a flag given to every TE wins
+    # an autoscaled group counts at its most TEs: one scaled to zero still takes (and holds) requests
+    path.write_text("""
+engine: {max_waiting: 10}
+te_groups:
+  - {group: main, role: colocated, count: 0, min: 0, max: 3}
+""")
+    assert load_multi(str(path)).waiting_room() == 30
 
 
 def test_one_te_deployment_files_are_not_multi(tmp_path):
