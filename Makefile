@@ -4,7 +4,8 @@ PYTHON ?= python3.11
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 # pytest-xdist workers: `make test` gives each a whole module at a time (a module's engines and servers start
-# once); `make test-quick` spreads the unit tier's tests over all of them
+# once), the costliest tiers first (tests/conftest.py orders them; xdist's own reorder is off); `make
+# test-quick` spreads the unit tier's tests over all of them
 WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -q -ra -n $(WORKERS)
 
@@ -29,7 +30,7 @@ lint: install
 
 # every tier (CI: .ci/run); the slowest tests are listed at the end
 test: lint
-	$(PYTEST) --dist loadscope --durations=25 tests $(ARGS)
+	$(PYTEST) --dist loadscope --no-loadscope-reorder --durations=25 tests $(ARGS)
 
 # the unit tier (docs/testing.md): no process started, no model built; a few minutes at most
 test-quick: lint

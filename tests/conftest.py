@@ -83,6 +83,7 @@ TIER_EXCEPTIONS = {
         "transfer/test_shm_sweep.py",
         "utils/test_cluster_auth.py::test_default_secret_file_is_created_private_and_shared",
         "utils/test_entry_points.py::test_the_runner_refuses_what_the_table_does_not_name",
+        "utils/test_entry_points.py::test_an_exit_without_teardown_keeps_what_a_normal_exit_does",
         "utils/test_page_cache.py",
         "worker/test_spec_decode.py",
     ], "model"),
@@ -191,8 +192,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                     "add it to FOLDER_TIERS in tests/conftest.py")
         item.add_marker(tier)
         tiers[item.nodeid] = TIERS.index(tier)
-    # the cheapest tiers first (a failure shows early), each in the order collected: a stable sort
-    items.sort(key=lambda item: tiers[item.nodeid])
+    # one process: the cheapest tiers first (a failure shows early). Under pytest-xdist (`make test`, with
+    # --no-loadscope-reorder) the costliest first, so that both workers end on short unit modules rather
+    # than one waiting on the other's last deployment. Each tier in the order collected: a stable sort.
+    costliest_first = hasattr(config, "workerinput")
+    items.sort(key=lambda item: -tiers[item.nodeid] if costliest_first else tiers[item.nodeid])
 
 
 # ---------------------------------------------------------------- no process from a unit test

@@ -23,7 +23,6 @@ from tests.utils import process_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 MASTER_ENTRY = processes.PROCESS_ENTRY_POINTS["master"]
-WORKER_ENTRY = processes.PROCESS_ENTRY_POINTS["worker"]
 TORCH_LIBRARIES = ("libtorch", "torch/_C")
 
 
@@ -66,6 +65,15 @@ def _child_running(parent: psutil.Process, entry: str) -> psutil.Process:
     raise AssertionError(f"no child process runs {entry}")
 
 
+def _first_rank(master: psutil.Process) -> psutil.Process:
+    """The master's rank 0 (forked by its forkserver, one level further down)."""
+    deadline = time.monotonic() + 30
+    while not (ranks := processes.rank_processes(master.pid)):
+        assert time.monotonic() < deadline, "the master runs no worker rank"
+        time.sleep(0.1)
+    return psutil.Process(ranks[min(ranks)])
+
+
 def _torch_mappings(pid: int) -> list[str]:
     maps = Path(f"/proc/{pid}/maps").read_text()
     return sorted({line.split()[-1] for line in maps.splitlines() if any(lib in line for lib in TORCH_LIBRARIES)})
@@ -93,7 +101,7 @@ def test_a_serving_master_has_no_torch_loaded(tiny_model, tmp_path, monkeypatch)
         [output] = llm.generate(["the master schedules"], SamplingParams(temperature=0.0, max_tokens=4))
         assert len(output.outputs[0].token_ids) == 4
         master = _child_running(psutil.Process(), MASTER_ENTRY)
-        worker = _child_running(master, WORKER_ENTRY)
+        worker = _first_rank(master)
         master_libraries, worker_libraries = _torch_mappings(master.pid), _torch_mappings(worker.pid)
         modules = _modules_of(master.pid, out)
     assert worker_libraries, "the maps check found no torch library even in the worker"

@@ -67,6 +67,7 @@ from meshserve.bench.faults_load import (
 from meshserve.config import ClusterConfig
 from meshserve.config.base import ConfigError
 from meshserve.utils import report
+from meshserve.utils.processes import rank_processes
 
 PROG = "meshserve bench faults"
 LOG_PREFIX = "bench faults"
@@ -430,25 +431,6 @@ def throughput_effect(series: list[dict], reference_rate: float, t_inject: float
 
 
 # ---------------------------------------------------------------- injecting
-def _worker_ranks(pid: int) -> dict[int, int]:
-    """rank -> pid of a TE master's worker processes (their command line carries their arguments)."""
-    import psutil
-
-    ranks = {}
-    try:
-        for child in psutil.Process(pid).children(recursive=True):
-            try:
-                cmdline = child.cmdline()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if any("run_worker" in part for part in cmdline):
-                with contextlib.suppress(ValueError, IndexError, TypeError):
-                    ranks[int(json.loads(cmdline[-1])["rank"])] = child.pid
-    except psutil.NoSuchProcess:
-        pass
-    return ranks
-
-
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
@@ -491,7 +473,7 @@ class Injector:
 
     def _kill_rank(self, fault: FaultSpec) -> str:
         te = self.te_named(fault.target)
-        ranks = _worker_ranks(te.pid)
+        ranks = rank_processes(te.pid)
         if 1 not in ranks:
             raise FaultsBenchError(f"TE {te.name} has no rank 1 process (ranks found: {sorted(ranks)})")
         _kill(ranks[1])
@@ -499,14 +481,14 @@ class Injector:
 
     def _kill_master(self, fault: FaultSpec) -> str:
         te = self.te_named(fault.target)
-        ranks = _worker_ranks(te.pid)
+        ranks = rank_processes(te.pid)
         self.leftovers += list(ranks.values())
         _kill(te.pid)
         return f"killed the master (pid {te.pid}) of TE {te.name}; its ranks {sorted(ranks.values())} left running"
 
     def _kill_te(self, fault: FaultSpec) -> str:
         te = self.te_named(fault.target)
-        ranks = _worker_ranks(te.pid)
+        ranks = rank_processes(te.pid)
         _kill(te.pid)
         for pid in ranks.values():
             _kill(pid)

@@ -28,6 +28,7 @@ from meshserve.bench.spec import MIN_REQUESTS, SpecBenchError, _int_list, batch_
 from meshserve.config.base import ConfigError
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import report
+from meshserve.utils.cpu_features import has_native_bf16
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -156,14 +157,6 @@ def _quality_text(f: dict) -> str:
 
 
 # ---------------------------------------------------------------- speed
-def has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any("avx512_bf16" in line or "amx_bf16" in line for line in cpuinfo if line.startswith("flags"))
-    except OSError:
-        return False
-
-
 def engine_formats(settings: QuantBenchSettings, int8_dir: str | None) -> dict[str, dict]:
     """The engines to start: name -> LLM keyword arguments."""
     largest = settings.batch_sizes[-1]

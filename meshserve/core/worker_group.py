@@ -1,6 +1,7 @@
 """The worker ranks of one engine: their processes, the sockets to reach them, and what they serve.
 
-`WorkerGroup` starts ranks 0..num_local_ranks-1 as processes of this host (or hands them to a pre-warmed
+`WorkerGroup` starts ranks 0..num_local_ranks-1 as processes of this host, forked from the master's
+forkserver (`launch_forked`: torch is imported once), or hands them to a pre-warmed
 TE's spare workers, `SpareWorker`); the other ranks run on other hosts and join through `RemoteRanks`. The
 master sends every rank the same message (steps, pings, shutdown) and reads their results on one socket.
 `WeightServers` tracks where new TEs of this layout can fork weights from; `time_load` puts the ranks'
@@ -17,7 +18,7 @@ import zmq
 from meshserve.config import EngineConfig
 from meshserve.core.remote_ranks import RemoteRanks, enable_heartbeats
 from meshserve.utils import cluster_auth
-from meshserve.utils.processes import free_tcp_port, launch, stop_process
+from meshserve.utils.processes import ForkedProcess, free_tcp_port, launch_forked, stop_process
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
 from meshserve.wire.heartbeat import StartupTimeline
@@ -26,13 +27,19 @@ from meshserve.wire.worker import WorkerFailure, WorkerHandshake, WorkerReady
 
 RESULTS = "worker-results"  # the master's socket for the ranks' results, as dropped frames name it
 DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
+# what the master's forkserver imports once for all its local ranks (and their restarts): torch, the modules
+# a rank builds its model runner from, and what torch imports lazily on a rank's first ops (sympy's shapes:
+# about 1.4 s of CPU a rank; the native kernels' build tooling: about 0.8 s)
+RANK_PRELOAD = ("torch", "torch.fx.experimental.symbolic_shapes", "torch.utils.cpp_extension", "ninja",
+                "meshserve.parallel.context", "meshserve.worker.model_runner", "meshserve.models.deepseek_v3",
+                "meshserve.models.qwen3_moe")
 
 
 class SpareWorker(Protocol):
     """A worker process started ahead of time (a pre-warmed TE's, `meshserve.cluster.warm`): torch imported,
     native kernels loaded, waiting to be told which rank of which TE it is."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
 
     def assign(self, handshake: WorkerHandshake) -> None: ...
 
@@ -84,8 +91,9 @@ class WorkerGroup:
                                                  result_addr=result_addr, dist_init_method=dist_init))
                 self.procs.append(spare.proc)
             else:
-                self.procs.append(launch("worker", rank=rank, config=config.to_dict(), work_addr=work_addrs[rank],
-                                         result_addr=result_addr, dist_init_method=dist_init, log_level=log_level))
+                self.procs.append(launch_forked("worker", RANK_PRELOAD, rank=rank, config=config.to_dict(),
+                                                work_addr=work_addrs[rank], result_addr=result_addr,
+                                                dist_init_method=dist_init, log_level=log_level))
         for spare in spares:  # more spares than this TE's ranks
             spare.release()
 

@@ -20,6 +20,7 @@ from meshserve.entrypoints.te_server import add_te_parser
 from meshserve.entrypoints.train import add_train_parser
 from meshserve.models.factory import add_make_model_arguments, make_model_main
 from meshserve.utils import cluster_auth, envs
+from meshserve.utils.processes import exit_without_teardown
 from meshserve.worker.worker import WorkerJoinError, join_engine
 
 
@@ -133,5 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `meshserve` command: `main`, then an exit that skips the interpreter's teardown (a second once a
+    command has imported torch)."""
+    try:
+        code: int | str | None = main()
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+    exit_without_teardown(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

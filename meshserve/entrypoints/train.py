@@ -49,7 +49,9 @@ def add_train_parser(subparsers) -> None:
     train.add_argument("--eval-sequences", dest="eval_sequences", type=int, default=None,
                        help="held-out sequences per evaluation (default: 16)")
     train.add_argument("--fp32", dest="bf16", action="store_false", default=None,
-                       help="float32 matmuls (default: bfloat16 autocast; weights and optimizer are float32 anyway)")
+                       help="float32 matmuls (default: bfloat16 autocast where the CPU multiplies bf16 natively, "
+                            "float32 elsewhere; weights and optimizer are float32 anyway)")
+    train.add_argument("--bf16", dest="bf16", action="store_true", help="bfloat16 autocast even where emulated")
     train.add_argument("--threads", type=int, default=None,
                        help="torch threads (default: 1; more pay only on an idle machine, set OMP_WAIT_POLICY=PASSIVE "
                             "if others share it)")

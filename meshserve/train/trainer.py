@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from meshserve.models.hf_experts import split_experts
 from meshserve.train.checkpoint import write_checkpoint
 from meshserve.train.corpus import Corpus, heldout_batches, load_corpus, train_batches
 from meshserve.train.mtp import MTPLayer, from_pretrained_quietly, read_layer_tensors
+from meshserve.utils.cpu_features import has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ class TrainSettings:
     eval_sequences: int = 16
     eval_every: int = 0  # 0: four evaluations over the run
     # bfloat16 autocast for the matmuls, weights and optimizer in float32: 1.6x the tokens/s of float32 on 2 cores
-    bf16: bool = True
+    # that multiply bf16 natively; where they do not (AVX2), bf16 is emulated and float32 is the default
+    bf16: bool = field(default_factory=has_native_bf16)
     # The factory draws output heads for logits of std 3 (clear greedy margins in a random model): a held-out
     # loss of ~30 nats that costs the first ~100 steps to undo. Training starts from that init with the head
     # scaled by this factor (near-uniform predictions); the report gives both starting points.

@@ -2,19 +2,30 @@
 
 Each process is a fresh interpreter running `python -m meshserve.utils.processes MODULE:FUNCTION '<json>'`:
 the function is called with the JSON object as keyword arguments. Nothing depends on the caller's
-`__main__` (no multiprocessing re-import), the same command line starts a process on another host, and
+`__main__` (no multiprocessing re-import of a script), the same command line starts a process on another host, and
 `ps` names the code a process runs. Entry points are named in one table, so a moved file fails the
 entry-point test, not a start-up; this module imports nothing of meshserve (the table holds strings).
+
+A TE's worker ranks start another way (`launch_forked`): each is forked from the master's forkserver, which
+imported torch and the rank's modules once, so the second and later ranks, and every rank restarted after a
+failure, start without importing torch again (about 3 s of CPU each). Their `ps` line reads as `launch`'s
+would, with the rank as the only argument.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # name -> "module:function"; the function takes the JSON-able keyword arguments `launch` was given
@@ -44,6 +55,91 @@ def launch(name: str, **kwargs: Any) -> subprocess.Popen:
     """Start the process `name` of PROCESS_ENTRY_POINTS with `kwargs` (JSON-able) as its arguments."""
     target = PROCESS_ENTRY_POINTS[name]
     return subprocess.Popen([sys.executable, "-m", RUNNER_MODULE, target, json.dumps(kwargs)], stdin=subprocess.DEVNULL)
+
+
+class ForkedProcess:
+    """A process forked from this process's forkserver (multiprocessing), with the part of subprocess.Popen's
+    interface that owners of meshserve's processes use: pid, poll, wait, terminate, kill, returncode."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        self.pid = process.pid
+        self.args = process.name
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+def launch_forked(name: str, preload: Sequence[str], **kwargs: Any) -> ForkedProcess:
+    """Start the process `name` of PROCESS_ENTRY_POINTS with `kwargs`, forked from this process's forkserver;
+    the first call starts that server, which imports `preload` once (later calls' `preload` is not read)."""
+    target = PROCESS_ENTRY_POINTS[name]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))
+    # it gets the environment of now, as a new interpreter would (the forkserver's is that of its start);
+    # daemonic: a caller that exits without stopping it (an exception) terminates it on the way out rather
+    # than waiting for it (multiprocessing joins its other children at exit)
+    process = context.Process(target=_run_forked, args=(target, kwargs, dict(os.environ)), name=f"meshserve-{name}",
+                              daemon=True)
+    process.start()
+    return ForkedProcess(process)
+
+
+def _run_forked(target: str, kwargs: dict[str, Any], environ: dict[str, str]) -> None:
+    """A forked process's body: named in `ps` as `launch` would name it (the rank, if any, its one argument)."""
+    import setproctitle
+
+    shown = {"rank": kwargs["rank"]} if "rank" in kwargs else {}
+    # first: the title takes over the memory of the process's original arguments and environment
+    setproctitle.setproctitle(f"{sys.executable} -m {RUNNER_MODULE} {target} "
+                              f"{json.dumps(shown, separators=(',', ':'))}")
+    os.environ.clear()
+    os.environ.update(environ)
+    entry_point(target)(**kwargs)
+
+
+def rank_processes(master_pid: int) -> dict[int, int]:
+    """rank -> pid of the worker ranks a master runs on this host (forked by its forkserver, so below the
+    master in the process tree; each one's `ps` line ends with its rank as `{"rank":N}`)."""
+    import psutil
+
+    worker = PROCESS_ENTRY_POINTS["worker"]
+    ranks = {}
+    try:
+        below = psutil.Process(master_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return ranks
+    for child in below:
+        try:
+            words = " ".join(child.cmdline()).split()  # a forked rank's title is one string
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if worker in words:
+            try:
+                ranks[int(json.loads(words[-1])["rank"])] = child.pid
+            except (ValueError, KeyError, TypeError):
+                continue
+    return ranks
 
 
 def entry_point(target: str) -> Callable[..., Any]:
@@ -82,5 +178,28 @@ def main(argv: list[str]) -> None:
     entry_point(argv[1])(**json.loads(argv[2]))
 
 
+def exit_without_teardown(code: int | str | None) -> None:
+    """End the process as the interpreter would (non-daemon threads joined, exit handlers run, logs and
+    streams flushed) but skip freeing every module: for a process that imported torch that teardown takes
+    about a second, paid on every stop and every restart of a rank. Children of multiprocessing end so too."""
+    # what the interpreter's exit does first: wake the executors' workers, then join every non-daemon thread
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe loses nothing that a teardown would keep
+            pass
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    main(sys.argv)
+    try:
+        main(sys.argv)
+    except SystemExit as stop:
+        exit_without_teardown(stop.code)
+    exit_without_teardown(0)

@@ -45,9 +45,9 @@ def _pool(state_dir):
 def test_a_queue_scales_up_and_idleness_scales_to_zero(deployment):
     state_dir = deployment["state_dir"]
     wait_for(lambda: status(state_dir)["warm"] >= 1, 60, "a pre-warmed TE ready")
-    # one request at a time per TE (max_num_seqs 1): twelve long ones queue up for several seconds
+    # one request at a time per TE (max_num_seqs 1): twelve of 150 tokens queue up for many seconds
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        replies = list(pool.map(lambda i: complete(deployment["url"], f"request {i}", max_tokens=400), range(12)))
+        replies = list(pool.map(lambda i: complete(deployment["url"], f"request {i}", max_tokens=150), range(12)))
         assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
     events = status(state_dir)["events"]
     assert any("scale main/colocated to 2" in e for e in events), events

@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 import zmq
 
@@ -20,6 +19,7 @@ from meshserve.config import EngineConfig
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.utils import cluster_auth
+from meshserve.utils.processes import rank_processes
 from meshserve.wire import codec
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.kv import BlockStored, KVCacheEvents
@@ -35,9 +35,8 @@ def model_dir(tiny_model):
 def _worker_pid(master_pid: int) -> int:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        for child in psutil.Process(master_pid).children():
-            if "meshserve.worker.worker" in " ".join(child.cmdline()):
-                return child.pid
+        for pid in rank_processes(master_pid).values():
+            return pid
         time.sleep(0.1)
     raise AssertionError("no worker process found")
 

@@ -8,12 +8,12 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
 from meshserve.engine.async_client import AsyncEngineClient
+from meshserve.utils.processes import rank_processes
 from meshserve.wire.errors import EngineDeadError
 
 PROMPTS = [[5, 6, 7], [9, 3, 1, 4], [11, 12], [2, 8, 8, 8, 3]]
@@ -40,8 +40,7 @@ def reference(model_dir):
 def _worker_pids(master_pid: int, count: int) -> list[int]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        pids = [c.pid for c in psutil.Process(master_pid).children()
-                if "meshserve.worker.worker" in " ".join(c.cmdline())]
+        pids = list(rank_processes(master_pid).values())
         if len(pids) >= count:
             return sorted(pids)
         time.sleep(0.1)

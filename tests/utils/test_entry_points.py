@@ -70,3 +70,28 @@ def test_every_cli_subcommand_handler_imports(words, parser):
         imported = importlib.import_module(module)
         if name is not None and name != "*":
             assert hasattr(imported, name) or importlib.util.find_spec(f"{module}.{name}"), f"{module}.{name}"
+
+
+EXIT_PROBE = """
+import atexit, sys, threading, time
+from meshserve.utils.processes import exit_without_teardown
+atexit.register(lambda: print("exit handler ran", flush=True))
+late = threading.Thread(target=lambda: (time.sleep(0.2), print("thread finished")))
+late.start()
+from concurrent.futures import ThreadPoolExecutor
+ThreadPoolExecutor(1).submit(print, end="")  # its idle worker is woken at exit, not waited on forever
+print("buffered, not yet flushed", end="")
+exit_without_teardown({code!r})
+print("never printed")
+"""
+
+
+@pytest.mark.parametrize("code, returncode", [(None, 0), (3, 3), ("meshserve: error: bad", 1)])
+def test_an_exit_without_teardown_keeps_what_a_normal_exit_does(code, returncode):
+    """Threads joined, exit handlers run, streams flushed and the exit code kept; only the module teardown
+    (a second once torch is imported) is skipped."""
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE.format(code=code)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == returncode, done.stderr
+    assert done.stdout.splitlines() == ["buffered, not yet flushedthread finished", "exit handler ran"]
+    assert ("meshserve: error: bad" in done.stderr) == isinstance(code, str)

@@ -29,7 +29,7 @@ from meshserve.moe import fault_hooks as moe_fault_hooks
 from meshserve.moe.comm import EPDispatcher, HybridMoEComm
 from meshserve.utils import faults
 from meshserve.utils.faults import Fault, FaultKind, FaultSwitch
-from meshserve.utils.processes import free_tcp_port
+from meshserve.utils.processes import free_tcp_port, rank_processes
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
 from meshserve.wire.worker import (
@@ -356,8 +356,7 @@ ROLLED_BACK_LINE = re.compile(r"worker\[(\d+)\] WARNING step (\d+) attempt 1 of 
 
 
 def _worker_pids(master_pid: int) -> set[int]:
-    return {child.pid for child in psutil.Process(master_pid).children()
-            if "meshserve.worker.worker" in " ".join(child.cmdline())}
+    return set(rank_processes(master_pid).values())
 
 
 def _generate(llm: LLM) -> list[list[int]]:
