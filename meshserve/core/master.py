@@ -9,10 +9,12 @@ them and forwards their reports. With `async_scheduling` up to two steps are in 
 step n+1 is prepared and queued while step n runs, so the workers never wait on the
 scheduler (deepserve §4.2, asynchronous execution).
 
-Its other concerns have modules of their own: the ranks' processes and sockets (`worker_group`), taking
-requests (`admission`, `waiting_queue`) and sending their outputs (`request_outputs`), operator commands
-(`admin_ops`, `drain`), rank failures and recovery (`recovery`, `rank_health`), prefix-cache events
-(`kv_events`), when to draft (`spec_controller`) and its stats and heartbeat (`engine_report`).
+Its other concerns have modules of their own: the ranks' processes and sockets (`worker_group`), handling
+the clients' messages and the ranks' results (`client_messages`, `worker_results`: mixins, as SGLang's
+scheduler has), taking requests (`admission`, `waiting_queue`) and sending their outputs
+(`request_outputs`), operator commands (`admin_ops`, `drain`), rank failures and recovery (`recovery`,
+`rank_health`), prefix-cache events (`kv_events`), when to draft (`spec_controller`) and its stats and
+heartbeat (`engine_report`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from meshserve.config import EngineConfig
 from meshserve.core.admin_ops import AdminOps
 from meshserve.core.admission import Admission
 from meshserve.core.client_links import ClientLink, RouterLinks
-from meshserve.core.dp_group import StepMismatchError, build_dp_groups, connector_metadata
+from meshserve.core.client_messages import ClientMessages
+from meshserve.core.dp_group import build_dp_groups, connector_metadata
 from meshserve.core.drain import Drain
 from meshserve.core.engine_report import engine_heartbeat, engine_stats
 from meshserve.core.eplb_controller import EplbController
@@ -39,45 +42,24 @@ from meshserve.core.request import Request
 from meshserve.core.request_outputs import WARMUP_ID, RequestOutputs
 from meshserve.core.spec_controller import StepSpeculation
 from meshserve.core.waiting_queue import DPWaitingQueue
-from meshserve.core.worker_group import DEAD_GRACE_S, RESULTS, SpareWorker, WeightServers, WorkerGroup, time_load
+from meshserve.core.worker_group import DEAD_GRACE_S, SpareWorker, WeightServers, WorkerGroup, time_load
+from meshserve.core.worker_results import WorkerResults
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.utils import cluster_auth, faults
 from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
 from meshserve.wire import codec
-from meshserve.wire.base import Shutdown
-from meshserve.wire.client import (
-    AbortRequests,
-    AddRequest,
-    AdminRequest,
-    EngineError,
-    EngineReady,
-    EngineStats,
-    ReleaseKV,
-    StatsQuery,
-)
-from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
+from meshserve.wire.client import EngineError, EngineReady, EngineStats
 from meshserve.wire.heartbeat import EngineHeartbeat, StartupTimeline
-from meshserve.wire.kv import KVConnectorReport
-from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.sampling_params import SamplingParams
-from meshserve.wire.worker import (
-    ModelRunnerOutput,
-    StepBatch,
-    WorkerEvent,
-    WorkerEventKind,
-    WorkerFailure,
-    WorkerPong,
-    WorkerReady,
-)
+from meshserve.wire.worker import StepBatch, WorkerReady
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
-_INBOX = "te-inbox"  # the master's socket for client messages, as dropped frames name it
 _WARMUP_TIMEOUT_S = 120.0
 
 
-class EngineCore:
+class EngineCore(ClientMessages, WorkerResults):
     """Scheduler(s) of one TE: one scheduler and KV cache per DP group, in lockstep steps.
 
     With several DP groups, requests wait in one shared queue until the DP balancer
@@ -184,148 +166,12 @@ class EngineCore:
         self.link.tick(time.time(), self._heartbeat)
         self._take_client_messages()
 
-    # ------------------------------------------------------------------ client messages
-    def _take_client_messages(self) -> None:
-        while self.inbox.poll(0):
-            item = recv_message(self.inbox, _INBOX, MAX_INBOX_BYTES, self._answer_refused)
-            if item is not None:
-                self._on_client(item)
-
-    def _on_client(self, item) -> None:
-        """One message from the inbox; whatever it holds, the loop goes on."""
-        if self.recovery.defers(item):
-            return
-        handler = self._CLIENT_HANDLERS.get(type(item))
-        if handler is None:
-            drop_frame(_INBOX, f"a {type(item).__name__} is not a message for a TE")
-            return
-        try:
-            handler(self, item)
-        except Exception as exc:  # noqa: BLE001 - one message must never end the TE
-            logger.exception("handling a %s failed", type(item).__name__)
-            if isinstance(item, AddRequest):
-                self.admission.reject(item, exc)
-
-    def _answer_refused(self, refused: RefusedFrame) -> None:
-        """A request whose frame failed its checks (e.g. sampling params out of range) fails alone, answered."""
-        logger.warning("refused a request: %s", refused)
-        self.link.send(refused.answer, refused.reply_to)
-
-    def _add_request(self, item: AddRequest) -> None:
-        if self.dead_error is not None:
-            self.admission.reject(item, RuntimeError(f"engine is dead: {self.dead_error}"))
-            return
-        self.admission.add(item)
-
-    def _on_abort(self, item: AbortRequests) -> None:
-        self.admission.abort(item.req_ids)
-
-    def _on_release_kv(self, item: ReleaseKV) -> None:
-        self.kv_connectors.release(item.req_ids)
-
-    def _on_stats_query(self, item: StatsQuery) -> None:
-        self.link.send(self._stats(), item.reply_to)
-
-    def _on_admin(self, item: AdminRequest) -> None:
-        reply = self.admin_ops.reply(item)
-        if item.reply_to or isinstance(self.link, ClientLink):  # a TE's sender that names no address wants none
-            self.link.send(reply, item.reply_to)
-
-    def _on_shutdown(self, item: Shutdown) -> None:
-        self.running = False
-
-    _CLIENT_HANDLERS = {AddRequest: _add_request, AbortRequests: _on_abort, ReleaseKV: _on_release_kv,
-                        StatsQuery: _on_stats_query, AdminRequest: _on_admin, Shutdown: _on_shutdown}
-
-    # ------------------------------------------------------------------ workers
-    def _take_results(self) -> None:
-        # `self.workers` looked up again each time: handling a result may have restarted the ranks
-        while self.workers.results.poll(0):
-            self._take_result(recv_message(self.workers.results, RESULTS))
-
-    def _take_result(self, item) -> None:
-        """One message from the workers: a frame that is not one is dropped; a failure to handle
-        a real one is the engine's fault (its state may be half updated): the engine fails, the
-        master lives on to say so."""
-        if item is None:
-            return
-        if type(item) not in self._RESULT_HANDLERS:
-            drop_frame(RESULTS, f"a {type(item).__name__} is not an worker's message")
-            return
-        if isinstance(item, ModelRunnerOutput) and not self._expected_output(item):
-            return
-        try:
-            self._on_result(item)
-        except Exception as exc:  # noqa: BLE001 - reported through the engine's health, not a dead master
-            logger.exception("handling a %s failed", type(item).__name__)
-            self._fail(f"the master failed on an worker's {type(item).__name__}: {exc}")
-
-    def _expected_output(self, item: ModelRunnerOutput) -> bool:
-        """Whether a step output names a DP group with a step in flight (else it is dropped)."""
-        known = 0 <= item.dp_rank < self.dp_size
-        if not known or (self.dead_error is None and not self.groups[item.dp_rank].in_flight):
-            drop_frame(RESULTS, f"step output of DP group {item.dp_rank} with no step in flight")
-            return False
-        return True
-
-    def _on_result(self, item) -> None:
-        # a failed engine still hears of its ranks' health; their other results no longer count
-        if self.dead_error is None or isinstance(item, (WorkerFailure, WorkerPong)):
-            self._RESULT_HANDLERS[type(item)](self, item)
-
-    def _on_worker_failure(self, item: WorkerFailure) -> None:
-        self._rank_failed(self.workers.explain(item), self.workers.dead_ranks())
-
+    # ------------------------------------------------------------------ stopping and failing
     def stop_on_signal(self) -> None:
         """SIGTERM (on the main thread, between two steps): leave the loop and stop the ranks in order. A
         signal to the whole process group reaches the ranks too: their deaths are then no failure to recover."""
         self.stop_requested = True
         self.running = False
-
-    def _rank_failed(self, error: str, dead_ranks: list[int]) -> None:
-        if self.stop_requested:
-            logger.info("rank(s) %s ended while stopping: %s", dead_ranks, error)
-            return
-        if self.dead_error is None:
-            self.recovery.on_rank_failure(error, self.workers, dead_ranks)
-
-    def _on_pong(self, item: WorkerPong) -> None:
-        self.recovery.health.on_pong(item.rank, item.seq, time.monotonic())
-
-    def _on_worker_event(self, event: WorkerEvent) -> None:
-        """A rank finished an expert-placement phase (or failed it), its weight server is ready, or it rolled a
-        step back after a transient error."""
-        if event.kind == WorkerEventKind.ROLLED_BACK:
-            self.recovery.health.on_rolled_back(event.rank, event.detail)
-        elif event.kind == WorkerEventKind.WEIGHTS_SERVED:
-            self.weight_servers.on_served(event.rank, event.detail, self.workers.world_size)
-        else:
-            self.eplb.on_event(event.rank, event.kind, event.detail)
-
-    def _on_step_output(self, item: ModelRunnerOutput) -> None:
-        if item.expert_load is not None:
-            self.eplb.on_counts(item.expert_load)
-        group = self.groups[item.dp_rank]
-        try:
-            sched, deltas = group.take_output(item)
-        except StepMismatchError as exc:
-            self._fail(str(exc))
-            return
-        self.speculation.observe(sched, item)
-        self.queue.on_deltas(deltas)
-        self.outputs.send(deltas)
-        self.kv_events.publish(group.index, group.kv_manager.drain_events())
-
-    def _on_kv_connector_report(self, report: KVConnectorReport) -> None:
-        """A rank's KV connectors finished background work (pool fetches, KV pulls)."""
-        if not 0 <= report.dp_rank < self.dp_size:
-            drop_frame(RESULTS, f"KV connector report of DP group {report.dp_rank}")
-            return
-        self.schedulers[report.dp_rank].update_connector_output(report)
-
-    _RESULT_HANDLERS = {ModelRunnerOutput: _on_step_output, WorkerEvent: _on_worker_event,
-                        KVConnectorReport: _on_kv_connector_report, WorkerFailure: _on_worker_failure,
-                        WorkerPong: _on_pong}
 
     def _fail(self, error: str) -> None:
         if self.dead_error is not None:
