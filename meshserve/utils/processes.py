@@ -115,7 +115,20 @@ def _run_forked(target: str, kwargs: dict[str, Any], environ: dict[str, str]) ->
                               f"{json.dumps(shown, separators=(',', ':'))}")
     os.environ.clear()
     os.environ.update(environ)
+    _let_go_of_the_forkservers_lifeline()
     entry_point(target)(**kwargs)
+
+
+def _let_go_of_the_forkservers_lifeline() -> None:
+    """Close the inherited copy of the caller's end of its forkserver's liveness pipe. The forkserver ends
+    when that pipe is closed (the caller is gone); held open here, it would outlive the caller, and so
+    would this process, whose parent it is (a rank ends when its parent changes)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the module's own instance: what it hands its children
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def rank_processes(master_pid: int) -> dict[int, int]:

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import zmq
 
@@ -59,6 +60,23 @@ def test_offline_generate_fails_when_the_worker_dies(model_dir):
     finally:
         llm.shutdown()
     assert llm.engine.proc.poll() is not None  # the master is gone after shutdown
+
+
+def test_a_killed_masters_ranks_and_forkserver_end_with_it(model_dir):
+    """The ranks fork from the master's forkserver, not from the master: kill -9 of the master must still end
+    them all (the forkserver sees its caller gone, the ranks see their parent gone)."""
+    llm = LLM(model=model_dir, kv_cache_memory_gb=0.05, parallel="attn=TP1+DP2 moe=TP1+EP2")
+    try:
+        master = psutil.Process(llm.engine.proc.pid)
+        below = master.children(recursive=True)
+        assert len(rank_processes(master.pid)) == 2 and len(below) >= 3  # the forkserver and the two ranks
+        os.kill(master.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (alive := [p.pid for p in below if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]):
+            assert time.monotonic() < deadline, f"still running 30 s after their master was killed: {alive}"
+            time.sleep(0.1)
+    finally:
+        llm.shutdown()
 
 
 def test_api_reports_unhealthy_and_fails_in_flight_requests(model_dir):
