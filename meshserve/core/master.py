@@ -344,6 +344,7 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         out.connect(output_addr)
         out.send(codec.encode(EngineError(message=f"engine start-up failed: {exc}", fatal=True)))
         out.close()
+        ctx.term()  # waits (LINGER) until the error is out: the process ends without a teardown
         raise SystemExit(1) from exc
     signal.signal(signal.SIGTERM, lambda signum, frame: core.stop_on_signal())
     core.run()

@@ -12,6 +12,7 @@ attention TP group has reported, from the fewest blocks any of them got.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 
 import torch
@@ -22,6 +23,8 @@ from meshserve.worker.kv_connector.base import KVConnectorWorker
 
 logger = logging.getLogger(__name__)
 
+STORE_DRAIN_S = 5.0  # on a stop, stores still in flight get this long to reach the pool
+
 
 class PoolConnectorWorker(KVConnectorWorker):
     def __init__(self, pool, namespace: str, tp_rank: int, tp_size: int, kv_caches: list[torch.Tensor]) -> None:
@@ -31,6 +34,7 @@ class PoolConnectorWorker(KVConnectorWorker):
         self.kv_caches = kv_caches  # per layer [num_blocks, block_size, *entry]
         self.block_nbytes = sum(kv[0].nbytes for kv in kv_caches)  # one block, every layer: as stored
         self._fetches: dict[str, tuple[list[PoolBlock], Future | None]] = {}  # req_id -> (blocks, the pool's answer)
+        self._stores: list[Future] = []  # puts not yet answered
 
     @property
     def busy(self) -> bool:
@@ -50,7 +54,18 @@ class PoolConnectorWorker(KVConnectorWorker):
         if self.pool is None:
             return
         values = {self._key(block.key): self.read_block(block.block_id) for block in blocks}
-        self.pool.put_async(self.namespace, values)
+        self._stores = [future for future in self._stores if not future.done()]
+        self._stores.append(self.pool.put_async(self.namespace, values))
+
+    def close(self) -> None:
+        """Stores still in flight finish first (up to STORE_DRAIN_S): the blocks of the last steps before a
+        stop stay reusable by the next TE (the process ends at once after this, threads and all)."""
+        deadline = time.monotonic() + STORE_DRAIN_S
+        for future in self._stores:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - a lost store is a later miss, never a failure
+                logger.debug("a store did not finish before the stop: %r", exc)
 
     def _start_fetch(self, fetch: PoolFetch) -> None:
         keys = [self._key(block.key) for block in fetch.blocks]
