@@ -79,10 +79,6 @@ class ForkedProcess:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return self._process.exitcode
 
-    def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
-            os.kill(self.pid, sig)
-
     def terminate(self) -> None:
         self._process.terminate()
 
