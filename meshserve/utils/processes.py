@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import multiprocessing.process
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -173,11 +174,40 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
             continue
 
 
+# where free_tcp_port looks when the kernel's ephemeral range cannot be read (Linux's default starts at 32768)
+_FALLBACK_EPHEMERAL_START = 32768
+_LOWEST_PICKED_PORT = 10000
+_PORT_PICK_TRIES = 64
+# not the module's generator: a test seeding `random` must not make two processes pick the same ports
+_port_picker = random.SystemRandom()
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on `host` now (for the workers' torch.distributed rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port that is free on `host` now, for a process that binds it a moment later (a rendezvous, a
+    listener whose address is handed out first). Picked at random below the kernel's ephemeral range: a port
+    from that range (what binding port 0 gives) is also where every outgoing connection on the host takes
+    its local port, so between the pick and the bind another process's connection could take it."""
+    upper = _ephemeral_range_start() - 1
+    for _ in range(_PORT_PICK_TRIES):
+        port = _port_picker.randint(_LOWEST_PICKED_PORT, upper)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded host: the kernel's pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _FALLBACK_EPHEMERAL_START
+    return start if start > _LOWEST_PICKED_PORT + 1000 else _FALLBACK_EPHEMERAL_START
 
 
 def main(argv: list[str]) -> None:

@@ -130,11 +130,12 @@ def fuzz_batch(operation, mode: GenerationMode, max_examples: int, base: str, ta
 
 
 def assert_alive(base: str, after: str) -> None:
-    health = httpx.get(f"{base}/health", timeout=CALL_TIMEOUT_S)
-    assert health.status_code == 200, f"/health {health.status_code} {after}: {health.text}"
-    model = httpx.get(f"{base}/v1/models", timeout=CALL_TIMEOUT_S).json()["data"][0]["id"]
-    done = httpx.post(f"{base}/v1/completions", timeout=CALL_TIMEOUT_S, json={
-        "model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    with httpx.Client(base_url=base, timeout=CALL_TIMEOUT_S) as client:  # one TLS context, not three
+        health = client.get("/health")
+        assert health.status_code == 200, f"/health {health.status_code} {after}: {health.text}"
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        done = client.post("/v1/completions", json={
+            "model": model, "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
     assert done.status_code == 200, f"completion {done.status_code} {after}: {done.text}"
     assert done.json()["usage"]["completion_tokens"] == 2
 

@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from meshserve.pool.sdk import PoolClient
 from meshserve.pool.server import PoolServer
 from tests.pool.pool_processes import free_address, pool_processes, start_pool, stop, wait_until
 
+ARCHS = ("deepseek_v3", "qwen3_moe")
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # every pool hit is fetched (the fetch-vs-recompute model is tested on its own)
@@ -66,12 +69,30 @@ def pool(tmp_path_factory):
         yield running
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
-def test_a_prefix_computed_by_one_te_is_a_pool_hit_for_another(arch, pool, tmp_path):
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """One model per architecture for the whole module: the tests keep apart by pool namespace."""
+    return {arch: make_model(arch, "tiny", tmp_path_factory.mktemp(arch), seed=4) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> Callable[[str], list[list[int]]]:
+    """arch -> the greedy outputs of `_prompts()` with no cache at all (one engine per arch, on first use)."""
+    outputs: dict[str, list[list[int]]] = {}
+
+    def of(arch: str) -> list[list[int]]:
+        if arch not in outputs:
+            outputs[arch] = _generate(models[arch], _prompts(), enable_prefix_caching=False)[0]
+        return outputs[arch]
+    return of
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_prefix_computed_by_one_te_is_a_pool_hit_for_another(arch, pool, models, reference):
     controller, _ = pool
-    model_dir = make_model(arch, "tiny", tmp_path / "model", seed=4)
+    model_dir = models[arch]
     prompts = _prompts()
-    reference, _, _ = _generate(model_dir, prompts, enable_prefix_caching=False)
+    reference = reference(arch)
 
     first, _, first_stats = _generate(model_dir, prompts, pool_controller=controller, pool_namespace=arch)
     assert first == reference
@@ -91,15 +112,13 @@ def test_a_prefix_computed_by_one_te_is_a_pool_hit_for_another(arch, pool, tmp_p
     assert other.pool_hit_tokens == 0
 
 
-def test_a_pool_that_goes_away_costs_hits_not_requests(tmp_path):
+def test_a_pool_that_goes_away_costs_hits_not_requests(models, reference, tmp_path):
     with _running_pool(tmp_path) as (controller, server):
-        _check_pool_loss(controller, server, tmp_path)
+        _check_pool_loss(controller, server, models["deepseek_v3"], reference("deepseek_v3"))
 
 
-def _check_pool_loss(controller, server, tmp_path):
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=6)
+def _check_pool_loss(controller, server, model_dir, reference):
     prompts = _prompts()
-    reference, _, _ = _generate(model_dir, prompts, enable_prefix_caching=False)
     _generate(model_dir, prompts, pool_controller=controller, pool_namespace="gone")
     stop(server)  # every block of this namespace lived on it
     outs, _, stats = _generate(model_dir, prompts, pool_controller=controller, pool_namespace="gone")
@@ -107,14 +126,14 @@ def _check_pool_loss(controller, server, tmp_path):
     assert stats.pool_hit_tokens == 0
 
 
-def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, tmp_path):
+def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, models, reference):
     """Attention TP2 stores one part per rank. When rank 1's part of a block is gone although rank 0's
     is there (the master probes rank 0's), both ranks compute from that block on."""
     controller, _ = pool
-    model_dir = make_model("qwen3_moe", "tiny", tmp_path / "model", seed=8)
+    model_dir = models["qwen3_moe"]
     prompts = _prompts()[3:]
     tp2 = dict(parallel="attn=TP2+DP1 moe=TP2+EP1", pool_controller=controller, pool_namespace="tp2")
-    reference, _, _ = _generate(model_dir, prompts, enable_prefix_caching=False)
+    reference = reference("qwen3_moe")[3:]
     assert _generate(model_dir, prompts, **tp2)[0] == reference
     keys = block_keys(prompts[0][:-1], BLOCK, model_identity(str(model_dir), "float32"), "tp2")
     with PoolClient(controller, timeout_s=2.0) as client:
@@ -127,12 +146,12 @@ def test_blocks_missing_on_one_tp_rank_are_recomputed_by_the_whole_group(pool, t
     assert cached[0] == stats.pool_hit_tokens == 3 * BLOCK
 
 
-def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
+def test_a_te_starts_from_the_pool_model_cache(pool, models, tmp_path):
     """With the model in the pool, a TE starts from a directory holding no weights at all."""
     from meshserve.worker import model_cache
 
     controller, _ = pool
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=9)
+    model_dir = models["deepseek_v3"]
     prompts = _prompts()[:2]
     # a TE on the disk copy computes the prompts; its KV blocks are keyed by the weights' content
     reference, _, _ = _generate(model_dir, prompts, pool_controller=controller, pool_namespace="weights")
@@ -149,11 +168,11 @@ def test_a_te_starts_from_the_pool_model_cache(pool, tmp_path):
     assert stats.pool_hit_tokens >= len(keys) * BLOCK  # the same model's blocks, whichever copy computed them
 
 
-def test_generated_blocks_reach_the_pool_only_when_asked(pool, tmp_path):
+def test_generated_blocks_reach_the_pool_only_when_asked(pool, models):
     """A follow-up turn (prompt + previous answer) reuses the answer's blocks from the pool with
     pool_store_decode_blocks, and only its prompt's without."""
     controller, _ = pool
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=5)
+    model_dir = models["deepseek_v3"]
     first_prompt = _prompts()[3]
     long_answer = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     hits = {}
@@ -181,14 +200,14 @@ def _wait_for_pool_blocks(controller: str, namespace: str, keys: list[str], expe
                    "the first turn's blocks to reach the pool")
 
 
-def test_short_pool_matches_are_computed_when_fetching_costs_more(pool, tmp_path):
+def test_short_pool_matches_are_computed_when_fetching_costs_more(pool, models, reference):
     """With a pool round trip priced far above computing a block, the fresh TE computes the prefix:
     no pool hits once the prefill rate is measured, and the same outputs."""
     controller, _ = pool
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=6)
+    model_dir = models["deepseek_v3"]
     prompts = _prompts()
     namespace = "fetch-cost"
-    reference, _, _ = _generate(model_dir, prompts, enable_prefix_caching=False)
+    reference = reference("deepseek_v3")
     _generate(model_dir, prompts, pool_controller=controller, pool_namespace=namespace)
     keys = block_keys(prompts[3][:-1], BLOCK, model_identity(str(model_dir), "float32"), namespace)
     with PoolClient(controller, timeout_s=2.0) as client:
@@ -241,12 +260,12 @@ def _gated_pool():
         assert not any(thread.is_alive() for thread in threads)
 
 
-def test_pool_blocks_populate_in_the_background_while_other_requests_decode(tmp_path):
+def test_pool_blocks_populate_in_the_background_while_other_requests_decode(models, reference):
     """deepserve RTC populate: while the pool holds back a request's blocks, the TE keeps decoding
     another request; the waiting request runs once its blocks are in, from the pool's KV."""
-    model_dir = make_model("deepseek_v3", "tiny", tmp_path / "model", seed=3)
+    model_dir = models["deepseek_v3"]
     prompt = _prompts()[3]
-    reference, _, _ = _generate(model_dir, [prompt], enable_prefix_caching=False)
+    reference = reference("deepseek_v3")[3:]
     with _gated_pool() as (controller, server):
         _generate(model_dir, [prompt], pool_controller=controller, pool_namespace="async")
         keys = block_keys(prompt[:-1], BLOCK, model_identity(str(model_dir), "float32"), "async")

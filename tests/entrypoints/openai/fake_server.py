@@ -48,15 +48,16 @@ def free_port() -> int:
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"server not healthy after {timeout_s} s"
-        time.sleep(0.1)
+    with httpx.Client(timeout=1) as client:  # one client: each one-shot httpx call builds a TLS context
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}"
+            try:
+                if client.get(f"{base}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"server not healthy after {timeout_s} s"
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

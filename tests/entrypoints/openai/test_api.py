@@ -785,15 +785,16 @@ def test_run_server_serves_and_stops_cleanly_on_signals(sig):
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy in 30 s"
-            time.sleep(0.1)
+        with httpx.Client(timeout=1) as client:  # one client: each one-shot httpx call builds a TLS context
+            while True:
+                assert proc.poll() is None, proc.communicate()[1]
+                try:
+                    if client.get(f"{base}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "server did not become healthy in 30 s"
+                time.sleep(0.1)
         r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=10)
         assert r.json()["choices"][0]["text"] == REPLIES[0][:3]
         proc.send_signal(sig)
