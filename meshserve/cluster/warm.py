@@ -57,7 +57,7 @@ class _SpareWorker:
         addr = f"ipc://{ipc_dir}/spare-{index}"
         self.sock.bind(addr)
         self.proc: subprocess.Popen = launch("warm-worker", assign_addr=addr, ready_addr=ready_addr,
-                                             log_level=log_level)
+                                             log_level=log_level, parent_pid=os.getpid())
 
     def assign(self, handshake: WorkerHandshake) -> None:
         self.sock.send(codec.encode(handshake))
@@ -66,9 +66,12 @@ class _SpareWorker:
         self.sock.send(codec.encode(Shutdown()))
 
 
-def run_warm_worker(assign_addr: str, ready_addr: str, log_level: int = logging.INFO) -> None:
-    """A spare rank: warm up, say so, wait for a `WorkerHandshake` naming its rank (or Shutdown), then run it."""
-    parent = os.getppid()  # before warming up: a warm TE that dies meanwhile must still be noticed
+def run_warm_worker(assign_addr: str, ready_addr: str, log_level: int = logging.INFO,
+                    parent_pid: int | None = None) -> None:
+    """A spare rank: warm up, say so, wait for a `WorkerHandshake` naming its rank (or Shutdown), then run it.
+    It ends once its parent is no longer the warm TE `parent_pid` that launched it: one that died even before
+    this process could ask for its parent (whose parent would already be init) is noticed too."""
+    parent = os.getppid() if parent_pid is None else parent_pid
     logging.basicConfig(level=log_level, format="%(asctime)s warm-worker %(levelname)s %(message)s", force=True)
     # start-up: the worker module only in a process that will be one
     from meshserve.worker.worker import run_worker

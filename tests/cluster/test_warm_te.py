@@ -2,6 +2,8 @@
 reports its start-up steps, serves, and on a drain finishes its running request before it leaves."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,3 +101,18 @@ def test_a_warm_te_becomes_a_two_rank_te_serves_and_drains(inbox, tiny_model, tm
         te.close(0)
     finally:
         handle.kill()
+
+
+def test_a_spare_whose_warm_te_died_before_it_started_ends(tmp_path):
+    """The warm TE that launched a spare can be gone before the spare first asks for its parent (a manager
+    stopped during preload): the spare knows the launcher's pid and ends instead of waiting forever."""
+    from meshserve.utils.processes import launch, stop_process
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    proc = launch("warm-worker", assign_addr=f"ipc://{tmp_path}/spare", ready_addr=f"ipc://{tmp_path}/ready",
+                  log_level=30, parent_pid=gone.pid)
+    try:
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        stop_process(proc, grace_s=0)
