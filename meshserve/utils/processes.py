@@ -176,7 +176,9 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
 
 # where free_tcp_port looks when the kernel's ephemeral range cannot be read (Linux's default starts at 32768)
 _FALLBACK_EPHEMERAL_START = 32768
-_LOWEST_PICKED_PORT = 10000
+# above Ray's default worker ports (10002-19999): `ray start` refuses a port of its own in that range, and
+# Ray's workers bind there
+_LOWEST_PICKED_PORT = 20000
 _PORT_PICK_TRIES = 64
 # not the module's generator: a test seeding `random` must not make two processes pick the same ports
 _port_picker = random.SystemRandom()
