@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.cluster_processes import complete, managed_deployment, status, wait_for
 
@@ -55,11 +56,15 @@ def test_a_queue_scales_up_and_idleness_scales_to_zero(deployment):
     wait_for(lambda: _pool(state_dir)["target"] == 0 and not status(state_dir)["tes"], 60, "scaled to zero")
     # every decision is a metric too, on the manager's metrics port
     port = json.loads((state_dir / "state.json").read_text())["metrics_port"]
-    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    assert 'meshserve_autoscaler_decisions_total{direction="up",pool="main/colocated",reason="queue"} 1.0' in metrics
-    assert 'meshserve_autoscaler_decisions_total{direction="down",pool="main/colocated",reason="idle"} 1.0' in metrics
-    assert 'meshserve_cluster_scale_up_step_seconds_count{process="prewarmed",step="te_load",weights="fork"} 1.0' \
-        in metrics
+    samples = _samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    # at least: on a busy host the first TE can sit idle past idle_to_zero_s while the warm TE warms up, and
+    # the pool then scales to zero once more before the requests (then held, not queued, bring it back)
+    assert samples.get(("meshserve_autoscaler_decisions_total",
+                        (("direction", "up"), ("pool", "main/colocated"), ("reason", "queue"))), 0) >= 1, samples
+    assert samples.get(("meshserve_autoscaler_decisions_total",
+                        (("direction", "down"), ("pool", "main/colocated"), ("reason", "idle"))), 0) >= 1, samples
+    assert samples.get(("meshserve_cluster_scale_up_step_seconds_count",
+                        (("process", "prewarmed"), ("step", "te_load"), ("weights", "fork"))), 0) >= 1, samples
 
 
 def test_the_first_request_after_zero_is_held_and_answered(deployment):
@@ -73,3 +78,9 @@ def test_the_first_request_after_zero_is_held_and_answered(deployment):
     assert _pool(state_dir)["target"] >= 1
     assert any("held" in e for e in status(state_dir)["events"]), status(state_dir)["events"]
     print(f"first request after zero answered after {waited:.1f} s")
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, from a Prometheus text page."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
