@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import statistics
 import tempfile
 import threading
@@ -32,7 +33,7 @@ from meshserve.bench.serve import RequestRecord, send_request
 from meshserve.bench.workload import WorkloadRequest
 from meshserve.config import ClusterConfig
 from meshserve.config.base import ConfigError
-from meshserve.utils import report
+from meshserve.utils import envs, report
 
 PROG = "meshserve bench scale"
 LOG_PREFIX = "bench scale"
@@ -125,6 +126,25 @@ def run_scale_benchmark(settings: ScaleBenchSettings) -> dict:
         log(LOG_PREFIX, f"no --model: the deepseek_v3 small model ({settings.model_dir})")
     result: dict[str, Any] = {"machine": report.machine_info(), "model": settings.model_dir,
                               "settings": dataclasses.asdict(settings)}
+    with _without_rank_template():
+        _run_parts(settings, result)
+    result["summary"] = summary_lines(result)
+    return result
+
+
+@contextlib.contextmanager
+def _without_rank_template():
+    """The TEs this benchmark starts start as on a host without a rank template: a `cold` TE's ranks import
+    torch in a new forkserver, which is part of what the scale-up breakdown measures."""
+    saved = os.environ.pop(envs.MESHSERVE_RANK_TEMPLATE.name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[envs.MESHSERVE_RANK_TEMPLATE.name] = saved
+
+
+def _run_parts(settings: ScaleBenchSettings, result: dict[str, Any]) -> None:
     if "breakdown" in settings.parts:
         result["breakdown"] = run_breakdown(settings)
     if "load" in settings.parts or "fanout" in settings.parts:
@@ -139,8 +159,6 @@ def run_scale_benchmark(settings: ScaleBenchSettings) -> dict:
             result["fork_fanout"] = _plain(scale_load.fork_fanout(settings.model_dir))
     if "autoscale" in settings.parts:
         result["autoscale"] = run_autoscale(settings)
-    result["summary"] = summary_lines(result)
-    return result
 
 
 def _plain(value: Any) -> Any:

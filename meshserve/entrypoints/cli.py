@@ -46,6 +46,13 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_template(args: argparse.Namespace) -> int:
+    from meshserve.core.rank_template import run_rank_template
+
+    run_rank_template(args.socket, watch_parent=False, log_level=getattr(logging, args.log_level.upper()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description="Serve Mixture-of-Experts language models.")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -81,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--timeout", type=float, default=300.0,
                           help="seconds to wait for the master to answer (it may start later)")
     worker.set_defaults(func=_worker)
+
+    template = sub.add_parser("rank-template", help="keep torch imported for this host's TEs: their forkservers "
+                              "fork from this process (give them MESHSERVE_RANK_TEMPLATE=SOCKET)")
+    template.add_argument("--socket", required=True, metavar="PATH", help="the unix socket to listen on")
+    template.set_defaults(func=_rank_template)
 
     make = sub.add_parser("make-model", help="write a random, deterministic HF-format checkpoint")
     add_make_model_arguments(make)

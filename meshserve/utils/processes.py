@@ -9,11 +9,14 @@ entry-point test, not a start-up; this module imports nothing of meshserve (the 
 A TE's worker ranks start another way (`launch_forked`): each is forked from the master's forkserver, which
 imported torch and the rank's modules once, so the second and later ranks, and every rank restarted after a
 failure, start without importing torch again (about 3 s of CPU each). Their `ps` line reads as `launch`'s
-would, with the rank as the only argument.
+would, with the rank as the only argument. Where the environment names a host's rank template
+(MESHSERVE_RANK_TEMPLATE, `meshserve.core.rank_template`), the forkserver itself is forked from it, so not
+even the first rank imports torch; `process_tree` then finds the forkserver and ranks below the template.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -40,10 +43,14 @@ PROCESS_ENTRY_POINTS: dict[str, str] = {
     "warm-te": "meshserve.cluster.warm:run_warm_te",  # a pre-warmed TE shell, handed a model and role later
     "warm-worker": "meshserve.cluster.warm:run_warm_worker",  # a spare rank of a pre-warmed TE
     "cluster-manager": "meshserve.cluster.manager:run_manager",  # `meshserve cluster up` in the background
+    "rank-template": "meshserve.core.rank_template:run_rank_template",  # forkservers for a host's TEs
 }
 RUNNER_MODULE = "meshserve.utils.processes"  # this module, run as `python -m`
 # a process that ends because it was told to (SIGTERM) exits with the shell's code for that signal
 STOPPED_BY_SIGNAL_EXIT_CODE = 128 + signal.SIGTERM
+# the word in the `ps` line of a forkserver forked from a rank template, before `{"master":PID}`
+FORKSERVER_TITLE = "forkserver"
+_TEMPLATE_REPLY_TIMEOUT_S = 60.0  # a template still importing torch answers once it has
 
 
 def stopped_on_request(returncode: int | None) -> bool:
@@ -93,6 +100,7 @@ def launch_forked(name: str, preload: Sequence[str], **kwargs: Any) -> ForkedPro
     target = PROCESS_ENTRY_POINTS[name]
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
+    _use_the_rank_template()
     # it gets the environment of now, as a new interpreter would (the forkserver's is that of its start);
     # daemonic: a caller that exits without stopping it (an exception) terminates it on the way out rather
     # than waiting for it (multiprocessing joins its other children at exit)
@@ -128,18 +136,109 @@ def _let_go_of_the_forkservers_lifeline() -> None:
         server._forkserver_alive_fd = None
 
 
+def _use_the_rank_template() -> None:
+    """Where MESHSERVE_RANK_TEMPLATE names a rank template, have this process's forkserver forked from it
+    (torch already imported) instead of started as a new interpreter. A template that cannot be reached is
+    logged and passed over: multiprocessing starts a forkserver of its own, as without one."""
+    from multiprocessing import forkserver
+
+    from meshserve.utils import envs
+
+    server = forkserver._forkserver  # the module's own instance, which `Process.start` asks
+    path = envs.rank_template_socket()
+    if not path or "ensure_running" in vars(server):
+        return
+    own_ensure_running = server.ensure_running
+    template_forkserver: list = []  # the psutil.Process of the forkserver the template forked, once there is one
+
+    def ensure_running() -> None:
+        from multiprocessing import resource_tracker
+
+        import psutil
+
+        with server._lock:
+            resource_tracker.ensure_running()
+            if template_forkserver:
+                process = template_forkserver.pop()
+                with contextlib.suppress(psutil.Error):
+                    if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                        template_forkserver.append(process)
+                        return
+                os.close(server._forkserver_alive_fd)  # gone: ask for another
+                server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+            try:
+                address, alive_w, pid = _forkserver_from_template(path)
+                template_forkserver.append(psutil.Process(pid))
+                server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+                return
+            except (OSError, ValueError, psutil.Error) as exc:
+                logging.getLogger("meshserve").warning("rank template %s: %s; starting a forkserver of our own",
+                                                       path, exc)
+                vars(server).pop("ensure_running", None)
+        own_ensure_running()  # outside the lock, which it takes
+
+    server.ensure_running = ensure_running
+
+
+def _forkserver_from_template(path: str) -> tuple[str, int, int]:
+    """Ask the rank template at `path` for a forkserver: (its address, the liveness pipe's write end, its pid).
+    What multiprocessing's own `ensure_running` sets up, except that the server is forked, not spawned."""
+    import array
+    from multiprocessing import connection
+
+    with socket.socket(socket.AF_UNIX) as listener, socket.socket(socket.AF_UNIX) as template:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the forkserver ends when this process's end closes
+        try:
+            template.settimeout(_TEMPLATE_REPLY_TIMEOUT_S)
+            template.connect(path)
+            request = json.dumps({"master": os.getpid(), "cwd": os.getcwd()}).encode()
+            fds = array.array("i", [listener.fileno(), alive_r, 0, 1, 2])
+            template.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            reply = template.recv(4096)
+            pid = int(json.loads(reply.decode() or "{}")["pid"])
+        except (OSError, ValueError, KeyError) as exc:
+            os.close(alive_w)
+            raise ValueError(f"no forkserver ({exc})") from None
+        finally:
+            os.close(alive_r)
+    return address, alive_w, pid
+
+
+def process_tree(pid: int) -> list:
+    """The psutil.Process of every process below `pid`, counting as below a master the forkserver a rank
+    template forked for it (its `ps` line names the master) and that forkserver's ranks."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    masters = {pid, *(p.pid for p in below)}
+    for process in psutil.process_iter(["cmdline"]):
+        words = " ".join(process.info["cmdline"] or ()).split()
+        if len(words) < 2 or words[-2] != FORKSERVER_TITLE:
+            continue
+        try:
+            if int(json.loads(words[-1])["master"]) not in masters:
+                continue
+            below += [process, *process.children(recursive=True)]
+        except (ValueError, KeyError, TypeError, psutil.Error):
+            continue
+    return below
+
+
 def rank_processes(master_pid: int) -> dict[int, int]:
     """rank -> pid of the worker ranks a master runs on this host (forked by its forkserver, so below the
-    master in the process tree; each one's `ps` line ends with its rank as `{"rank":N}`)."""
+    master in its `process_tree`; each one's `ps` line ends with its rank as `{"rank":N}`)."""
     import psutil
 
     worker = PROCESS_ENTRY_POINTS["worker"]
     ranks = {}
-    try:
-        below = psutil.Process(master_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return ranks
-    for child in below:
+    for child in process_tree(master_pid):
         try:
             words = " ".join(child.cmdline()).split()  # a forked rank's title is one string
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

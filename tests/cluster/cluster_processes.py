@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from meshserve.utils.processes import free_tcp_port
+from meshserve.utils.processes import free_tcp_port, process_tree
 
 CLI = [sys.executable, "-m", "meshserve.entrypoints.cli"]
 
@@ -65,7 +65,7 @@ def managed_deployment(deployment: str, model: str, state_dir: Path, *extra: str
         for pid in pids:  # whatever the teardown missed, and the ranks of those processes
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc = psutil.Process(pid)
-                for child in proc.children(recursive=True):
+                for child in process_tree(pid):
                     with contextlib.suppress(psutil.NoSuchProcess):
                         child.kill()
                 proc.kill()

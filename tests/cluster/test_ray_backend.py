@@ -19,6 +19,7 @@ from meshserve.cluster.backends import ProcessResources
 from meshserve.cluster.ray_backend import RayBackend
 from meshserve.config import EngineConfig
 from meshserve.utils import cluster_auth
+from meshserve.utils.processes import process_tree
 from meshserve.wire import codec
 from meshserve.wire.heartbeat import EngineHeartbeat
 
@@ -110,7 +111,7 @@ def test_a_te_lives_dies_restarts_and_is_adopted_through_ray(ray_address, heartb
         _wait_heartbeat(heartbeats, adopted.pid)  # it kept serving while no manager ran
 
         # killing the actor kills its process tree
-        tree = [adopted.pid] + [child.pid for child in psutil.Process(adopted.pid).children(recursive=True)]
+        tree = [adopted.pid] + [child.pid for child in process_tree(adopted.pid)]
         ray.kill(adopted.actor, no_restart=True)
         _wait_until(lambda: _gone(tree), "a TE outlived its actor")
         _wait_until(lambda: not adopted.alive(), "a TE whose actor was killed still counts as alive")

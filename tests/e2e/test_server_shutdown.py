@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from meshserve.utils.processes import process_tree
 from tests.e2e.server_process import free_port, log_tail, wait_healthy
 
 STARTUP_TIMEOUT_S = 120
@@ -56,7 +57,8 @@ def _group_members(pgid: int, server_pid: int) -> set[tuple[int, float]]:
         except (ProcessLookupError, psutil.Error):
             continue
     try:
-        members |= {(child.pid, child.create_time()) for child in psutil.Process(server_pid).children(recursive=True)
+        # below the server: with a rank template (the test session's), the forkserver and ranks of its master
+        members |= {(child.pid, child.create_time()) for child in process_tree(server_pid)
                     if child.status() != psutil.STATUS_ZOMBIE}
     except psutil.Error:
         pass  # the server has ended

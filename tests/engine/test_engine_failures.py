@@ -20,7 +20,7 @@ from meshserve.config import EngineConfig
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.entrypoints.openai.api_server import build_app
 from meshserve.utils import cluster_auth
-from meshserve.utils.processes import rank_processes
+from meshserve.utils.processes import process_tree, rank_processes
 from meshserve.wire import codec
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.kv import BlockStored, KVCacheEvents
@@ -68,7 +68,7 @@ def test_a_killed_masters_ranks_and_forkserver_end_with_it(model_dir):
     llm = LLM(model=model_dir, kv_cache_memory_gb=0.05, parallel="attn=TP1+DP2 moe=TP1+EP2")
     try:
         master = psutil.Process(llm.engine.proc.pid)
-        below = master.children(recursive=True)
+        below = process_tree(master.pid)  # with the session's rank template, its forkserver for this master too
         assert len(rank_processes(master.pid)) == 2 and len(below) >= 3  # the forkserver and the two ranks
         os.kill(master.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
