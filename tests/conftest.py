@@ -287,7 +287,8 @@ class RankTemplate:
 
         self.dir = tempfile.mkdtemp(prefix="meshserve-rank-template-")
         socket_path = os.path.join(self.dir, "socket")
-        self.proc = launch("rank-template", socket_path=socket_path, log_level=logging.WARNING)
+        self.proc = launch("rank-template", socket_path=socket_path, parent_pid=os.getpid(),
+                           log_level=logging.WARNING)
         deadline = time.monotonic() + _RANK_TEMPLATE_START_S
         while not os.path.exists(socket_path):  # bound at once; the imports that follow hold requests back
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -77,7 +77,7 @@ class EngineCore(ClientMessages, WorkerResults):
         self.inbox = link.inbox
         self.role, self.group = role, group or role
         self.watch_parent = watch_parent
-        self.parent = os.getppid()
+        self.parent = os.getppid()  # watched from the first loop turn on; `run_master` may name it instead
         self.startup = startup or StartupTimeline(process_start=time.time())
         self.ipc_dir, self.log_level = ipc_dir, log_level
         self.dead_error: str | None = None
@@ -327,7 +327,7 @@ class EngineCore(ClientMessages, WorkerResults):
 
 
 def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
-               log_level: int = logging.INFO) -> None:
+               log_level: int = logging.INFO, parent_pid: int | None = None) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s master %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; the parent stops us in order instead
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -346,6 +346,9 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         out.close()
         ctx.term()  # waits (LINGER) until the error is out: the process ends without a teardown
         raise SystemExit(1) from exc
+    if parent_pid is not None:
+        # the launcher's own pid: a launcher that died before this process read its parent would leave init's
+        core.parent = parent_pid
     signal.signal(signal.SIGTERM, lambda signum, frame: core.stop_on_signal())
     core.run()
     if core.stop_requested:  # the engine client must not take this for a crash and start another engine

@@ -17,12 +17,14 @@ template adopts (as a child subreaper) and reaps the ranks a dead forkserver lea
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import signal
 import socket
+import stat
 import sys
 
 from meshserve.core.worker_group import RANK_PRELOAD
@@ -37,25 +39,21 @@ _PARENT_CHECK_S = 1.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def run_rank_template(socket_path: str, watch_parent: bool = True, log_level: int = logging.INFO) -> None:
+def run_rank_template(socket_path: str, watch_parent: bool = True, parent_pid: int | None = None,
+                      log_level: int = logging.INFO) -> None:
     """Serve forkservers on the unix socket `socket_path` until stopped (SIGTERM, Ctrl-C) or, with
-    `watch_parent`, until the process that started this one is gone."""
-    parent = os.getppid() if watch_parent else None
+    `watch_parent`, until the process that started this one is gone. A launcher that passes its pid as
+    `parent_pid` is watched even if it died before this process could ask for its parent."""
+    parent = (os.getppid() if parent_pid is None else parent_pid) if watch_parent else None
     logging.basicConfig(level=log_level, format="%(asctime)s rank-template %(levelname)s %(message)s", force=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _become_subreaper()
     # listening first: a master that asks while the imports run waits in the backlog instead of falling back
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(socket_path):
-        os.unlink(socket_path)
-    listener.bind(socket_path)
-    os.chmod(socket_path, 0o600)
-    listener.listen(64)
-    listener.settimeout(_PARENT_CHECK_S)
-    for module in RANK_PRELOAD:
-        __import__(module)
-    log.info("ready on %s (%s imported)", socket_path, ", ".join(RANK_PRELOAD))
+    listener = _listen(socket_path)
     try:
+        for module in RANK_PRELOAD:
+            __import__(module)
+        log.info("ready on %s (%s imported)", socket_path, ", ".join(RANK_PRELOAD))
         while parent is None or os.getppid() == parent:
             _reap_children()
             try:
@@ -66,8 +64,26 @@ def run_rank_template(socket_path: str, watch_parent: bool = True, log_level: in
                 _serve_request(conn, listener)
     finally:
         listener.close()
-        if os.path.exists(socket_path):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)
+
+
+def _listen(socket_path: str) -> socket.socket:
+    """The template's socket, readable and writable by its user only from the moment it exists. A socket
+    left by an earlier template is replaced; any other file there is an error, not something to delete."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+            raise SystemExit(f"meshserve rank-template: {socket_path} exists and is not a socket")
+        os.unlink(socket_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)
+    try:
+        listener.bind(socket_path)
+    finally:
+        os.umask(umask)
+    listener.listen(64)
+    listener.settimeout(_PARENT_CHECK_S)
+    return listener
 
 
 def _serve_request(conn: socket.socket, listener: socket.socket) -> None:

@@ -6,6 +6,7 @@ sockets in a private temporary directory; the client binds, the master connects.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -43,7 +44,8 @@ class EngineCoreClient:
         self.from_master.bind(output_addr)
         # a fresh interpreter (not multiprocessing): callers' scripts need no __main__ guard
         self.proc = launch("master", config=config.to_dict(), input_addr=input_addr,
-                           output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level)
+                           output_addr=output_addr, ipc_dir=self.ipc_dir, log_level=log_level,
+                           parent_pid=os.getpid())
         self.closed = False
         try:
             # a margin over the master's own start-up limit, so the master can say why it is not ready

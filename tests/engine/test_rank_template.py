@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from meshserve import LLM, SamplingParams
-from meshserve.utils.processes import FORKSERVER_TITLE, PROCESS_ENTRY_POINTS, process_tree, rank_processes
+from meshserve.utils.processes import FORKSERVER_TITLE, PROCESS_ENTRY_POINTS, launch, process_tree, rank_processes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [101] * 20]
@@ -104,3 +104,16 @@ def test_the_template_ends_with_the_process_that_started_it(tmp_path):
     finally:
         starter.kill()
         starter.wait(10)
+
+
+def test_a_template_whose_launcher_is_already_gone_ends(tmp_path):
+    """A launcher that died before the template asked for its parent (the template would then read init's
+    pid and wait forever) is noticed: the template watches the pid it was given."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    template = launch("rank-template", socket_path=str(tmp_path / "socket"), parent_pid=gone.pid)
+    try:
+        assert template.wait(60) == 0
+    finally:
+        template.kill()
+        template.wait(10)
