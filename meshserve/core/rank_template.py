@@ -103,6 +103,8 @@ def _serve_request(conn: socket.socket, listener: socket.socket) -> None:
             _become_forkserver(request, fds, [conn.fileno(), listener.fileno()])
         conn.sendall(json.dumps({"pid": pid}).encode())
         log.debug("forked forkserver %d for master %s", pid, request.get("master"))
+    except OSError as exc:  # no fork, or the master hung up: its forkserver ends with its liveness pipe
+        log.warning("a forkserver request failed: %s", exc)
     finally:
         for fd in fds:
             os.close(fd)
@@ -133,12 +135,21 @@ def _become_forkserver(request: dict, fds: list[int], own_fds: list[int]) -> Non
 
 
 def _receive_fds(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A request's JSON object and descriptors; ValueError (the descriptors closed) for anything else."""
     fds = array.array("i")
     message, ancillary, _, _ = conn.recvmsg(_REQUEST_BYTES, socket.CMSG_SPACE(FORKSERVER_FDS * fds.itemsize))
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[:len(data) - (len(data) % fds.itemsize)])
-    return json.loads(message.decode() or "{}"), list(fds)
+    try:
+        request = json.loads(message.decode() or "{}")
+        if not isinstance(request, dict):
+            raise ValueError(f"a request is a JSON object, not {type(request).__name__}")
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, list(fds)
 
 
 def _reap_children() -> None:
