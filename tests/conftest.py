@@ -85,6 +85,7 @@ TIER_EXCEPTIONS = {
         "config/test_config.py::test_the_config_package_imports_no_torch",
         "engine/test_sampler.py::test_temperature_sampling_matches_softmax",  # many draws: statistics
         "engine/test_sampler.py::test_top_k_and_top_p_renormalise_the_kept_tokens",
+        "entrypoints/test_cli_parser.py::test_building_the_command_line_imports_no_torch",
         "entrypoints/openai/test_api_auth.py::test_serve_refuses_to_start_beyond_loopback_without_a_key",
         "entrypoints/openai/test_api_auth.py::test_the_eplb_cli_sends_the_admin_key",
         "router/test_deployment.py::test_cli_reports_a_bad_preset_in_one_line",

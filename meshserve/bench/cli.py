@@ -1,4 +1,4 @@
-"""`meshserve bench offline|serve`: argument parsing and the two command entry points."""
+"""`meshserve bench offline|serve`: their flags and entry points; `python -m meshserve.bench.cli` runs any benchmark."""
 from __future__ import annotations
 
 import argparse
@@ -8,86 +8,13 @@ import sys
 from pathlib import Path
 
 from meshserve.bench import BENCH_ENGINE_SETTINGS
-from meshserve.bench.cache import add_cache_arguments, cache_main
-from meshserve.bench.faults import add_faults_arguments
+from meshserve.bench.commands import register_bench_commands
 from meshserve.bench.offline import OfflineOptions, plot_offline, run_offline_benchmark, summary_lines
-from meshserve.bench.parallel import add_parallel_arguments, parallel_main
-from meshserve.bench.pd import add_pd_arguments
-from meshserve.bench.quant import add_quant_arguments
-from meshserve.bench.routing import add_routing_arguments
-from meshserve.bench.scale import add_scale_arguments
-from meshserve.bench.spec import add_spec_arguments
 from meshserve.bench.workload import WorkloadError, make_offline_workload, parse_range, special_token_ids
 from meshserve.config.arguments import add_engine_arguments, given_engine_settings
 from meshserve.models.factory import ensure_default_model
 from meshserve.models.tokenizer_assets import special_token_ids as house_special_ids
 from meshserve.utils import report
-
-
-def register_bench_commands(subparsers) -> None:
-    """Add `offline`, `serve`, `moe-comm`, `parallel`, `eplb`, `cache`, `transfer`, `decode-step`, `pd`,
-    `routing`, `spec`, `scale`, `faults`, `quant` and `tenants` to the `bench` subcommand's subparsers."""
-    # keeps torch out of importing this module: these benchmarks load it at import
-    from meshserve.bench.eplb import add_eplb_arguments, eplb_main
-    from meshserve.bench.moe_comm import add_moe_comm_arguments, moe_comm_main
-
-    _add_offline_parser(subparsers.add_parser(
-        "offline", help="offline throughput vs HF transformers, and the decode roofline"))
-    _add_serve_parser(subparsers.add_parser(
-        "serve", help="load an OpenAI-compatible server and report latency percentiles"))
-    moe_comm = subparsers.add_parser(
-        "moe-comm", help="MoE dispatch/combine: pure EP vs hybrid TP-EP sync/fused (4 local ranks, 2 nodes x 2)")
-    add_moe_comm_arguments(moe_comm)
-    moe_comm.set_defaults(func=moe_comm_main)
-    parallel = subparsers.add_parser(
-        "parallel", help="every parallel strategy of a world size against one rank, measured vs the analyzer's ranking")
-    add_parallel_arguments(parallel)
-    parallel.set_defaults(func=parallel_main)
-    eplb = subparsers.add_parser(
-        "eplb", help="expert load balancing: balancedness without and with redundant experts, planning time, "
-                     "and one MoE layer's step time on 4 ranks")
-    add_eplb_arguments(eplb)
-    eplb.set_defaults(func=eplb_main)
-    cache = subparsers.add_parser("cache", help="caching cluster: pool bandwidth vs memory copy, model start-up time")
-    add_cache_arguments(cache)
-    cache.set_defaults(func=cache_main)
-    # keeps torch out of importing this module: the benchmark loads it at import
-    from meshserve.bench.transfer import add_transfer_arguments, transfer_main
-    transfer = subparsers.add_parser(
-        "transfer", help="KV block pulls between two processes per transfer backend (shm, tcp, dist) vs memcpy")
-    add_transfer_arguments(transfer)
-    transfer.set_defaults(func=transfer_main)
-    # keeps torch out of importing this module: the benchmark loads it at import
-    from meshserve.bench.decode_step import add_decode_step_arguments, decode_step_main
-    decode_step = subparsers.add_parser(
-        "decode-step", help="one decode step, native CPU kernels vs the torch path: ms per step, speedup, "
-                            "where the time goes")
-    add_decode_step_arguments(decode_step)
-    decode_step.set_defaults(func=decode_step_main)
-    add_pd_arguments(subparsers.add_parser(
-        "pd", help="colocated TEs vs a P/D pair on the same cores: TTFT, TPOT and JCT on a mixed workload"))
-    add_routing_arguments(subparsers.add_parser(
-        "routing", help="the job executor's routing policies on one deployment with shared prefixes: "
-                        "JCT, TTFT, TPOT, prefix-cache hit rate"))
-    add_spec_arguments(subparsers.add_parser(
-        "spec", help="MTP speculative decoding against plain decoding per batch size and k: decode tokens/s, "
-                     "TPOT, acceptance per draft position, and where drafting stops paying"))
-    add_scale_arguments(subparsers.add_parser(
-        "scale", help="the cluster manager's scale-up steps (cold, pre-warmed, DRAM preload, fork), TE-Load by "
-                      "weight source, fork fan-out, and an autoscaling run against fixed deployments"))
-    add_faults_arguments(subparsers.add_parser(
-        "faults", help="a steady load through injected faults (killed ranks, masters, TEs, a JE, a pool server; "
-                       "a stalled rank, a broken P/D link, a collective error): requests lost, tokens repeated or "
-                       "lost, time to detect and to recover, the throughput dip"))
-    add_quant_arguments(subparsers.add_parser(
-        "quant", help="INT8 W8A8 and the INT8 KV cache against float32 and bfloat16: weight bytes, decode and "
-                      "prefill tokens/s, roofline fraction, and quality per quantization method"))
-    # keeps httpx and the HTTP server's modules out of importing this module: the benchmark loads them at import
-    from meshserve.bench.tenants import add_tenants_arguments
-
-    add_tenants_arguments(subparsers.add_parser(
-        "tenants", help="a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT "
-                        "alone and beside it, with per-tenant limits on"))
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +26,7 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or log lines")
 
 
-def _add_offline_parser(parser: argparse.ArgumentParser) -> None:
+def add_offline_parser(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="HF-format model directory")
     source.add_argument("--preset", help="a generated random model preset (tiny, small, ...)")
@@ -120,7 +47,7 @@ def _add_offline_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=offline_command)
 
 
-def _add_serve_parser(parser: argparse.ArgumentParser) -> None:
+def add_serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     load = parser.add_mutually_exclusive_group(required=True)
@@ -227,7 +154,7 @@ def serve_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the bench commands on their own: `python -m meshserve.bench.cli offline ...`."""
     parser = argparse.ArgumentParser(prog="meshserve bench")
-    register_bench_commands(parser.add_subparsers(dest="bench_command", required=True))
+    register_bench_commands(parser)
     args = parser.parse_args(argv)
     return args.func(args)
 

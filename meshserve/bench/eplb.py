@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshserve.bench import eplb_layer_time
+from meshserve.bench import eplb_layer_options
 from meshserve.moe.balance import balancedness, total_balancedness
 from meshserve.moe.eplb import ALGORITHMS, MODES, plan_redundancy
 from meshserve.moe.load_record import ExpertLoadRecord
@@ -52,7 +52,7 @@ def add_eplb_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slices", type=int, default=8, help="synthetic time slices planned from (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic load seed (default: 0)")
     parser.add_argument("--repeats", type=int, default=3, help="plans timed per layer, median taken (default: 3)")
-    eplb_layer_time.add_layer_time_arguments(parser)
+    eplb_layer_options.add_layer_time_arguments(parser)
 
 
 def parse_int_list(text: str, flag: str, minimum: int) -> list[int]:
@@ -144,7 +144,7 @@ def run_eplb_benchmark(args: argparse.Namespace) -> dict:
         raise ValueError("nothing to run: give --load FILE or --layer-time, or leave the synthetic load on")
     layer_config = None
     if args.layer_time:
-        layer_config = eplb_layer_time.layer_config(
+        layer_config = eplb_layer_options.layer_config(
             args, parse_int_list(args.layer_redundant, "--layer-redundant", 0), HOT_RATIO)
     recorded = [(path, ExpertLoadRecord.load(path)) for path in args.load]  # read them all before the long part
     for path, record in recorded:
@@ -177,6 +177,8 @@ def run_eplb_benchmark(args: argparse.Namespace) -> dict:
         "claim": claim_check(loads),
     }
     if layer_config is not None:
+        from meshserve.bench import eplb_layer_time  # torch: only where the measured part is used
+
         result["layer_time"] = eplb_layer_time.run_layer_time(layer_config)
     return result
 
@@ -235,6 +237,8 @@ def summary_lines(result: dict) -> list[str]:
                      f"no replication {claim['none']:.3f}, best plan ({claim['best_plan']}) {claim['best']:.3f} "
                      f"({'meets' if claim['met'] else 'misses'} >= {claim['min_balancedness']})")
     if "layer_time" in result:
+        from meshserve.bench import eplb_layer_time  # torch: only where the measured part is used
+
         lines.extend(eplb_layer_time.summary_lines(result["layer_time"]))
     return lines
 
@@ -250,6 +254,8 @@ def plot_eplb(result: dict, path: str | Path) -> Path:
     layer_time = result.get("layer_time")
     fig, axes = report.new_figure(ncols=len(MODES), nrows=max(1, len(loads) + (layer_time is not None)))
     if layer_time is not None:
+        from meshserve.bench import eplb_layer_time  # torch: only where the measured part is used
+
         eplb_layer_time.plot_row(layer_time, axes[len(loads)])
     for row, load in enumerate(loads):
         redundant = sorted({cell["redundant"] for cell in load["cells"]})

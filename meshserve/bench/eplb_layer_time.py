@@ -26,7 +26,6 @@ not, so the CPU time shows the compute imbalance a host with a core per rank wou
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -38,56 +37,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshserve.bench.eplb_layer_options import STRATEGY, WORLD_SIZE
 from meshserve.moe.balance import balancedness
 from meshserve.moe.eplb import plan_redundancy
 from meshserve.moe.placement import EMPTY, PlacementShape
 from meshserve.moe.runtime import MoERuntime
 from meshserve.moe.slots import SlotMap
-from meshserve.moe.synthetic_load import zipf_exponent
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
 from meshserve.utils import report
 
-STRATEGY = "attn=TP1+DP4 moe=TP1+EP4"
-WORLD_SIZE = 4
 RECORD_WINDOW, TIMED_WINDOW = 0, 1
 WORLD_TIMEOUT_S = 900.0
-DEFAULTS = {"experts": 64, "top_k": 8, "hidden": 512, "intermediate": 256, "tokens": 128, "batches": 8,
-            "steps": 40, "warmup": 3, "redundant": "1,2"}
-
-
-def add_layer_time_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layer-time", action=argparse.BooleanOptionalAction, default=True,
-                        help="time one MoE layer on 4 local ranks for the default placement and the planner's plans "
-                             "(default: on, about 20 s; with --no-synthetic and no --load: only that)")
-    for name, kind, text in (
-            ("experts", int, "logical experts"), ("top-k", int, "experts per token"), ("hidden", int, "hidden size"),
-            ("intermediate", int, "expert intermediate size"), ("tokens", int, "tokens per rank per step"),
-            ("batches", int, "distinct routed batches per window (planned from one window, timed on the other)"),
-            ("steps", int, "timed steps per placement"), ("warmup", int, "untimed steps per placement"),
-            ("redundant", str, "redundant slots per rank for the redundant and full plans")):
-        default = DEFAULTS[name.replace("-", "_")]
-        parser.add_argument(f"--layer-{name}", dest=f"layer_{name.replace('-', '_')}", type=kind, default=default,
-                            help=f"layer time: {text} (default: {default})")
-
-
-def layer_config(args: argparse.Namespace, redundant: list[int], hot_ratio: float) -> dict:
-    """The measured part's settings from the parsed flags; ValueError names a bad one."""
-    config = {name: getattr(args, f"layer_{name}") for name in DEFAULTS if name != "redundant"}
-    for name, value in config.items():
-        if value < (0 if name == "warmup" else 1):
-            raise ValueError(f"--layer-{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
-    if config["experts"] % WORLD_SIZE:
-        raise ValueError(f"--layer-experts must be a multiple of {WORLD_SIZE} (the EP ranks)")
-    if config["top_k"] > config["experts"]:
-        raise ValueError("--layer-top-k must not exceed --layer-experts")
-    if config["experts"] <= hot_ratio:
-        raise ValueError(f"--layer-experts must exceed {hot_ratio:g} for the hottest expert to get {hot_ratio:g}x "
-                         "the mean popularity")
-    config.update(redundant=redundant, seed=args.seed, hot_ratio=hot_ratio, strategy=STRATEGY,
-                  zipf_exponent=zipf_exponent(config["experts"], hot_ratio))
-    return config
 
 
 # ---------------------------------------------------------------- routing and weights (same in every process)

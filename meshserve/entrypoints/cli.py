@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from meshserve.bench.cli import register_bench_commands
+from meshserve.bench.commands import register_bench_commands
 from meshserve.config import DEFAULT_ENGINE_PORT, ConfigError, RouterConfig
 from meshserve.config.arguments import add_engine_arguments, add_struct_arguments
 from meshserve.engine.core_client import EngineStartupError
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (offline throughput, online serving)")
-    register_bench_commands(bench.add_subparsers(dest="bench_command", required=True))
+    register_bench_commands(bench)
     return parser
 
 
