@@ -11,8 +11,10 @@
 //   cache, with an online softmax, so the latent is read once and never gathered.
 // * rms_norm, rotary_, grouped_topk: one op each instead of several small ones.
 //
-// Written with GCC vector extensions (16 floats: one AVX-512 register) and built on
-// the machine that runs it (-march=native), so the same source compiles anywhere.
+// Written with GCC vector extensions of the machine's own width (16 floats on AVX-512, 8 on AVX2, 4 on
+// NEON or SSE: GCC lowers a wider generic vector than the hardware has through the stack, several times
+// slower than scalar code) and built on the machine that runs it (-march=native), so the same source
+// compiles anywhere and runs at that machine's width.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,11 +32,21 @@
 
 namespace {
 
-typedef float vec __attribute__((vector_size(64)));
-typedef int ivec __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-constexpr int kBlockCols = 2 * kLanes;  // columns of one packed weight block
-constexpr int kMaxTileRows = 12;       // rows per GEMM tile: 2 x 12 accumulators + loads fit 32 registers
+// kLanes floats per vector; a GEMM tile keeps kMaxTileRows rows x one 32-column block of accumulators in
+// registers with room for the loads: 32 registers on AVX-512 and NEON, 16 on AVX2 and SSE.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kMaxTileRows = 12, kVectorRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kLanes = 8, kMaxTileRows = 3, kVectorRegisters = 16;
+#elif defined(__ARM_NEON)
+constexpr int kLanes = 4, kMaxTileRows = 3, kVectorRegisters = 32;
+#else
+constexpr int kLanes = 4, kMaxTileRows = 1, kVectorRegisters = 16;
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
+constexpr int kBlockCols = 32;  // columns of one packed weight block (pack_weight's layout, any width)
+constexpr int kBlockVecs = kBlockCols / kLanes;
 constexpr int kPrefetchRows = 16;      // packed weight rows (128 bytes each) fetched ahead
 // Elementwise work (floats touched) below which a loop runs on the calling thread: at decode sizes
 // waking the other threads costs more than the work.
@@ -95,24 +107,24 @@ inline vec vexp(vec x) {
 // out[m, 0:32] = sum_k x[m, k] * w[k, 0:32] for M rows; w is one packed block [K][32].
 template <int M>
 void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
-  vec acc[M][2] = {};
+  vec acc[M][kBlockVecs] = {};
   for (int64_t k = 0; k < K; ++k) {
     __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols);  // the weight streams once: fetch ahead
-    __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols + kLanes);
-    const vec w0 = load(w + k * kBlockCols);
-    const vec w1 = load(w + k * kBlockCols + kLanes);
+    __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols + kBlockCols / 2);
+    vec wk[kBlockVecs];
+#pragma GCC unroll 8
+    for (int v = 0; v < kBlockVecs; ++v) wk[v] = load(w + k * kBlockCols + v * kLanes);
 #pragma GCC unroll 12
     for (int m = 0; m < M; ++m) {
-      const float s = x[m * ldx + k];
-      acc[m][0] += w0 * s;
-      acc[m][1] += w1 * s;
+      const vec s = splat(x[m * ldx + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < kBlockVecs; ++v) acc[m][v] += wk[v] * s;
     }
   }
 #pragma GCC unroll 12
-  for (int m = 0; m < M; ++m) {
-    store(out + m * ldo, acc[m][0]);
-    store(out + m * ldo + kLanes, acc[m][1]);
-  }
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int v = 0; v < kBlockVecs; ++v) store(out + m * ldo + v * kLanes, acc[m][v]);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
@@ -419,8 +431,8 @@ void grouped_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
 }
 
 // Scores of T tokens against one head group: s[t] (lanes = heads) = sum_d qt[d] * kv[t, d].
-// 16 query vectors stay in registers per step of 16 dims; each token's dims are read from one
-// pointer at constant offsets (dim is a multiple of 16). Cache lines [pf, pf_end) of the next tile are
+// kLanes query vectors stay in registers per step of kLanes dims; each token's dims are read from one
+// pointer at constant offsets (dim is a multiple of kLanes). Cache lines [pf, pf_end) of the next tile are
 // prefetched a few per step: spread over the loop they arrive in time, where one burst of hundreds
 // would overflow the miss queues.
 template <int T>
@@ -469,13 +481,15 @@ inline void pv_chunk(float* acc, int64_t ld_acc, const float* alpha, const float
     for (int i = 0; i < N; ++i) store(acc + h * ld_acc + i * kLanes, va[h][i]);
 }
 
-// P·c for H consecutive heads: acc rows of kv_lora_rank, probs [t][16 heads] starting at the first head.
+// P·c for H consecutive heads: acc rows of kv_lora_rank, probs [t][kLanes heads] starting at the first head.
+// A chunk's H x N accumulators and N loaded vectors stay in registers: N = 8 with 32 registers, 4 with 16.
 template <int H>
 void accumulate_pv(float* acc, int64_t kv_lora_rank, const float* alpha, const float* probs, const float* kv,
                    int64_t dim, int tokens) {
   int64_t c = 0;
-  for (; c + 8 * kLanes <= kv_lora_rank; c += 8 * kLanes)
-    pv_chunk<8, H>(acc + c, kv_lora_rank, alpha, probs, kv + c, dim, tokens);
+  constexpr int kWide = kVectorRegisters >= 32 ? 8 : 4;
+  for (; c + kWide * kLanes <= kv_lora_rank; c += kWide * kLanes)
+    pv_chunk<kWide, H>(acc + c, kv_lora_rank, alpha, probs, kv + c, dim, tokens);
   for (; c + 4 * kLanes <= kv_lora_rank; c += 4 * kLanes)
     pv_chunk<4, H>(acc + c, kv_lora_rank, alpha, probs, kv + c, dim, tokens);
   for (; c < kv_lora_rank; c += kLanes) pv_chunk<1, H>(acc + c, kv_lora_rank, alpha, probs, kv + c, dim, tokens);
@@ -510,7 +524,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
     vec s[kLanes];
     const int64_t b = task / groups, h0 = (task % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
     const int64_t len = sl[b];
-    // the group's query, transposed to [D][16 heads] and scaled (padding heads are zero)
+    // the group's query, transposed to [D][kLanes heads] and scaled (padding heads are zero)
     std::fill(qt.begin(), qt.end(), 0.0f);
     for (int64_t h = 0; h < hg; ++h)
       for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + h] = pq[(b * heads + h0 + h) * dim + d] * float(scale);
@@ -518,7 +532,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
     vec m = splat(-FLT_MAX), l = {};
     int tokens = 0;
     for (int64_t t0 = 0; t0 < len; t0 += tokens) {
-      // a tile is up to 16 tokens of one block
+      // a tile is up to kLanes tokens of one block
       const int64_t block = bt[b * table_stride + t0 / block_size], in_block = t0 % block_size;
       tokens = static_cast<int>(std::min({int64_t(kLanes), len - t0, block_size - in_block}));
       const float* kv = pc + (block * block_size + in_block) * dim;
@@ -530,7 +544,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
         n = std::min({int64_t(kLanes), len - next, block_size - next % block_size}) * dim;
       }
       if (tokens == kLanes && dim % kLanes == 0) {
-        const float* mid = nkv + std::min(n, int64_t(8) * dim);
+        const float* mid = nkv + std::min(n, int64_t(kLanes / 2) * dim);
         score_tile<kLanes / 2>(qt.data(), kv, dim, s, nkv, mid);
         score_tile<kLanes / 2>(qt.data(), kv + kLanes / 2 * dim, dim, s + kLanes / 2, mid, nkv + n);
       } else {
