@@ -1,14 +1,14 @@
 // Absorbed MLA decode attention over an INT8 paged latent cache (meshserve/layers/kv_quant.py).
 //
 // A cache row is [c_kv int8 x kv_lora_rank | k_pe int8 x rope_dim | scale_c bf16 | scale_pe bf16]. The
-// kernel works like mla_decode (cpu_kernels.cpp): one task per sequence and group of 16 heads, the
-// context walked in tiles of up to 16 tokens of one block with an online softmax, so the cache is read
+// kernel works like mla_decode (cpu_kernels.cpp): one task per sequence and group of kLanes heads, the
+// context walked in tiles of up to kLanes tokens of one block with an online softmax, so the cache is read
 // once and never gathered. Each tile is first dequantized into a small float32 buffer (int8 x its part's
-// scale, 16 lanes at a time), which the scores and P·c then read from L1; everything accumulates in
+// scale, one vector at a time), which the scores and P·c then read from L1; everything accumulates in
 // float32.
 //
-// Written with GCC vector extensions (16 floats: one AVX-512 register) and built with the other kernel
-// files into one extension (-march=native).
+// Written with GCC vector extensions of the machine's own width, as cpu_kernels.cpp (16 floats on AVX-512,
+// 8 on AVX2, 4 on NEON or SSE), and built with the other kernel files into one extension (-march=native).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,11 +26,19 @@
 
 namespace {
 
-typedef float vec __attribute__((vector_size(64)));
-typedef int ivec __attribute__((vector_size(64)));
-typedef int8_t bvec __attribute__((vector_size(16)));
-constexpr int kLanes = 16;
-constexpr int kHalfTile = kLanes / 2;  // tokens scored at once: 16 query vectors + 8 accumulators in registers
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kVectorRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kLanes = 8, kVectorRegisters = 16;
+#elif defined(__ARM_NEON)
+constexpr int kLanes = 4, kVectorRegisters = 32;
+#else
+constexpr int kLanes = 4, kVectorRegisters = 16;
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
+typedef int8_t bvec __attribute__((vector_size(kLanes)));
+constexpr int kHalfTile = kLanes / 2;  // tokens scored at once: kLanes query vectors + kLanes / 2 accumulators
 constexpr int64_t kScaleBytes = 2;
 
 inline vec load(const float* p) {
@@ -43,7 +51,7 @@ inline vec splat(float s) { return vec{} + s; }
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 inline vec vmin(vec a, vec b) { return a < b ? a : b; }
 
-// 16 int8 -> 16 floats (through int32: GCC converts int8 lanes to float one by one)
+// kLanes int8 -> kLanes floats (through int32: GCC converts int8 lanes to float one by one)
 inline vec load_i8(const int8_t* p) {
   bvec b;
   std::memcpy(&b, p, sizeof(bvec));
@@ -109,7 +117,7 @@ void dequantize_tile(const int8_t* rows, int64_t width, int tokens, int64_t kv_l
   }
 }
 
-// s[t] (lanes = heads) = sum_d qt[d] * tile[t, d] for T tokens; qt is the query group as [dim][16 heads].
+// s[t] (lanes = heads) = sum_d qt[d] * tile[t, d] for T tokens; qt is the query group as [dim][kLanes heads].
 template <int T>
 void score_tokens(const float* qt, const float* tile, int64_t dim, vec* s) {
   vec acc[T] = {};
@@ -135,7 +143,8 @@ constexpr std::array<ScoreFn, sizeof...(Ts)> score_table(std::integer_sequence<i
 constexpr auto kScores = score_table(std::make_integer_sequence<int, kHalfTile>{});
 
 // acc[h, c] = acc[h, c] * alpha[h] + sum_t p[t, h] * tile[t, c] over latent vectors [c0, c0 + N) of H
-// consecutive heads (each tile vector loaded once serves them all); probs is [t][16 heads] from the first.
+// consecutive heads (each tile vector loaded once serves them all); probs is [t][kLanes heads] from the first.
+// A chunk's H x N accumulators and N loaded vectors stay in registers: N = 8 with 32 registers, 4 with 16.
 template <int N, int H>
 inline void pv_chunk(float* acc, int64_t ld_acc, const float* alpha, const float* probs, const float* tile,
                      int64_t dim, int tokens) {
@@ -158,8 +167,9 @@ template <int H>
 void accumulate_pv(float* acc, int64_t kv_lora_rank, const float* alpha, const float* probs, const float* tile,
                    int64_t dim, int tokens) {
   int64_t c = 0;
-  for (; c + 8 * kLanes <= kv_lora_rank; c += 8 * kLanes)
-    pv_chunk<8, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
+  constexpr int kWide = kVectorRegisters >= 32 ? 8 : 4;
+  for (; c + kWide * kLanes <= kv_lora_rank; c += kWide * kLanes)
+    pv_chunk<kWide, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
   for (; c + 4 * kLanes <= kv_lora_rank; c += 4 * kLanes)
     pv_chunk<4, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
   for (; c < kv_lora_rank; c += kLanes) pv_chunk<1, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
@@ -208,7 +218,7 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
     vec s[kLanes];
     const int64_t b = task / groups, h0 = (task % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
     const int64_t len = sl[b];
-    // the group's query, transposed to [D][16 heads] and scaled (padding heads are zero)
+    // the group's query, transposed to [D][kLanes heads] and scaled (padding heads are zero)
     std::fill(qt.begin(), qt.end(), 0.0f);
     for (int64_t h = 0; h < hg; ++h)
       for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + h] = pq[(b * heads + h0 + h) * dim + d] * float(scale);
@@ -216,7 +226,7 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
     vec m = splat(-FLT_MAX), l = {};
     int tokens = 0;
     for (int64_t t0 = 0; t0 < len; t0 += tokens) {
-      // a tile is up to 16 tokens of one block
+      // a tile is up to kLanes tokens of one block
       const int64_t block = bt[b * table_stride + t0 / block_size], in_block = t0 % block_size;
       tokens = static_cast<int>(std::min({int64_t(kLanes), len - t0, block_size - in_block}));
       const int8_t* rows = pc + (block * block_size + in_block) * width;
