@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))  # one extension of every kernel file
 _EXTENSION_NAME = "meshserve_cpu_kernels"
-BLOCK_COLUMNS = 32  # columns per packed weight block (two 16-float vectors)
+BLOCK_COLUMNS = 32  # columns per packed weight block (two AVX-512 vectors, four AVX2 ones)
 
 _override = threading.local()
 
