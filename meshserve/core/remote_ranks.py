@@ -130,6 +130,10 @@ class RemoteRanks:
         elif rank < self.first:
             error = (f"rank {rank} is started by the engine itself; it expects remote rank(s) "
                      f"{rank_range(self.first, last)}")
+        elif rank in self.joined and self.monitors[rank].update():
+            # a replacement that came before the master recovered from the loss: the next handshake
+            # socket takes it
+            return WorkerHandshake(rank=rank, error=f"rank {rank} is being recovered", retry=True)
         elif rank in self.joined:
             error = f"rank {rank} has already joined this engine"
         else:

@@ -29,6 +29,10 @@ class LazyArgumentParser(argparse.ArgumentParser):
         self._populate()
         return super().parse_known_args(args, namespace)
 
+    def get_default(self, dest: str):
+        self._populate()
+        return super().get_default(dest)
+
     def format_help(self) -> str:
         self._populate()
         return super().format_help()

@@ -155,7 +155,8 @@ class InjectFault(Message):
 
 class WorkerHandshake(Message):
     """A rank on another host joining a TE: it sends only its `rank`; the master answers with
-    the engine config and the rank's addresses, or with `error` when it cannot take that rank."""
+    the engine config and the rank's addresses, or with `error` when it cannot take that rank
+    (`retry`: not yet, the rank's previous process is gone and the master is about to take a new one)."""
 
     rank: int
     config: EngineConfig | None = None
@@ -163,3 +164,4 @@ class WorkerHandshake(Message):
     result_addr: str = ""
     dist_init_method: str | None = None
     error: str | None = None
+    retry: bool = False

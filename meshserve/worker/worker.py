@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_MS = 1000
+# a remote rank asks the master for its assignment again after this long without an answer, and this long
+# after a master recovering from the loss of its previous process told it to
+_HANDSHAKE_RESEND_S = 2.0
+_HANDSHAKE_RETRY_S = 0.5
 _BACKGROUND_POLL_MS = 20
 
 
@@ -86,33 +91,51 @@ def join_engine(engine_addr: str, rank: int, timeout_s: float, log_level: int = 
 
 
 def _handshake(engine_addr: str, rank: int, timeout_s: float) -> WorkerHandshake:
+    """Ask the master for `rank`'s assignment until it answers or `timeout_s` passes. The question is asked
+    again every few seconds: a master recovering from the loss of this rank's previous process closes its
+    handshake socket with the question unread and binds a new one (ZMQ reconnects; answers come in order,
+    so the first one read is to the earliest question the master saw)."""
+    deadline = time.monotonic() + timeout_s
     ctx = zmq.Context()
     sock = cluster_auth.client(ctx.socket(zmq.DEALER), engine_addr)
     sock.setsockopt(zmq.LINGER, 0)
+    reply = None
     try:
         try:
             sock.connect(engine_addr)  # the master may start later: ZMQ keeps trying
         except zmq.ZMQError as exc:
             raise WorkerJoinError(f"cannot connect to the engine at {engine_addr}: {exc}") from None
-        sock.send(codec.encode(WorkerHandshake(rank=rank)))
-        if not sock.poll(int(timeout_s * 1000)):
-            refused = cluster_auth.handshake(engine_addr, 1.0) is cluster_auth.Handshake.REFUSED
-            raise WorkerJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s" + (
-                ": it refuses this host's cluster secret" if refused else ""))
-        data = sock.recv()
+        while time.monotonic() < deadline:
+            sock.send(codec.encode(WorkerHandshake(rank=rank)))
+            wait_s = min(_HANDSHAKE_RESEND_S, max(0.0, deadline - time.monotonic()))
+            if not sock.poll(int(wait_s * 1000)):
+                continue
+            reply = _decode_assignment(engine_addr, sock.recv())
+            if not reply.retry:
+                break
+            time.sleep(min(_HANDSHAKE_RETRY_S, max(0.0, deadline - time.monotonic())))
     finally:
         sock.close(0)
         ctx.term()
+    if reply is None or reply.retry:
+        refused = cluster_auth.handshake(engine_addr, 1.0) is cluster_auth.Handshake.REFUSED
+        raise WorkerJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s" + (
+            ": it refuses this host's cluster secret" if refused else "") + (
+            f" (last: {reply.error})" if reply is not None else ""))
+    if reply.error is not None:
+        raise WorkerJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
+    if reply.config is None:
+        raise WorkerJoinError(f"the engine at {engine_addr} sent no engine config")
+    return reply
+
+
+def _decode_assignment(engine_addr: str, data: bytes) -> WorkerHandshake:
     try:
         reply = codec.decode(data)
     except MessageError as exc:
         raise WorkerJoinError(f"the engine at {engine_addr} answered with a bad message: {exc}") from None
     if not isinstance(reply, WorkerHandshake):
         raise WorkerJoinError(f"the engine at {engine_addr} answered with {type(reply).__name__}")
-    if reply.error is not None:
-        raise WorkerJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
-    if reply.config is None:
-        raise WorkerJoinError(f"the engine at {engine_addr} sent no engine config")
     return reply
 
 

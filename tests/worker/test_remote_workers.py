@@ -222,8 +222,45 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
                 break
             time.sleep(0.05)
         assert lost == 1
+        # a replacement that asks before the master has recovered is told to ask again, not refused
+        again = ask(codec.encode(WorkerHandshake(rank=1)))
+        assert again.retry and again.error == "rank 1 is being recovered" and again.config is None
     finally:
         ranks.close()
         for sock in (peer, rank_work, *works):
             sock.close(0)
+        ctx.term()
+
+
+def test_a_joining_rank_asks_again_until_the_master_answers():
+    """A question the master never read (it closed its handshake socket to recover) is asked again; an answer
+    that says `retry` is followed by another question, and the first real answer ends the wait."""
+    from meshserve.worker.worker import _handshake
+
+    ctx = zmq.Context()
+    master = cluster_auth.server(ctx.socket(zmq.ROUTER), "tcp://127.0.0.1")
+    port = master.bind_to_random_port("tcp://127.0.0.1")
+    config = EngineConfig.from_kwargs("unused", parallel=PARALLEL, local_ranks=1)
+    answers = [None, WorkerHandshake(rank=1, error="rank 1 is being recovered", retry=True),
+               WorkerHandshake(rank=1, config=config, work_addr="tcp://127.0.0.1:9", result_addr="tcp://127.0.0.1:8")]
+    asked = []
+
+    def serve() -> None:
+        for answer in answers:
+            if not master.poll(20_000):
+                return
+            identity, payload = master.recv_multipart()
+            asked.append(codec.decode(payload).rank)
+            if answer is not None:  # the first question goes unanswered, as one a recovering master dropped
+                master.send_multipart([identity, codec.encode(answer)])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        assignment = _handshake(f"tcp://127.0.0.1:{port}", 1, timeout_s=30)
+        assert assignment.work_addr == "tcp://127.0.0.1:9" and assignment.config == config
+        assert asked == [1, 1, 1]
+    finally:
+        server.join(30)
+        master.close(0)
         ctx.term()
