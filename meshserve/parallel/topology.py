@@ -12,6 +12,7 @@ only: torch's own `tcp://` and `env://` rendezvous start it on every interface.
 """
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -23,6 +24,10 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshserve.utils.processes import prepare_forkserver
+
+# what a local world's forkserver imports once for all its ranks
+WORLD_PRELOAD = ("torch", "torch.distributed", "meshserve.parallel.topology")
 
 @dataclass(frozen=True)
 class Topology:
@@ -123,7 +128,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _local_worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple) -> None:
+def _local_worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple,
+                  environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment of now, not the forkserver's of its start
+    os.environ.update(environ)
     init_world(backend, f"tcp://127.0.0.1:{port}", rank, world_size)
     try:
         fn(rank, world_size, *args)
@@ -137,13 +145,15 @@ def _local_worker(rank: int, fn: Callable, world_size: int, port: int, backend: 
 
 def spawn_local_world(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 60.0,
                       backend: str = "gloo") -> None:
-    """Run fn(rank, world_size, *args) in world_size spawned processes on 127.0.0.1.
+    """Run fn(rank, world_size, *args) in world_size processes on 127.0.0.1, forked from this process's
+    forkserver (torch imported once, not in every rank; `fn` and `args` must pickle, as for spawn).
 
     Raises when a worker fails or the world does not finish within timeout_s; every
     process is ended either way.
     """
-    context = mp.spawn(_local_worker, args=(fn, world_size, free_port(), backend, args), nprocs=world_size,
-                       join=False)
+    prepare_forkserver(WORLD_PRELOAD)
+    context = mp.start_processes(_local_worker, args=(fn, world_size, free_port(), backend, args, dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=0.5):

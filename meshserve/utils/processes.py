@@ -98,9 +98,7 @@ def launch_forked(name: str, preload: Sequence[str], **kwargs: Any) -> ForkedPro
     """Start the process `name` of PROCESS_ENTRY_POINTS with `kwargs`, forked from this process's forkserver;
     the first call starts that server, which imports `preload` once (later calls' `preload` is not read)."""
     target = PROCESS_ENTRY_POINTS[name]
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))
-    _use_the_rank_template()
+    context = prepare_forkserver(preload)
     # it gets the environment of now, as a new interpreter would (the forkserver's is that of its start);
     # daemonic: a caller that exits without stopping it (an exception) terminates it on the way out rather
     # than waiting for it (multiprocessing joins its other children at exit)
@@ -108,6 +106,15 @@ def launch_forked(name: str, preload: Sequence[str], **kwargs: Any) -> ForkedPro
                               daemon=True)
     process.start()
     return ForkedProcess(process)
+
+
+def prepare_forkserver(preload: Sequence[str]) -> multiprocessing.context.BaseContext:
+    """The "forkserver" start method's context, its server (once started) importing `preload`, or forked from
+    the host's rank template where MESHSERVE_RANK_TEMPLATE names one."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))
+    _use_the_rank_template()
+    return context
 
 
 def _run_forked(target: str, kwargs: dict[str, Any], environ: dict[str, str]) -> None:
