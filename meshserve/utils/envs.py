@@ -48,6 +48,10 @@ MASTER_ADDR = EnvVar(
 RANK = EnvVar(
     "RANK", None,
     "`meshserve worker`: this worker's rank when `--rank` is not given (torch's name for it)")
+MESHSERVE_NUM_THREADS = EnvVar(
+    "MESHSERVE_NUM_THREADS", None,
+    "torch threads of each rank of a TE started without `--num-threads` (default: this host's cores shared "
+    "among the TE's ranks); for hosts that run several TEs side by side")
 MESHSERVE_RANK_TEMPLATE = EnvVar(
     "MESHSERVE_RANK_TEMPLATE", None,
     "the unix socket of this host's rank template (`meshserve rank-template`): each TE's forkserver is forked "
@@ -62,8 +66,8 @@ MESHSERVE_FAULT_INJECTION = EnvVar(
 
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
-    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_RANK_TEMPLATE, MASTER_ADDR, RANK, MESHSERVE_FAULTS,
-    MESHSERVE_FAULT_INJECTION,
+    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE, MASTER_ADDR, RANK,
+    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION,
 )
 
 
@@ -93,6 +97,16 @@ def cache_dir() -> Path:
 
 def cpu_kernels_enabled() -> bool:
     return MESHSERVE_CPU_KERNELS.get() != "0"
+
+
+def num_threads() -> int | None:
+    """MESHSERVE_NUM_THREADS as a positive count; None where unset. ValueError names a bad value."""
+    text = MESHSERVE_NUM_THREADS.get()
+    if text is None or not text.strip():
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"MESHSERVE_NUM_THREADS must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def rank_template_socket() -> str | None:

@@ -56,7 +56,7 @@ from meshserve.models.loader import iter_safetensors, load_hf_config, load_model
 from meshserve.moe.placement import ExpertPlacement, describe_placement_source, load_placement_file
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.rollback import is_transient
-from meshserve.utils import page_cache
+from meshserve.utils import envs, page_cache
 from meshserve.wire.eplb import EplbCommand, EplbPhase
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVRegion
 from meshserve.wire.sampling_params import SamplingParams
@@ -708,7 +708,8 @@ class ModelRunner:
 
 
 def configure_threads(num_threads: int | None, world_size: int = 1) -> int:
-    """Torch threads of one rank: as asked, else this machine's cores shared among the ranks."""
-    n = num_threads or max(1, (os.cpu_count() or 1) // world_size)
+    """Torch threads of one rank: as asked, else MESHSERVE_NUM_THREADS, else this machine's cores shared among
+    the ranks."""
+    n = num_threads or envs.num_threads() or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(n)
     return n

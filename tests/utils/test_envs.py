@@ -3,6 +3,7 @@ there."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,24 @@ def test_accessors_read_the_environment_when_called(monkeypatch, tmp_path):
     assert envs.rank() is None
     monkeypatch.setenv("MESHSERVE_CPU_KERNELS", "0")
     assert not envs.cpu_kernels_enabled()
+
+
+def test_threads_per_rank_come_from_the_flag_then_the_variable_then_the_cores(monkeypatch):
+    import torch
+
+    from meshserve.worker.model_runner import configure_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("MESHSERVE_NUM_THREADS", raising=False)
+        assert envs.num_threads() is None
+        assert configure_threads(None, world_size=1) == max(1, os.cpu_count() or 1)
+        monkeypatch.setenv("MESHSERVE_NUM_THREADS", "1")
+        assert configure_threads(None, world_size=1) == 1 == torch.get_num_threads()
+        assert configure_threads(3, world_size=1) == 3  # the flag wins
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setenv("MESHSERVE_NUM_THREADS", bad)
+            with pytest.raises(ValueError, match="MESHSERVE_NUM_THREADS must be a positive integer"):
+                envs.num_threads()
+    finally:
+        torch.set_num_threads(before)
