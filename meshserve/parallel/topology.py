@@ -29,6 +29,7 @@ from meshserve.utils.processes import prepare_forkserver
 # what a local world's forkserver imports once for all its ranks
 WORLD_PRELOAD = ("torch", "torch.distributed", "meshserve.parallel.topology")
 
+
 @dataclass(frozen=True)
 class Topology:
     num_nodes: int
