@@ -81,6 +81,7 @@ class RemoteRanks:
         # watch before the ranks can know the addresses, so no connection goes unseen
         self.monitors = {rank: PeerMonitor(works[rank]) for rank in self.assignments}
         self.joined: set[int] = set()
+        self.joined_from: dict[int, bytes] = {}  # the socket identity each rank joined from
         self.handshakes = ctx.socket(zmq.ROUTER)
         self.handshakes.setsockopt(zmq.LINGER, 0)
         self.handshakes.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDSHAKE_BYTES)
@@ -117,13 +118,13 @@ class RemoteRanks:
                 hello = codec.decode(payload)
                 if not isinstance(hello, WorkerHandshake):
                     raise TypeError(type(hello).__name__)
-                reply = self._assign(hello.rank)
+                reply = self._assign(hello.rank, identity)
             except Exception as exc:  # noqa: BLE001 - a stranger's bytes must not stop the master
                 drop_frame("worker-handshakes", exc)
                 reply = WorkerHandshake(rank=-1, error="expected an WorkerHandshake message")
             self.handshakes.send_multipart([identity, codec.encode(reply)])
 
-    def _assign(self, rank: int) -> WorkerHandshake:
+    def _assign(self, rank: int, identity: bytes) -> WorkerHandshake:
         last = self.world_size - 1
         if not isinstance(rank, int) or not 0 <= rank <= last:
             error = f"rank {rank} is outside this engine's world of {self.world_size} ranks (0..{last})"
@@ -134,10 +135,13 @@ class RemoteRanks:
             # a replacement that came before the master recovered from the loss: the next handshake
             # socket takes it
             return WorkerHandshake(rank=rank, error=f"rank {rank} is being recovered", retry=True)
+        elif rank in self.joined and self.joined_from.get(rank) == identity:
+            return self.assignments[rank]  # the same rank asking again (it asks until answered)
         elif rank in self.joined:
             error = f"rank {rank} has already joined this engine"
         else:
             self.joined.add(rank)
+            self.joined_from[rank] = identity
             logger.info("remote worker rank %d joined", rank)
             return self.assignments[rank]
         logger.warning("refused a remote worker: %s", error)

@@ -207,6 +207,8 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
         assert joined.error is None and joined.work_addr == addrs[1] and joined.dist_init_method == "tcp://127.0.0.1:2"
         assert joined.config == config
         assert ranks.missing() == []
+        # the same rank asking again from the same socket (it asks until answered) gets the same answer
+        assert ask(codec.encode(WorkerHandshake(rank=1))) == joined
         rank_work.connect(joined.work_addr)
         for _ in range(100):
             ranks.lost_rank()
