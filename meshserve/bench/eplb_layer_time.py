@@ -7,7 +7,10 @@ One MoE layer (routed experts only) runs on 4 local gloo ranks under pure EP
 - `redundant R=r`: the planner's `redundant` plan with r redundant slots per rank
   (primaries fixed, every redundant slot filled: what the engine applies live);
 - `full R=r`: the planner's `full` plan (every slot planned), loaded into the slots
-  directly, as the engine applies a placement before serving.
+  directly, as the engine applies a placement before serving;
+- `live k/n R=r` (largest r): the same plan reached while serving (meshserve/moe/live_moves.py),
+  timed as each of its n rounds loads: the placement before the round with the round's
+  changing slots disabled, which is what a step sees meanwhile.
 
 Routing: expert popularity is the synthetic load generator's Zipf shape (the hottest
 expert `hot_ratio` x the mean popularity) over a seeded random expert order; each
@@ -40,9 +43,10 @@ import torch.distributed as dist
 from meshserve.bench.eplb_layer_options import STRATEGY, WORLD_SIZE
 from meshserve.moe.balance import balancedness
 from meshserve.moe.eplb import plan_redundancy
+from meshserve.moe.live_moves import align_to_current, move_rounds
 from meshserve.moe.placement import EMPTY, PlacementShape
 from meshserve.moe.runtime import MoERuntime
-from meshserve.moe.slots import SlotMap
+from meshserve.moe.slots import SlotMap, changed_slots
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
@@ -103,7 +107,24 @@ def placements(config: dict, planned_from: list[list[int]]) -> list[dict]:
             shape = PlacementShape(experts, WORLD_SIZE, r)
             slots = plan_redundancy(planned_from, shape, mode=mode)
             plans.append({"name": f"{mode} R={r}", "mode": mode, "redundant_per_rank": r, "slots": slots})
-    return plans
+    return plans + live_rounds(config, plans[-1])
+
+
+def live_rounds(config: dict, full: dict) -> list[dict]:
+    """The last full plan reached while serving from the default placement: per round, the slots before it with its
+    changing slots disabled."""
+    r = full["redundant_per_rank"]
+    if full["mode"] != "full" or r == 0:
+        return []
+    shape = PlacementShape(config["experts"], WORLD_SIZE, r)
+    before = shape.default_slots()
+    rounds = move_rounds(before, align_to_current(shape, before, full["slots"]))
+    out = []
+    for number, after in enumerate(rounds, 1):
+        out.append({"name": f"live {number}/{len(rounds)} R={r}", "mode": "live", "redundant_per_rank": r,
+                    "slots": before, "disabled": changed_slots(before, after)})
+        before = after
+    return out
 
 
 # ---------------------------------------------------------------- one rank
@@ -132,8 +153,9 @@ class _ExpertProbe:
         return taken
 
 
-def _build_layer(ctx: ParallelContext, slots: list[int], config: dict):
-    """A runtime and expert weights holding this rank's slots of `slots`, routed by their slot map."""
+def _build_layer(ctx: ParallelContext, slots: list[int], config: dict, disabled: list[int] = ()):
+    """A runtime and expert weights holding this rank's slots of `slots`, routed by their slot map (without the
+    `disabled` slots)."""
     runtime = MoERuntime(ctx, config["experts"], config["top_k"], config["hidden"], torch.float32)
     experts = runtime.make_weights(config["intermediate"])
     for local in range(experts.num_slots):
@@ -145,7 +167,7 @@ def _build_layer(ctx: ParallelContext, slots: list[int], config: dict):
     experts.pack_weights()
     default = PlacementShape(config["experts"], WORLD_SIZE, ctx.redundant_experts_per_rank).default_slots()
     if slots != default or ctx.redundant_experts_per_rank:  # R = 0 with the default slots: no mapping, as served
-        runtime.slot_map = SlotMap.from_slots(slots, config["experts"])
+        runtime.slot_map = SlotMap.from_slots(slots, config["experts"], disabled)
     return runtime, experts, _ExpertProbe(experts)
 
 
@@ -154,7 +176,8 @@ def _worker(rank: int, world: int, config: dict, plans: list[dict], result_path:
     strategy = ParallelStrategy.parse(STRATEGY)
     contexts = {r: ParallelContext.build(strategy, max_tokens_per_step=config["tokens"], redundant_experts_per_rank=r)
                 for r in sorted({plan["redundant_per_rank"] for plan in plans})}
-    layers = [_build_layer(contexts[plan["redundant_per_rank"]], plan["slots"], config) for plan in plans]
+    layers = [_build_layer(contexts[plan["redundant_per_rank"]], plan["slots"], config, plan.get("disabled", ()))
+              for plan in plans]
     probs = popularity(config)
     batches = [routed_batch(config, probs, TIMED_WINDOW, rank, b) for b in range(config["batches"])]
 
@@ -253,11 +276,16 @@ def summarise(raw: dict, plans: list[dict], timed_counts: list[list[int]]) -> li
             "expert_ms_per_rank": expert_ms, "expert_ms_busiest": max(expert_ms),
             "expert_cpu_ms_per_rank": expert_cpu_ms, "expert_cpu_ms_busiest": max(expert_cpu_ms),
             "expert_cpu_ms_total": sum(expert_cpu_ms),
-            "planner_balancedness": balancedness(plan["slots"], timed_counts, WORLD_SIZE),
+            "planner_balancedness": balancedness(_routed_slots(plan), timed_counts, WORLD_SIZE),
             "max_abs_diff_vs_default": raw["max_abs_diff_vs_default"][i],
-            "steps_ms": steps, "slots": plan["slots"],
+            "steps_ms": steps, "slots": plan["slots"], "disabled": plan.get("disabled", []),
         })
     return out
+
+
+def _routed_slots(plan: dict) -> list[int]:
+    off = set(plan.get("disabled", ()))
+    return [EMPTY if slot in off else expert for slot, expert in enumerate(plan["slots"])]
 
 
 def summary_lines(section: dict) -> list[str]:
@@ -273,6 +301,13 @@ def summary_lines(section: dict) -> list[str]:
                      f"{p['max_rows']:.0f} / {p['mean_rows']:.0f} ({p['max_over_mean_rows']:.2f}) | "
                      f"{p['expert_ms_busiest']:.2f} / {p['expert_cpu_ms_busiest']:.2f} | "
                      f"{p['expert_cpu_ms_total']:.2f} |")
+    live = [p for p in section["placements"] if p["mode"] == "live"]
+    if live:
+        full = next(p for p in section["placements"] if p["name"] == f"full R={live[0]['redundant_per_rank']}")
+        lines.append(f"live move to {full['name']} in {len(live)} rounds: step median while a round loads "
+                     f"{min(p['median_ms'] for p in live):.2f}-{max(p['median_ms'] for p in live):.2f} ms "
+                     f"({min(p['ratio_vs_default'] for p in live):.2f}-{max(p['ratio_vs_default'] for p in live):.2f}x "
+                     f"the default), {full['median_ms']:.2f} ms ({full['ratio_vs_default']:.2f}x) once moved")
     return lines
 
 

@@ -1,7 +1,7 @@
 """Expert load balancing (xdeepserve §4.5): redundant experts, load recording, rebalancing."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -18,3 +18,7 @@ class EplbConfig(ConfigStruct, frozen=True):
     eplb_placement: Annotated[str, Meta(
         description="placement JSON file applied before serving (may move primary experts too), or the JSON "
                     "itself (a shrunk layout's config carries its placement inline)")] | None = None
+    eplb_live_mode: Annotated[Literal["full", "redundant"], Meta(
+        description="how a rebalance while serving plans: full places every expert, primaries included (moved "
+                    "in rounds, each expert keeping a copy meanwhile); redundant plans only the redundant slots")
+    ] = "full"

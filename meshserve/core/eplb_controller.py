@@ -5,16 +5,21 @@ step asks (`StepBatch.report_load`, at most every `report_every_s`); the reports
 are summed over DP groups into time slices of `slice_s` seconds.
 
 Reconfiguration: a new placement (given, or planned from the recorded slices)
-goes to every rank in four phases, each carried by a step (`StepBatch.eplb`)
-so all ranks switch at the same step boundary while the TE keeps serving:
+goes to every rank in rounds of four phases, each carried by a step
+(`StepBatch.eplb`) so all ranks switch at the same step boundary while the TE
+keeps serving:
 
   prefetch          ranks read the changing slots' weights in the background
   (all ranks ack)   disable_and_load: the mapping stops using those slots, and
                     ranks copy the weights into them in the background
   (all ranks ack)   enable: the mapping switches to the new placement
 
-A rank that fails a phase stops the sequence: every rank drops the reconfiguration
-at the same step boundary (`abort`), so all of them still route with one mapping.
+A round may change only slots whose expert keeps an unchanged copy meanwhile; a
+move of primaries takes several rounds (meshserve/moe/live_moves.py), and a
+planned placement (`eplb_live_mode` full: every slot planned, as before serving)
+is first renumbered to move as few experts as it can. A rank that fails a phase
+stops the sequence: every rank drops the round at the same step boundary
+(`abort`), so all of them still route with one mapping; the rounds done stay.
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ from typing import ClassVar
 import msgspec
 
 from meshserve.config import EngineConfig
+from meshserve.moe.live_moves import align_to_current, placement_rounds
 from meshserve.moe.load_record import ExpertLoadRecord
-from meshserve.moe.placement import ExpertPlacement, PlacementShape, engine_shape, load_placement_file
+from meshserve.moe.placement import EMPTY, ExpertPlacement, PlacementShape, engine_shape, load_placement_file
 from meshserve.wire.client import EplbStatus, ExpertLoad
 from meshserve.wire.eplb import EplbCommand, EplbPhase, PlacementData
 from meshserve.wire.worker import WorkerEventKind, WorkerReady
@@ -55,21 +61,25 @@ def placement_data(placement: ExpertPlacement) -> PlacementData:
 
 @dataclass
 class _Reconfiguration:
-    placement: ExpertPlacement
+    placement: ExpertPlacement  # this round's
     phase: str  # "prefetch" -> "prefetching" -> "load" -> "loading" -> "enable"
     acks: set[int] = field(default_factory=set)
     started: float = 0.0
+    later_rounds: list[ExpertPlacement] = field(default_factory=list)
+    round: int = 1
+    rounds: int = 1
 
 
 class EplbController:
     def __init__(self, shape: PlacementShape | None, moe_layers: list[int], world_size: int, slice_s: float,
                  interval_s: float | None = None, report_every_s: float = 1.0,
-                 initial: ExpertPlacement | None = None) -> None:
+                 initial: ExpertPlacement | None = None, live_mode: str = "full") -> None:
         self.shape = shape
         self.moe_layers = list(moe_layers)
         self.world_size = world_size
         self.slice_s = slice_s
         self.interval_s = interval_s
+        self.live_mode = live_mode  # how a placement planned while serving is planned (meshserve/moe/eplb.py MODES)
         self.report_every_s = min(report_every_s, slice_s)
         self.placement = initial or (ExpertPlacement.default(shape, self.moe_layers) if shape is not None else None)
         self.slices: list[list[list[int]]] = []
@@ -95,7 +105,7 @@ class EplbController:
             shape = engine_shape(ready.num_logical_experts, strategy.moe_ep, eplb.eplb_redundant_experts)
         initial = load_placement_file(eplb.eplb_placement) if eplb.eplb_placement else None
         return cls(shape, ready.moe_layers, strategy.world_size, eplb.eplb_slice_s, eplb.eplb_interval_s,
-                   initial=initial)
+                   initial=initial, live_mode=eplb.eplb_live_mode)
 
     @property
     def enabled(self) -> bool:
@@ -171,46 +181,53 @@ class EplbController:
         return msgspec.convert(self.record().to_dict(), ExpertLoad)
 
     def rebalance(self, placement: PlacementData | dict | None, window_slices: int | None = None) -> ExpertPlacement:
-        """Start a reconfiguration to `placement`, or to a plan from the recorded load."""
+        """Start moving to `placement`, or to a plan from the recorded load, in as many rounds as that takes."""
         if not self.enabled:
             raise EplbError("the model has no MoE layers to rebalance")
-        if self.shape.uneven:  # live, only redundant slots may change; these slots are all planned
-            raise EplbError(f"the {self.shape.num_logical} experts do not split evenly over the "
-                            f"{self.shape.num_ranks} EP ranks (a shrunk layout): there are no primary slots to "
-                            "keep while rebalancing live; grow back to the full layout first")
-        if self.shape.redundant_per_rank == 0:
-            raise EplbError("no redundant expert slots: start the engine with --eplb-redundant-experts N")
+        if self.shape.num_slots == self.shape.num_logical:
+            raise EplbError("no redundant expert slots: every slot holds the only copy of its expert, so nothing "
+                            "can move while serving; start the engine with --eplb-redundant-experts N")
         if self._reconfig is not None:
             raise EplbError(f"a reconfiguration is already running (phase {self._reconfig.phase})")
-        if placement is None:
-            # keeps numpy out of the master until it plans a placement
-            from meshserve.moe.eplb import plan_placement
+        new = self._planned(window_slices) if placement is None else self._given(placement)
+        try:
+            rounds = placement_rounds(self.placement, new)
+        except ValueError as exc:
+            raise EplbError(f"placement cannot be applied while serving: {exc}") from None
+        self._reconfig = _Reconfiguration(rounds[0], "prefetch", started=time.time(), later_rounds=rounds[1:],
+                                          rounds=len(rounds))
+        self.last_started_at, self.last_finished_at = self._reconfig.started, None
+        self.last_error = None
+        logger.info("expert placement reconfiguration started (%d round(s))", len(rounds))
+        return new
 
-            record = self.record(include_current=True, window_slices=window_slices)
-            if not any(c for s in record.counts for row in s for c in row):
-                raise EplbError("no expert load recorded yet")
-            new = plan_placement(record, self.shape, base=self.placement)
-        else:
-            if isinstance(placement, PlacementData):
-                placement = placement.to_dict()
-            try:
-                new = ExpertPlacement.from_dict(placement)
-            except (ValueError, KeyError, TypeError, OverflowError) as exc:
-                raise EplbError(f"bad placement: {exc}") from None
+    def _planned(self, window_slices: int | None = None) -> ExpertPlacement:
+        # keeps numpy out of the master until it plans a placement
+        from meshserve.moe.eplb import plan_placement
+
+        if self.shape.uneven and self.live_mode == "redundant":
+            raise EplbError(f"the {self.shape.num_logical} experts do not split evenly over the "
+                            f"{self.shape.num_ranks} EP ranks (a shrunk layout): there are no primary slots for "
+                            "eplb_live_mode 'redundant' to keep; use 'full'")
+        record = self.record(include_current=True, window_slices=window_slices)
+        if not any(c for s in record.counts for row in s for c in row):
+            raise EplbError("no expert load recorded yet")
+        plan = plan_placement(record, self.shape, mode=self.live_mode, base=self.placement)
+        return ExpertPlacement(self.shape, {layer: align_to_current(self.shape, self.placement.layers[layer], slots)
+                                            for layer, slots in plan.layers.items()})
+
+    def _given(self, placement: PlacementData | dict) -> ExpertPlacement:
+        if isinstance(placement, PlacementData):
+            placement = placement.to_dict()
+        try:
+            new = ExpertPlacement.from_dict(placement)
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
+            raise EplbError(f"bad placement: {exc}") from None
         if new.shape != self.shape:
             raise EplbError(f"placement is for {new.shape}, the engine has {self.shape}")
         if sorted(new.layers) != sorted(self.moe_layers):
             raise EplbError(f"placement covers layers {sorted(new.layers)}, the model's MoE layers are "
                             f"{self.moe_layers}")
-        for layer, slots in new.layers.items():
-            for slot, (old, expert) in enumerate(zip(self.placement.layers[layer], slots)):
-                primary = slot % self.shape.slots_per_rank < self.shape.primary_per_rank
-                if primary and old != expert:
-                    raise EplbError(f"layer {layer} slot {slot} is a primary slot; only redundant slots may change")
-        self._reconfig = _Reconfiguration(new, "prefetch", started=time.time())
-        self.last_started_at, self.last_finished_at = self._reconfig.started, None
-        self.last_error = None
-        logger.info("expert placement reconfiguration started")
         return new
 
     def _phase_control(self) -> EplbCommand | None:
@@ -233,6 +250,10 @@ class EplbController:
 
     def _start_enable(self, r: _Reconfiguration) -> EplbCommand:
         self.placement = r.placement
+        if r.later_rounds:  # the next round's prefetch goes out with the step after this one
+            self._reconfig = _Reconfiguration(r.later_rounds[0], "prefetch", started=r.started,
+                                              later_rounds=r.later_rounds[1:], round=r.round + 1, rounds=r.rounds)
+            return EplbCommand(EplbPhase.ENABLE)
         self._reconfig = None
         self.num_reconfigurations += 1
         self.last_finished_at = time.time()
@@ -250,8 +271,10 @@ class EplbController:
             phase = r.phase if r is not None else "?"
             self.last_error = f"rank {rank} failed in phase {phase}: {detail}"
             logger.error("expert placement reconfiguration stopped: %s", self.last_error)
-            # every rank drops the reconfiguration at the same step boundary, keeping one mapping
-            self._reconfig = _Reconfiguration(r.placement if r else self.placement, "abort")
+            # every rank drops the round at the same step boundary, keeping one mapping
+            if r is not None and r.phase == "loading":  # the ranks empty the slots that were being written
+                self.placement = _without_changing_slots(self.placement, r.placement)
+            self._reconfig = _Reconfiguration(self.placement, "abort")
             return
         expected = {WorkerEventKind.EPLB_PREFETCHED: "prefetching", WorkerEventKind.EPLB_LOADED: "loading"}.get(kind)
         if r is None or expected != r.phase:
@@ -273,6 +296,8 @@ class EplbController:
         return EplbStatus(
             enabled=self.enabled,
             phase=self._reconfig.phase if self._reconfig else "idle",
+            round=self._reconfig.round if self._reconfig else 0,
+            rounds=self._reconfig.rounds if self._reconfig else 0,
             num_reconfigurations=self.num_reconfigurations,
             last_error=self.last_error,
             last_started_at=self.last_started_at,
@@ -282,3 +307,10 @@ class EplbController:
             interval_seconds=self.interval_s,
             placement=placement_data(self.placement) if self.placement is not None else None,
         )
+
+
+def _without_changing_slots(current: ExpertPlacement, aborted: ExpertPlacement) -> ExpertPlacement:
+    """`current` with the slots a round aborted while loading left empty (what every rank does, balancer.abort)."""
+    return ExpertPlacement(current.shape, {
+        layer: [EMPTY if expert != aborted.layers[layer][slot] else expert for slot, expert in enumerate(slots)]
+        for layer, slots in current.layers.items()})

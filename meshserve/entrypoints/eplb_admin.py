@@ -146,5 +146,6 @@ def rebalance_main(args: argparse.Namespace) -> int:
         took = status["last_finished_at"] - status["last_started_at"]
         print(f"reconfigured in {took:.2f} s (reconfiguration {status['num_reconfigurations']} of this server)")
     else:
-        print(f"reconfiguration started (phase {status['phase']})")
+        print(f"reconfiguration started (phase {status['phase']}, round {status.get('round', 1)} of "
+              f"{status.get('rounds', 1)})")
     return 0

@@ -5,11 +5,13 @@ layers of the model's decoder stack:
 - the expert-load counter every MoE layer adds its routed tokens into (xdeepserve §4.5
   step 1), read and reset by `take_counts`;
 - the placement in use and each layer's `SlotMap` (step 4);
-- the four-phase reconfiguration of step 3, which only ever changes redundant slots:
+- the four-phase reconfiguration of step 3 (one round of a move: meshserve/moe/live_moves.py splits a
+  move of any experts, primaries included, into rounds this can apply):
   1. `start_prefetch(new)`: a background thread reads, from the checkpoint, this rank's
      TP slice of every expert that one of this rank's slots is about to receive;
   2. `disable_changing_slots()`: every layer routes with the current placement minus the
-     slots that change (on every rank, so all ranks keep one table);
+     slots that change (on every rank, so all ranks keep one table); every expert must keep a
+     slot that does not change, which `start_prefetch` checks;
   3. `start_load()`: a background thread copies the prefetched weights into those slots
      (and repacks them for oneDNN);
   4. `enable()`: every layer routes with the new placement.
@@ -30,9 +32,10 @@ import torch
 
 from meshserve.layers.moe import FusedMoEWeights
 from meshserve.moe.expert_checkpoint import ExpertCheckpoint
+from meshserve.moe.live_moves import check_every_expert_served
 from meshserve.moe.placement import EMPTY, ExpertPlacement
 from meshserve.moe.recorder import ExpertLoadCounter
-from meshserve.moe.slots import SlotMap, changed_slots, check_primaries_kept
+from meshserve.moe.slots import SlotMap, changed_slots
 
 # where HF checkpoints keep a decoder layer's routed experts
 DEFAULT_EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -116,15 +119,15 @@ class ExpertBalancer:
         """"idle", or the reconfiguration phase begun last: "prefetch", "disabled", "loading"."""
         return IDLE if self._pending is None else self._pending.phase
 
-    def start_prefetch(self, new: ExpertPlacement, allow_primary_moves: bool = False) -> None:
+    def start_prefetch(self, new: ExpertPlacement, offline: bool = False) -> None:
         """Phase 1: read this rank's new slot weights from the checkpoint in the background.
 
-        Live, only redundant slots may change (every expert keeps a slot while the changing ones are
-        disabled); `allow_primary_moves` is for a placement applied before serving starts."""
+        Live, every expert must keep a slot that does not change (it serves while the changing ones are
+        disabled); `offline` is for a placement applied before serving starts, where any slot may change."""
         if self._pending is not None:
             raise RuntimeError(f"an expert reconfiguration is already in phase {self._pending.phase!r}; "
                                "finish it (enable) or abort it first")
-        self._check_new(new, allow_primary_moves)
+        self._check_new(new, offline)
         if self.model_dir is None:
             raise RuntimeError("the expert balancer has no checkpoint to read experts from "
                                "(set expert_balancer.model_dir to the model directory)")
@@ -186,10 +189,10 @@ class ExpertBalancer:
         self._set_maps(self.placement, pending.changing, disable=False)
         self._pending = None
 
-    def reconfigure(self, new: ExpertPlacement, allow_primary_moves: bool = False) -> None:
+    def reconfigure(self, new: ExpertPlacement, offline: bool = False) -> None:
         """All four phases at once, blocking (at startup, or where no forward needs to run in between)."""
-        self.start_prefetch(new, allow_primary_moves)
-        if allow_primary_moves:  # no forward runs in between, and moved primaries may leave an expert no slot
+        self.start_prefetch(new, offline)
+        if offline:  # no forward runs in between, and the changing slots may hold an expert's only copy
             self._pending.phase = DISABLED
         else:
             self.disable_changing_slots()
@@ -197,7 +200,7 @@ class ExpertBalancer:
         self.enable()
 
     # ------------------------------------------------------------------ pieces
-    def _check_new(self, new: ExpertPlacement, allow_primary_moves: bool = False) -> None:
+    def _check_new(self, new: ExpertPlacement, offline: bool = False) -> None:
         if not isinstance(new, ExpertPlacement):
             raise TypeError(f"expected an ExpertPlacement, got {type(new).__name__}")
         if new.shape != self.shape:
@@ -205,8 +208,8 @@ class ExpertBalancer:
         if set(new.layers) != set(self.moe_layers):
             raise ValueError(f"placement covers layers {sorted(new.layers)}; the model's MoE layers are "
                              f"{self.moe_layers}")
-        for layer in self.moe_layers if not allow_primary_moves else ():
-            check_primaries_kept(self.shape, self.placement.layers[layer], new.layers[layer], f"layer {layer}")
+        for layer in self.moe_layers if not offline else ():
+            check_every_expert_served(self.placement.layers[layer], new.layers[layer], f"layer {layer}")
 
     def _require(self, *phases: str, action: str) -> _Reconfiguration:
         if self._pending is None or self._pending.phase not in phases:

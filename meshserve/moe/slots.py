@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from meshserve.moe.placement import EMPTY, PlacementShape, replica_table
+from meshserve.moe.placement import EMPTY, replica_table
 
 
 class SlotMap:
@@ -74,14 +74,6 @@ class SlotMap:
             starts = self._positions(offset, size, device) % self.period * self.num_logical
             self._row_starts[offset] = starts
         return starts[:num_tokens]
-
-
-def check_primaries_kept(shape: PlacementShape, old: list[int], new: list[int], what: str) -> None:
-    """Reject a new slot list that moves any primary slot (only redundant slots may change)."""
-    for slot, (before, after) in enumerate(zip(old, new)):
-        if slot % shape.slots_per_rank < shape.primary_per_rank and before != after:
-            raise ValueError(f"{what}: slot {slot} is a primary slot of EP rank {shape.rank_of_slot(slot)} "
-                             f"(expert {before}) and cannot change to {after}; only redundant slots may change")
 
 
 def changed_slots(old: list[int], new: list[int]) -> list[int]:

@@ -285,6 +285,8 @@ class EplbStatus(AdminResult):
     slice_seconds: float
     interval_seconds: float | None
     placement: PlacementData | None
+    round: int = 0  # the round of the move under way (a move of primaries takes several), of `rounds`
+    rounds: int = 0
 
 
 class StatsResult(AdminResult):

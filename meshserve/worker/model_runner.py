@@ -343,7 +343,7 @@ class ModelRunner:
         if self.expert_balancer is None:
             raise ValueError(f"--eplb-placement {what}: the model has no MoE layers")
         t0 = time.perf_counter()
-        self.expert_balancer.reconfigure(placement, allow_primary_moves=True)
+        self.expert_balancer.reconfigure(placement, offline=True)
         logger.info("applied expert placement %s in %.2fs", what, time.perf_counter() - t0)
 
     @property

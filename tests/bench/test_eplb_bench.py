@@ -53,6 +53,11 @@ def test_bench_eplb_writes_json_png_and_tables(tmp_path, capsys):
                 assert cell["plans"]["redundant/xdeepserve"]["per_slice"] == cell["none"]["per_slice"]
             else:
                 assert cell["plans"]["redundant/greedy-max-device"]["mean_per_slice"] > cell["none"]["mean_per_slice"]
+                # the full plan applied while serving: the same balance, reached in rounds
+                live, full = cell["live"], cell["plans"]["full/greedy-max-device"]
+                assert live["mean_per_slice"] == pytest.approx(full["mean_per_slice"], abs=0.01)
+                assert live["rounds"] >= 1 and len(live["slot_writes_per_layer"]) == layers
+                assert all(w >= c for w, c in zip(live["slot_writes_per_layer"], live["slots_changed_per_layer"]))
     assert result["claim"] is None  # no 32-device, 32-redundant cell was run
     printed = capsys.readouterr().out
     assert "| devices | none | R=0 | R=4 |" in printed
@@ -63,12 +68,14 @@ def test_bench_eplb_writes_json_png_and_tables(tmp_path, capsys):
 def test_claim_check_reads_the_32_by_32_synthetic_cell():
     def loads(best):
         plans = {"full/greedy-max-device": {"mean_per_slice": best}, "redundant/xdeepserve": {"mean_per_slice": 0.6}}
-        cell = {"devices": 32, "redundant": 32, "none": {"mean_per_slice": 0.2}, "plans": plans}
+        cell = {"devices": 32, "redundant": 32, "none": {"mean_per_slice": 0.2}, "plans": plans,
+                "live": {"mean_per_slice": 0.965, "rounds": 9}}
         return [{"name": "synthetic", "cells": [cell]}]
 
     met = claim_check(loads(0.97))
     assert met["met"] and met["best_plan"] == "full/greedy-max-device" and met["none"] == 0.2
-    assert not claim_check(loads(0.9))["met"]
+    assert met["live_within_0.01_of_full"] and met["live_rounds"] == 9
+    assert not claim_check(loads(0.9))["met"] and not claim_check(loads(0.9))["live_within_0.01_of_full"]
     assert claim_check([{"name": "synthetic", "cells": []}]) is None
 
 
@@ -98,7 +105,7 @@ def test_parse_int_list_sorts_and_dedups():
 def _expected_rows(config: dict, placement: dict, steps: int) -> list[float]:
     """Rows per rank per step (mean) that the slot map's rotation gives on the timed window."""
     shape = PlacementShape(config["experts"], 4, placement["redundant_per_rank"])
-    slot_map = SlotMap.from_slots(placement["slots"], config["experts"])
+    slot_map = SlotMap.from_slots(placement["slots"], config["experts"], placement.get("disabled", ()))
     probs = eplb_layer_time.popularity(config)
     rows = torch.zeros(4, dtype=torch.float64)
     for step in range(steps):
@@ -122,7 +129,10 @@ def test_bench_eplb_layer_time_only_writes_times_rows_and_ratios(tmp_path, capsy
     # without replacement no expert is picked by more than every token: at most experts / top-k x the mean
     assert 2.0 < section["routing"]["hottest_over_mean"] <= 32 / 4
     placements = section["placements"]
-    assert [p["name"] for p in placements] == ["default", "redundant R=1", "redundant R=2", "full R=1", "full R=2"]
+    live = [p for p in placements if p["mode"] == "live"]
+    assert [p["name"] for p in placements] == ["default", "redundant R=1", "redundant R=2", "full R=1", "full R=2"] + [
+        f"live {k}/{len(live)} R=2" for k in range(1, len(live) + 1)]
+    assert len(live) > 1 and all(p["disabled"] for p in live)
     default = placements[0]
     assert default["ratio_vs_default"] == 1.0
     for p in placements:
@@ -135,12 +145,13 @@ def test_bench_eplb_layer_time_only_writes_times_rows_and_ratios(tmp_path, capsy
         assert p["mean_rows"] == 16 * 4  # every (token, expert) row runs once: tokens x top-k per rank
         assert p["rows_per_rank"] == pytest.approx(_expected_rows(config, p, 3))
         assert p["max_abs_diff_vs_default"] <= 1e-5  # every placement computes the same layer
-        if p is not default:
+        if p is not default and p["mode"] != "live":
             assert p["max_rows"] < default["max_rows"], p["name"]  # the plan takes rows off the busiest rank
             assert p["planner_balancedness"] > default["planner_balancedness"]
     printed = capsys.readouterr().out
     assert "| placement | median ms | p90 ms | vs default | rows per rank max / mean |" in printed
     assert "| full R=2 |" in printed and f"wrote {out}" in printed
+    assert f"live move to full R=2 in {len(live)} rounds" in printed
 
 
 def test_layer_time_routing_is_seeded_and_without_replacement():
@@ -158,5 +169,6 @@ def test_layer_time_routing_is_seeded_and_without_replacement():
     assert len(counts) == 2 and all(sum(c) == 4 * 64 * 4 for c in counts)
     plans = eplb_layer_time.placements(config, counts)
     # R = 0 has no redundant plan (it would be the default); the full plan at R = 0 re-places the primaries
-    assert [p["name"] for p in plans] == ["default", "redundant R=1", "full R=0", "full R=1"]
+    assert [p["name"] for p in plans][:4] == ["default", "redundant R=1", "full R=0", "full R=1"]
+    assert all(p["name"].startswith("live ") and p["name"].endswith(" R=1") for p in plans[4:])
     assert sorted(plans[2]["slots"]) == list(range(32)) and plans[2]["slots"] != plans[0]["slots"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 
 from meshserve.core.eplb_controller import EplbControl, EplbController, EplbError
+from meshserve.moe.balance import balancedness
+from meshserve.moe.live_moves import check_every_expert_served
 from meshserve.moe.placement import ExpertPlacement, PlacementShape
 from meshserve.wire.eplb import EplbCommand, EplbPhase
 from meshserve.wire.worker import WorkerEventKind
@@ -71,12 +73,6 @@ def test_a_failed_phase_stops_the_sequence_and_is_reported():
     assert "rank 1" in ctl.status().last_error and ctl.num_reconfigurations == 0
 
 
-def _moved_primary() -> dict:
-    placement = hot_placement()
-    placement["layers"]["1"][0], placement["layers"]["1"][4] = 5, 0
-    return placement
-
-
 def _other_shape() -> dict:
     return ExpertPlacement.default(PlacementShape(8, 2, 2), LAYERS).to_dict()
 
@@ -88,7 +84,7 @@ def _one_layer() -> dict:
 
 
 @pytest.mark.parametrize("make, message", [
-    (_moved_primary, "primary slot"), (_other_shape, "placement is for"), (_one_layer, "covers layers"),
+    (_other_shape, "placement is for"), (_one_layer, "covers layers"),
     (lambda: {"format": "nope"}, "bad placement"),
 ])
 def test_bad_placements_are_refused(make, message):
@@ -119,7 +115,7 @@ def test_dense_models_have_nothing_to_record():
 
 
 def test_automatic_rebalance_plans_from_the_recent_slices():
-    ctl = controller(interval_s=20.0)
+    ctl = controller(interval_s=20.0, live_mode="redundant")
     start = ctl._current_start
     hot = [[100, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 90]]
     ctl.on_counts(hot)
@@ -131,4 +127,70 @@ def test_automatic_rebalance_plans_from_the_recent_slices():
     control = ctl.idle_control()
     planned = ExpertPlacement.from_dict(control.eplb.placement.to_dict())
     assert len(planned.replicas(1)[0]) == 2 and len(planned.replicas(2)[7]) == 2  # the hot experts
-    assert planned.layers[1][:4] == [0, 1, 2, 3]  # primaries kept: the plan can go live
+    assert ctl.status().rounds >= 1
+
+
+def _acked_round(ctl: EplbController) -> list[EplbPhase]:
+    """Drive one round through its phases with both ranks acking; the commands sent."""
+    sent = [ctl.idle_control().eplb.phase]
+    for kind in (WorkerEventKind.EPLB_PREFETCHED, WorkerEventKind.EPLB_LOADED):
+        for rank in (0, 1):
+            ctl.on_event(rank, kind, "")
+        sent.append(ctl.idle_control().eplb.phase)
+    return sent
+
+
+def test_primaries_move_in_rounds_each_keeping_every_expert_a_copy():
+    ctl = controller()
+    target = ExpertPlacement.default(SHAPE, LAYERS)
+    for layer in LAYERS:  # the two ranks trade experts 0 and 4 (primaries), expert 0 also replicated
+        target.layers[layer][0], target.layers[layer][5], target.layers[layer][9] = 4, 0, 0
+    ctl.rebalance(target.to_dict())
+    rounds = ctl.status().rounds
+    assert rounds > 1 and ctl.status().round == 1
+    before = ctl.placement
+    for number in range(1, rounds + 1):
+        assert ctl.status().round == number
+        assert _acked_round(ctl) == [EplbPhase.PREFETCH, EplbPhase.DISABLE_AND_LOAD, EplbPhase.ENABLE]
+        for layer in LAYERS:
+            check_every_expert_served(before.layers[layer], ctl.placement.layers[layer])
+        before = ctl.placement
+    assert not ctl.busy and ctl.num_reconfigurations == 1
+    assert ctl.placement.layers == target.layers and ctl.status().rounds == 0
+
+
+def test_a_round_failed_while_loading_leaves_the_rounds_done_and_its_slots_empty():
+    ctl = controller()
+    target = ExpertPlacement.default(SHAPE, LAYERS)
+    for layer in LAYERS:
+        target.layers[layer][0], target.layers[layer][5] = 4, 0
+    ctl.rebalance(target.to_dict())
+    _acked_round(ctl)  # round 1 done
+    done = ctl.placement
+    ctl.idle_control()  # round 2's prefetch
+    ctl.on_event(0, WorkerEventKind.EPLB_PREFETCHED, "")
+    ctl.on_event(1, WorkerEventKind.EPLB_PREFETCHED, "")
+    ctl.idle_control()  # its load
+    ctl.on_event(1, WorkerEventKind.EPLB_FAILED, "OSError: disk")
+    assert ctl.idle_control() == EplbControl(EplbCommand(EplbPhase.ABORT))
+    for layer in LAYERS:  # the slots round 2 was writing are empty, every expert still has a slot
+        changed = [slot for slot, (a, b) in enumerate(zip(done.layers[layer], ctl.placement.layers[layer])) if a != b]
+        assert changed and all(ctl.placement.layers[layer][slot] == -1 for slot in changed)
+    assert not ctl.busy and "rank 1" in ctl.status().last_error
+
+
+def test_a_planned_rebalance_keeps_primaries_only_in_redundant_mode_and_full_balances_better():
+    load = [[100, 90, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 80, 90]]  # two hot experts on one rank in each layer
+    plans = {}
+    for mode in ("full", "redundant"):
+        ctl = controller(live_mode=mode)
+        ctl.on_counts(load)
+        plans[mode] = ctl.rebalance(None)
+    redundant, full = plans["redundant"], plans["full"]
+    assert redundant.layers[1][:4] == [0, 1, 2, 3] and redundant.layers[1][5:9] == [4, 5, 6, 7]
+    default = ExpertPlacement.default(SHAPE, LAYERS)
+    for position, layer in enumerate(LAYERS):
+        counts = [load[position]]
+        assert balancedness(full.layers[layer], counts, 2) > balancedness(redundant.layers[layer], counts, 2)
+        # renumbered to the slots in use: at least half the slots keep their expert
+        assert sum(a == b for a, b in zip(full.layers[layer], default.layers[layer])) >= 5

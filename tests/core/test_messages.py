@@ -273,7 +273,7 @@ ADMIN_RESULTS = [
                    slice_start_times=[1.7e9], counts=[[[3, 0, 5, 1]]]),
     EplbStatus(enabled=True, phase="prefetching", num_reconfigurations=2, last_error="rank 1 failed",
                    last_started_at=1.7e9, last_finished_at=1.7e9 + 3, num_slices=6, slice_seconds=10.0,
-                   interval_seconds=600.0, placement=PLACEMENT),
+                   interval_seconds=600.0, placement=PLACEMENT, round=2, rounds=3),
     StatsResult(STATS),
     KVSnapshot(seq=5, blocks={0: [(17, None, [1, 2, 3, 4]), (18, 17, [5, 6, 7, 8])]}),
     ContextCacheDeleted(id="ctxc-1", deleted=True),

@@ -1,8 +1,8 @@
 """Expert load balancing through the whole engine on 4 ranks (pure EP, one redundant slot per rank).
 
 Greedy outputs must be identical with rebalancing off, with a rebalanced placement, and while a live
-reconfiguration runs in the middle of generation; no request may fail or stall meanwhile (the
-longest gap between tokens is reported against the steady state's).
+reconfiguration (every expert planned, primaries moved in rounds) runs in the middle of generation; no
+request may fail or stall meanwhile (the longest gap between tokens is reported against the steady state's).
 """
 from __future__ import annotations
 
@@ -107,6 +107,11 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
             assert status["last_finished_at"] <= finished_at, "the reconfiguration finished after generation"
             placement = ExpertPlacement.from_dict(status["placement"])
             assert any(len(r) > 1 for layer in placement.layers for r in placement.replicas(layer))
+            # the plan places every expert (eplb_live_mode full): primaries moved too, in rounds
+            shape = placement.shape
+            default = ExpertPlacement.default(shape, list(placement.layers))
+            assert any(slots[slot] != default.layers[layer][slot] for layer, slots in placement.layers.items()
+                       for slot in range(len(slots)) if slot % shape.slots_per_rank < shape.primary_per_rank)
 
             on, on_gap = await _generate(client, prompts, "on")
             print(f"\n{arch}: longest gap between tokens: steady {steady_gap:.3f} s, during reconfiguration "

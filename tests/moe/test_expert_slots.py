@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 from meshserve.layers.moe import FusedMoEWeights, fused_experts
 from meshserve.models.factory import make_model
 from meshserve.models.loader import load_model
+from meshserve.moe.live_moves import check_every_expert_served, placement_rounds
 from meshserve.moe.placement import EMPTY, ExpertPlacement, PlacementShape
 from meshserve.moe.recorder import ExpertLoadCounter, add_counts
-from meshserve.moe.slots import SlotMap, changed_slots, check_primaries_kept
+from meshserve.moe.slots import SlotMap, changed_slots
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
@@ -70,6 +71,16 @@ def with_replicas(shape: PlacementShape, wanted: list[int]) -> list[int]:
         if slot is not None:
             free.remove(slot)
             slots[slot] = expert
+    return slots
+
+
+def shuffled_experts(shape: PlacementShape, ranking: list[int]) -> list[int]:
+    """Every expert on another rank than at start (the order reversed), the redundant slots holding the hottest."""
+    experts = list(reversed(range(shape.num_logical)))
+    slots = []
+    for rank in range(shape.num_ranks):
+        slots += experts[rank * shape.primary_per_rank:(rank + 1) * shape.primary_per_rank]
+        slots += ranking[rank:rank + shape.redundant_per_rank]
     return slots
 
 
@@ -247,16 +258,48 @@ def _check_case(checkpoint: str, strategy_text: str, redundant: int, model_dir: 
         want = expected_slot_rows(probe.choices[position], new.replicas(layer), ctx.dp_rank, shape.num_slots)
         assert torch.equal(world_sum(probe.slot_rows[position]) // moe_tp, world_sum(want * driver)), label
 
-    # 4. a placement that moves a primary slot is refused, and nothing starts
+    # 4. a placement under which an expert would have no slot while the changing ones load is refused, and
+    # nothing starts: two primaries trading places in one round
     moved = {layer: list(slots) for layer, slots in new.layers.items()}
     first_layer = balancer.moe_layers[0]
     moved[first_layer][0], moved[first_layer][1] = moved[first_layer][1], moved[first_layer][0]
-    with pytest.raises(ValueError, match="primary slot"):
+    with pytest.raises(ValueError, match="would have no slot"):
         balancer.start_prefetch(ExpertPlacement(shape, moved))
     assert balancer.phase == "idle", label
 
+    _check_live_move_of_every_expert(model, ctx, ranking, default_logits, label)
+
     if checkpoint == "deepseek_v3" and strategy.moe_tp == 1:
         _check_even_rotation(model, ctx, probe, label)
+
+
+def _check_live_move_of_every_expert(model, ctx: ParallelContext, ranking: list[int], default_logits,
+                                     label: str) -> None:
+    """5. Every expert moved, primaries included, while serving: the move's rounds, one phase before each step."""
+    balancer = model.expert_balancer
+    shape, S = balancer.shape, balancer.shape.slots_per_rank
+    target = ExpertPlacement(shape, {layer: shuffled_experts(shape, ranking) for layer in balancer.moe_layers})
+    rounds = placement_rounds(balancer.placement, target)
+    assert len(rounds) > 1, label
+    actions = []
+    for placement in rounds:
+        actions += [lambda p=placement: balancer.start_prefetch(p),
+                    lambda: (wait_for(balancer.prefetch_done, "prefetch"), balancer.disable_changing_slots()),
+                    balancer.start_load,
+                    lambda: (wait_for(balancer.load_done, "load"), balancer.enable())]
+
+    def next_phase(step: int) -> None:
+        if actions:
+            actions.pop(0)()
+
+    while actions:
+        assert_logits_close(run_steps(model, ctx.dp_rank, next_phase), default_logits, f"{label} moving primaries")
+    assert balancer.placement.layers == target.layers and balancer.phase == "idle", label
+    assert_logits_close(run_steps(model, ctx.dp_rank), default_logits, f"{label} every expert moved")
+    block = balancer._blocks[0]
+    for slot in range(S):  # each slot is labelled with its new expert
+        expert = target.layers[balancer.moe_layers[0]][ctx.ep_rank * S + slot]
+        assert block.experts.slot_experts[slot] == expert, label
 
 
 def _check_even_rotation(model, ctx: ParallelContext, probe: Probe, label: str) -> None:
@@ -266,7 +309,7 @@ def _check_even_rotation(model, ctx: ParallelContext, probe: Probe, label: str) 
     hottest = 5
     slots = with_replicas(shape, [hottest] * (shape.num_ranks - 1))
     placement = ExpertPlacement(shape, {layer: slots})
-    balancer.reconfigure(placement)
+    balancer.reconfigure(placement, offline=True)  # from the moved experts of step 5: no forward in between
     replicas = placement.replicas(layer)[hottest]
     assert len(replicas) == shape.num_ranks, label  # one copy on every EP rank
     block = balancer._blocks[0]
@@ -329,16 +372,16 @@ def test_slot_map_rotates_over_replicas_and_skips_disabled_slots(monkeypatch):
         SlotMap.from_slots(slots, 8, disabled=[1, 11])
 
 
-def test_primary_slots_are_fixed_and_changes_are_listed():
+def test_a_live_change_keeps_every_expert_an_unchanged_slot_and_changes_are_listed():
     shape = PlacementShape(8, 2, 1)
     old = shape.default_slots()  # [0 1 2 3 - | 4 5 6 7 -]
     new = list(old)
     new[4], new[9] = 7, 0
-    check_primaries_kept(shape, old, new, "layer 1")
+    check_every_expert_served(old, new, "layer 1")
     assert changed_slots(old, new) == [4, 9]
-    new[5] = 5
-    with pytest.raises(ValueError, match="slot 5 is a primary slot of EP rank 1"):
-        check_primaries_kept(shape, old, new, "layer 1")
+    new[0] = 5  # expert 0's only other copy (slot 9) is being written too
+    with pytest.raises(ValueError, match="layer 1: expert 0 would have no slot"):
+        check_every_expert_served(old, new, "layer 1")
 
 
 def test_counter_adds_a_bincount_per_layer_and_take_resets():
