@@ -35,6 +35,12 @@ class EngineConfig(ConfigStruct, frozen=True):
     te_name: Annotated[str, Meta(
         description="this engine's name in a deployment (transfer peers and routing tables use it)")] = "te"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.parallel_config.microbatches == 2 and self.scheduler_config.max_num_seqs < 2:
+            raise ConfigError("microbatches 2 splits a step's sequences in two: it needs max_num_seqs >= 2, got "
+                              f"{self.scheduler_config.max_num_seqs}")
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Settings by their flat names (`block_size=32`), each routed to its concern."""

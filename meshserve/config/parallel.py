@@ -21,6 +21,13 @@ class ParallelConfig(ConfigStruct, frozen=True):
         description="hybrid TP-EP collectives: fused (MixServe Alg. 1-2, overlapped) or sync")] = "fused"
     int8_dispatch: Annotated[bool, Meta(
         description="INT8 expert-parallel dispatch (per-token scale); combine stays full precision")] = False
+    microbatches: Annotated[int, Meta(
+        ge=1, le=2, description="2: run each step as two micro-batches, one computing while the other's MoE "
+                                "dispatch or combine is in flight (pure EP with attention TP1, "
+                                "attn=TP1+DPn moe=TP1+EPn with n > 1; DeepSeek-V3 models)")] = 1
+    microbatch_min_tokens: Annotated[int, Meta(
+        ge=2, description="with microbatches 2: split a step only when its largest DP group has this many tokens "
+                          "(a smaller step gains less than the split costs)")] = 16
     dist_backend: Annotated[Literal["gloo", "nccl"], Meta(
         description="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")] | None = None
     num_threads: Annotated[int, Meta(
@@ -59,6 +66,10 @@ class ParallelConfig(ConfigStruct, frozen=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         world = self.world_size  # parses `parallel`, raising ConfigError on a bad strategy
+        strategy = self.strategy
+        if self.microbatches == 2 and not (strategy.attn_tp == 1 and strategy.moe_tp == 1 and strategy.moe_ep > 1):
+            raise ConfigError(f"microbatches 2 overlaps the expert-parallel dispatch and combine: it needs "
+                              f"attn=TP1+DPn moe=TP1+EPn with n > 1, not {strategy}")
         if self.local_ranks is not None and self.local_ranks > world:
             raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
                               f"master), got {self.local_ranks}")

@@ -28,6 +28,7 @@ def engine_stats(core: EngineCore) -> EngineStats:
         num_recoveries=recovery.total,
         num_migrated=recovery.migrated,
         world_size=core.workers.world_size,
+        microbatched_steps=core.microbatched_steps,
         recovering=recovery.in_progress,
         last_failure=recovery.last_failure,
         last_failure_silent_s=recovery.last_failure_silent_s,

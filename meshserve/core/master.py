@@ -93,6 +93,7 @@ class EngineCore(ClientMessages, WorkerResults):
         self.kv_events = KVEventPublisher(ctx, config.cache_config.kv_events_endpoint, config.te_name)
         self.speculation = StepSpeculation(config.speculative_config)
         self.kv_connectors: KVConnectors | None = None
+        self.microbatched_steps = 0
         # tests and benchmarks: a master that dies as it sends a step, wrapped in only once such a fault is armed
         faults.on_arm({faults.FaultKind.KILL_MASTER}, lambda: faults.wrap_method(
             self, "_send_step", faults.kill_when_fired(faults.FaultKind.KILL_MASTER)))
@@ -220,7 +221,8 @@ class EngineCore(ClientMessages, WorkerResults):
             # blocks freed while scheduling are stored before this step's forward can overwrite them
             eplb = self.eplb.step_control(time.time())
             self._send_step(StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
-                                      kv_connector=connector_metadata(self.groups)))
+                                      kv_connector=connector_metadata(self.groups),
+                                      microbatches=self._microbatches(scheds)))
             for group, sched in zip(self.groups, scheds):
                 group.sent(sched)
         metadata = connector_metadata(self.groups) if self.dead_error is None else {}
@@ -228,6 +230,15 @@ class EngineCore(ClientMessages, WorkerResults):
             # no step carried it: send the control on its own (ranks apply it without a forward)
             eplb = self.eplb.idle_control()
             self.workers.send(StepBatch(per_dp=[], eplb=eplb.eplb, kv_connector=metadata))
+
+    def _microbatches(self, scheds: list) -> int:
+        """Two micro-batches where configured and the largest DP group's part is big enough to pay for them."""
+        parallel = self.config.parallel_config
+        largest = max(s.total_num_scheduled_tokens for s in scheds)
+        if parallel.microbatches == 1 or largest < parallel.microbatch_min_tokens:
+            return 1
+        self.microbatched_steps += 1
+        return 2
 
     def _send_step(self, batch: StepBatch) -> None:
         """A step with work for the ranks (fault injection's `kill_master` hooks here, `__init__`)."""

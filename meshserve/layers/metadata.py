@@ -118,6 +118,26 @@ class AttentionMetadata:
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         )
 
+    def split(self, num_seqs: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """The first `num_seqs` sequences and the rest, each as a batch of its own (two micro-batches: their
+        tokens are this batch's first `query_start_loc[num_seqs]` tokens and the others)."""
+        if not 0 <= num_seqs <= self.num_seqs:
+            raise ValueError(f"cannot split {self.num_seqs} sequences after the first {num_seqs}")
+        cut = self.query_start_loc[num_seqs]
+        lens = self.seq_lens_tensor
+        first = AttentionMetadata(
+            num_decodes=min(self.num_decodes, num_seqs), query_start_loc=self.query_start_loc[:num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs], block_tables=self.block_tables[:num_seqs],
+            slot_mapping=self.slot_mapping[:cut], block_size=self.block_size,
+            seq_lens_tensor=None if lens is None else lens[:num_seqs])
+        second = AttentionMetadata(
+            num_decodes=max(0, self.num_decodes - num_seqs),
+            query_start_loc=[q - cut for q in self.query_start_loc[num_seqs:]],
+            seq_lens=self.seq_lens[num_seqs:], block_tables=self.block_tables[num_seqs:],
+            slot_mapping=self.slot_mapping[cut:], block_size=self.block_size,
+            seq_lens_tensor=None if lens is None else lens[num_seqs:])
+        return first, second
+
     @classmethod
     def empty(cls, device: torch.device | str = "cpu", block_size: int = 1) -> AttentionMetadata:
         """A step with no sequences: an idle DP group runs it to join the other groups' MoE collectives."""

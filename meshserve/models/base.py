@@ -30,6 +30,9 @@ class CausalLM(torch.nn.Module):
     (`meshserve.models.loader.shard_weights` cuts full tensors the same way for other callers).
     """
 
+    # forward(..., microbatches=2) runs a step as two overlapped micro-batches (meshserve/models/microbatch.py)
+    supports_microbatches = False
+
     model_type: str = ""
 
     # Subclasses name their sharded tensors: per-expert tensors (group 1: the expert id) and the

@@ -41,6 +41,7 @@ from meshserve.layers.tensor_parallel import (
     vocab_parallel_logits,
 )
 from meshserve.models.base import CausalLM
+from meshserve.models.microbatch import Stages, StageTimeline, interleave, split_batch
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.moe.runtime import MoERuntime, rank_expert_range
 from meshserve.parallel.context import ParallelContext
@@ -303,6 +304,19 @@ class DeepseekV3MoE(torch.nn.Module):
         return self.parallel.attn_all_reduce(out)
 
 
+    def forward_stages(self, hidden_states: torch.Tensor, buffer_index: int) -> Stages:
+        """`forward` for one of two micro-batches (meshserve/models/microbatch.py): stops after launching the
+        dispatch and after launching the combine. Attention TP1 only (the shared experts need no all-reduce)."""
+        topk_weights, topk_ids = self.route(hidden_states)
+        pending = self.runtime.start(hidden_states, topk_ids, topk_weights, self.experts, buffer_index)
+        yield "attention, dispatch"
+        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+        self.runtime.compute(pending, self.experts)
+        yield "experts, combine"
+        routed = self.runtime.finish(pending)
+        return routed if shared is None else routed + shared
+
+
 class DeepseekV3DecoderLayer(torch.nn.Module):
     def __init__(self, p: DeepseekV3Params, layer_idx: int, dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
@@ -339,6 +353,22 @@ class DeepseekV3DecoderLayer(torch.nn.Module):
             return hidden_states + self.mlp(hidden_states)
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, plan, kv_cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+    def forward_stages(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       plan: MLABatchPlan, kv_cache: torch.Tensor, buffer_index: int) -> Stages:
+        """`forward` for one of two micro-batches: a MoE layer stops where its transfers are in flight."""
+        if hidden_states.shape[0] == 0:
+            mlp_input = hidden_states
+        else:
+            hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, plan,
+                                                           kv_cache)
+            mlp_input = self.post_attention_layernorm(hidden_states)
+        if isinstance(self.mlp, DeepseekV3MoE):
+            out = yield from self.mlp.forward_stages(mlp_input, buffer_index)
+        else:
+            out = self.mlp(mlp_input)
+        return hidden_states + out
 
 
 class SharedHead(torch.nn.Module):
@@ -399,6 +429,7 @@ class DeepseekV3MTPLayer(torch.nn.Module):
 
 class DeepseekV3ForCausalLM(CausalLM):
     model_type = "deepseek_v3"
+    supports_microbatches = True
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
     _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -433,6 +464,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         # load counts and expert placement of the decoder layers' MoE blocks (MTP layers keep the default)
         moe_blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, DeepseekV3MoE)}
         self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None
+        self.stage_timeline: StageTimeline | None = None  # the benchmark's record of the micro-batches' stages
 
     @property
     def num_mtp_layers(self) -> int:
@@ -446,15 +478,33 @@ class DeepseekV3ForCausalLM(CausalLM):
                                  self.params.qk_rope_head_dim, dtype or self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], microbatches: int = 1) -> torch.Tensor:
+        """Hidden states of the batch; `microbatches=2` runs it as two overlapped halves (every rank of the step
+        must pass the same count: the halves' collectives pair up across ranks)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        if microbatches == 2:
+            return self.norm(torch.cat(self._two_microbatches(hidden_states, cos, sin, attn, kv_caches)))
         plan = MLABatchPlan.build(attn, hidden_states.dtype, hidden_states.device)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states = layer(hidden_states, cos, sin, plan, kv_cache)
         return self.norm(hidden_states)
+
+    def _two_microbatches(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          attn: AttentionMetadata, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        halves = []
+        for index, (rows, meta) in enumerate(split_batch(attn)):
+            plan = MLABatchPlan.build(meta, hidden_states.dtype, hidden_states.device)
+            halves.append(self._stack_stages(hidden_states[rows], cos[rows], sin[rows], plan, kv_caches, index))
+        return interleave(halves, self.stage_timeline)
+
+    def _stack_stages(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: MLABatchPlan,
+                      kv_caches: list[torch.Tensor], buffer_index: int) -> Stages:
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states = yield from layer.forward_stages(hidden_states, cos, sin, plan, kv_cache, buffer_index)
+        return hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head.weight)

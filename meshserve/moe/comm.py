@@ -21,6 +21,7 @@ ones with `use_group` / `use_groups`; its buffers stay.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from meshserve.layers.moe import fused_experts
 from meshserve.parallel.topology import TopologyGroups
+from meshserve.utils import envs
 
 # Newer torch names first; the older ones are the same operations.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -114,6 +116,42 @@ class DispatchHandle:
     buffer_index: int  # which of the two buffer sets this step used
 
 
+class InFlight:
+    """A launched collective. `wait()` returns once it is over and, where a link latency is emulated (a benchmark
+    knob, `MESHSERVE_EMULATED_LINK_LATENCY_MS`), no sooner than that long after its launch: work done between the
+    launch and the wait hides the latency as it would hide a slow link's."""
+
+    __slots__ = ("work", "ready_at")
+
+    def __init__(self, work, latency_s: float = 0.0) -> None:
+        self.work = work
+        self.ready_at = time.perf_counter() + latency_s if latency_s else 0.0
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.ready_at:
+            left = self.ready_at - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+
+@dataclass
+class DispatchInFlight:
+    transfer: InFlight
+    received: torch.Tensor  # the rows' landing buffer
+    handle: DispatchHandle
+
+
+@dataclass
+class CombineInFlight:
+    transfer: InFlight
+    returned: torch.Tensor
+    sent: torch.Tensor
+    handle: DispatchHandle
+    topk_weights: torch.Tensor
+
+
 @dataclass
 class _EPBuffers:
     send_counts: torch.Tensor
@@ -177,6 +215,7 @@ class EPDispatcher:
         self.msg_bytes = self.payload_bytes + self.scale_bytes + 4  # + int32 expert id
         self._buffers = [self._allocate() for _ in range(2)]
         self._step = 0
+        self.link_latency_s = envs.emulated_link_latency_s()
 
     def _allocate(self) -> _EPBuffers:
         def empty(*shape, dtype):
@@ -214,8 +253,22 @@ class EPDispatcher:
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Send rows to expert owners; returns (recv_hidden [R, H], recv_expert_ids [R] global, handle)."""
+        return self.dispatch_finish(self.dispatch_start(hidden, topk_ids))
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Send expert results back (full precision) and reduce each token's top-k with its weights."""
+        return self.combine_finish(self.combine_start(expert_out, handle, topk_weights))
+
+    # Each exchange in two halves: `*_start` launches the rows' all-to-all and returns at once, `*_finish` waits
+    # for it. Between the two another micro-batch computes (two-microbatch overlap, meshserve/models/microbatch.py);
+    # gloo moves the rows on its own threads meanwhile, NCCL on its stream.
+
+    def dispatch_start(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                       buffer_index: int | None = None) -> DispatchInFlight:
+        """Exchange the counts, pack the rows and launch their all-to-all (`buffer_index`: the buffer set, by
+        default alternating; two micro-batches in flight each use their own)."""
         self._check_inputs(hidden, topk_ids)
-        index = self._step % 2
+        index = self._step % 2 if buffer_index is None else buffer_index
         self._step += 1
         buffers = self._buffers[index]
         num_tokens = hidden.shape[0]
@@ -239,8 +292,13 @@ class EPDispatcher:
         msg[:, -4:].copy_(_as_bytes(flat_ids.index_select(0, order).to(torch.int32)))
 
         received = buffers.recv_msg[:num_recv]
-        dist.all_to_all_single(received, msg, recv_splits, send_splits, group=self.group)
+        work = dist.all_to_all_single(received, msg, recv_splits, send_splits, group=self.group, async_op=True)
+        handle = DispatchHandle(order, send_splits, recv_splits, num_tokens, index)
+        return DispatchInFlight(InFlight(work, self.link_latency_s), received, handle)
 
+    def dispatch_finish(self, started: DispatchInFlight) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        started.transfer.wait()
+        received = started.received
         recv_ids = _from_bytes(received[:, -4:], torch.int32).reshape(-1).to(torch.int64)
         if self.int8:
             codes = _from_bytes(received[:, :self.payload_bytes], torch.int8)
@@ -248,20 +306,26 @@ class EPDispatcher:
             recv_hidden = dequantize_per_token_int8(codes, scale, self.dtype)
         else:
             recv_hidden = _from_bytes(received[:, :self.payload_bytes], self.dtype)
-        handle = DispatchHandle(order, send_splits, recv_splits, num_tokens, index)
-        return recv_hidden, recv_ids, handle
+        return recv_hidden, recv_ids, started.handle
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Send expert results back (full precision) and reduce each token's top-k with its weights."""
+    def combine_start(self, expert_out: torch.Tensor, handle: DispatchHandle,
+                      topk_weights: torch.Tensor) -> CombineInFlight:
         check_combine_shapes("expert_out", expert_out, sum(handle.recv_splits), self.hidden, topk_weights,
                              handle.num_tokens, self.top_k)
         buffers = self._buffers[handle.buffer_index]
         returned = buffers.combine_recv[:handle.order.numel()]
-        dist.all_to_all_single(returned, expert_out.to(self.dtype).contiguous(), handle.send_splits,
-                               handle.recv_splits, group=self.group)
-        weights = topk_weights.reshape(-1).to(device=self.device, dtype=self.dtype).index_select(0, handle.order)
+        sent = expert_out.to(self.dtype).contiguous()  # kept alive until the transfer is over
+        work = dist.all_to_all_single(returned, sent, handle.send_splits, handle.recv_splits, group=self.group,
+                                      async_op=True)
+        return CombineInFlight(InFlight(work, self.link_latency_s), returned, sent, handle, topk_weights)
+
+    def combine_finish(self, started: CombineInFlight) -> torch.Tensor:
+        started.transfer.wait()
+        handle = started.handle
+        weights = started.topk_weights.reshape(-1).to(device=self.device, dtype=self.dtype).index_select(
+            0, handle.order)
         out = torch.zeros(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
-        out.index_add_(0, handle.order // self.top_k, returned * weights.unsqueeze(1))
+        out.index_add_(0, handle.order // self.top_k, started.returned * weights.unsqueeze(1))
         return out
 
 

@@ -41,12 +41,13 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from meshserve.layers.moe import FusedMoEWeights
-from meshserve.moe.comm import EPDispatcher, HybridMoEComm
+from meshserve.moe.comm import CombineInFlight, DispatchInFlight, EPDispatcher, HybridMoEComm
 from meshserve.moe.placement import PlacementShape, engine_shape
 from meshserve.moe.recorder import add_counts
 from meshserve.moe.slots import SlotMap
@@ -100,6 +101,15 @@ def _to_bytes(t: torch.Tensor) -> torch.Tensor:
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
     """A column range of a byte message -> [N, cols] of dtype (copied: the range need not be aligned)."""
     return torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b).view(dtype).reshape(b.shape[0], cols)
+
+
+@dataclass
+class MoEInFlight:
+    """One micro-batch's MoE layer between its stages."""
+
+    dispatch: DispatchInFlight
+    topk_weights: torch.Tensor
+    combine: CombineInFlight | None = None
 
 
 class MoERuntime:
@@ -171,11 +181,7 @@ class MoERuntime:
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  experts: FusedMoEWeights) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights, experts)
-        if self.load_counts is not None:
-            add_counts(self.load_counts, topk_ids, self._one)
-        slot_map = self.slot_map
-        if slot_map is not None:
-            topk_ids = slot_map.route(topk_ids, self.rotation_offset)
+        topk_ids = self._count_and_map(topk_ids)
         if self.single:
             return experts(hidden, topk_ids, topk_weights)
         num_tokens = hidden.shape[0]
@@ -190,6 +196,41 @@ class MoERuntime:
         if self.deduplicate:
             out = self._gather_chunks(out, num_tokens)
         return out
+
+    def _count_and_map(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Add the logical ids to the load counts; the slot ids they go to."""
+        if self.load_counts is not None:
+            add_counts(self.load_counts, topk_ids, self._one)
+        slot_map = self.slot_map
+        return topk_ids if slot_map is None else slot_map.route(topk_ids, self.rotation_offset)
+
+    # ------------------------------------------------------------------ forward in stages (two micro-batches)
+
+    @property
+    def runs_in_stages(self) -> bool:
+        """Whether `start` / `compute` / `finish` serve this layout: pure EP over more than one rank, attention TP1
+        (the decode layouts of the papers; the two-microbatch schedule runs on them)."""
+        return self.ep_dispatcher is not None and not self.deduplicate
+
+    def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              experts: FusedMoEWeights, buffer_index: int) -> MoEInFlight:
+        """Stage 1: count, map to slots and launch the dispatch; returns while the rows travel."""
+        if not self.runs_in_stages:
+            raise RuntimeError(f"the MoE layer runs in stages only under pure EP with attention TP1, not "
+                               f"{self.ctx.strategy}")
+        self._check(hidden, topk_ids, topk_weights, experts)
+        slot_ids = self._count_and_map(topk_ids)
+        return MoEInFlight(self.ep_dispatcher.dispatch_start(hidden, slot_ids, buffer_index), topk_weights)
+
+    def compute(self, pending: MoEInFlight, experts: FusedMoEWeights) -> None:
+        """Stage 2: once the rows are here, run them through this rank's experts and launch the combine."""
+        rows, expert_ids, handle = self.ep_dispatcher.dispatch_finish(pending.dispatch)
+        pending.combine = self.ep_dispatcher.combine_start(self._run_rows(experts, rows, expert_ids), handle,
+                                                           pending.topk_weights)
+
+    def finish(self, pending: MoEInFlight) -> torch.Tensor:
+        """Stage 3: the weighted sum of each token's returned expert outputs."""
+        return self.ep_dispatcher.combine_finish(pending.combine)
 
     def _check(self, hidden, topk_ids, topk_weights, experts: FusedMoEWeights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:

@@ -64,10 +64,14 @@ MESHSERVE_FAULT_INJECTION = EnvVar(
     "MESHSERVE_FAULT_INJECTION", None,
     "tests and benchmarks only: 1 opens `POST /admin/faults` (what `--enable-fault-injection` does)")
 
+MESHSERVE_EMULATED_LINK_LATENCY_MS = EnvVar(
+    "MESHSERVE_EMULATED_LINK_LATENCY_MS", None,
+    "benchmarks only: each expert-parallel dispatch and combine takes at least this long from its launch (ms), "
+    "standing in for a slower link than loopback; what overlaps it hides it")
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
     MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE, MASTER_ADDR, RANK,
-    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION,
+    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS,
 )
 
 
@@ -107,6 +111,20 @@ def num_threads() -> int | None:
     if not text.strip().isdigit() or int(text) < 1:
         raise ValueError(f"MESHSERVE_NUM_THREADS must be a positive integer, got {text!r}")
     return int(text)
+
+
+def emulated_link_latency_s() -> float:
+    """MESHSERVE_EMULATED_LINK_LATENCY_MS in seconds (0 where unset); ValueError names a bad value."""
+    text = (MESHSERVE_EMULATED_LINK_LATENCY_MS.get() or "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"MESHSERVE_EMULATED_LINK_LATENCY_MS must be a number of milliseconds >= 0, got {text!r}")
+    return value / 1e3
 
 
 def rank_template_socket() -> str | None:

@@ -78,6 +78,8 @@ class StepBatch(Message):
     report_load: bool = False  # the driver ranks report their tokens per expert with this step's output
     # DP group -> its KV connectors' work (pool stores and fetches, KV pulls); groups without any are absent
     kv_connector: dict[int, KVConnectorMetadata] = field(default_factory=dict)
+    # 2: every rank runs this step as two overlapped micro-batches (the same count on all: their collectives pair up)
+    microbatches: int = 1
 
 
 class SampleLogprobs(Message, array_like=True):

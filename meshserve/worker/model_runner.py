@@ -218,6 +218,9 @@ class ModelRunner:
                                           self.parallel),
                 host=config.parallel_config.master_addr, name=f"{config.te_name}/rank{self.parallel.rank}/weights",
                 background=True)
+        if config.parallel_config.microbatches == 2 and not self.model.supports_microbatches:
+            raise ValueError(f"--microbatches 2: {type(self.model).__name__} runs a step as one batch only "
+                             "(two micro-batches are built for DeepSeek-V3 models)")
         spec = config.speculative_config
         if spec.enabled and not self.model.num_mtp_layers:
             raise ValueError(f"--speculative mtp: {config.model_config.model} has no MTP layers "
@@ -506,7 +509,7 @@ class ModelRunner:
             self.apply_eplb(batch.eplb)
         if not batch.per_dp:  # control only
             return None
-        out = self.execute_rolling_back(batch.per_dp[self.parallel.dp_rank])
+        out = self.execute_rolling_back(batch.per_dp[self.parallel.dp_rank], batch.microbatches)
         if batch.report_load:
             out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
         if not self.parallel.is_driver:
@@ -514,13 +517,13 @@ class ModelRunner:
         out.dp_rank = self.parallel.dp_rank
         return out
 
-    def execute_rolling_back(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_rolling_back(self, sched: SchedulerOutput, microbatches: int = 1) -> ModelRunnerOutput:
         """`execute(sched)`; after a transient error, the state from before it and, once every rank of the TE has
         failed the same step, the same step again on new process groups, on all of them together."""
         snapshot = _StepSnapshot.take(self.requests, self.failed_ids, sched)
         for attempt in itertools.count(1):
             try:
-                return self.execute(sched)
+                return self.execute(sched, microbatches)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -538,15 +541,16 @@ class ModelRunner:
                 self._rollback_events.append(detail)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One attempt at a step (`execute_rolling_back` retries it)."""
+    def execute(self, sched: SchedulerOutput, microbatches: int = 1) -> ModelRunnerOutput:
+        """One attempt at a step (`execute_rolling_back` retries it); `microbatches`: as the whole step runs."""
+        overlap = {"microbatches": 2} if microbatches == 2 else {}
         t0 = time.perf_counter()
         failed = self._apply(sched)
         # every rank of the DP group skips the same failed requests, so the group stays in lockstep
         num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}
         if not num_tokens:
             if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
-                self._idle_forward(sched)
+                self._idle_forward(sched, overlap)
             return ModelRunnerOutput(step_id=sched.step_id, failed=failed)
         seqs = self._lay_out(num_tokens)
         input_ids: list[int] = []
@@ -571,7 +575,7 @@ class ModelRunner:
         attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, attn, self.model_kv_caches)
+        hidden = self.model(ids, pos, attn, self.model_kv_caches, **overlap)
         out = ModelRunnerOutput(step_id=sched.step_id, failed=failed)
         produced = self._produce_tokens(hidden, [seq for seq in seqs if seq.samples], out)
         if self.proposer is not None and sched.mtp_catch_up:
@@ -700,9 +704,9 @@ class ModelRunner:
             failed = {i: "sampling failed on the driver rank" for i, t in enumerate(tokens) if t[0] == FAILED_TOKEN}
         return tokens, verified.logprobs, failed
 
-    def _idle_forward(self, sched: SchedulerOutput) -> None:
+    def _idle_forward(self, sched: SchedulerOutput, overlap: dict) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.model(empty, empty, AttentionMetadata.empty(self.device), self.model_kv_caches)
+        self.model(empty, empty, AttentionMetadata.empty(self.device), self.model_kv_caches, **overlap)
         if sched.mtp_catch_up and self.proposer is not None:
             self.proposer.idle(drafting=sched.num_draft_tokens > 0)
 

@@ -50,6 +50,11 @@ from meshserve.wire.worker import WorkerHandshake
     (ParallelConfig, {"local_ranks": 0}, "local_ranks must be an integer >= 1 (or unset), got 0"),
     (ParallelConfig, {"engine_port": 65536}, "engine_port must be an integer >= 1 and <= 65535, got 65536"),
     (ParallelConfig, {"dist_backend": "mpi"}, "dist_backend must be one of gloo, nccl (or unset), got 'mpi'"),
+    (ParallelConfig, {"microbatches": 3}, "microbatches must be an integer >= 1 and <= 2, got 3"),
+    (ParallelConfig, {"microbatches": 2, "parallel": "attn=TP2+DP1 moe=TP1+EP2"},
+     "microbatches 2 overlaps the expert-parallel dispatch and combine: it needs attn=TP1+DPn moe=TP1+EPn"),
+    (ParallelConfig, {"microbatches": 2}, "microbatches 2 overlaps the expert-parallel dispatch and combine"),
+    (ParallelConfig, {"microbatch_min_tokens": 1}, "microbatch_min_tokens must be an integer >= 2, got 1"),
     (EplbConfig, {"eplb_redundant_experts": -1}, "eplb_redundant_experts must be an integer >= 0, got -1"),
     (EplbConfig, {"eplb_interval_s": 0}, "eplb_interval_s must be a number > 0 (or unset), got 0"),
     (PoolConfig, {"pool_fetch_gbps": 0}, "pool_fetch_gbps must be a number > 0, got 0"),
@@ -64,6 +69,14 @@ def test_a_bad_setting_is_one_line_naming_the_field(concern, settings, message):
     flat = {"model": "m", **settings}
     with pytest.raises(ConfigError, match="^" + re.escape(message)):  # the same through the flat names
         EngineConfig.from_kwargs(flat.pop("model"), **flat)
+
+
+def test_two_microbatches_need_two_sequences_per_step():
+    with pytest.raises(ConfigError, match="^microbatches 2 splits a step's sequences in two: it needs max_num_seqs "
+                                          ">= 2, got 1$"):
+        EngineConfig.from_kwargs("m", parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, max_num_seqs=1)
+    config = EngineConfig.from_kwargs("m", parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2)
+    assert config.parallel_config.microbatches == 2
 
 
 def test_budget_may_be_zero_when_the_block_count_is_given():

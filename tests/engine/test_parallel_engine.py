@@ -25,6 +25,11 @@ LAYOUTS = {
     "TP2+EP2-hybrid-fused": dict(parallel="attn=TP2+DP2 moe=TP2+EP2", moe_comm="fused"),
     "TP2+EP2-hybrid-sync": dict(parallel="attn=TP2+DP2 moe=TP2+EP2", moe_comm="sync"),
 }
+# DeepSeek-V3 only: each step with two or more tokens in a DP group runs as two overlapped micro-batches
+MICROBATCH_LAYOUTS = {
+    "DP2+EP2-two-microbatches": dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
+    "DP4+EP4-two-microbatches": dict(parallel="attn=TP1+DP4 moe=TP1+EP4", microbatches=2, microbatch_min_tokens=2),
+}
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
@@ -73,6 +78,17 @@ def test_dp2_with_an_idle_dp_group_matches_single_rank(reference):
     with LLM(model=str(model_dir), **ENGINE_ARGS, parallel="attn=TP1+DP2 moe=TP1+EP2") as llm:
         outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in prompts[:2]]
     _assert_same(outs, refs[:2])
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("layout", list(MICROBATCH_LAYOUTS))
+def test_two_microbatches_match_single_rank(reference, layout):
+    model_dir, prompts, refs = reference
+    with LLM(model=str(model_dir), **ENGINE_ARGS, **MICROBATCH_LAYOUTS[layout]) as llm:
+        outs = [out.outputs[0] for out in llm.generate(prompts, GREEDY)]
+        stats = llm.get_stats()
+    _assert_same(outs, refs)
+    assert stats.microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
 
 
 # ---------------------------------------------------------------- MTP speculative decoding (issue 15)

@@ -22,7 +22,7 @@ class PagedHarness:
             self.block_tables[seq].append(self.free_blocks.pop())
 
     @torch.inference_mode()
-    def step(self, seq_ids: list[int], new_tokens: list[list[int]]) -> list[torch.Tensor]:
+    def step(self, seq_ids: list[int], new_tokens: list[list[int]], microbatches: int = 1) -> list[torch.Tensor]:
         """Run one batch: seq i gets new_tokens[i] appended. Returns per-seq logits [len(new), V]."""
         for s in seq_ids:
             while s >= len(self.block_tables):
@@ -40,7 +40,9 @@ class PagedHarness:
             ctx_lens.append(self.lens[s])
             tables.append(self.block_tables[s])
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.kv_caches)
+        extra = {"microbatches": microbatches} if microbatches != 1 else {}
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta,
+                            self.kv_caches, **extra)
         logits = self.model.compute_logits(hidden)
         out: list[torch.Tensor | None] = [None] * len(seq_ids)
         start = 0
