@@ -147,6 +147,7 @@ TIER_EXCEPTIONS = {
         "bench/test_decode_step_bench.py",
         "bench/test_eplb_bench.py::test_bench_eplb_writes_json_png_and_tables",
         "bench/test_eplb_bench.py::test_bench_eplb_layer_time_only_writes_times_rows_and_ratios",
+        "bench/test_microbatch_bench.py::test_a_quick_run_writes_rows_a_timeline_and_a_png",
         "bench/test_roofline.py::test_machine_measurements_are_positive_and_finite",  # the native kernels
         "bench/test_roofline.py::test_total_params_match_hf_transformers",
         "bench/test_transfer_bench.py::test_transfer_bench_measures_every_backend_and_size",

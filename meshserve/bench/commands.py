@@ -26,6 +26,9 @@ BENCH_COMMANDS = (
     ("decode-step", "one decode step, native CPU kernels vs the torch path: ms per step, speedup, where the time "
                     "goes",
      "meshserve.bench.decode_step:add_decode_step_arguments:decode_step_main"),
+    ("microbatch", "a decode step as one batch vs two overlapped micro-batches (DP2+EP2) per emulated "
+                   "dispatch/combine latency: step time, communication hidden, a timeline",
+     "meshserve.bench.microbatch:add_microbatch_arguments"),
     ("pd", "colocated TEs vs a P/D pair on the same cores: TTFT, TPOT and JCT on a mixed workload",
      "meshserve.bench.pd:add_pd_arguments"),
     ("routing", "the job executor's routing policies on one deployment with shared prefixes: JCT, TTFT, TPOT, "

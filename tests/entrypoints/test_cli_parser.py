@@ -50,4 +50,4 @@ def _required_flags(name: str) -> list[str]:
             "decode-step": ["--preset", "tiny", "--json", "x.json"],
             "moe-comm": ["--json", "x.json"], "eplb": ["--json", "x.json"], "cache": ["--json", "x.json"],
             "transfer": ["--json", "x.json"], "pd": ["--json", "x.json"],
-            "routing": ["--json", "x.json"]}.get(name, [])
+            "routing": ["--json", "x.json"], "microbatch": ["--json", "x.json"]}.get(name, [])
