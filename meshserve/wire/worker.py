@@ -78,6 +78,7 @@ class StepBatch(Message):
     report_load: bool = False  # the driver ranks report their tokens per expert with this step's output
     # DP group -> its KV connectors' work (pool stores and fetches, KV pulls); groups without any are absent
     kv_connector: dict[int, KVConnectorMetadata] = field(default_factory=dict)
+    collect_garbage: bool = False  # every rank runs a garbage collection pass right after this step
 
 
 class SampleLogprobs(Message, array_like=True):

@@ -50,6 +50,8 @@ from meshserve.wire.worker import WorkerHandshake
     (ParallelConfig, {"local_ranks": 0}, "local_ranks must be an integer >= 1 (or unset), got 0"),
     (ParallelConfig, {"engine_port": 65536}, "engine_port must be an integer >= 1 and <= 65535, got 65536"),
     (ParallelConfig, {"dist_backend": "mpi"}, "dist_backend must be one of gloo, nccl (or unset), got 'mpi'"),
+    (ParallelConfig, {"gc_collect_every_steps": -1}, "gc_collect_every_steps must be an integer >= 0, got -1"),
+    (ParallelConfig, {"pin_cores": "yes"}, "pin_cores must be true or false, got 'yes'"),
     (EplbConfig, {"eplb_redundant_experts": -1}, "eplb_redundant_experts must be an integer >= 0, got -1"),
     (EplbConfig, {"eplb_interval_s": 0}, "eplb_interval_s must be a number > 0 (or unset), got 0"),
     (PoolConfig, {"pool_fetch_gbps": 0}, "pool_fetch_gbps must be a number > 0, got 0"),
