@@ -63,7 +63,8 @@ class StepCollector:
         self._steps = 0
         self._last_pass = clock()
         self._was_enabled: bool | None = None  # gc.isenabled() before start(); None: not started
-        self.collections = 0
+        self.collections = 0  # passes of this process, scheduled or idle
+        self.marked_steps = 0  # steps `due` said a pass belongs after
         self.pauses: deque[float] = deque(maxlen=keep_pauses)  # the latest passes' durations, seconds
 
     @property
@@ -93,7 +94,10 @@ class StepCollector:
         if not self.active:
             return False
         self._steps += 1
-        return self._steps % self.every_steps == 0
+        if self._steps % self.every_steps:
+            return False
+        self.marked_steps += 1
+        return True
 
     def collect(self) -> float:
         """One full pass now; its duration in seconds."""

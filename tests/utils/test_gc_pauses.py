@@ -73,6 +73,7 @@ def test_every_nth_step_is_due(gc_as_it_was):
     assert not collector.due()  # not started: automatic collection still runs, no step is marked
     collector.start()
     assert [collector.due() for _ in range(9)] == [False, False, True] * 3
+    assert collector.marked_steps == 3
 
 
 def test_without_a_schedule_collection_stays_automatic_and_no_step_is_due(gc_as_it_was):
@@ -112,5 +113,5 @@ def test_an_idle_process_collects_once_the_last_pass_is_old_enough(gc_as_it_was)
     assert not collector.collect_if_idle(busy=lambda: True)  # steps run: they collect on their schedule
     assert collector.collect_if_idle(busy=lambda: False)
     assert not collector.collect_if_idle(busy=lambda: False)  # that pass was just now
-    assert collector.collections == 1
+    assert collector.collections == 1 and collector.marked_steps == 0  # no step of the ranks' marked
     assert not gc_pauses.StepCollector(200, clock=clock).collect_if_idle(busy=lambda: False)  # no idle bound
