@@ -90,9 +90,9 @@ def test_scheduled_gc_on_pinned_ranks_changes_no_token(reference, request):
              pin_cores=True) as llm:
         threads = llm.config.parallel_config.num_threads or envs.num_threads() or max(1, os.cpu_count() // 2)
         pinned = {rank: os.sched_getaffinity(pid) for rank, pid in rank_processes(llm.engine.proc.pid).items()}
-        outs = [out.outputs[0] for out in llm.generate(prompts, GREEDY)]
+        outs = [out.outputs[0] for out in llm.generate(prompts[:4], GREEDY)]  # both DP groups busy
         marked = llm.get_stats().gc_marked_steps
-    _assert_same(outs, refs)
+    _assert_same(outs, refs[:4])
     assert marked >= OUTPUT_LEN // 2  # at least one step per output token, every second one marked
     available = os.sched_getaffinity(0)
     assert pinned == {rank: set(rank_cores(rank, threads, available)) for rank in (0, 1)}
