@@ -47,6 +47,9 @@ BENCH_COMMANDS = (
     ("quant", "INT8 W8A8 and the INT8 KV cache against float32 and bfloat16: weight bytes, decode and prefill "
               "tokens/s, roofline fraction, and quality per quantization method",
      "meshserve.bench.quant:add_quant_arguments"),
+    ("jitter", "step-time tails with Python's automatic garbage collection, with collection on a schedule, and "
+               "with that and pinned cores (p50, p90, p99, max; p99 against automatic collection)",
+     "meshserve.bench.jitter:add_jitter_arguments"),
     ("tenants", "a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT alone and "
                 "beside it, with per-tenant limits on",
      "meshserve.bench.tenants:add_tenants_arguments"),

@@ -32,6 +32,14 @@ class ParallelConfig(ConfigStruct, frozen=True):
         description="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")] | None = None
     num_threads: Annotated[int, Meta(
         ge=1, description="torch threads per worker (default: the cores divided among the ranks)")] | None = None
+    # jitter (xdeepserve §4.4): a pause on one rank stalls every rank at the step's collectives
+    gc_collect_every_steps: Annotated[int, Meta(
+        ge=0, description="the ranks and the master turn Python's automatic garbage collection off after start-up "
+                          "and collect every this many steps instead, all ranks after the same step (0: automatic "
+                          "collection, as Python does it)")] = 200
+    pin_cores: Annotated[bool, Meta(
+        description="pin each rank to cores of its own: its slice of the cores the process may use, as many as "
+                    "its torch threads (ranks beyond the cores wrap around)")] = False
     local_ranks: Annotated[int, Meta(
         ge=1, description="ranks the master starts on this host; the others join with `meshserve worker "
                           "--engine tcp://MASTER_ADDR:ENGINE_PORT --rank R` (default: all)")] | None = None

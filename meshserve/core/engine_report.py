@@ -32,6 +32,7 @@ def engine_stats(core: EngineCore) -> EngineStats:
         recovering=recovery.in_progress,
         last_failure=recovery.last_failure,
         last_failure_silent_s=recovery.last_failure_silent_s,
+        gc_marked_steps=core.gc_schedule.marked_steps,
         healthy=core.dead_error is None,
         error=core.dead_error,
     )

@@ -46,6 +46,7 @@ from meshserve.core.worker_group import DEAD_GRACE_S, SpareWorker, WeightServers
 from meshserve.core.worker_results import WorkerResults
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.utils import cluster_auth, faults
+from meshserve.utils.gc_pauses import StepCollector
 from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
 from meshserve.wire import codec
 from meshserve.wire.client import EngineError, EngineReady, EngineStats
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle master checks that its peers are alive
 _WARMUP_TIMEOUT_S = 120.0
+_IDLE_COLLECT_S = 5.0  # an idle master with scheduled garbage collection still collects this often
 
 
 class EngineCore(ClientMessages, WorkerResults):
@@ -94,6 +96,7 @@ class EngineCore(ClientMessages, WorkerResults):
         self.speculation = StepSpeculation(config.speculative_config)
         self.kv_connectors: KVConnectors | None = None
         self.microbatched_steps = 0
+        self.gc_schedule = StepCollector(config.parallel_config.gc_collect_every_steps, idle_after_s=_IDLE_COLLECT_S)
         # tests and benchmarks: a master that dies as it sends a step, wrapped in only once such a fault is armed
         faults.on_arm({faults.FaultKind.KILL_MASTER}, lambda: faults.wrap_method(
             self, "_send_step", faults.kill_when_fired(faults.FaultKind.KILL_MASTER)))
@@ -220,11 +223,14 @@ class EngineCore(ClientMessages, WorkerResults):
                 break
             # blocks freed while scheduling are stored before this step's forward can overwrite them
             eplb = self.eplb.step_control(time.time())
+            collect = self.gc_schedule.due()  # the ranks collect after this step, all at once
             self._send_step(StepBatch(per_dp=scheds, eplb=eplb.eplb, report_load=eplb.report_load,
-                                      kv_connector=connector_metadata(self.groups),
+                                      kv_connector=connector_metadata(self.groups), collect_garbage=collect,
                                       microbatches=self._microbatches(scheds)))
             for group, sched in zip(self.groups, scheds):
                 group.sent(sched)
+            if collect:
+                self.gc_schedule.collect()  # while the ranks run the step
         metadata = connector_metadata(self.groups) if self.dead_error is None else {}
         if self.dead_error is None and (self.eplb.has_pending_control or metadata):
             # no step carried it: send the control on its own (ranks apply it without a forward)
@@ -278,6 +284,7 @@ class EngineCore(ClientMessages, WorkerResults):
         try:
             if warmup:
                 self.warm_up()
+            self.gc_schedule.start()  # after the warm-up: what it made lives on, e.g. lazily imported modules
             self.startup.ready = time.time()
             self.link.tick(self.startup.ready, self._heartbeat)  # register now, not after the first idle poll
             while self.running:
@@ -301,6 +308,7 @@ class EngineCore(ClientMessages, WorkerResults):
                 self._tick(time.time())
         finally:
             logger.info("shutting down")
+            self.gc_schedule.stop()
             self.link.say_goodbye(self._heartbeat())
             self.workers.shutdown(grace_s=10.0 if self.dead_error is None else DEAD_GRACE_S)
             self.link.close()
@@ -314,9 +322,10 @@ class EngineCore(ClientMessages, WorkerResults):
         return self._busy() or bool(stats.kv_transfer_holds)
 
     def _tick(self, now: float) -> None:
-        """What runs on the clock: EPLB, heartbeats, KV hold and context cache expiry."""
+        """What runs on the clock: EPLB, heartbeats, idle garbage collection, KV hold and context cache expiry."""
         self.eplb.tick(now)
         self.link.tick(now, self._heartbeat)
+        self.gc_schedule.collect_if_idle(busy=self._busy)
         self.kv_connectors.expire()
         for scheduler in self.schedulers:
             for cache_id in scheduler.expire_context_caches():

@@ -80,6 +80,7 @@ class StepBatch(Message):
     kv_connector: dict[int, KVConnectorMetadata] = field(default_factory=dict)
     # 2: every rank runs this step as two overlapped micro-batches (the same count on all: their collectives pair up)
     microbatches: int = 1
+    collect_garbage: bool = False  # every rank runs a garbage collection pass right after this step
 
 
 class SampleLogprobs(Message, array_like=True):

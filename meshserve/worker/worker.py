@@ -33,6 +33,8 @@ import zmq
 from meshserve.config import EngineConfig, ParallelConfig
 from meshserve.core.remote_ranks import PeerMonitor, enable_heartbeats
 from meshserve.utils import cluster_auth, faults
+from meshserve.utils.core_pinning import pin_rank
+from meshserve.utils.gc_pauses import StepCollector
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
 from meshserve.wire.codec import MessageError
@@ -158,9 +160,12 @@ def run_worker(rank: int, config: dict, work_addr: str, result_addr: str, dist_i
     results.setsockopt(zmq.LINGER, 2000)
     results.connect(result_addr)
     try:
-        runner = _start_runner(rank, EngineConfig.from_dict(config), dist_init_method)
+        engine_config = EngineConfig.from_dict(config)
+        runner = _start_runner(rank, engine_config, dist_init_method)
         results.send(codec.encode(_ready_message(rank, runner)))
-        _serve(rank, runner, work, results, master_gone)
+        collector = StepCollector(engine_config.parallel_config.gc_collect_every_steps)
+        collector.start()
+        _serve(rank, runner, work, results, master_gone, collector)
     except Exception as exc:  # report, then die: the master fails in-flight requests
         logger.error("worker failed: %s", traceback.format_exc())
         try:
@@ -204,6 +209,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
 
     parallel_config = engine_config.parallel_config
     threads = configure_threads(parallel_config.num_threads, parallel_config.world_size)
+    if parallel_config.pin_cores:  # before torch starts its thread pool: the pool's threads inherit the cores
+        logger.info("pinned to cores %s", ",".join(map(str, pin_rank(rank, threads))))
     init_distributed(parallel_config, engine_config.model_config.device, rank, dist_init_method)
     parallel = ParallelContext.build(
         parallel_config.strategy, moe_comm=parallel_config.moe_comm, int8_dispatch=parallel_config.int8_dispatch,
@@ -226,8 +233,10 @@ def _ready_message(rank: int, runner: ModelRunner) -> WorkerReady:
 
 
 def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket,
-           master_gone: Callable[[], bool]) -> None:
-    """Run the master's steps until it says stop or is gone; report background work as it finishes."""
+           master_gone: Callable[[], bool], collector: StepCollector | None = None) -> None:
+    """Run the master's steps until it says stop or is gone; report background work as it finishes. Garbage is
+    collected after the steps the master marks (`collector`: the rank's schedule, its pauses)."""
+    collector = collector or StepCollector(0)
     fault_hooks.install(runner, rank, master_gone)  # wraps nothing until a fault is armed
     poller = zmq.Poller()
     poller.register(work, zmq.POLLIN)
@@ -260,6 +269,8 @@ def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket
         out = runner.run_batch(item)
         if out is not None:
             results.send(codec.encode(out))
+        if item.collect_garbage:  # every rank after the same step, its output already on the way
+            collector.collect()
 
 
 def _leave_distributed() -> None:

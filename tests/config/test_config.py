@@ -55,6 +55,8 @@ from meshserve.wire.worker import WorkerHandshake
      "microbatches 2 overlaps the expert-parallel dispatch and combine: it needs attn=TP1+DPn moe=TP1+EPn"),
     (ParallelConfig, {"microbatches": 2}, "microbatches 2 overlaps the expert-parallel dispatch and combine"),
     (ParallelConfig, {"microbatch_min_tokens": 1}, "microbatch_min_tokens must be an integer >= 2, got 1"),
+    (ParallelConfig, {"gc_collect_every_steps": -1}, "gc_collect_every_steps must be an integer >= 0, got -1"),
+    (ParallelConfig, {"pin_cores": "yes"}, "pin_cores must be true or false, got 'yes'"),
     (EplbConfig, {"eplb_redundant_experts": -1}, "eplb_redundant_experts must be an integer >= 0, got -1"),
     (EplbConfig, {"eplb_interval_s": 0}, "eplb_interval_s must be a number > 0 (or unset), got 0"),
     (PoolConfig, {"pool_fetch_gbps": 0}, "pool_fetch_gbps must be a number > 0, got 0"),

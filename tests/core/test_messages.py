@@ -123,7 +123,7 @@ STATS = EngineStats(num_running=3, num_waiting=2, kv_usage=0.25, num_kv_blocks=5
                         num_migrated=5, world_size=3, recovering="worker 3 died", last_failure="worker 3 died",
                         last_failure_silent_s=0.5, healthy=False, error="worker 1 died",
                         spec_drafted=[10, 8], spec_accepted=[7, 4], spec_verify_steps=10, spec_tokens=21,
-                        microbatched_steps=4)
+                        microbatched_steps=4, gc_marked_steps=4)
 TRANSFER = KVTransferParams(role=KVTransferRole.CONSUMER, engine="prefill-0", engine_addr="tcp://10.0.0.5:5555",
                                 dp_rank=1, attn_tp=2, attn_dp=2, regions=[REGION], block_ids=[4, 9],
                                 num_tokens=32, num_cached_tokens=16, hold_s=30.0, hold_expires_at=1.7e9,
@@ -169,7 +169,7 @@ SAMPLES: dict[type, object] = {
     StepBatch: StepBatch(
         per_dp=[SchedulerOutput(step_id=9, num_draft_tokens=2)],
         eplb=EplbCommand(EplbPhase.PREFETCH, PLACEMENT), report_load=True,
-        kv_connector={1: KVConnectorMetadata(pool_stores=[POOL_BLOCK])}, microbatches=2),
+        kv_connector={1: KVConnectorMetadata(pool_stores=[POOL_BLOCK])}, microbatches=2, collect_garbage=True),
     # ---- worker -> master
     SampleLogprobs: LOGPROBS,
     ModelRunnerOutput: ModelRunnerOutput(step_id=9, dp_rank=1, expert_load=[[3, 0, 5, 1]],

@@ -6,10 +6,15 @@ log-softmax of the logits) within 1e-3.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from meshserve.utils import envs
+from meshserve.utils.core_pinning import rank_cores
+from meshserve.utils.processes import rank_processes
 
 NUM_PROMPTS = 8
 OUTPUT_LEN = 32
@@ -89,6 +94,23 @@ def test_two_microbatches_match_single_rank(reference, layout):
         stats = llm.get_stats()
     _assert_same(outs, refs)
     assert stats.microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)  # the settings touch no model code
+def test_scheduled_gc_on_pinned_ranks_changes_no_token(reference):
+    """Garbage collection every 2 steps on ranks pinned to cores of their own (xdeepserve §4.4): the same tokens,
+    the steps marked, each rank on its slice of the cores."""
+    model_dir, prompts, refs = reference
+    with LLM(model=str(model_dir), **ENGINE_ARGS, parallel="attn=TP1+DP2 moe=TP1+EP2", gc_collect_every_steps=2,
+             pin_cores=True) as llm:
+        threads = llm.config.parallel_config.num_threads or envs.num_threads() or max(1, os.cpu_count() // 2)
+        pinned = {rank: os.sched_getaffinity(pid) for rank, pid in rank_processes(llm.engine.proc.pid).items()}
+        outs = [out.outputs[0] for out in llm.generate(prompts[:4], GREEDY)]  # both DP groups busy
+        marked = llm.get_stats().gc_marked_steps
+    _assert_same(outs, refs[:4])
+    assert marked >= OUTPUT_LEN // 2  # at least one step per output token, every second one marked
+    available = os.sched_getaffinity(0)
+    assert pinned == {rank: set(rank_cores(rank, threads, available)) for rank in (0, 1)}
 
 
 # ---------------------------------------------------------------- MTP speculative decoding (issue 15)

@@ -29,6 +29,7 @@ from meshserve.moe import fault_hooks as moe_fault_hooks
 from meshserve.moe.comm import EPDispatcher, HybridMoEComm
 from meshserve.utils import faults
 from meshserve.utils.faults import Fault, FaultKind, FaultSwitch
+from meshserve.utils.gc_pauses import StepCollector
 from meshserve.utils.processes import free_tcp_port, rank_processes
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
@@ -267,7 +268,8 @@ class StepCounter:
         """One attempt at a step (what the collective_error hook marks)."""
 
 
-def _serve(items: list, rank: int = 1, master_gone=lambda: False) -> tuple[StepCounter, list]:
+def _serve(items: list, rank: int = 1, master_gone=lambda: False,
+           collector: StepCollector | None = None) -> tuple[StepCounter, list]:
     """Run a rank's loop over `items` (then Shutdown); what it ran and what it sent back."""
     ctx = zmq.Context()
     sockets = {name: ctx.socket(kind) for name, kind in
@@ -280,7 +282,7 @@ def _serve(items: list, rank: int = 1, master_gone=lambda: False) -> tuple[StepC
         for item in [*items, Shutdown()]:
             sockets["to_worker"].send(codec.encode(item))
         runner = StepCounter()
-        worker._serve(rank, runner, sockets["work"], sockets["results"], master_gone=master_gone)
+        worker._serve(rank, runner, sockets["work"], sockets["results"], master_gone=master_gone, collector=collector)
         sent = []
         while sockets["from_worker"].poll(100):
             sent.append(codec.decode(sockets["from_worker"].recv()))
@@ -291,8 +293,19 @@ def _serve(items: list, rank: int = 1, master_gone=lambda: False) -> tuple[StepC
         ctx.term()
 
 
-def _step(step_id: int) -> StepBatch:
-    return StepBatch(per_dp=[SchedulerOutput(step_id=step_id)])
+def _step(step_id: int, collect_garbage: bool = False) -> StepBatch:
+    return StepBatch(per_dp=[SchedulerOutput(step_id=step_id)], collect_garbage=collect_garbage)
+
+
+def test_the_rank_collects_garbage_after_the_steps_the_master_marks(monkeypatch):
+    """Only after marked steps, and after the step ran: every rank pauses at the same step index."""
+    order = []
+    ran = StepCounter.run_batch
+    monkeypatch.setattr(StepCounter, "run_batch", lambda self, batch: order.append(ran(self, batch) or self.steps[-1]))
+    collector = StepCollector(0)
+    monkeypatch.setattr(collector, "collect", lambda: order.append("collect"))
+    _serve([_step(1), _step(2, collect_garbage=True), WorkerPing(seq=1), _step(3), _step(4, True)], collector=collector)
+    assert order == [1, 2, "collect", 3, 4, "collect"]
 
 
 def test_the_loop_answers_pings_between_steps_and_arms_forwarded_faults():
