@@ -72,6 +72,22 @@ def test_a_killed_rank_is_recovered_and_requests_continue_with_the_same_tokens(d
     assert set(after).isdisjoint(before)  # new ranks; the master is the same process
 
 
+def test_a_killed_rank_of_a_dp4_ep4_te_in_two_micro_batches_loses_nothing(model_dir, reference):
+    """Killed mid-stream while the steps run split in two overlapped micro-batches (their transfers in flight
+    when the peer dies): the ranks are recovered and every request ends with its fault-free tokens."""
+    llm = LLM(model=model_dir, kv_cache_memory_gb=0.05, parallel="attn=TP1+DP4 moe=TP1+EP4", microbatches=2,
+              microbatch_min_tokens=2, max_num_seqs=4)
+    try:
+        llm.admin("fault.inject", {"fault": {"kind": "kill", "rank": 2, "after_steps": 6}})
+        outs = llm.generate(PROMPTS + PROMPTS, GREEDY)
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert [out.outputs[0].token_ids for out in outs] == reference + reference
+    assert stats.healthy and stats.num_recoveries == 1 and "died" in (stats.last_failure or "")
+    assert stats.microbatched_steps > 0
+
+
 def test_a_hung_rank_is_found_within_the_hang_timeout(dp2_ep2, reference):
     llm = dp2_ep2
     before = _worker_pids(llm.engine.proc.pid, 2)
