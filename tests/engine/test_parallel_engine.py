@@ -128,6 +128,18 @@ def test_layout_with_mtp_matches_single_rank_without(reference, layout):
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+def test_two_microbatches_with_mtp_match_single_rank_without(reference):
+    """Verification steps split too: a request's draft rows may fall in both halves, the second half's rows
+    reading the cache entries the first half's wrote earlier in the same layer."""
+    model_dir, prompts, refs = reference
+    with LLM(model=str(model_dir), **ENGINE_ARGS, **MICROBATCH_LAYOUTS["DP2+EP2-two-microbatches"], **SPEC) as llm:
+        outs = [out.outputs[0] for out in llm.generate(prompts, GREEDY)]
+        stats = llm.get_stats()
+    _assert_same(outs, refs)
+    assert stats.microbatched_steps > 0 and stats.spec_verify_steps > 0
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
 def test_dp2_with_an_idle_dp_group_and_mtp_matches_single_rank_without(reference):
     """The idle DP group joins the MoE collectives of the main model's forward and of every MTP forward."""
     model_dir, prompts, refs = reference

@@ -31,9 +31,10 @@ def _tokens(seq: int, step: int, count: int) -> list[int]:
     return torch.randint(0, 32000, (count,), generator=g).tolist()
 
 
-def _world_worker(rank: int, world_size: int, model_dir: str) -> None:
+def _world_worker(rank: int, world_size: int, model_dir: str, int8_dispatch: bool) -> None:
     torch.set_num_threads(1)
-    ctx = ParallelContext.build(ParallelStrategy.parse("attn=TP1+DP2 moe=TP1+EP2"), max_tokens_per_step=64)
+    ctx = ParallelContext.build(ParallelStrategy.parse("attn=TP1+DP2 moe=TP1+EP2"), max_tokens_per_step=64,
+                                int8_dispatch=int8_dispatch)
     model = load_model(model_dir, parallel=ctx)
     model.stage_timeline = StageTimeline()
     one, two = PagedHarness(model), PagedHarness(model)
@@ -57,8 +58,9 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("microbatch") / "model", seed=2))
 
 
-def test_two_microbatches_give_the_logits_of_one_on_a_dp2_ep2_world(model_dir):
-    spawn_local_world(_world_worker, 2, args=(model_dir,), timeout_s=WORLD_TIMEOUT_S)
+@pytest.mark.parametrize("int8_dispatch", [False, True])
+def test_two_microbatches_give_the_logits_of_one_on_a_dp2_ep2_world(model_dir, int8_dispatch):
+    spawn_local_world(_world_worker, 2, args=(model_dir, int8_dispatch), timeout_s=WORLD_TIMEOUT_S)
 
 
 def test_the_batch_is_cut_at_the_sequence_boundary_nearest_half_its_tokens():
