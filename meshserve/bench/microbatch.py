@@ -2,7 +2,9 @@
 latency (CloudMatrix-Infer §4.2.3, Fig. 14).
 
 Two local ranks (`attn=TP1+DP2 moe=TP1+EP2`, one torch thread each) load the same DeepSeek-V3 model; each DP group
-decodes `--batch` sequences with `--context` tokens in their cache. Every expert-parallel dispatch and combine is
+decodes `--batch` sequences with `--context` tokens in their cache, and prefills `--prefill-tokens` tokens in
+prompts of `--prefill-len` (CloudMatrix-Infer §4.3.2 splits prefill the same way; 0 leaves prefill out).
+Every expert-parallel dispatch and combine is
 made to take at least `--latencies` ms from its launch (`InFlight` in meshserve/moe/comm.py: the wait ends no
 sooner), standing in for links slower than loopback. For each latency the two schedules run in turn, `--steps`
 decode steps per measurement, `--repeats` measurements each; a step's time is the slower rank's, the median taken.
@@ -37,7 +39,9 @@ STRATEGY = "attn=TP1+DP2 moe=TP1+EP2"
 WORLD_SIZE = 2
 PRESETS = ("tiny", "small")
 WORLD_TIMEOUT_S = 1800.0
-QUICK = {"preset": "tiny", "batch": 16, "context": 32, "latencies": "0,2", "steps": 2, "repeats": 1}
+QUICK = {"preset": "tiny", "batch": 16, "context": 32, "prefill_tokens": 64, "prefill_len": 32, "latencies": "0,2",
+         "steps": 2, "repeats": 1}
+PHASES = ("decode", "prefill")
 
 
 def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,12 +51,16 @@ def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the generated random DeepSeek-V3 model (default: small)")
     parser.add_argument("--batch", type=int, default=64, help="sequences each DP group decodes (default: 64)")
     parser.add_argument("--context", type=int, default=256, help="tokens in each sequence's cache (default: 256)")
+    parser.add_argument("--prefill-tokens", dest="prefill_tokens", type=int, default=512,
+                        help="tokens each DP group prefills per prefill step; 0: decode only (default: 512)")
+    parser.add_argument("--prefill-len", dest="prefill_len", type=int, default=128,
+                        help="tokens per prompt of a prefill step (default: 128)")
     parser.add_argument("--latencies", default="0,1,2,5",
                         help="emulated dispatch/combine latencies, ms, comma-separated (default: 0,1,2,5)")
     parser.add_argument("--steps", type=int, default=4, help="decode steps per measurement (default: 4)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per schedule (default: 5)")
     parser.add_argument("--quick", action="store_true",
-                        help="the smallest run: " + ", ".join(f"--{k} {v}" for k, v in QUICK.items()))
+                        help="the smallest run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     parser.set_defaults(func=microbatch_main)
 
 
@@ -61,10 +69,20 @@ class MicrobatchSettings:
     preset: str
     batch: int
     context: int
+    prefill_tokens: int
+    prefill_len: int
     latencies_ms: tuple[float, ...]
     steps: int
     repeats: int
     json_path: str
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return PHASES if self.prefill_tokens else PHASES[:1]
+
+    @property
+    def prefill_seqs(self) -> int:
+        return self.prefill_tokens // self.prefill_len
 
     @property
     def timeline_latency_ms(self) -> float:
@@ -82,13 +100,17 @@ def settings_from_args(args: argparse.Namespace) -> MicrobatchSettings:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.batch < 2:
         raise ValueError(f"--batch must be at least 2 to split in two, got {args.batch}")
+    if args.prefill_tokens and (args.prefill_len < 1 or args.prefill_tokens < 2 * args.prefill_len):
+        raise ValueError(f"--prefill-tokens must hold at least two prompts of --prefill-len {args.prefill_len}, got "
+                         f"{args.prefill_tokens}")
     try:
         latencies = tuple(sorted({float(part) for part in str(args.latencies).split(",") if part.strip()}))
     except ValueError:
         raise ValueError(f"--latencies takes comma-separated milliseconds, got {args.latencies!r}") from None
     if not latencies or latencies[0] != 0:
         raise ValueError(f"--latencies must include 0 (the baseline) and no negative value, got {args.latencies!r}")
-    return MicrobatchSettings(args.preset, args.batch, args.context, latencies, args.steps, args.repeats, args.json)
+    return MicrobatchSettings(args.preset, args.batch, args.context, args.prefill_tokens, args.prefill_len, latencies,
+                              args.steps, args.repeats, args.json)
 
 
 def microbatch_main(args: argparse.Namespace) -> int:
@@ -106,11 +128,30 @@ def _report(settings: MicrobatchSettings, result: dict) -> None:
 
 # ---------------------------------------------------------------- one rank
 
+def _step_inputs(s: MicrobatchSettings, tables: list[list[int]], block_size: int, gen) -> dict[str, list]:
+    """(token ids, positions, attention metadata) of each measured step, per phase: `--steps` decode steps, and
+    one prefill step from empty caches (it writes the same slots every time)."""
+    import torch
+
+    from meshserve.layers.metadata import AttentionMetadata
+
+    inputs = {"decode": [], "prefill": []}
+    for step in range(s.steps):
+        position = s.context + step
+        inputs["decode"].append((torch.randint(0, 1000, (s.batch,), generator=gen), torch.full((s.batch,), position),
+                                 AttentionMetadata.build([1] * s.batch, [position] * s.batch, tables, block_size)))
+    if s.prefill_tokens:
+        n, length = s.prefill_seqs, s.prefill_len
+        inputs["prefill"].append((torch.randint(0, 1000, (n * length,), generator=gen),
+                                  torch.arange(length).repeat(n),
+                                  AttentionMetadata.build([length] * n, [0] * n, tables[:n], block_size)))
+    return inputs
+
+
 def _world_worker(rank: int, world: int, model_dir: str, settings: MicrobatchSettings, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshserve.layers.metadata import AttentionMetadata
     from meshserve.models.loader import load_model
     from meshserve.models.microbatch import StageTimeline
     from meshserve.parallel.context import ParallelContext
@@ -118,30 +159,26 @@ def _world_worker(rank: int, world: int, model_dir: str, settings: MicrobatchSet
 
     torch.set_num_threads(1)
     s = settings
-    ctx = ParallelContext.build(ParallelStrategy.parse(STRATEGY), max_tokens_per_step=s.batch)
+    ctx = ParallelContext.build(ParallelStrategy.parse(STRATEGY), max_tokens_per_step=max(s.batch, s.prefill_tokens))
     model = load_model(model_dir, parallel=ctx)
     dispatchers = {id(m.runtime.ep_dispatcher): m.runtime.ep_dispatcher for m in model.modules()
                    if getattr(getattr(m, "runtime", None), "ep_dispatcher", None) is not None}
     block_size = 16
-    per_seq = -(-(s.context + s.steps) // block_size)
-    caches = model.kv_cache_layout().allocate(s.batch * per_seq + 1, block_size)
-    blocks = list(range(s.batch * per_seq))
+    per_seq = -(-max(s.context + s.steps, s.prefill_len) // block_size)
+    sequences = max(s.batch, s.prefill_seqs)
+    caches = model.kv_cache_layout().allocate(sequences * per_seq + 1, block_size)
+    blocks = list(range(sequences * per_seq))
     random.Random(rank).shuffle(blocks)
-    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(s.batch)]
-    gen = torch.Generator().manual_seed(rank)
-    steps = []
-    for step in range(s.steps):
-        position = s.context + step
-        steps.append((torch.randint(0, 1000, (s.batch,), generator=gen), torch.full((s.batch,), position),
-                      AttentionMetadata.build([1] * s.batch, [position] * s.batch, tables, block_size)))
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(sequences)]
+    inputs = _step_inputs(s, tables, block_size, torch.Generator().manual_seed(rank))
 
     @torch.inference_mode()
-    def measure(microbatches: int) -> float:
+    def measure(phase: str, microbatches: int) -> float:
         dist.barrier()
         start = time.perf_counter()
-        for ids, positions, attn in steps:
+        for ids, positions, attn in inputs[phase]:
             model(ids, positions, attn, caches, microbatches=microbatches)
-        took = torch.tensor([(time.perf_counter() - start) / s.steps])
+        took = torch.tensor([(time.perf_counter() - start) / len(inputs[phase])])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step lasts until its slower rank is done
         return float(took)
 
@@ -150,26 +187,28 @@ def _world_worker(rank: int, world: int, model_dir: str, settings: MicrobatchSet
             dispatcher.link_latency_s = latency_ms / 1e3
 
     for _ in range(2):  # warm-up: first-call costs, allocator growth
-        measure(1), measure(2)
-    # every latency and schedule in turn within each repeat, so that drift on a shared machine hits all of them
-    results = {str(latency): {1: [], 2: []} for latency in s.latencies_ms}
+        for phase in s.phases:
+            measure(phase, 1), measure(phase, 2)
+    # every phase, latency and schedule in turn within each repeat, so that drift on a shared machine hits all
+    results = {phase: {str(latency): {1: [], 2: []} for latency in s.latencies_ms} for phase in s.phases}
     for repeat in range(s.repeats):
-        for latency in s.latencies_ms:
-            use_latency(latency)
-            for microbatches in ((1, 2) if repeat % 2 == 0 else (2, 1)):
-                results[str(latency)][microbatches].append(measure(microbatches))
+        for phase in s.phases:
+            for latency in s.latencies_ms:
+                use_latency(latency)
+                for microbatches in ((1, 2) if repeat % 2 == 0 else (2, 1)):
+                    results[phase][str(latency)][microbatches].append(measure(phase, microbatches))
         if rank == 0:
-            print(f"[microbatch] repeat {repeat + 1}/{s.repeats}: " + ", ".join(
-                f"{latency:g} ms {results[str(latency)][1][-1] * 1e3:.0f} / {results[str(latency)][2][-1] * 1e3:.0f}"
-                for latency in s.latencies_ms) + " ms per step (one batch / two micro-batches)",
-                file=sys.stderr, flush=True)
+            print(f"[microbatch] repeat {repeat + 1}/{s.repeats}: " + "; ".join(
+                f"{phase} " + ", ".join(f"{latency:g} ms {times[1][-1] * 1e3:.0f} / {times[2][-1] * 1e3:.0f}"
+                                        for latency, times in zip(s.latencies_ms, results[phase].values()))
+                for phase in s.phases) + " ms per step (one batch / two micro-batches)", file=sys.stderr, flush=True)
     use_latency(s.timeline_latency_ms)
     model.stage_timeline = StageTimeline()
-    measure(2)
+    measure("decode", 2)
     model.stage_timeline.clear()
     with torch.inference_mode():
         start = time.perf_counter()
-        model(*steps[0], caches, microbatches=2)
+        model(*inputs["decode"][0], caches, microbatches=2)
     timeline = [(i, stage, a - start, b - start) for i, stage, a, b in model.stage_timeline.stages]
     moe_layers = len(model.expert_balancer.moe_layers)  # the decoder's (an MTP layer's MoE does not run here)
     if rank == 0:
@@ -190,7 +229,7 @@ def run_microbatch_benchmark(settings: MicrobatchSettings) -> dict:
         spawn_local_world(_world_worker, WORLD_SIZE, args=(str(model_dir), settings, str(raw_path)),
                           timeout_s=WORLD_TIMEOUT_S)
         raw = json.loads(raw_path.read_text())
-    rows = summarise(raw["times"], settings.latencies_ms)
+    rows = {phase: summarise(raw["times"][phase], settings.latencies_ms) for phase in settings.phases}
     return {
         "benchmark": "microbatch",
         "config": {**dataclasses.asdict(settings), "strategy": STRATEGY, "model": str(model_dir),
@@ -205,7 +244,8 @@ def run_microbatch_benchmark(settings: MicrobatchSettings) -> dict:
             "net_ms": "t1(L) - t2(L): what the split saves in all (negative: it costs)",
         },
         "machine": report.machine_info(),
-        "rows": rows,
+        "rows": rows["decode"],
+        "prefill_rows": rows.get("prefill", []),
         "timeline": {"latency_ms": settings.timeline_latency_ms, "stages": raw["timeline"]},
     }
 
@@ -230,24 +270,39 @@ def summarise(times: dict, latencies: tuple[float, ...]) -> list[dict]:
 
 def summary_lines(result: dict) -> list[str]:
     cfg = result["config"]
-    lines = [f"{cfg['strategy']}, {cfg['preset']} model ({cfg['moe_layers']} MoE layers), batch {cfg['batch']} per "
-             f"DP group, context {cfg['context']}; median of {cfg['repeats']} x {cfg['steps']} steps",
-             "| latency | one batch | two micro-batches | ratio | exposed: one / two | hidden / hideable |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in result["rows"]:
-        fraction = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.0%}"
-        lines.append(f"| {r['latency_ms']:g} ms | {r['one_batch_ms']:.1f} ms | {r['two_microbatches_ms']:.1f} ms | "
-                     f"{r['ratio']:.2f}x | {r['exposed_one_ms']:.1f} / {r['exposed_two_ms']:.1f} ms | "
-                     f"{r['hidden_ms']:.1f} / {r['hideable_ms']:.1f} ms ({fraction}) |")
-    split = result["rows"][0]["split_cost_ms"]
-    lines.append(f"split cost with no latency: {split:+.1f} ms per step; the split pays where hidden exceeds it")
+    lines = [f"{cfg['strategy']}, {cfg['preset']} model ({cfg['moe_layers']} MoE layers); median of "
+             f"{cfg['repeats']} measurements"]
+    for phase, rows, shape in (
+            ("decode", result["rows"], f"{cfg['batch']} sequences per DP group, context {cfg['context']}, "
+                                       f"{cfg['steps']} steps per measurement"),
+            ("prefill", result["prefill_rows"], f"{cfg['prefill_tokens']} tokens per DP group in prompts of "
+                                                f"{cfg['prefill_len']}")):
+        if not rows:
+            continue
+        lines += [f"{phase}: {shape}",
+                  "| latency | one batch | two micro-batches | ratio | exposed: one / two | hidden / hideable |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in rows:
+            fraction = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.0%}"
+            lines.append(f"| {r['latency_ms']:g} ms | {r['one_batch_ms']:.1f} ms | {r['two_microbatches_ms']:.1f} ms "
+                         f"| {r['ratio']:.2f}x | {r['exposed_one_ms']:.1f} / {r['exposed_two_ms']:.1f} ms | "
+                         f"{r['hidden_ms']:.1f} / {r['hideable_ms']:.1f} ms ({fraction}) |")
+        lines.append(f"{phase}: split cost with no latency {rows[0]['split_cost_ms']:+.1f} ms per step; the split "
+                     "pays where hidden exceeds it")
     return lines
 
 
 def plot_microbatch(result: dict, path: str | Path) -> Path:
-    fig, axes = report.new_figure(ncols=2, width_per_panel=6.5)
-    ax, lanes = axes[0]
-    rows = result["rows"]
+    phases = [(phase, rows) for phase, rows in (("decode", result["rows"]), ("prefill", result["prefill_rows"]))
+              if rows]
+    fig, axes = report.new_figure(ncols=len(phases) + 1, width_per_panel=5.5)
+    for ax, (phase, rows) in zip(axes[0], phases):
+        _plot_step_times(ax, phase, rows, result["config"])
+    _plot_timeline(axes[0][-1], result["timeline"])
+    return report.save_figure(fig, path)
+
+
+def _plot_step_times(ax, phase: str, rows: list[dict], cfg: dict) -> None:
     latencies = [r["latency_ms"] for r in rows]
     ax.plot(latencies, [r["one_batch_ms"] for r in rows], "o-", label="one batch")
     ax.plot(latencies, [r["two_microbatches_ms"] for r in rows], "s-", label="two micro-batches")
@@ -256,12 +311,11 @@ def plot_microbatch(result: dict, path: str | Path) -> Path:
             ax.annotate(f"{r['hidden_fraction']:.0%} hidden", (r["latency_ms"], r["two_microbatches_ms"]),
                         textcoords="offset points", xytext=(4, -12), fontsize=8)
     ax.set_xlabel("emulated dispatch / combine latency (ms)")
-    ax.set_ylabel("decode step (ms, slower rank, median)")
-    ax.set_title(f"{result['config']['strategy']}, batch {result['config']['batch']} per DP group", fontsize=9)
+    ax.set_ylabel(f"{phase} step (ms, slower rank, median)")
+    size = f"batch {cfg['batch']}" if phase == "decode" else f"{cfg['prefill_tokens']} tokens"
+    ax.set_title(f"{phase}: {cfg['strategy']}, {size} per DP group", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    _plot_timeline(lanes, result["timeline"])
-    return report.save_figure(fig, path)
 
 
 def _plot_timeline(ax, timeline: dict) -> None:

@@ -47,6 +47,7 @@ def test_hidden_time_is_what_the_split_removes_of_the_exposed_latency():
     (["--latencies", "1,2"], "--latencies must include 0"),
     (["--latencies", "0,x"], "comma-separated milliseconds"),
     (["--batch", "1"], "--batch must be at least 2"),
+    (["--prefill-tokens", "100", "--prefill-len", "64"], "--prefill-tokens must hold at least two prompts"),
 ])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, extra, message):
     out = tmp_path / "m.json"
