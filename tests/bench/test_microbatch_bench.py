@@ -21,6 +21,8 @@ def test_a_quick_run_writes_rows_a_timeline_and_a_png(tmp_path, capsys):
         assert r["ratio"] == pytest.approx(r["two_microbatches_ms"] / r["one_batch_ms"])
         assert len(r["one_batch_all_ms"]) == len(r["two_microbatches_all_ms"]) == 1
     assert rows[0]["hidden_fraction"] is None and rows[0]["exposed_one_ms"] == 0
+    prefill = result["prefill_rows"]  # one step of 2 prompts x 32 tokens per DP group
+    assert [r["latency_ms"] for r in prefill] == [0.0, 2.0] and all(r["two_microbatches_ms"] > 0 for r in prefill)
     stages = result["timeline"]["stages"]
     assert result["timeline"]["latency_ms"] == 2.0
     assert {index for index, *_ in stages} == {0, 1}
@@ -31,7 +33,8 @@ def test_a_quick_run_writes_rows_a_timeline_and_a_png(tmp_path, capsys):
     assert all(end >= start >= 0 for *_, start, end in stages)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "| latency | one batch | two micro-batches |" in printed and "split cost with no latency" in printed
+    assert "| latency | one batch | two micro-batches |" in printed
+    assert "decode: split cost with no latency" in printed and "prefill: split cost with no latency" in printed
 
 
 def test_hidden_time_is_what_the_split_removes_of_the_exposed_latency():
