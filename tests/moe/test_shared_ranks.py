@@ -6,6 +6,7 @@ import torch
 
 from meshserve.models.factory import make_model
 from meshserve.models.loader import load_model
+from meshserve.moe.placement import ExpertPlacement
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import spawn_local_world
@@ -49,12 +50,31 @@ def _check_weights(model, reference, ctx: ParallelContext, n_shared: int) -> Non
             assert torch.equal(block.experts.w2[j], ref.shared_experts.down_proj.weight[:, j * inter:(j + 1) * inter])
 
 
-def _world_worker(rank: int, world_size: int, model_dir: str, strategy: str, n_shared: int) -> None:
+def _replicate_an_expert(model) -> None:
+    """EPLB on the routed ranks: each routed rank's redundant slot takes a replica of expert 3 (on every rank,
+    as the engine applies a placement); a shared rank's slots stay as they are."""
+    balancer = model.expert_balancer
+    shape = balancer.shape
+    slots = shape.default_slots()
+    for rank in range(shape.num_ranks):
+        slots[(rank + 1) * shape.slots_per_rank - 1] = 3
+    before = [block.experts.w13.clone() for block in balancer._blocks]
+    balancer.reconfigure(ExpertPlacement(shape, {layer: list(slots) for layer in balancer.moe_layers}), offline=True)
+    if model.parallel.is_shared_expert_rank:
+        assert all(torch.equal(b.experts.w13, w) for b, w in zip(balancer._blocks, before))
+    else:
+        assert all(b.experts.slot_experts[-1] == 3 for b in balancer._blocks)
+
+
+def _world_worker(rank: int, world_size: int, model_dir: str, strategy: str, n_shared: int, redundant: int) -> None:
     torch.set_num_threads(1)
     reference = load_model(model_dir)
-    ctx = ParallelContext.build(ParallelStrategy.parse(strategy), max_tokens_per_step=64)
+    ctx = ParallelContext.build(ParallelStrategy.parse(strategy), max_tokens_per_step=64,
+                                redundant_experts_per_rank=redundant)
     model = load_model(model_dir, parallel=ctx)
     _check_weights(model, reference, ctx, n_shared)
+    if redundant:
+        _replicate_an_expert(model)
     ref, one, two = PagedHarness(reference), PagedHarness(model), PagedHarness(model)
     for step, row in enumerate(SCHEDULE):
         mine = row[ctx.dp_rank] if ctx.dp_rank < len(row) else []
@@ -71,14 +91,16 @@ def _world_worker(rank: int, world_size: int, model_dir: str, strategy: str, n_s
     assert (got - want).abs().max().item() <= TOL, f"rank {rank} MTP block"
 
 
-@pytest.mark.parametrize("world, strategy, n_shared", [
-    (2, "attn=TP1+DP2 moe=TP1+EP2 shared=EP1", 2),  # one routed rank holds all 16 experts; two shared blocks
-    (4, "attn=TP1+DP4 moe=TP1+EP4 shared=EP1", 1),  # 16 experts over 3 routed ranks: an uneven split
+@pytest.mark.parametrize("world, strategy, n_shared, redundant", [
+    # one routed rank holds all 16 experts and a replica (EPLB); two shared blocks
+    (2, "attn=TP1+DP2 moe=TP1+EP2 shared=EP1", 2, 1),
+    (4, "attn=TP1+DP4 moe=TP1+EP4 shared=EP1", 1, 0),  # 16 experts over 3 routed ranks: an uneven split
 ])
-def test_shared_expert_ranks_give_the_single_rank_logits(tmp_path, world, strategy, n_shared):
+def test_shared_expert_ranks_give_the_single_rank_logits(tmp_path, world, strategy, n_shared, redundant):
     model_dir = str(make_model("deepseek_v3", "tiny", tmp_path / "model", seed=3,
                                overrides={"n_shared_experts": n_shared}))
-    spawn_local_world(_world_worker, world, args=(model_dir, strategy, n_shared), timeout_s=WORLD_TIMEOUT_S)
+    spawn_local_world(_world_worker, world, args=(model_dir, strategy, n_shared, redundant),
+                      timeout_s=WORLD_TIMEOUT_S)
 
 
 def test_a_model_without_shared_experts_is_refused_on_shared_ranks(tmp_path):
