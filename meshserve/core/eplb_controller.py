@@ -102,7 +102,7 @@ class EplbController:
         eplb = config.eplb_config
         shape = None
         if ready.moe_layers and ready.num_logical_experts:
-            shape = engine_shape(ready.num_logical_experts, strategy.moe_ep, eplb.eplb_redundant_experts)
+            shape = engine_shape(ready.num_logical_experts, strategy.routed_ep, eplb.eplb_redundant_experts)
         initial = load_placement_file(eplb.eplb_placement) if eplb.eplb_placement else None
         return cls(shape, ready.moe_layers, strategy.world_size, eplb.eplb_slice_s, eplb.eplb_interval_s,
                    initial=initial, live_mode=eplb.eplb_live_mode)

@@ -55,6 +55,9 @@ def shrink_layout(config: EngineConfig, placement: ExpertPlacement | None, recor
     if strategy.attn_tp != 1 or strategy.moe_tp != 1:
         raise ValueError(f"only a DP=EP layout (attn=TP1+DPn moe=TP1+EPn, each rank its own DP group and EP rank) "
                          f"can shrink; {strategy} has attention TP {strategy.attn_tp} and MoE TP {strategy.moe_tp}")
+    if strategy.shared_ep:
+        raise ValueError(f"{strategy} keeps the shared experts on ranks of their own (shared=EP{strategy.shared_ep}); "
+                         "such a layout restarts its ranks instead of shrinking")
     kept = [rank for rank in range(world) if rank not in set(removed)]
     if not kept:
         raise ValueError(f"removing ranks {removed} leaves no rank of this TE")
@@ -86,8 +89,9 @@ def grown_layout(original: EngineConfig, placement: ExpertPlacement | None = Non
 
 def _check_placement(config: EngineConfig, placement: ExpertPlacement) -> None:
     strategy = config.parallel_config.strategy
-    expected = engine_shape(placement.shape.num_logical, strategy.moe_ep, config.eplb_config.eplb_redundant_experts)
+    expected = engine_shape(placement.shape.num_logical, strategy.routed_ep,
+                            config.eplb_config.eplb_redundant_experts)
     if placement.shape != expected:
         raise ValueError(f"the placement's shape {placement.shape} is not this TE's ({expected}: "
-                         f"{strategy.moe_ep} EP ranks, {config.eplb_config.eplb_redundant_experts} redundant slots "
-                         "per rank)")
+                         f"{strategy.routed_ep} routed EP ranks, {config.eplb_config.eplb_redundant_experts} "
+                         "redundant slots per rank)")

@@ -9,7 +9,9 @@ columns, the embedding and the LM head are split over the attention TP group, th
 routers are replicated, and the routed experts run through `MoERuntime`, which holds
 this rank's experts (EP) and intermediate columns (MoE TP). MTP layers are split the
 same way. `expert_balancer` records expert load and reconfigures redundant expert slots
-(meshserve/moe/balancer.py).
+(meshserve/moe/balancer.py). With shared-expert ranks (`shared=EPs`, meshserve/moe/shared_ranks.py) no
+rank computes the shared experts locally: they are dispatched like routed experts, and a shared-expert
+rank's `experts` hold their column blocks instead of routed experts.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from meshserve.models.base import CausalLM
 from meshserve.models.microbatch import Stages, StageTimeline, interleave, split_batch
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.moe.runtime import MoERuntime, rank_expert_range
+from meshserve.moe.shared_ranks import load_shared_expert
 from meshserve.parallel.context import ParallelContext
 
 _REQUIRED_KEYS = (
@@ -235,6 +238,7 @@ class DeepseekV3MoE(torch.nn.Module):
     """
 
     _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    _SHARED = re.compile(r"shared_experts\.(gate_proj|up_proj|down_proj)\.weight")
 
     def __init__(self, p: DeepseekV3Params, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -249,10 +253,13 @@ class DeepseekV3MoE(torch.nn.Module):
         self.routed_scaling_factor = p.routed_scaling_factor
         self.gate_weight = torch.nn.Parameter(torch.empty(p.n_routed_experts, p.hidden_size), requires_grad=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(p.n_routed_experts))
-        self.runtime = MoERuntime(self.parallel, p.n_routed_experts, p.num_experts_per_tok, p.hidden_size, dtype)
+        self.runtime = MoERuntime(self.parallel, p.n_routed_experts, p.num_experts_per_tok, p.hidden_size, dtype,
+                                  num_shared_experts=p.n_shared_experts)
+        # this rank's expert slots: routed experts, or on a shared-expert rank the shared experts' blocks
         self.experts = self.runtime.make_weights(p.moe_intermediate_size)
+        local_shared = p.n_shared_experts and not self.parallel.shared_ep_size
         self.shared_experts = (SwiGLUMLP(p.hidden_size, p.moe_intermediate_size * p.n_shared_experts, dtype,
-                                         self.parallel) if p.n_shared_experts else None)
+                                         self.parallel) if local_shared else None)
 
     def load_hf_weight(self, name: str, tensor: torch.Tensor) -> str:
         if name == "gate.weight":
@@ -271,10 +278,16 @@ class DeepseekV3MoE(torch.nn.Module):
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
             # another rank's expert is skipped; it still counts as handled
-            self.experts.load_expert(expert, proj, tensor)
+            if not self.parallel.is_shared_expert_rank:
+                self.experts.load_expert(expert, proj, tensor)
             return "experts.w2" if proj == "down_proj" else "experts.w13"
         if name.startswith("shared_experts.") and self.shared_experts is not None:
             return "shared_experts." + self.shared_experts.load_hf_weight(name[len("shared_experts."):], tensor)
+        shared = self._SHARED.fullmatch(name)
+        if shared and self.parallel.shared_ep_size:  # shared experts on their own ranks: other ranks skip them
+            if self.parallel.is_shared_expert_rank:
+                load_shared_expert(self.experts, shared.group(1), tensor)
+            return "experts.w2" if shared.group(1) == "down_proj" else "experts.w13"
         raise KeyError(f"unexpected MoE weight {name!r}")
 
     def pack_weights(self) -> int:
@@ -433,6 +446,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
     _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    _SHARED_EXPERT = re.compile(r"\.mlp\.shared_experts\.")
     # checkpoint tensors split over the attention TP group: output rows / input columns
     _TP_ROWS = re.compile(r"(?:^|\.)(?:self_attn\.(?:q_b_proj|q_proj|kv_b_proj)"
                           r"|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj)"
@@ -469,6 +483,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     @property
     def num_mtp_layers(self) -> int:
         return len(self.mtp)
+
+    def wants_weight(self, name: str) -> bool:
+        """Also: with shared-expert ranks, only they read the shared experts."""
+        if self.parallel.shared_ep_size and self._SHARED_EXPERT.search(name):
+            return self.parallel.is_shared_expert_rank
+        return super().wants_weight(name)
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None, num_mtp_layers: int = 0) -> KVCacheLayout:
         """The decoder layers' caches, then `num_mtp_layers` MTP layers' (their blocks move and cache with the rest)."""

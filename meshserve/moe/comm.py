@@ -184,11 +184,17 @@ class EPDispatcher:
     """
 
     def __init__(self, ep_group, num_experts: int, top_k: int, hidden: int, max_tokens_per_rank: int,
-                 dtype: torch.dtype, int8: bool = False, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype, int8: bool = False, device: torch.device | str | None = None,
+                 rank_of_slot: list[int] | None = None) -> None:
+        """`rank_of_slot`: the owner of each of the `num_experts` slots where they are not split evenly in
+        contiguous slices (shared-expert ranks beside the routed ones, meshserve/moe/shared_ranks.py)."""
         self.group = ep_group
         self.world = dist.get_world_size(ep_group)
         self.rank = dist.get_rank(ep_group)
-        if num_experts % self.world:
+        if rank_of_slot is not None:
+            if len(rank_of_slot) != num_experts or not all(0 <= r < self.world for r in rank_of_slot):
+                raise ValueError(f"rank_of_slot must give one of {self.world} ranks for each of {num_experts} slots")
+        elif num_experts % self.world:
             raise ValueError(f"{num_experts} experts do not split evenly over {self.world} EP ranks")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
@@ -205,6 +211,11 @@ class EPDispatcher:
         self.device = torch.device(device) if device is not None else _default_device(ep_group)
         self.experts_per_rank = num_experts // self.world
         self.first_expert = self.rank * self.experts_per_rank
+        self.rank_of_slot: torch.Tensor | None = None
+        if rank_of_slot is not None:
+            self.rank_of_slot = torch.tensor(rank_of_slot, dtype=torch.int64, device=self.device)
+            self.experts_per_rank = max(rank_of_slot.count(r) for r in range(self.world))  # the most on one rank
+            self.first_expert = rank_of_slot.index(self.rank) if self.rank in rank_of_slot else 0
         # Eq. 2: the most rows one peer can send here; Eq. 1: that from every peer.
         self.max_rows_per_peer = max_tokens_per_rank * min(top_k, self.experts_per_rank)
         self.max_recv_rows = self.world * self.max_rows_per_peer
@@ -273,7 +284,7 @@ class EPDispatcher:
         buffers = self._buffers[index]
         num_tokens = hidden.shape[0]
         flat_ids = topk_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
-        dest = flat_ids // self.experts_per_rank
+        dest = flat_ids // self.experts_per_rank if self.rank_of_slot is None else self.rank_of_slot[flat_ids]
         order = torch.argsort(dest, stable=True)
         buffers.send_counts.copy_(torch.bincount(dest, minlength=self.world))
         dist.all_to_all_single(buffers.recv_counts, buffers.send_counts, group=self.group)

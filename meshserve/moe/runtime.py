@@ -35,6 +35,10 @@ symmetrically per row before it leaves its rank: every input element moves by at
 max|x_t| / 254, and the layer output stays within 2% of its max |output| (max abs error
 <= 0.02 * max |output|, checked in tests/parallel/test_moe_runtime.py). The combine
 stays in full precision.
+
+Shared-expert ranks (`shared=EPs`, meshserve/moe/shared_ranks.py): the routed slots cover the routed ranks
+only; after the routed ids are counted and mapped each token gets the columns of its shared-expert blocks,
+and a shared rank's weights (`make_weights`) hold those blocks instead of routed experts.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from meshserve.layers.moe import FusedMoEWeights
 from meshserve.moe.comm import CombineInFlight, DispatchInFlight, EPDispatcher, HybridMoEComm
 from meshserve.moe.placement import PlacementShape, engine_shape
 from meshserve.moe.recorder import add_counts
+from meshserve.moe.shared_ranks import SharedExpertSlots
 from meshserve.moe.slots import SlotMap
 from meshserve.parallel.context import ParallelContext
 
@@ -78,12 +83,15 @@ def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object],
 
 
 def engine_placement_shape(ctx: ParallelContext, num_experts: int) -> PlacementShape:
-    """The expert slots of the engine `ctx` is a rank of (the same on every rank)."""
-    return engine_shape(num_experts, ctx.ep_size, ctx.redundant_experts_per_rank)
+    """The routed-expert slots of the engine `ctx` is a rank of (the same on every rank; over its routed ranks)."""
+    return engine_shape(num_experts, ctx.routed_ep_size, ctx.redundant_experts_per_rank)
 
 
 def rank_expert_range(ctx: ParallelContext, num_experts: int) -> tuple[int, int]:
-    """[first, first + count) of the experts this rank reads from the checkpoint into its first slots."""
+    """[first, first + count) of the experts this rank reads from the checkpoint into its first slots (none on a
+    shared-expert rank)."""
+    if ctx.is_shared_expert_rank:
+        return 0, 0
     return engine_placement_shape(ctx, num_experts).initial_experts(ctx.ep_rank)
 
 
@@ -116,7 +124,7 @@ class MoERuntime:
     """Runs the routed experts of one MoE layer for this rank of a parallel context."""
 
     def __init__(self, ctx: ParallelContext, num_experts: int, top_k: int, hidden_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, num_shared_experts: int = 0) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.ctx = ctx
@@ -125,15 +133,26 @@ class MoERuntime:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.placement_shape = engine_placement_shape(ctx, num_experts)
-        self.first_expert, self.num_local_experts = self.placement_shape.initial_experts(ctx.ep_rank)
-        slots_per_rank = self.placement_shape.slots_per_rank
+        shape = self.placement_shape
+        slots_per_rank = shape.slots_per_rank
+        # a shared-expert rank holds no routed experts; its routed rank index would be past the routed ranks
+        self.first_expert, self.num_local_experts = shape.initial_experts(min(ctx.ep_rank, shape.num_ranks - 1))
         self.first_slot = ctx.ep_rank * slots_per_rank
         self.redundant_slots = slots_per_rank - self.num_local_experts  # this rank's slots beyond its share
-        self.num_slots = self.placement_shape.num_slots  # what the dispatchers route over
+        self.num_slots = shape.num_slots  # what the dispatchers route over
         # logical -> slot ids; None while slot ids are the expert ids (no redundant slots, an even split)
         self.slot_map: SlotMap | None = None
-        if self.redundant_slots or self.placement_shape.uneven:
-            self.slot_map = SlotMap.from_slots(self.placement_shape.default_slots(), num_experts)
+        if shape.redundant_per_rank or shape.uneven:
+            self.slot_map = SlotMap.from_slots(shape.default_slots(), num_experts)
+        # shared experts on their own EP ranks: their slots follow the routed ones
+        self.shared_slots: SharedExpertSlots | None = None
+        if ctx.shared_ep_size:
+            self.shared_slots = SharedExpertSlots(self.num_slots, ctx.routed_ep_size, ctx.shared_ep_size,
+                                                  num_shared_experts)
+            self.num_slots = self.shared_slots.num_slots
+            if ctx.is_shared_expert_rank:  # this rank's weights are the shared experts' column blocks
+                self.first_expert, self.num_local_experts, self.redundant_slots = 0, num_shared_experts, 0
+                self.first_slot = self.shared_slots.first_slot(ctx.ep_rank - ctx.routed_ep_size)
         # this layer's row of the model's expert-load counter (attached by its ExpertBalancer)
         self.load_counts: torch.Tensor | None = None
         self._one = torch.ones(1, dtype=torch.int64)
@@ -154,9 +173,11 @@ class MoERuntime:
         if self.tp_size == 1:
             per_rank = -(-ctx.max_tokens_per_step // self.attn_tp_size) if self.deduplicate \
                 else ctx.max_tokens_per_step
-            self.ep_dispatcher = _shared_comm(ctx, ("ep", *shape), lambda: EPDispatcher(
-                ctx.moe_groups.inter_node, self.num_slots, top_k, hidden_size, per_rank, dtype,
-                int8=ctx.int8_dispatch), lambda comm: comm.use_group(ctx.moe_groups.inter_node))
+            shared, dispatched_k = self.shared_slots, top_k + (num_shared_experts if self.shared_slots else 0)
+            self.ep_dispatcher = _shared_comm(ctx, ("ep", *shape, shared), lambda: EPDispatcher(
+                ctx.moe_groups.inter_node, self.num_slots, dispatched_k, hidden_size, per_rank, dtype,
+                int8=ctx.int8_dispatch, rank_of_slot=shared.rank_of_slot() if shared else None),
+                lambda comm: comm.use_group(ctx.moe_groups.inter_node))
         else:
             if ctx.int8_dispatch:
                 raise ValueError(f"INT8 dispatch needs pure EP (moe=TP1+EPn); {ctx.strategy} has MoE TP")
@@ -165,8 +186,10 @@ class MoERuntime:
                 lambda comm: comm.use_groups(ctx.moe_groups))
 
     def make_weights(self, intermediate_size: int) -> FusedMoEWeights:
-        """Expert weights holding this rank's slots and intermediate-column block."""
-        return FusedMoEWeights(self.num_experts, self.hidden_size, intermediate_size, self.dtype,
+        """Expert weights holding this rank's slots and intermediate-column block (a shared-expert rank: the
+        shared experts' column blocks, as experts 0 .. n - 1)."""
+        total = self.num_local_experts if self.ctx.is_shared_expert_rank else self.num_experts
+        return FusedMoEWeights(total, self.hidden_size, intermediate_size, self.dtype,
                                first_expert=self.first_expert, num_local_experts=self.num_local_experts,
                                tp_rank=self.tp_rank, tp_size=self.tp_size, redundant_slots=self.redundant_slots,
                                first_slot=self.first_slot)
@@ -181,7 +204,7 @@ class MoERuntime:
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  experts: FusedMoEWeights) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights, experts)
-        topk_ids = self._count_and_map(topk_ids)
+        topk_ids, topk_weights = self._count_and_map(topk_ids, topk_weights)
         if self.single:
             return experts(hidden, topk_ids, topk_weights)
         num_tokens = hidden.shape[0]
@@ -197,12 +220,17 @@ class MoERuntime:
             out = self._gather_chunks(out, num_tokens)
         return out
 
-    def _count_and_map(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Add the logical ids to the load counts; the slot ids they go to."""
+    def _count_and_map(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the logical ids to the load counts; the slot ids they go to and their weights (with the shared
+        experts' columns where they have ranks of their own)."""
         if self.load_counts is not None:
             add_counts(self.load_counts, topk_ids, self._one)
         slot_map = self.slot_map
-        return topk_ids if slot_map is None else slot_map.route(topk_ids, self.rotation_offset)
+        slot_ids = topk_ids if slot_map is None else slot_map.route(topk_ids, self.rotation_offset)
+        if self.shared_slots is None:
+            return slot_ids, topk_weights
+        return self.shared_slots.append_columns(slot_ids, topk_weights, self.rotation_offset)
 
     # ------------------------------------------------------------------ forward in stages (two micro-batches)
 
@@ -219,7 +247,7 @@ class MoERuntime:
             raise RuntimeError(f"the MoE layer runs in stages only under pure EP with attention TP1, not "
                                f"{self.ctx.strategy}")
         self._check(hidden, topk_ids, topk_weights, experts)
-        slot_ids = self._count_and_map(topk_ids)
+        slot_ids, topk_weights = self._count_and_map(topk_ids, topk_weights)
         return MoEInFlight(self.ep_dispatcher.dispatch_start(hidden, slot_ids, buffer_index), topk_weights)
 
     def compute(self, pending: MoEInFlight, experts: FusedMoEWeights) -> None:

@@ -35,6 +35,7 @@ class ModelSpec:
     psi_attn: int  # every parameter that is not a routed expert (attention, shared/dense MLP, embeddings)
     psi_moe: int  # routed-expert parameters
     weight_bytes: float  # bytes per stored weight (1 for fp8 checkpoints)
+    psi_shared: int = 0  # shared-expert parameters (counted in psi_attn; on their own ranks under shared=EPs)
 
     @property
     def total_params(self) -> int:
@@ -178,7 +179,14 @@ def model_spec_from_config(config: Mapping[str, Any], name: str | None = None) -
         raise AnalyzerError(f"bad expert routing: {experts} experts, top-{top_k}")
     return ModelSpec(name=name or str(model_type), hidden_size=int(config["hidden_size"]),
                      num_layers=int(config["num_hidden_layers"]), num_experts=experts, top_k=top_k,
-                     psi_attn=psi_attn, psi_moe=psi_moe, weight_bytes=_weight_bytes(config))
+                     psi_attn=psi_attn, psi_moe=psi_moe, weight_bytes=_weight_bytes(config),
+                     psi_shared=_shared_expert_params(config) if model_type != "qwen3_moe" else 0)
+
+
+def _shared_expert_params(c: Mapping[str, Any]) -> int:
+    moe_layers = int(c["num_hidden_layers"]) - int(c.get("first_k_dense_replace", 0))
+    return moe_layers * int(c.get("n_shared_experts") or 0) * 3 * int(c["hidden_size"]) * int(
+        c["moe_intermediate_size"])
 
 
 # ---------------------------------------------------------------- Eq. 1-3: collectives
@@ -266,15 +274,20 @@ def kv_cache_bytes_eq8(batch: int, seq_len: int, hidden: int, layers: int, pp: i
 
 
 def memory_per_rank_eq8(psi_attn_bytes: float, psi_moe_bytes: float, kv_bytes: float,
-                        strategy: ParallelStrategy) -> float:
-    """Left side of Eq. 8: Ψ_attn/d_TP + Ψ_moe/(d_EP·d_TP) + KV."""
+                        strategy: ParallelStrategy, psi_shared_bytes: float = 0.0) -> float:
+    """Left side of Eq. 8: Ψ_attn/d_TP + Ψ_moe/(d_EP·d_TP) + KV. With shared-expert ranks (`shared=EPs`, pure EP,
+    attention TP1) the shared experts (part of Ψ_attn) live only on those s ranks: the fuller of a routed rank
+    (Ψ_moe over EP - s) and a shared one counts."""
+    if strategy.shared_ep:
+        return (psi_attn_bytes - psi_shared_bytes + max(psi_moe_bytes / strategy.routed_ep, psi_shared_bytes)
+                + kv_bytes)
     return psi_attn_bytes / strategy.attn_tp + psi_moe_bytes / (strategy.moe_ep * strategy.moe_tp) + kv_bytes
 
 
 def fits_memory_eq8(psi_attn_bytes: float, psi_moe_bytes: float, kv_bytes: float,
-                    strategy: ParallelStrategy, device_memory: float) -> bool:
+                    strategy: ParallelStrategy, device_memory: float, psi_shared_bytes: float = 0.0) -> bool:
     """Eq. 8: the per-rank footprint must stay strictly below M."""
-    return memory_per_rank_eq8(psi_attn_bytes, psi_moe_bytes, kv_bytes, strategy) < device_memory
+    return memory_per_rank_eq8(psi_attn_bytes, psi_moe_bytes, kv_bytes, strategy, psi_shared_bytes) < device_memory
 
 
 # ---------------------------------------------------------------- Eq. 9-11: indicators
@@ -344,6 +357,13 @@ def layer_latency(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster
     attn_params = model.psi_attn / model.num_layers
     active_expert_params = model.psi_moe / model.num_layers * model.top_k / model.num_experts
     tokens_per_dp = math.ceil(tokens / s.attn_dp)
+    if s.shared_ep:  # pure EP, attention TP1: routed and shared-expert ranks compute side by side
+        shared_params = model.psi_shared / model.num_layers
+        tau = (compute_latency_eq4(attn_params - shared_params, tokens_per_dp, 1, cluster.flops)
+               + max(compute_latency_eq4(active_expert_params, tokens, s.routed_ep, cluster.flops),
+                     compute_latency_eq4(shared_params, tokens, s.shared_ep, cluster.flops)))
+        # one more row per token goes to a shared-expert rank and back
+        return tau, communication_latency_eq5(s, tokens, model.hidden_size, model.top_k + 1, cluster)
     tau = (compute_latency_eq4(attn_params, tokens_per_dp, s.attn_tp, cluster.flops)
            + compute_latency_eq4(active_expert_params, tokens, s.moe_tp * s.moe_ep, cluster.flops))
     bsh = tokens_per_dp * model.hidden_size * ACTIVATION_BYTES
@@ -362,9 +382,12 @@ def estimate(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, wor
                             model.hidden_size, model.num_layers)
     attn_bytes = model.psi_attn * model.weight_bytes
     moe_bytes = model.psi_moe * model.weight_bytes
-    memory = memory_per_rank_eq8(attn_bytes, moe_bytes, kv, strategy)
+    shared_bytes = model.psi_shared * model.weight_bytes
+    if strategy.shared_ep and not model.psi_shared:
+        raise AnalyzerError(f"{strategy} puts shared experts on ranks of their own, but {model.name} has none")
+    memory = memory_per_rank_eq8(attn_bytes, moe_bytes, kv, strategy, shared_bytes)
     comm = comm_model_for(strategy, cluster)
-    if not fits_memory_eq8(attn_bytes, moe_bytes, kv, strategy, cluster.device_memory_bytes):
+    if not fits_memory_eq8(attn_bytes, moe_bytes, kv, strategy, cluster.device_memory_bytes, shared_bytes):
         return StrategyEstimate(strategy, False, memory, comm)
     prefill = service_latency_eq6(model.num_layers, *layer_latency(model, strategy, cluster,
                                                                    w.batch * w.input_len, comm))
@@ -389,10 +412,22 @@ def analyze(config: Mapping[str, Any] | ModelSpec, cluster: Cluster, workload: W
             include_unfit: bool = False) -> list[StrategyEstimate]:
     """Estimate every strategy of the cluster's world size, best first; unfit ones dropped unless asked."""
     model = config if isinstance(config, ModelSpec) else model_spec_from_config(config)
-    estimates = [estimate(model, s, cluster, workload) for s in enumerate_strategies(cluster.world_size)]
+    candidates = enumerate_strategies(cluster.world_size)
+    if model.psi_shared:
+        candidates += [shared for s in candidates for shared in shared_expert_variants(s)]
+    estimates = [estimate(model, s, cluster, workload) for s in candidates]
     if not include_unfit:
         estimates = [e for e in estimates if e.fits_memory]
     return sorted(estimates, key=rank_key)
+
+
+def shared_expert_variants(strategy: ParallelStrategy) -> list[ParallelStrategy]:
+    """A pure-EP attention-TP1 layout with 1, 2, 4, ... of its EP ranks (fewer than all) given to the shared
+    experts (`shared=EPs`); none for other layouts."""
+    if strategy.attn_tp != 1 or strategy.moe_tp != 1 or strategy.shared_ep:
+        return []
+    counts = [1 << i for i in range(strategy.moe_ep.bit_length()) if (1 << i) < strategy.moe_ep]
+    return [dataclasses.replace(strategy, shared_ep=count) for count in counts]
 
 
 MOE_COMM_MODES = ("fused", "sync")
@@ -423,6 +458,8 @@ def to_deployment(strategy: ParallelStrategy, model_dir: str | None = None, est:
         "attention": {"tp": strategy.attn_tp, "dp": strategy.attn_dp},
         "moe": {"tp": strategy.moe_tp, "ep": strategy.moe_ep},
     })
+    if strategy.shared_ep:
+        deployment["moe"]["shared_ep"] = strategy.shared_ep
     if est is not None:
         deployment["estimate"] = {
             "ttft_ms": round(est.ttft_s * 1e3, 3) if math.isfinite(est.ttft_s) else None,

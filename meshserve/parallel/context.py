@@ -176,6 +176,20 @@ class ParallelContext:
         return self.strategy.moe_ep
 
     @property
+    def shared_ep_size(self) -> int:
+        """EP ranks hosting only the shared experts (`shared=EPs`; the last s EP ranks)."""
+        return self.strategy.shared_ep
+
+    @property
+    def routed_ep_size(self) -> int:
+        """EP ranks hosting the routed experts (the first EP - s)."""
+        return self.strategy.routed_ep
+
+    @property
+    def is_shared_expert_rank(self) -> bool:
+        return self.ep_rank >= self.routed_ep_size
+
+    @property
     def is_driver(self) -> bool:
         """The rank that samples for its DP group and reports the group's results to the master."""
         return self.attn_tp_rank == 0

@@ -5,13 +5,18 @@ used for MoE: EP already replicates nothing and partitions the experts). TP degr
 are powers of two (they split heads and columns); DP and EP may be any count (a TE
 shrunk after a rank failure runs e.g. DP3 and EP3: meshserve/core/shrink_layout.py).
 Both blocks must cover the same ranks.
+
+An optional `shared=EPs` block puts the shared experts on the last s of the EP ranks (the seeds'
+EP288 = 256 routed + 32 shared-expert dies, xdeepserve §7): the other EP ranks hold the routed experts.
+Pure EP with attention TP1 only; omitted (and not printed) it is 0.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 
-_BLOCK_KINDS = {"attn": ("TP", "DP"), "moe": ("TP", "EP")}
+_BLOCK_KINDS = {"attn": ("TP", "DP"), "moe": ("TP", "EP"), "shared": ("EP",)}
+_REQUIRED_BLOCKS = {"attn", "moe"}
 _TERM_RE = re.compile(r"^(TP|DP|EP)(\d+)$")
 
 
@@ -29,6 +34,7 @@ class ParallelStrategy:
     attn_dp: int = 1
     moe_tp: int = 1
     moe_ep: int = 1
+    shared_ep: int = 0  # of the moe_ep EP ranks, the last shared_ep host only the shared experts
 
     def __post_init__(self) -> None:
         for name in ("attn_tp", "attn_dp", "moe_tp", "moe_ep"):
@@ -43,13 +49,31 @@ class ParallelStrategy:
             raise StrategyError(
                 f"attention covers {attn_ranks} ranks (TP{self.attn_tp}*DP{self.attn_dp}) but MoE covers "
                 f"{moe_ranks} (TP{self.moe_tp}*EP{self.moe_ep}); both blocks must span the same world size")
+        self._check_shared()
+
+    def _check_shared(self) -> None:
+        s = self.shared_ep
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise StrategyError(f"shared=EP{s!r} must count zero or more shared-expert ranks")
+        if s and s >= self.moe_ep:
+            raise StrategyError(f"shared=EP{s} leaves no routed-expert rank of moe EP{self.moe_ep}; "
+                                f"use at most EP{self.moe_ep - 1}")
+        if s and (self.attn_tp > 1 or self.moe_tp > 1):
+            raise StrategyError(f"shared=EP{s} needs attention TP1 and MoE TP1 (pure EP), not "
+                                f"attn TP{self.attn_tp} and moe TP{self.moe_tp}")
+
+    @property
+    def routed_ep(self) -> int:
+        """EP ranks that hold routed experts (all of them without `shared=EPs`)."""
+        return self.moe_ep - self.shared_ep
 
     @property
     def world_size(self) -> int:
         return self.attn_tp * self.attn_dp
 
     def __str__(self) -> str:
-        return f"attn=TP{self.attn_tp}+DP{self.attn_dp} moe=TP{self.moe_tp}+EP{self.moe_ep}"
+        text = f"attn=TP{self.attn_tp}+DP{self.attn_dp} moe=TP{self.moe_tp}+EP{self.moe_ep}"
+        return f"{text} shared=EP{self.shared_ep}" if self.shared_ep else text
 
     @classmethod
     def parse(cls, text: str) -> ParallelStrategy:
@@ -73,7 +97,8 @@ class ParallelStrategy:
 
 
 def parse_strategy(text: str) -> ParallelStrategy:
-    """Parse `attn=TPa+DPb moe=TPc+EPd`; omitted terms default to 1, order of terms is free."""
+    """Parse `attn=TPa+DPb moe=TPc+EPd [shared=EPs]`; omitted terms default to 1 (s to 0), order of terms
+    is free."""
     if not isinstance(text, str) or not text.strip():
         raise StrategyError("empty strategy; expected e.g. 'attn=TP2+DP2 moe=TP2+EP2'")
     degrees: dict[str, int] = {}
@@ -81,7 +106,7 @@ def parse_strategy(text: str) -> ParallelStrategy:
     for block in text.split():
         name, sep, body = block.partition("=")
         if not sep or name not in _BLOCK_KINDS:
-            raise StrategyError(f"bad block {block!r}; expected 'attn=...' or 'moe=...'")
+            raise StrategyError(f"bad block {block!r}; expected 'attn=...', 'moe=...' or 'shared=EPs'")
         if name in seen_blocks:
             raise StrategyError(f"block {name!r} given twice")
         seen_blocks.add(name)
@@ -98,8 +123,8 @@ def parse_strategy(text: str) -> ParallelStrategy:
                 raise StrategyError(f"{kind} given twice in {block!r}")
             seen_kinds.add(kind)
             degrees[f"{name}_{kind.lower()}"] = degree
-    if seen_blocks != set(_BLOCK_KINDS):
-        missing = sorted(set(_BLOCK_KINDS) - seen_blocks)
+    if not _REQUIRED_BLOCKS <= seen_blocks:
+        missing = sorted(_REQUIRED_BLOCKS - seen_blocks)
         raise StrategyError(f"strategy {text!r} lacks the {', '.join(missing)} block")
     return ParallelStrategy(**degrees)
 

@@ -96,6 +96,20 @@ def test_two_microbatches_match_single_rank(reference, layout):
     assert stats.microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
 
 
+# DeepSeek-V3 only (it has shared experts): the shared experts on an EP rank of their own, dispatched like the
+# routed ones; the 16 routed experts over 3 routed ranks split unevenly
+SHARED_RANK_LAYOUTS = {
+    "DP4+EP4-shared-EP1": dict(parallel="attn=TP1+DP4 moe=TP1+EP4 shared=EP1"),
+}
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("layout", list(SHARED_RANK_LAYOUTS))
+def test_shared_expert_ranks_match_single_rank(reference, layout):
+    model_dir, prompts, refs = reference
+    _assert_same(_run(model_dir, prompts, **SHARED_RANK_LAYOUTS[layout]), refs)
+
+
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)  # the settings touch no model code
 def test_scheduled_gc_on_pinned_ranks_changes_no_token(reference):
     """Garbage collection every 2 steps on ranks pinned to cores of their own (xdeepserve §4.4): the same tokens,
