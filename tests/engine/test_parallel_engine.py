@@ -36,6 +36,14 @@ MICROBATCH_LAYOUTS = {
     "DP4+EP4-two-microbatches": dict(parallel="attn=TP1+DP4 moe=TP1+EP4", microbatches=2, microbatch_min_tokens=2),
 }
 
+# DeepSeek-V3 only (qwen3 models have no MLA and refuse it): MLA per DP group at attention TP1, o_proj shared over
+# both ranks (xDeepServe Fig. 10)
+OPROJ_LAYOUTS = {
+    "DP2+EP2-oproj-TP2": dict(parallel="attn=TP1+DP2 oproj=TP2 moe=TP1+EP2"),
+    "DP2+EP2-oproj-TP2-two-microbatches": dict(parallel="attn=TP1+DP2 oproj=TP2 moe=TP1+EP2", microbatches=2,
+                                               microbatch_min_tokens=2),
+}
+
 
 def _prompts(seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -94,6 +102,13 @@ def test_two_microbatches_match_single_rank(reference, layout):
         stats = llm.get_stats()
     _assert_same(outs, refs)
     assert stats.microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("layout", list(OPROJ_LAYOUTS))
+def test_shared_oproj_layout_matches_single_rank(reference, layout):
+    model_dir, prompts, refs = reference
+    _assert_same(_run(model_dir, prompts, **OPROJ_LAYOUTS[layout]), refs)
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)  # the settings touch no model code
