@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import envs
 from meshserve.utils.core_pinning import rank_cores
 from meshserve.utils.processes import rank_processes
@@ -104,6 +105,13 @@ def test_two_microbatches_match_single_rank(reference, layout):
     assert stats.microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
 
 
+def test_a_model_without_mla_refuses_a_shared_oproj_at_start(tiny_model):
+    model_dir = tiny_model("qwen3_moe", overrides={"num_hidden_layers": 1})
+    with pytest.raises(EngineStartupError, match="oproj=TP2 shares the output projection of MLA attention") as err:
+        LLM(model=str(model_dir), **ENGINE_ARGS, parallel=OPROJ_LAYOUTS["DP2+EP2-oproj-TP2"]["parallel"])
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
 @pytest.mark.parametrize("layout", list(OPROJ_LAYOUTS))
 def test_shared_oproj_layout_matches_single_rank(reference, layout):
@@ -132,14 +140,14 @@ def test_scheduled_gc_on_pinned_ranks_changes_no_token(reference):
 # the single-rank engine without speculation stays the oracle; the tiny model's MTP layer is random, so nearly
 # every draft is rejected: each step verifies two drafts over the paged cache, rolls them back and drafts again
 SPEC = dict(speculative="mtp", num_speculative_tokens=2)
-SPEC_LAYOUTS = ("TP2", "DP2+EP2")
+SPEC_LAYOUTS = ("TP2", "DP2+EP2", "DP2+EP2-oproj-TP2")
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
 @pytest.mark.parametrize("layout", SPEC_LAYOUTS)
 def test_layout_with_mtp_matches_single_rank_without(reference, layout):
     model_dir, prompts, refs = reference
-    _assert_same(_run(model_dir, prompts, **LAYOUTS[layout], **SPEC), refs)
+    _assert_same(_run(model_dir, prompts, **{**LAYOUTS, **OPROJ_LAYOUTS}[layout], **SPEC), refs)
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
