@@ -15,7 +15,8 @@ Port = Annotated[int, Meta(ge=1, le=65535)]
 
 class ParallelConfig(ConfigStruct, frozen=True):
     parallel: Annotated[str, Meta(
-        description="parallel strategy, one worker per rank (MixServe grammar, e.g. 'attn=TP1+DP2 moe=TP1+EP2')")
+        description="parallel strategy, one worker per rank (MixServe grammar, e.g. 'attn=TP1+DP2 moe=TP1+EP2'; "
+                    "'attn=TP1+DP2 oproj=TP2 moe=TP1+EP2' shares MLA's o_proj over 2 ranks)")
     ] = "attn=TP1+DP1 moe=TP1+EP1"
     moe_comm: Annotated[Literal["fused", "sync"], Meta(
         description="hybrid TP-EP collectives: fused (MixServe Alg. 1-2, overlapped) or sync")] = "fused"
@@ -24,7 +25,7 @@ class ParallelConfig(ConfigStruct, frozen=True):
     microbatches: Annotated[int, Meta(
         ge=1, le=2, description="2: run each step as two micro-batches, one computing while the other's MoE "
                                 "dispatch or combine is in flight (pure EP with attention TP1, "
-                                "attn=TP1+DPn moe=TP1+EPn with n > 1; DeepSeek-V3 models)")] = 1
+                                "attn=TP1+DPn moe=TP1+EPn with n > 1, also with oproj=TPk; DeepSeek-V3 models)")] = 1
     microbatch_min_tokens: Annotated[int, Meta(
         ge=2, description="with microbatches 2: split a step only when its largest DP group has this many tokens "
                           "(a smaller step gains less than the split costs)")] = 16

@@ -5,7 +5,8 @@ fewer NPUs. Each expert maintains at least one replica, while excess replicas ar
 
 `shrink_layout` turns a TE's config, its current expert placement and recorded load into the config
 of the same TE on the ranks left: in a DP=EP layout (`attn=TP1+DPn moe=TP1+EPn`) every rank is its own
-DP group and EP rank, so removing ranks removes as many DP groups and EP ranks. The ranks left keep
+DP group and EP rank, so removing ranks removes as many DP groups and EP ranks. A shared o_proj
+(`oproj=TPk`) is kept where k divides the ranks left and dropped (oproj=TP1) where it does not. The ranks left keep
 their slots per rank and are renumbered in rank order; their placement is planned by
 `meshserve.moe.shrink` (every expert keeps a replica on them, excess replicas give way) and travels
 inline in the new config (`eplb_placement` holds its JSON), so no file has to reach the ranks. The
@@ -27,6 +28,7 @@ from meshserve.config import EngineConfig
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import ExpertPlacement, engine_redundant, engine_shape, placement_json
 from meshserve.moe.shrink import plan_shrink
+from meshserve.parallel.strategy import ParallelStrategy
 
 
 class ShrunkLayout(NamedTuple):
@@ -61,7 +63,10 @@ def shrink_layout(config: EngineConfig, placement: ExpertPlacement | None, recor
     kept = [rank for rank in range(world) if rank not in set(removed)]
     if not kept:
         raise ValueError(f"removing ranks {removed} leaves no rank of this TE")
-    changes: dict = {"parallel": f"attn=TP1+DP{len(kept)} moe=TP1+EP{len(kept)}",
+    # a shared o_proj (oproj=TPk) stays while k still divides the DP groups left, else each rank holds all of it
+    oproj = strategy.oproj_tp if len(kept) % strategy.oproj_tp == 0 else 1
+    shrunk_strategy = ParallelStrategy(attn_tp=1, attn_dp=len(kept), moe_tp=1, moe_ep=len(kept), oproj_tp=oproj)
+    changes: dict = {"parallel": str(shrunk_strategy),
                      # the weight servers named are one per old rank; the new ranks read the checkpoint
                      "fork_from": None}
     local = config.parallel_config.local_ranks

@@ -25,7 +25,7 @@ from meshserve.layers.metadata import AttentionMetadata
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.paged import gather_sequence, length_mask
 from meshserve.layers.rope import apply_rotary_, yarn_factor, yarn_get_mscale
-from meshserve.layers.tensor_parallel import attention_tp_part, row_parallel_linear
+from meshserve.layers.tensor_parallel import attention_tp_part, head_sharded_output_projection, row_parallel_linear
 from meshserve.parallel.context import ParallelContext
 
 
@@ -167,6 +167,10 @@ class MultiHeadLatentAttention(torch.nn.Module):
     q_b_proj (q_proj) and kv_b_proj of those heads, the matching input columns of o_proj, and
     the group sums the o_proj outputs. The latent projection, its norms and so the latent cache
     are the same on every rank.
+
+    With `oproj=TPk` (attention TP1) a rank computes every head for its own tokens but holds only
+    the input columns of heads-shard `oproj_rank` of o_proj; the o_proj group projects its
+    members' tokens together (`head_sharded_output_projection`).
     """
 
     def __init__(self, shape: MLAShape, softmax_scale: float, rope_interleave: bool = True,
@@ -180,6 +184,10 @@ class MultiHeadLatentAttention(torch.nn.Module):
         self.parallel = parallel or ParallelContext.single()
         num_heads = attention_tp_part(self.parallel, num_heads, "num_attention_heads")
         self.num_heads = num_heads
+        oproj_size = self.parallel.oproj_size
+        if num_heads % oproj_size:
+            raise ValueError(f"oproj=TP{oproj_size}: num_attention_heads of {num_heads} does not split evenly over "
+                             f"the {oproj_size} ranks sharing o_proj")
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
@@ -201,7 +209,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
             self.q_b_proj = None
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, dtype=dtype)
         self.kv_b_proj = uninitialized_linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, dtype)
-        self.o_proj = uninitialized_linear(num_heads * v_head_dim, hidden_size, attention_bias, dtype)
+        # with oproj TPk: this rank's heads-shard of the input columns (the bias, added once, stays whole)
+        self.o_proj = uninitialized_linear(num_heads // oproj_size * v_head_dim, hidden_size, attention_bias, dtype)
         # derived from kv_b_proj by split_absorbed_weights(): W_UK [H, nope, c], W_UV^T [H, c, v]
         self.register_buffer("w_uk", torch.zeros(num_heads, qk_nope_head_dim, kv_lora_rank, dtype=dtype),
                              persistent=False)
@@ -266,6 +275,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden]; cos/sin [T, rope/2] of the tokens' positions -> [T, hidden]."""
         num_tokens = hidden_states.shape[0]
+        if num_tokens == 0:  # an idle DP group: no attention, only its part in a shared o_proj
+            return self.output_projection(hidden_states.new_zeros(0, self.num_heads * self.v_head_dim))
         q_in, c_kv, k_pe = self.fused_qkv_a_proj(hidden_states).split(
             [self.q_in_dim, self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q = q_in if self.q_b_proj is None else self.q_b_proj(self.q_a_layernorm(q_in))
@@ -287,6 +298,13 @@ class MultiHeadLatentAttention(torch.nn.Module):
             attn_out = torch.cat(outputs, dim=0)
         else:  # an empty batch
             attn_out = hidden_states.new_zeros(0, self.num_heads * self.v_head_dim)
+        return self.output_projection(attn_out)
+
+    def output_projection(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs [T, heads * v] -> [T, hidden], over the attention TP group or, with
+        `oproj=TPk`, together with the o_proj group (whose every member must call it, with or without tokens)."""
+        if self.parallel.oproj_size > 1:
+            return head_sharded_output_projection(self.parallel, attn_out, self.o_proj.weight, self.o_proj.bias)
         return row_parallel_linear(self.parallel, attn_out, self.o_proj.weight, self.o_proj.bias)
 
     def _decode_absorbed(self, q: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,9 @@ split weight (`Shard`): the output rows of column-parallel projections (its head
 MLP columns, its vocabulary slice) and the input columns of row-parallel ones (o_proj,
 down_proj), whose partial outputs the group sums. With one rank every helper here is
 the plain single-device computation, so the single-rank path is unchanged.
+
+With `oproj=TPk` MLA's o_proj alone is shared over an o_proj group of k DP groups
+(`head_sharded_output_projection`); each DP group still computes all heads' attention.
 """
 from __future__ import annotations
 
@@ -90,6 +93,39 @@ def row_parallel_linear(parallel: ParallelContext, x: torch.Tensor, weight: torc
     out = linear(x, weight)
     if x.shape[0]:  # every rank of the group holds the same tokens, so all of them skip an empty batch
         parallel.attn_all_reduce(out)
+    return out if bias is None else out.add_(bias)
+
+
+def oproj_shard(parallel: ParallelContext) -> Shard | None:
+    """This rank's input columns (its heads-shard) of an o_proj shared over the o_proj group; None without one."""
+    if parallel.oproj_size == 1:
+        return None
+    return Shard(1, parallel.oproj_rank, parallel.oproj_size)
+
+
+def head_sharded_output_projection(parallel: ParallelContext, attn_out: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """o_proj shared over the o_proj group (xDeepServe Fig. 10): attn_out [T, heads * v] of this rank's own
+    tokens -> [T, hidden].
+
+    Member i holds the input columns of heads-shard i (`weight` [hidden, heads/k * v]). The first all-to-all
+    brings member i heads-shard i of every member's tokens, it projects them with its columns, and the second
+    returns each token's partial sums to its owner, which adds its k of them. Every member runs both all-to-alls,
+    also with no tokens of its own; a group without tokens skips them together.
+    """
+    k = parallel.oproj_size
+    num_tokens, width = attn_out.shape[0], weight.shape[1]
+    counts = parallel.oproj_token_counts(num_tokens, attn_out.device)
+    if not any(counts):
+        return attn_out.new_zeros(0, weight.shape[0])
+    # rows for member i: heads-shard i of each of this rank's tokens
+    by_member = attn_out.view(num_tokens, k, width).transpose(0, 1).reshape(k * num_tokens, width)
+    received = parallel.oproj_all_to_all(attn_out.new_empty(sum(counts), width), by_member, counts,
+                                         [num_tokens] * k)
+    partial = linear(received, weight)  # [sum(counts), hidden]: this shard's share of every member's tokens
+    returned = parallel.oproj_all_to_all(partial.new_empty(k * num_tokens, partial.shape[1]), partial,
+                                         [num_tokens] * k, counts)
+    out = returned.view(k, num_tokens, partial.shape[1]).sum(dim=0)
     return out if bias is None else out.add_(bias)
 
 

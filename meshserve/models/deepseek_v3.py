@@ -7,11 +7,12 @@ Matches HF `transformers.DeepseekV3ForCausalLM` on the same weights. MTP layers
 Under a parallel strategy (`parallel`), attention heads, dense and shared-expert MLP
 columns, the embedding and the LM head are split over the attention TP group, the
 routers are replicated, and the routed experts run through `MoERuntime`, which holds
-this rank's experts (EP) and intermediate columns (MoE TP). MTP layers are split the
-same way. `expert_balancer` records expert load and reconfigures redundant expert slots
-(meshserve/moe/balancer.py). With shared-expert ranks (`shared=EPs`, meshserve/moe/shared_ranks.py) no
-rank computes the shared experts locally: they are dispatched like routed experts, and a shared-expert
-rank's `experts` hold their column blocks instead of routed experts.
+this rank's experts (EP) and intermediate columns (MoE TP). With `oproj=TPk` each rank
+keeps every head but only its heads-shard of o_proj's columns, shared over k DP groups
+(meshserve/layers/mla.py). MTP layers are split the same way. `expert_balancer` records
+expert load and reconfigures redundant expert slots (meshserve/moe/balancer.py). With shared-expert ranks
+(`shared=EPs`, meshserve/moe/shared_ranks.py) no rank computes the shared experts locally: they are
+dispatched like routed experts, and a shared-expert rank's `experts` hold their column blocks instead.
 """
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ from meshserve.layers.mla import (
 from meshserve.layers.norm import RMSNorm
 from meshserve.layers.rope import RotaryEmbedding, standardize_rope_parameters
 from meshserve.layers.tensor_parallel import (
+    Shard,
     VocabParallelEmbedding,
     attention_tp_part,
+    oproj_shard,
     row_parallel_linear,
     vocab_parallel_logits,
 )
@@ -363,15 +366,23 @@ class DeepseekV3DecoderLayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: MLABatchPlan,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         if hidden_states.shape[0] == 0:  # an idle DP group: no attention, but the MoE runtime must still run
+            self._join_shared_oproj(hidden_states)
             return hidden_states + self.mlp(hidden_states)
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, plan, kv_cache)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+    def _join_shared_oproj(self, empty_hidden: torch.Tensor) -> None:
+        """With `oproj=TPk`, an idle rank still takes its part in its o_proj group's all-to-alls."""
+        if self.self_attn.parallel.oproj_size > 1:
+            self.self_attn.output_projection(empty_hidden.new_zeros(0, self.self_attn.num_heads
+                                                                    * self.self_attn.v_head_dim))
+
     def forward_stages(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        plan: MLABatchPlan, kv_cache: torch.Tensor, buffer_index: int) -> Stages:
         """`forward` for one of two micro-batches: a MoE layer stops where its transfers are in flight."""
         if hidden_states.shape[0] == 0:
+            self._join_shared_oproj(hidden_states)
             mlp_input = hidden_states
         else:
             hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, plan,
@@ -452,6 +463,7 @@ class DeepseekV3ForCausalLM(CausalLM):
                           r"|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj)"
                           r"|embed_tokens|lm_head|shared_head\.head)\.weight$")
     _TP_COLUMNS = re.compile(r"(?:^|\.)(?:self_attn\.o_proj|mlp\.(?:shared_experts\.)?down_proj)\.weight$")
+    _OPROJ = re.compile(r"(?:^|\.)self_attn\.o_proj\.weight$")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32,
                  parallel: ParallelContext | None = None) -> None:
@@ -489,6 +501,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         if self.parallel.shared_ep_size and self._SHARED_EXPERT.search(name):
             return self.parallel.is_shared_expert_rank
         return super().wants_weight(name)
+
+    def weight_shard(self, name: str) -> Shard | None:
+        """As the base class; with `oproj=TPk` also this rank's heads-shard of o_proj's input columns."""
+        if self.parallel.oproj_size > 1 and self._OPROJ.search(name):
+            return oproj_shard(self.parallel)
+        return super().weight_shard(name)
 
     def kv_cache_layout(self, dtype: torch.dtype | None = None, num_mtp_layers: int = 0) -> KVCacheLayout:
         """The decoder layers' caches, then `num_mtp_layers` MTP layers' (their blocks move and cache with the rest)."""

@@ -224,6 +224,9 @@ class Qwen3ForCausalLM(CausalLM):
         self.dims = Qwen3Dims.from_hf(hf_config)
         self.dtype = dtype
         self.parallel = parallel or ParallelContext.single()
+        if self.parallel.oproj_size > 1:
+            raise ValueError(f"oproj=TP{self.parallel.oproj_size} shares the output projection of MLA attention "
+                             f"(DeepSeek-V3 models); {self.model_type} has no MLA: use oproj=TP1")
         mlps = [self.make_mlp(hf_config, i) for i in range(self.dims.num_layers)]
         self.model = Qwen3Model(self.dims, mlps, dtype, self.parallel)
         if not self.dims.tie_word_embeddings:

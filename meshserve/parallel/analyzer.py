@@ -36,6 +36,8 @@ class ModelSpec:
     psi_moe: int  # routed-expert parameters
     weight_bytes: float  # bytes per stored weight (1 for fp8 checkpoints)
     psi_shared: int = 0  # shared-expert parameters (counted in psi_attn; on their own ranks under shared=EPs)
+    # o_proj weights of one decoder layer where it can be shared over ranks (`oproj=TPk`: MLA models); 0: never
+    oproj_params: int = 0
 
     @property
     def total_params(self) -> int:
@@ -165,6 +167,7 @@ def _qwen3_moe_params(c: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
 _PARAM_COUNTERS = {"deepseek_v3": _deepseek_v3_params, "kimi_k2": _deepseek_v3_params,
                    "qwen3_moe": _qwen3_moe_params}
+_MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # their o_proj can be shared over ranks (oproj=TPk)
 
 
 def model_spec_from_config(config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
@@ -177,9 +180,12 @@ def model_spec_from_config(config: Mapping[str, Any], name: str | None = None) -
     psi_attn, psi_moe, experts, top_k = _PARAM_COUNTERS[model_type](config)
     if experts < 1 or not 1 <= top_k <= experts:
         raise AnalyzerError(f"bad expert routing: {experts} experts, top-{top_k}")
+    oproj = 0
+    if model_type in _MLA_MODEL_TYPES:
+        oproj = int(config["num_attention_heads"]) * int(config["v_head_dim"]) * int(config["hidden_size"])
     return ModelSpec(name=name or str(model_type), hidden_size=int(config["hidden_size"]),
                      num_layers=int(config["num_hidden_layers"]), num_experts=experts, top_k=top_k,
-                     psi_attn=psi_attn, psi_moe=psi_moe, weight_bytes=_weight_bytes(config),
+                     psi_attn=psi_attn, psi_moe=psi_moe, weight_bytes=_weight_bytes(config), oproj_params=oproj,
                      psi_shared=_shared_expert_params(config) if model_type != "qwen3_moe" else 0)
 
 
@@ -309,6 +315,29 @@ def throughput_eq11(input_len: int, output_len: int, queueing_delay: float, pref
     return 0.0 if math.isinf(total) else (input_len + output_len) / total
 
 
+# ---------------------------------------------------------------- shared o_proj (xDeepServe Fig. 10)
+
+def attention_params_per_rank(model: ModelSpec, strategy: ParallelStrategy) -> float:
+    """Ψ_attn a rank stores before the attention TP split: with `oproj=TPk` only 1/k of each layer's o_proj."""
+    k = strategy.oproj_tp
+    return model.psi_attn - model.num_layers * model.oproj_params * (k - 1) / k
+
+
+def oproj_comm_time(model: ModelSpec, strategy: ParallelStrategy, tokens_per_dp: int, cluster: Cluster) -> float:
+    """The two all-to-alls of a shared o_proj in one layer, among its k consecutive ranks: the heads' outputs
+    (b/d_DP tokens x heads·v_head_dim) out, the partial sums (k·b/d_DP tokens x h) back.
+
+    Its compute is not cheaper: a rank projects k DP groups' tokens with 1/k of the columns, the FLOPs of
+    its own tokens with all of them, so τ keeps Ψ_attn whole. The gain is weight memory (Eq. 8)."""
+    k = strategy.oproj_tp
+    if k == 1:
+        return 0.0
+    link = cluster.link_for_span(k)
+    heads_out = tokens_per_dp * model.oproj_params // model.hidden_size * ACTIVATION_BYTES
+    partials = k * tokens_per_dp * model.hidden_size * ACTIVATION_BYTES
+    return all_to_all_time(heads_out, k, link) + all_to_all_time(partials, k, link)
+
+
 # ---------------------------------------------------------------- Eq. 12-13: hybrid TP-EP
 
 def ep_comm_eq12(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster: Cluster) -> float:
@@ -373,14 +402,14 @@ def layer_latency(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster
         lam = ep_comm_eq12(bsh, model.top_k, s.attn_tp, s.attn_dp, cluster)
     else:
         lam = communication_latency_eq5(s, tokens, model.hidden_size, model.top_k, cluster)
-    return tau, lam
+    return tau, lam + oproj_comm_time(model, s, tokens_per_dp, cluster)
 
 
 def estimate(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, workload: Workload) -> StrategyEstimate:
     w = workload
     kv = kv_cache_bytes_eq8(math.ceil(w.batch / strategy.attn_dp), w.input_len + w.output_len,
                             model.hidden_size, model.num_layers)
-    attn_bytes = model.psi_attn * model.weight_bytes
+    attn_bytes = attention_params_per_rank(model, strategy) * model.weight_bytes
     moe_bytes = model.psi_moe * model.weight_bytes
     shared_bytes = model.psi_shared * model.weight_bytes
     if strategy.shared_ep and not model.psi_shared:
@@ -408,11 +437,17 @@ def rank_key(est: StrategyEstimate) -> tuple:
     return (not est.fits_memory, not est.meets_slo, -est.throughput_tok_s, ttft, str(est.strategy))
 
 
+def candidate_strategies(model: ModelSpec, world_size: int) -> list[ParallelStrategy]:
+    """The strategies `analyze` prices: every one of the grammar, `oproj=TPk` ones only where o_proj can be shared."""
+    return enumerate_strategies(world_size, oproj=model.oproj_params > 0)
+
+
 def analyze(config: Mapping[str, Any] | ModelSpec, cluster: Cluster, workload: Workload,
             include_unfit: bool = False) -> list[StrategyEstimate]:
-    """Estimate every strategy of the cluster's world size, best first; unfit ones dropped unless asked."""
+    """Estimate every strategy of the cluster's world size (with the o_proj-sharing variants for MLA models), best
+    first; unfit ones dropped unless asked."""
     model = config if isinstance(config, ModelSpec) else model_spec_from_config(config)
-    candidates = enumerate_strategies(cluster.world_size)
+    candidates = candidate_strategies(model, cluster.world_size)
     if model.psi_shared:
         candidates += [shared for s in candidates for shared in shared_expert_variants(s)]
     estimates = [estimate(model, s, cluster, workload) for s in candidates]
@@ -455,7 +490,8 @@ def to_deployment(strategy: ParallelStrategy, model_dir: str | None = None, est:
         "int8_dispatch": bool(int8_dispatch),
         "engine": dict(engine or {}),
         "world_size": strategy.world_size,
-        "attention": {"tp": strategy.attn_tp, "dp": strategy.attn_dp},
+        "attention": {"tp": strategy.attn_tp, "dp": strategy.attn_dp,
+                      **({"oproj_tp": strategy.oproj_tp} if strategy.oproj_tp > 1 else {})},
         "moe": {"tp": strategy.moe_tp, "ep": strategy.moe_ep},
     })
     if strategy.shared_ep:

@@ -8,6 +8,9 @@ For `attn=TPa+DPb moe=TPc+EPd` (world W = a*b = c*d), rank r is
   experts (EP). The EP group of a rank holds the ranks with its MoE TP rank on every
   node. These are `Topology(num_nodes=d, ranks_per_node=c)` groups, so the hybrid
   TP-EP collectives of `moe_comm` run on them unchanged.
+With `oproj=TPk` (attention TP1, so rank = DP rank) rank r also shares the attention
+output projection with the k consecutive ranks [r - r % k, r - r % k + k): its o_proj
+group, where it holds heads-shard r % k of o_proj's input columns.
 
 `ParallelContext.single()` is the one-rank context: every group is None and every
 collective helper is the identity, so model code calls them unconditionally.
@@ -48,9 +51,11 @@ class ParallelContext:
     # a collective on this context's groups fails after this long (None: torch's default timeout)
     collective_timeout_s: float | None = None
     attn_tp_group: dist.ProcessGroup | None = None
+    oproj_group: dist.ProcessGroup | None = None  # None with oproj TP1
     moe_groups: TopologyGroups | None = None
     # rank lists of this rank's groups (for tests and logs)
     attn_tp_ranks: list[int] = field(default_factory=lambda: [0])
+    oproj_ranks: list[int] = field(default_factory=lambda: [0])
     moe_tp_ranks: list[int] = field(default_factory=lambda: [0])
     ep_ranks: list[int] = field(default_factory=lambda: [0])
     rollback: RollbackAgreement | None = None  # the ranks' rollback rounds (None: one rank)
@@ -89,12 +94,13 @@ class ParallelContext:
             raise ValueError(f"strategy {strategy} spans {strategy.world_size} ranks but the world has {world}")
         rank = dist.get_rank()
         topo = Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp)
-        a = strategy.attn_tp
+        a, k = strategy.attn_tp, strategy.oproj_tp
         # a peer still in a collective fails it within one timeout; the second covers the compute before it
         wait_s = 2 * (collective_timeout_s or dist.default_pg_timeout.total_seconds())
         # the store the world rendezvoused on: its server lives in rank 0's process, apart from the groups
         store = dist.distributed_c10d._get_default_store()
         ctx = cls(strategy, rank=rank, **settings, attn_tp_ranks=list(range(rank // a * a, (rank // a + 1) * a)),
+                  oproj_ranks=list(range(rank // k * k, (rank // k + 1) * k)),
                   moe_tp_ranks=topo.intra_node_ranks(topo.node_of(rank)),
                   ep_ranks=topo.inter_node_ranks(topo.local_rank(rank)),
                   rollback=RollbackAgreement(store, rank, world, wait_s))
@@ -108,7 +114,12 @@ class ParallelContext:
         attn_pgs = [dist.new_group(list(range(dp * a, (dp + 1) * a))) for dp in range(self.strategy.attn_dp)]
         self.moe_groups = build_groups(Topology(num_nodes=self.strategy.moe_ep, ranks_per_node=self.strategy.moe_tp))
         self.attn_tp_group = attn_pgs[self.rank // a]
-        self._all_groups = [group for group in (*attn_pgs, *self.moe_groups.all_intra_node,
+        k = self.strategy.oproj_tp
+        # none with oproj TP1: that layout creates exactly the groups it always did
+        oproj_pgs = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(self.world_size // k)] if k > 1 \
+            else []
+        self.oproj_group = oproj_pgs[self.rank // k] if oproj_pgs else None
+        self._all_groups = [group for group in (*attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node,
                                                 *self.moe_groups.all_inter_node)
                             if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
         if self.collective_timeout_s is not None:
@@ -158,6 +169,15 @@ class ParallelContext:
     @property
     def attn_tp_size(self) -> int:
         return self.strategy.attn_tp
+
+    @property
+    def oproj_rank(self) -> int:
+        """Which heads-shard of o_proj's input columns this rank holds."""
+        return self.rank % self.strategy.oproj_tp
+
+    @property
+    def oproj_size(self) -> int:
+        return self.strategy.oproj_tp
 
     @property
     def moe_tp_rank(self) -> int:
@@ -234,3 +254,18 @@ class ParallelContext:
         if self.attn_tp_size > 1:
             dist.broadcast(x, src=self.attn_tp_ranks[0], group=self.attn_tp_group)
         return x
+
+    # ------------------------------------------------------------------ o_proj-group collectives
+    def oproj_token_counts(self, num_tokens: int, device: torch.device) -> list[int]:
+        """Every o_proj group member's token count, in rank order (exchanged on `device`, as NCCL needs)."""
+        mine = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(mine) for _ in range(self.oproj_size)]
+        dist.all_gather(counts, mine, group=self.oproj_group)
+        return [int(count.item()) for count in counts]
+
+    def oproj_all_to_all(self, out: torch.Tensor, rows: torch.Tensor, out_splits: list[int],
+                         in_splits: list[int]) -> torch.Tensor:
+        """Rows [sum(in_splits), ...] to the o_proj group members, in_splits[i] of them to member i; `out` receives
+        out_splits[i] rows from member i."""
+        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=self.oproj_group)
+        return out

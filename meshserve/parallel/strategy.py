@@ -6,6 +6,12 @@ are powers of two (they split heads and columns); DP and EP may be any count (a 
 shrunk after a rank failure runs e.g. DP3 and EP3: meshserve/core/shrink_layout.py).
 Both blocks must cover the same ranks.
 
+The optional `oproj=TPk` block (xDeepServe Fig. 10) runs MLA whole per DP group at
+attention TP1, so the latent KV cache is not replicated, and shares the attention
+output projection over k consecutive DP groups (= k consecutive ranks): each rank
+holds 1/k of the heads' o_proj columns and two all-to-alls move the heads' outputs
+and the partial sums between them. k divides the attention DP degree.
+
 An optional `shared=EPs` block puts the shared experts on the last s of the EP ranks (the seeds'
 EP288 = 256 routed + 32 shared-expert dies, xdeepserve §7): the other EP ranks hold the routed experts.
 Pure EP with attention TP1 only; omitted (and not printed) it is 0.
@@ -15,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-_BLOCK_KINDS = {"attn": ("TP", "DP"), "moe": ("TP", "EP"), "shared": ("EP",)}
+_BLOCK_KINDS = {"attn": ("TP", "DP"), "oproj": ("TP",), "moe": ("TP", "EP"), "shared": ("EP",)}
 _REQUIRED_BLOCKS = {"attn", "moe"}
 _TERM_RE = re.compile(r"^(TP|DP|EP)(\d+)$")
 
@@ -34,10 +40,11 @@ class ParallelStrategy:
     attn_dp: int = 1
     moe_tp: int = 1
     moe_ep: int = 1
+    oproj_tp: int = 1  # ranks sharing each attention output projection (MLA at attention TP1)
     shared_ep: int = 0  # of the moe_ep EP ranks, the last shared_ep host only the shared experts
 
     def __post_init__(self) -> None:
-        for name in ("attn_tp", "attn_dp", "moe_tp", "moe_ep"):
+        for name in ("attn_tp", "attn_dp", "moe_tp", "moe_ep", "oproj_tp"):
             value = getattr(self, name)
             if name.endswith("_tp") and (isinstance(value, bool) or not is_power_of_two(value)):
                 raise StrategyError(f"{name} must be a positive power of two, got {value!r}")
@@ -49,6 +56,12 @@ class ParallelStrategy:
             raise StrategyError(
                 f"attention covers {attn_ranks} ranks (TP{self.attn_tp}*DP{self.attn_dp}) but MoE covers "
                 f"{moe_ranks} (TP{self.moe_tp}*EP{self.moe_ep}); both blocks must span the same world size")
+        if self.oproj_tp > 1 and self.attn_tp != 1:
+            raise StrategyError(f"oproj=TP{self.oproj_tp} needs attention TP1 (MLA runs whole in each DP group), "
+                                f"got attn=TP{self.attn_tp}")
+        if self.attn_dp % self.oproj_tp:
+            raise StrategyError(f"oproj=TP{self.oproj_tp} must divide the attention DP degree {self.attn_dp} "
+                                "(an o_proj group is that many consecutive DP groups)")
         self._check_shared()
 
     def _check_shared(self) -> None:
@@ -72,8 +85,9 @@ class ParallelStrategy:
         return self.attn_tp * self.attn_dp
 
     def __str__(self) -> str:
-        text = f"attn=TP{self.attn_tp}+DP{self.attn_dp} moe=TP{self.moe_tp}+EP{self.moe_ep}"
-        return f"{text} shared=EP{self.shared_ep}" if self.shared_ep else text
+        oproj = f" oproj=TP{self.oproj_tp}" if self.oproj_tp > 1 else ""
+        shared = f" shared=EP{self.shared_ep}" if self.shared_ep else ""
+        return f"attn=TP{self.attn_tp}+DP{self.attn_dp}{oproj} moe=TP{self.moe_tp}+EP{self.moe_ep}{shared}"
 
     @classmethod
     def parse(cls, text: str) -> ParallelStrategy:
@@ -97,8 +111,8 @@ class ParallelStrategy:
 
 
 def parse_strategy(text: str) -> ParallelStrategy:
-    """Parse `attn=TPa+DPb moe=TPc+EPd [shared=EPs]`; omitted terms default to 1 (s to 0), order of terms
-    is free."""
+    """Parse `attn=TPa+DPb [oproj=TPk] moe=TPc+EPd [shared=EPs]`; omitted terms (and the oproj block) default to 1,
+    s to 0; order of terms is free."""
     if not isinstance(text, str) or not text.strip():
         raise StrategyError("empty strategy; expected e.g. 'attn=TP2+DP2 moe=TP2+EP2'")
     degrees: dict[str, int] = {}
@@ -106,7 +120,7 @@ def parse_strategy(text: str) -> ParallelStrategy:
     for block in text.split():
         name, sep, body = block.partition("=")
         if not sep or name not in _BLOCK_KINDS:
-            raise StrategyError(f"bad block {block!r}; expected 'attn=...', 'moe=...' or 'shared=EPs'")
+            raise StrategyError(f"bad block {block!r}; expected 'attn=...', 'oproj=...', 'moe=...' or 'shared=EPs'")
         if name in seen_blocks:
             raise StrategyError(f"block {name!r} given twice")
         seen_blocks.add(name)
@@ -123,16 +137,21 @@ def parse_strategy(text: str) -> ParallelStrategy:
                 raise StrategyError(f"{kind} given twice in {block!r}")
             seen_kinds.add(kind)
             degrees[f"{name}_{kind.lower()}"] = degree
-    if not _REQUIRED_BLOCKS <= seen_blocks:
-        missing = sorted(_REQUIRED_BLOCKS - seen_blocks)
+    missing = sorted(set(_REQUIRED_BLOCKS) - seen_blocks)
+    if missing:
         raise StrategyError(f"strategy {text!r} lacks the {', '.join(missing)} block")
     return ParallelStrategy(**degrees)
 
 
-def enumerate_strategies(world_size: int) -> list[ParallelStrategy]:
-    """Every grammar-valid strategy spanning `world_size` ranks."""
+def enumerate_strategies(world_size: int, oproj: bool = False) -> list[ParallelStrategy]:
+    """Every grammar-valid strategy spanning `world_size` ranks; with `oproj`, also the attention-TP1 ones with
+    o_proj shared over 2, 4, ... ranks (MLA models only)."""
     if isinstance(world_size, bool) or not is_power_of_two(world_size):
         raise StrategyError(f"world size must be a positive power of two, got {world_size!r}")
     divisors = [1 << i for i in range(world_size.bit_length()) if (1 << i) <= world_size]
-    return [ParallelStrategy(attn_tp=a, attn_dp=world_size // a, moe_tp=m, moe_ep=world_size // m)
-            for a in divisors for m in divisors]
+    strategies = [ParallelStrategy(attn_tp=a, attn_dp=world_size // a, moe_tp=m, moe_ep=world_size // m)
+                  for a in divisors for m in divisors]
+    if oproj:
+        strategies += [dataclasses.replace(s, oproj_tp=k) for s in strategies if s.attn_tp == 1
+                       for k in divisors if k > 1]
+    return strategies

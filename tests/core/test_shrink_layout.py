@@ -128,3 +128,10 @@ def test_engine_shapes_of_uneven_expert_counts():
     assert engine_shape(8, 4, 1) == PlacementShape(8, 4, 1)
     with pytest.raises(ValueError, match="has primary slots"):
         engine_redundant(PlacementShape(8, 4, 0, uneven_slots_per_rank=3))
+
+
+def test_a_shared_oproj_stays_while_it_divides_the_ranks_left_and_falls_back_to_one_otherwise():
+    config = _config("attn=TP1+DP4 oproj=TP2 moe=TP1+EP4")
+    assert shrink_layout(config, None, None, [1, 2]).config.parallel_config.parallel == \
+        "attn=TP1+DP2 oproj=TP2 moe=TP1+EP2"
+    assert shrink_layout(config, None, None, [3]).config.parallel_config.parallel == "attn=TP1+DP3 moe=TP1+EP3"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import envs
 from meshserve.utils.core_pinning import rank_cores
 from meshserve.utils.processes import rank_processes
@@ -34,6 +35,14 @@ LAYOUTS = {
 MICROBATCH_LAYOUTS = {
     "DP2+EP2-two-microbatches": dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
     "DP4+EP4-two-microbatches": dict(parallel="attn=TP1+DP4 moe=TP1+EP4", microbatches=2, microbatch_min_tokens=2),
+}
+
+# DeepSeek-V3 only (qwen3 models have no MLA and refuse it): MLA per DP group at attention TP1, o_proj shared over
+# both ranks (xDeepServe Fig. 10)
+OPROJ_LAYOUTS = {
+    "DP2+EP2-oproj-TP2": dict(parallel="attn=TP1+DP2 oproj=TP2 moe=TP1+EP2"),
+    "DP2+EP2-oproj-TP2-two-microbatches": dict(parallel="attn=TP1+DP2 oproj=TP2 moe=TP1+EP2", microbatches=2,
+                                               microbatch_min_tokens=2),
 }
 
 
@@ -110,6 +119,20 @@ def test_shared_expert_ranks_match_single_rank(reference, layout):
     _assert_same(_run(model_dir, prompts, **SHARED_RANK_LAYOUTS[layout]), refs)
 
 
+def test_a_model_without_mla_refuses_a_shared_oproj_at_start(tiny_model):
+    model_dir = tiny_model("qwen3_moe", overrides={"num_hidden_layers": 1})
+    with pytest.raises(EngineStartupError, match="oproj=TP2 shares the output projection of MLA attention") as err:
+        LLM(model=str(model_dir), **ENGINE_ARGS, parallel=OPROJ_LAYOUTS["DP2+EP2-oproj-TP2"]["parallel"])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("layout", list(OPROJ_LAYOUTS))
+def test_shared_oproj_layout_matches_single_rank(reference, layout):
+    model_dir, prompts, refs = reference
+    _assert_same(_run(model_dir, prompts, **OPROJ_LAYOUTS[layout]), refs)
+
+
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)  # the settings touch no model code
 def test_scheduled_gc_on_pinned_ranks_changes_no_token(reference):
     """Garbage collection every 2 steps on ranks pinned to cores of their own (xdeepserve §4.4): the same tokens,
@@ -131,14 +154,14 @@ def test_scheduled_gc_on_pinned_ranks_changes_no_token(reference):
 # the single-rank engine without speculation stays the oracle; the tiny model's MTP layer is random, so nearly
 # every draft is rejected: each step verifies two drafts over the paged cache, rolls them back and drafts again
 SPEC = dict(speculative="mtp", num_speculative_tokens=2)
-SPEC_LAYOUTS = ("TP2", "DP2+EP2")
+SPEC_LAYOUTS = ("TP2", "DP2+EP2", "DP2+EP2-oproj-TP2")
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)
 @pytest.mark.parametrize("layout", SPEC_LAYOUTS)
 def test_layout_with_mtp_matches_single_rank_without(reference, layout):
     model_dir, prompts, refs = reference
-    _assert_same(_run(model_dir, prompts, **LAYOUTS[layout], **SPEC), refs)
+    _assert_same(_run(model_dir, prompts, **{**LAYOUTS, **OPROJ_LAYOUTS}[layout], **SPEC), refs)
 
 
 @pytest.mark.parametrize("reference", ["deepseek_v3"], indirect=True)

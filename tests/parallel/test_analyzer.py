@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -255,10 +256,12 @@ def test_cli_on_paper_models_and_clusters(model, cluster, tmp_path, capsys):
         assert column in lines[header]
     world = CLUSTER_PRESETS[cluster].world_size
     rows = [line for line in lines[header + 1:] if line.split()[0].isdigit()]
+    spec = az.model_spec_from_config(MODEL_PRESETS[model])
+    candidates = enumerate_strategies(world, oproj=spec.oproj_params > 0)
     # a model with shared experts is also priced with them on EP ranks of their own (shared=EPs)
-    shared = MODEL_PRESETS[model].get("n_shared_experts", 0) and MODEL_PRESETS[model]["model_type"] != "qwen3_moe"
-    variants = sum(len(az.shared_expert_variants(s)) for s in enumerate_strategies(world)) if shared else 0
-    assert len(rows) == len(enumerate_strategies(world)) + variants
+    variants = sum(len(az.shared_expert_variants(s)) for s in candidates) if spec.psi_shared else 0
+    assert len(rows) == len(candidates) + variants
+    assert any("oproj=TP" in row for row in rows) == model.startswith("deepseek")  # MLA models only
     deployment = yaml.safe_load(out.read_text())
     chosen = ParallelStrategy.parse(deployment["parallel"])
     assert chosen.world_size == world
@@ -351,3 +354,45 @@ def test_plan_deployment_file_is_what_serve_reads(tmp_path):
     assert deployment.model == "/models/qwen"
     assert deployment.engine["parallel"] == written["parallel"]
     assert (deployment.engine["moe_comm"], deployment.engine["int8_dispatch"]) == ("sync", False)
+
+
+# ---------------------------------------------------------------- shared o_proj (oproj=TPk)
+
+MLA_TOY = ModelSpec(name="mla", hidden_size=5, num_layers=2, num_experts=4, top_k=1, psi_attn=1000, psi_moe=800,
+                    weight_bytes=1.0, oproj_params=100)  # o_proj 100 = 20 heads·v x h=5 per layer
+
+
+def test_a_shared_oproj_stores_one_kth_of_o_proj_and_pays_two_all_to_alls():
+    plain, shared = ParallelStrategy(1, 4, 1, 4), ParallelStrategy(1, 4, 1, 4, oproj_tp=2)
+    # per rank: Ψ_attn less half of each layer's o_proj: 1000 - 2 * 100 / 2
+    assert az.attention_params_per_rank(MLA_TOY, plain) == 1000
+    assert az.attention_params_per_rank(MLA_TOY, shared) == 900
+    # 3 tokens per DP group, o_proj group of 2 in one node: heads out 3*20*2 B = 120 B -> 1*(1 + 60/100) = 1.6;
+    # partials back 2*3*5*2 B = 60 B -> 1*(1 + 30/100) = 1.3
+    assert az.oproj_comm_time(MLA_TOY, shared, 3, TOY_CLUSTER) == pytest.approx(2.9)
+    assert az.oproj_comm_time(MLA_TOY, plain, 3, TOY_CLUSTER) == 0.0
+    # the layer: τ unchanged (the same FLOPs per rank), λ plus the two all-to-alls
+    tau0, lam0 = az.layer_latency(MLA_TOY, plain, TOY_CLUSTER, 12, "eq5")
+    tau1, lam1 = az.layer_latency(MLA_TOY, shared, TOY_CLUSTER, 12, "eq5")
+    assert tau1 == tau0 and lam1 == pytest.approx(lam0 + 2.9)
+    workload = Workload(batch=4, input_len=2, output_len=1, arrival_rate=0.0)
+    roomy = dataclasses.replace(TOY_CLUSTER, device_memory_bytes=1e4)
+    est0, est1 = (az.estimate(MLA_TOY, s, roomy, workload) for s in (plain, shared))
+    assert est0.memory_per_rank_bytes - est1.memory_per_rank_bytes == pytest.approx(100.0)
+    assert est1.itl_s == pytest.approx(est0.itl_s + MLA_TOY.num_layers * az.oproj_comm_time(MLA_TOY, shared, 1, roomy))
+    # where memory is tight the shared o_proj is what fits (1320 B per rank against 1220 B)
+    tight = dataclasses.replace(TOY_CLUSTER, device_memory_bytes=1250.0)
+    assert [az.estimate(MLA_TOY, s, tight, workload).fits_memory for s in (plain, shared)] == [False, True]
+
+
+def test_the_planner_prices_oproj_variants_of_mla_models_only():
+    workload = Workload(batch=4, input_len=2, output_len=1, arrival_rate=0.0)
+    mla = {str(e.strategy) for e in analyze(MLA_TOY, TOY_CLUSTER, workload, include_unfit=True)}
+    assert "attn=TP1+DP4 oproj=TP4 moe=TP2+EP2" in mla and len(mla) == len(enumerate_strategies(4, oproj=True))
+    gqa = analyze(TINY_MODEL, TOY_CLUSTER, workload, include_unfit=True)
+    assert all(e.strategy.oproj_tp == 1 for e in gqa)
+    spec = az.model_spec_from_config(MODEL_PRESETS["deepseek-r1"])
+    assert spec.oproj_params == 128 * 128 * 7168
+    assert az.model_spec_from_config(MODEL_PRESETS["qwen3-235b-a22b"]).oproj_params == 0
+    d = az.to_deployment(ParallelStrategy(1, 4, 1, 4, oproj_tp=2))
+    assert d["parallel"] == "attn=TP1+DP4 oproj=TP2 moe=TP1+EP4" and d["attention"]["oproj_tp"] == 2
