@@ -151,10 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def add_calibrate_arguments(parser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="nodes the local ranks are grouped into (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
@@ -171,3 +167,7 @@ def _calibrate_main(args) -> int:
     from meshserve.bench.calibrate import calibrate_main  # torch is imported only when calibrating
 
     return calibrate_main(args)
+
+
+if __name__ == "__main__":  # last: the functions above must exist first
+    sys.exit(main())
