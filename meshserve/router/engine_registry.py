@@ -93,9 +93,13 @@ class EngineRegistry:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)
-            cluster_auth.client(sock, hb.input_addr)
-            self.links.watch(sock, hb.name, hb.input_addr)
-            sock.connect(hb.input_addr)
+            try:
+                cluster_auth.client(sock, hb.input_addr)
+                self.links.watch(sock, hb.name, hb.input_addr)
+                sock.connect(hb.input_addr)
+            except zmq.ZMQError:
+                sock.close(0)  # a socket left open would hold the JE's context at shutdown
+                raise
             record = EngineRecord(hb.name, hb, sock, now)
             self.tes[hb.name] = record
             if hb.kv_events_addr and self.tree is not None:

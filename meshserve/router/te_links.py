@@ -9,6 +9,7 @@ back lost nothing.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 from dataclasses import dataclass
@@ -39,10 +40,14 @@ class TELinkWatch:
     def __init__(self) -> None:
         self._new: queue.SimpleQueue = queue.SimpleQueue()  # (monitor socket, event) waiting for the reader
         self._monitors: dict[zmq.Socket, tuple[str, str]] = {}  # monitor -> (TE, input address); reader's
+        self._ids = itertools.count()
 
     def watch(self, sock: zmq.Socket, te: str, input_addr: str) -> None:
-        """Monitor `sock` (call before it connects, so its first handshake is seen too)."""
-        self._new.put((sock.get_monitor_socket(_WATCHED), (te, input_addr)))
+        """Monitor `sock` (call before it connects, so its first handshake is seen too). Each monitor gets an
+        address of its own: pyzmq's default names it after the socket's file descriptor, which a TE registering
+        again under its name reuses while the monitor of its dropped socket may still hold that address."""
+        addr = f"inproc://te-link-monitor-{id(self)}-{next(self._ids)}"
+        self._new.put((sock.get_monitor_socket(_WATCHED, addr=addr), (te, input_addr)))
 
     def apply(self, poller: zmq.Poller) -> None:
         """On the reader thread: poll the monitors registered since the last call."""

@@ -13,7 +13,10 @@ from meshserve.utils import gc_pauses
 
 @pytest.fixture
 def restored_gc():
+    """No pause watch of this process's earlier work (a server or master started in it installs one), and the
+    collector's callbacks and frozen heap as they were afterwards."""
     callbacks = list(gc.callbacks)
+    gc.callbacks[:] = [cb for cb in callbacks if not isinstance(cb, gc_pauses._PauseWatch)]
     yield
     gc.unfreeze()
     gc.callbacks[:] = callbacks
