@@ -30,8 +30,10 @@ async def _register(je, tes: dict[str, FakeTE]) -> None:
     await je.start()
     for te in tes.values():
         te.beat()
+    # routable, not only registered: a TE whose link handshake the JE has not seen yet takes no job, so the
+    # first job would go to whichever TE's link came up first
     for _ in range(500):
-        if len(je.registry.live()) == len(tes):
+        if len(je.registry.routable()) == len(tes):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the fake TEs did not register")

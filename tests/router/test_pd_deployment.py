@@ -443,11 +443,11 @@ async def start_and_hand_off(je: Router, tes: dict, prefill: str, decode: str):
     await je.start()
     for te in tes.values():
         te.beat()
-    for _ in range(500):
-        if len(je.registry.live()) == len(tes):
+    for _ in range(500):  # routable: a TE whose link handshake the JE has not seen yet takes no job
+        if len(je.registry.routable()) == len(tes):
             break
         await asyncio.sleep(0.01)
-    assert len(je.registry.live()) == len(tes)
+    assert len(je.registry.routable()) == len(tes)
 
     async def generate():
         final = None
