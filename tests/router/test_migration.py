@@ -52,7 +52,9 @@ def _stream(je, prompt: list[int], max_tokens: int, request_id: str = "r"):
 
 
 def test_a_streaming_colocated_job_continues_on_another_te_from_its_tokens(model):
-    with fake_deployment(model, [("a", "colocated", "main", 0.0), ("b", "colocated", "main", 0.5)]) as (je, tes):
+    # routed by load, so the first job goes to a (KV usage 0 against 0.5), whichever TE registered first
+    with fake_deployment(model, [("a", "colocated", "main", 0.0), ("b", "colocated", "main", 0.5)],
+                         routing="load") as (je, tes):
         async def scenario():
             await _register(je, tes)
             work, outs = _stream(je, [5, 6, 7], max_tokens=5)
@@ -78,7 +80,9 @@ def test_a_streaming_colocated_job_continues_on_another_te_from_its_tokens(model
 
 
 def test_jobs_move_off_a_te_that_recovers_its_ranks_when_another_can_take_them(model):
-    with fake_deployment(model, [("a", "colocated", "main", 0.0), ("b", "colocated", "main", 0.5)]) as (je, tes):
+    # routed by load, so the first job goes to a (KV usage 0 against 0.5), whichever TE registered first
+    with fake_deployment(model, [("a", "colocated", "main", 0.0), ("b", "colocated", "main", 0.5)],
+                         routing="load") as (je, tes):
         async def scenario():
             await _register(je, tes)
             work, _ = _stream(je, [5, 6, 7], max_tokens=3)
