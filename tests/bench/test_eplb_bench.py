@@ -139,8 +139,10 @@ def test_bench_eplb_layer_time_only_writes_times_rows_and_ratios(tmp_path, capsy
         assert len(p["steps_ms"]) == 3 and all(t > 0 for t in p["steps_ms"])
         assert p["ratio_vs_default"] == pytest.approx(p["median_ms"] / default["median_ms"])
         assert len(p["rows_per_rank"]) == len(p["expert_ms_per_rank"]) == len(p["expert_cpu_ms_per_rank"]) == 4
-        # a rank's thread cannot use more CPU than the wall time it took (one torch thread per rank)
-        assert all(0 < cpu <= wall + 0.05 for cpu, wall in zip(p["expert_cpu_ms_per_rank"], p["expert_ms_per_rank"]))
+        # a rank's thread cannot use more CPU than the wall time it took (one torch thread per rank); a rank with
+        # no rows in a step (a live round can disable all the slots it would get) may use none
+        assert all((cpu > 0 or rows == 0) and cpu <= wall + 0.05 for cpu, wall, rows in zip(
+            p["expert_cpu_ms_per_rank"], p["expert_ms_per_rank"], p["rows_per_rank"]))
         assert p["expert_cpu_ms_total"] == pytest.approx(sum(p["expert_cpu_ms_per_rank"]))
         assert p["mean_rows"] == 16 * 4  # every (token, expert) row runs once: tokens x top-k per rank
         assert p["rows_per_rank"] == pytest.approx(_expected_rows(config, p, 3))
