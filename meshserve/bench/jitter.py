@@ -228,8 +228,4 @@ def plot_jitter(result: dict, path: Path) -> Path:
 
 
 def _report_jitter(settings: JitterSettings, result: dict) -> None:
-    json_path = report.write_json(settings.json_path, result)
-    png_path = plot_jitter(result, report.png_path_for(json_path))
-    for line in table_lines(result):
-        print(line)
-    print(f"wrote {json_path} and {png_path}")
+    report.publish(settings.json_path, result, plot_jitter, table_lines(result))

@@ -119,11 +119,7 @@ def microbatch_main(args: argparse.Namespace) -> int:
 
 
 def _report(settings: MicrobatchSettings, result: dict) -> None:
-    json_path = report.write_json(settings.json_path, result)
-    png_path = plot_microbatch(result, report.png_path_for(json_path))
-    for line in summary_lines(result):
-        print(line)
-    print(f"wrote {json_path} and {png_path}")
+    report.publish(settings.json_path, result, plot_microbatch, summary_lines(result))
 
 
 # ---------------------------------------------------------------- one rank

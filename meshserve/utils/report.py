@@ -5,7 +5,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,16 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def publish(json_path: str | Path, result: dict[str, Any], plot: Callable[[dict, Path], Path],
+            lines: Iterable[str]) -> None:
+    """A benchmark's ending: the JSON, its PNG beside it (`plot(result, png path)`), the summary lines printed."""
+    written = write_json(json_path, result)
+    png = plot(result, png_path_for(written))
+    for line in lines:
+        print(line)
+    print(f"wrote {written} and {png}")
 
 
 def png_path_for(json_path: str | Path) -> Path:
