@@ -29,6 +29,11 @@ class ParallelConfig(ConfigStruct, frozen=True):
     microbatch_min_tokens: Annotated[int, Meta(
         ge=2, description="with microbatches 2: split a step only when its largest DP group has this many tokens "
                           "(a smaller step gains less than the split costs)")] = 16
+    dp_groups: Annotated[Literal["lockstep", "self-contained"], Meta(
+        description="how a TE runs its DP groups: lockstep (one master schedules every group and sends one step to "
+                    "all ranks) or self-contained (xdeepserve §4.2: each group a master process of its own with its "
+                    "scheduler, KV cache and output path; its ranks agree with the other groups' on each step; the "
+                    "TE's own process only places requests on groups and watches them)")] = "lockstep"
     dist_backend: Annotated[Literal["gloo", "nccl"], Meta(
         description="torch.distributed backend (default: gloo on CPU, nccl on CUDA)")] | None = None
     num_threads: Annotated[int, Meta(
@@ -79,6 +84,12 @@ class ParallelConfig(ConfigStruct, frozen=True):
         if self.microbatches == 2 and not (strategy.attn_tp == 1 and strategy.moe_tp == 1 and strategy.moe_ep > 1):
             raise ConfigError(f"microbatches 2 overlaps the expert-parallel dispatch and combine: it needs "
                               f"attn=TP1+DPn moe=TP1+EPn with n > 1, not {strategy}")
+        if self.dp_groups == "self-contained":
+            if self.local_ranks is not None and self.local_ranks < world:
+                raise ConfigError("dp_groups self-contained starts every rank on this host: drop local_ranks")
+            if self.on_rank_failure == "shrink":
+                raise ConfigError("dp_groups self-contained recovers a lost rank by restarting the ranks: "
+                                  "on_rank_failure must be restart or fail, not shrink")
         if self.local_ranks is not None and self.local_ranks > world:
             raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
                               f"master), got {self.local_ranks}")

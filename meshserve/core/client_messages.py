@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from meshserve.core.client_links import ClientLink, RouterLinks
+from meshserve.core.client_links import ClientLink, GroupLink, RouterLinks
 from meshserve.wire.base import Shutdown
 from meshserve.wire.client import AbortRequests, AddRequest, AdminRequest, EngineStats, ReleaseKV, StatsQuery
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
+from meshserve.wire.dp_group import WorldRestart
 from meshserve.wire.receive import drop_frame, recv_message
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
     from meshserve.core.admin_ops import AdminOps
     from meshserve.core.admission import Admission
+    from meshserve.core.dp_group import GroupPlace
     from meshserve.core.kv_connector import KVConnectors
     from meshserve.core.recovery import RankRecovery
 
@@ -29,7 +31,8 @@ _INBOX = "te-inbox"  # the master's socket for client messages, as dropped frame
 class ClientMessages:
     """Takes what the inbox holds and hands each message to its handler; whatever one holds, the loop goes on."""
 
-    link: ClientLink | RouterLinks
+    link: ClientLink | RouterLinks | GroupLink
+    place: GroupPlace | None
     inbox: zmq.Socket
     admission: Admission
     kv_connectors: KVConnectors
@@ -39,6 +42,8 @@ class ClientMessages:
     running: bool
 
     def _stats(self) -> EngineStats: ...  # EngineCore's
+
+    def _on_world_restart(self, item: WorldRestart) -> None: ...  # EngineCore's
 
     def _take_client_messages(self) -> None:
         while self.inbox.poll(0):
@@ -83,11 +88,19 @@ class ClientMessages:
 
     def _on_admin(self, item: AdminRequest) -> None:
         reply = self.admin_ops.reply(item)
-        if item.reply_to or isinstance(self.link, ClientLink):  # a TE's sender that names no address wants none
+        if self.place is not None and self.place.index > 0:  # every group applies it; the first one answers
+            return
+        # a TE's sender that names no address wants none
+        if item.reply_to or isinstance(self.link, ClientLink) or (isinstance(self.link, GroupLink)
+                                                                  and self.link.has_client):
             self.link.send(reply, item.reply_to)
 
     def _on_shutdown(self, item: Shutdown) -> None:
         self.running = False
 
+    def _on_world_restart_message(self, item: WorldRestart) -> None:
+        self._on_world_restart(item)
+
     _CLIENT_HANDLERS = {AddRequest: _add_request, AbortRequests: _on_abort, ReleaseKV: _on_release_kv,
-                        StatsQuery: _on_stats_query, AdminRequest: _on_admin, Shutdown: _on_shutdown}
+                        StatsQuery: _on_stats_query, AdminRequest: _on_admin, Shutdown: _on_shutdown,
+                        WorldRestart: _on_world_restart_message}

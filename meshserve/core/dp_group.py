@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -15,8 +16,20 @@ from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector import KVConnectors
 from meshserve.core.scheduler import Scheduler
 from meshserve.wire.client import RequestDelta
+from meshserve.wire.dp_group import WorldRestart
 from meshserve.wire.kv import KVConnectorMetadata
 from meshserve.wire.worker import ModelRunnerOutput, SchedulerOutput, WorkerReady
+
+
+@dataclass
+class GroupPlace:
+    """Where a self-contained DP group's master sits in its TE (core/te_shell.py): its group's index, and the
+    torch.distributed world its ranks join with the other groups' (renamed by the shell after each failure)."""
+
+    index: int
+    dist_init: str
+    generation: int = 0
+    next_world: WorldRestart | None = None  # the world the shell named last, once it names a new one
 
 
 class StepMismatchError(RuntimeError):
@@ -48,12 +61,14 @@ class DPGroup:
 
 
 def build_dp_groups(config: EngineConfig, ready: list[WorkerReady], listen_addr: str, send_to: Callable,
-                    max_model_len: int, num_draft_tokens: int) -> tuple[list[DPGroup], KVConnectors]:
-    """One group per attention-DP rank of `config`'s layout, its KV cache as large as the smallest of its ranks
+                    max_model_len: int, num_draft_tokens: int,
+                    num_groups: int | None = None) -> tuple[list[DPGroup], KVConnectors]:
+    """One group per attention-DP rank of `config`'s layout (or the first `num_groups` of `ready`'s ranks: a
+    self-contained group's master holds its own only), its KV cache as large as the smallest of its ranks
     allows; remote KV (memory pool, prefill -> decode) comes through KV connectors, one set per group."""
     strategy = config.parallel_config.strategy
     kv_managers = []
-    for group in range(strategy.attn_dp):
+    for group in range(strategy.attn_dp if num_groups is None else num_groups):
         ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
         kv_managers.append(KVCacheManager(min(r.num_kv_blocks for r in ranks), config.cache_config.block_size,
                                           enable_prefix_caching=config.cache_config.enable_prefix_caching))

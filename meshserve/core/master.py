@@ -29,9 +29,9 @@ import zmq
 from meshserve.config import EngineConfig
 from meshserve.core.admin_ops import AdminOps
 from meshserve.core.admission import Admission
-from meshserve.core.client_links import ClientLink, RouterLinks
+from meshserve.core.client_links import ClientLink, GroupLink, RouterLinks
 from meshserve.core.client_messages import ClientMessages
-from meshserve.core.dp_group import build_dp_groups, connector_metadata
+from meshserve.core.dp_group import GroupPlace, build_dp_groups, connector_metadata
 from meshserve.core.drain import Drain
 from meshserve.core.engine_report import engine_heartbeat, engine_stats
 from meshserve.core.eplb_controller import EplbController
@@ -50,6 +50,7 @@ from meshserve.utils.gc_pauses import StepCollector
 from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
 from meshserve.wire import codec
 from meshserve.wire.client import EngineError, EngineReady, EngineStats
+from meshserve.wire.dp_group import WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, StartupTimeline
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import StepBatch, WorkerReady
@@ -69,11 +70,13 @@ class EngineCore(ClientMessages, WorkerResults):
     (possibly empty) to one `StepBatch`, since all ranks meet at every MoE layer.
     """
 
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, link: ClientLink | RouterLinks, ipc_dir: str,
-                 log_level: int = logging.INFO, role: str = "colocated", group: str = "",
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, link: ClientLink | RouterLinks | GroupLink,
+                 ipc_dir: str, log_level: int = logging.INFO, role: str = "colocated", group: str = "",
                  watch_parent: bool = True, startup: StartupTimeline | None = None,
                  spare_workers: list[SpareWorker] = ()) -> None:
         self.config = config
+        # the master of one self-contained DP group (core/te_shell.py), or of every group of the TE (None)
+        self.place: GroupPlace | None = link.place if isinstance(link, GroupLink) else None
         self.ctx = ctx
         self.link = link
         self.inbox = link.inbox
@@ -105,10 +108,13 @@ class EngineCore(ClientMessages, WorkerResults):
         self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)
         self._build_state(config, ready)
         num_blocks = sum(s.kv_manager.num_blocks for s in self.schedulers)
+        engine_ready = EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
+                                   kv_bytes_per_token=ready[0].kv_bytes_per_token,
+                                   max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         if isinstance(link, ClientLink):
-            link.send(EngineReady(num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
-                                  kv_bytes_per_token=ready[0].kv_bytes_per_token,
-                                  max_model_len=self.max_model_len, vocab_size=self.vocab_size))
+            link.send(engine_ready)
+        elif isinstance(link, GroupLink):  # the shell speaks for the TE once every group is ready
+            link.report(engine_ready)
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     config.parallel_config.strategy, self.dp_size, num_blocks, self.max_model_len,
                     self.pipeline_depth)
@@ -120,7 +126,8 @@ class EngineCore(ClientMessages, WorkerResults):
         if self.recovery.state.total:  # the last ranks' sockets may not have let go of their names yet
             ipc_dir = os.path.join(self.ipc_dir, f"recovery-{self.recovery.state.total}")
             os.makedirs(ipc_dir, exist_ok=True)
-        self.workers = WorkerGroup(self.ctx, config, ipc_dir, self.log_level, spare_workers)
+        world = None if self.place is None else (self.place.index, self._world_addr())
+        self.workers = WorkerGroup(self.ctx, config, ipc_dir, self.log_level, spare_workers, dp_group=world)
         try:
             ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s, on_wait)
         except BaseException:
@@ -136,11 +143,12 @@ class EngineCore(ClientMessages, WorkerResults):
         (empty: no request yet)."""
         self.config = config
         strategy = config.parallel_config.strategy
-        self.dp_size = strategy.attn_dp
+        self.dp_size = strategy.attn_dp if self.place is None else 1
         if self.kv_connectors is not None:
             self.kv_connectors.close()
         self.groups, self.kv_connectors = build_dp_groups(config, ready, self.link.listen_addr, self.link.send_to,
-                                                          self.max_model_len, self.speculation.config.num_draft_tokens)
+                                                          self.max_model_len, self.speculation.config.num_draft_tokens,
+                                                          num_groups=self.dp_size)
         self.schedulers = [group.scheduler for group in self.groups]
         self.queue = DPWaitingQueue(self.schedulers, config.scheduler_config.max_waiting,
                                     config.cache_config.block_size)
@@ -163,6 +171,33 @@ class EngineCore(ClientMessages, WorkerResults):
         self._build_state(config, ready)
         self.kv_events.publish_cleared(max(old_dp_size, self.dp_size))
         return len(ready)
+
+    def _world_addr(self) -> str:
+        """A self-contained group's rendezvous address: the TE's first world, or after a failure the next one,
+        which the shell names for every group (asked for here unless it told this group first)."""
+        place = self.place
+        if not self.recovery.state.total:
+            return place.dist_init
+        if place.next_world is None or place.next_world.generation <= place.generation:
+            self.link.report(WorldRestart(generation=place.generation + 1, reason=self.recovery.state.in_progress
+                                          or ""))
+            deadline = time.monotonic() + self.config.parallel_config.startup_timeout_s
+            while place.next_world is None or place.next_world.generation <= place.generation:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the TE shell named no new world for the ranks")
+                self.inbox.poll(20)
+                self._serve_while_restarting()  # the shell's answer comes in with the clients' messages
+        place.generation, place.dist_init = place.next_world.generation, place.next_world.dist_init
+        return place.dist_init
+
+    def _on_world_restart(self, item: WorldRestart) -> None:
+        """The shell names a new world: another group lost a rank, so this group's ranks restart too."""
+        place = self.place
+        if place is None or item.generation <= place.generation:
+            return
+        place.next_world = item
+        if self.recovery.state.in_progress is None and self.dead_error is None:
+            self._rank_failed(f"the TE's ranks restart ({item.reason or 'another DP group lost a rank'})", [])
 
     def _serve_while_restarting(self) -> None:
         """While the new ranks start: heartbeats go on (saying `recovering`) and stats queries are answered; every
@@ -354,7 +389,7 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
     config = EngineConfig.from_dict(config)
     ctx = zmq.Context()
     try:
-        core = EngineCore(config, ctx, ClientLink(ctx, input_addr, output_addr), ipc_dir, log_level)
+        core = engine_class(config)(config, ctx, ClientLink(ctx, input_addr, output_addr), ipc_dir, log_level)
     except Exception as exc:
         logger.error("start-up failed: %s", traceback.format_exc())
         ctx = zmq.Context.instance()
@@ -375,3 +410,13 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
         raise SystemExit(STOPPED_BY_SIGNAL_EXIT_CODE)
     if core.dead_error is not None:  # the engine client starts a new engine
         raise SystemExit(1)
+
+
+def engine_class(config: EngineConfig) -> type:
+    """What runs a TE's process: the master of every DP group, or the shell of self-contained ones."""
+    if config.parallel_config.dp_groups == "self-contained":
+        # start-up: the shell only where it runs
+        from meshserve.core.te_shell import TEShell
+
+        return TEShell
+    return EngineCore

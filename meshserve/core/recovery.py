@@ -23,6 +23,7 @@ from meshserve.core.request_outputs import WARMUP_ID, RequestOutputs
 from meshserve.core.worker_group import DEAD_GRACE_S, WorkerGroup
 from meshserve.utils import faults
 from meshserve.wire.client import AddRequest, FinishReason, RequestDelta, StatsQuery
+from meshserve.wire.dp_group import WorldRestart
 from meshserve.wire.errors import QueueFullError, RequestTooLongError
 from meshserve.wire.kv import KVTransferRole
 from meshserve.wire.worker import WorkerPing
@@ -54,7 +55,7 @@ class RankRecovery:
     def defers(self, item) -> bool:
         """While the new ranks start, a client message other than a stats query waits for them (True: it was
         kept, to be handled once they serve)."""
-        if self.state.in_progress is None or isinstance(item, StatsQuery):
+        if self.state.in_progress is None or isinstance(item, (StatsQuery, WorldRestart)):
             return False
         self._deferred.append(item)
         return True
@@ -66,7 +67,7 @@ class RankRecovery:
         seq = self.health.ping_due(now)
         if seq is not None:
             workers.send(WorkerPing(seq=seq))
-        hung = self.health.hung(now)
+        hung = [workers.first_rank + rank for rank in self.health.hung(now)]
         if hung:
             silent = max(self.health.silent_for(now))
             self.state.note_failure("hung", silent)

@@ -32,7 +32,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     import zmq
 
     from meshserve.core.client_links import RouterLinks
-    from meshserve.core.master import EngineCore
+    from meshserve.core.master import engine_class
     from meshserve.wire.heartbeat import StartupTimeline
 
     if role not in ROLES:
@@ -53,7 +53,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        core = EngineCore(engine_config, ctx, link, ipc_dir, log_level, role=role, group=group,
+        core = engine_class(engine_config)(engine_config, ctx, link, ipc_dir, log_level, role=role, group=group,
                           watch_parent=watch_parent,
                           startup=StartupTimeline(process_start=process_start, prewarmed=spare_workers is not None),
                           spare_workers=spare_workers or [])

@@ -55,20 +55,26 @@ class WorkerGroup:
     """
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int,
-                 spare_workers: list[SpareWorker] = ()) -> None:
+                 spare_workers: list[SpareWorker] = (), dp_group: tuple[int, str] | None = None) -> None:
+        """`dp_group`: (index, rendezvous address) of the one self-contained DP group whose ranks this master
+        starts; the other groups' masters start theirs into the same world."""
         parallel = config.parallel_config
-        self.world_size = parallel.world_size
-        num_local = parallel.num_local_ranks
+        strategy = parallel.strategy
+        # the world ranks this master starts and talks to: all of them, or its DP group's
+        self.first_rank = 0 if dp_group is None else dp_group[0] * strategy.attn_tp
+        self.world_size = parallel.world_size if dp_group is None else strategy.attn_tp
+        num_local = parallel.num_local_ranks if dp_group is None else self.world_size
         self._tcp_host = parallel.master_addr if num_local < self.world_size else None
         self._ipc_dir = ipc_dir
         self.works: list[zmq.Socket] = []
         self.results = ctx.socket(zmq.PULL)
         result_addr = self._bind(self.results, "results")
         # the ranks meet in torch.distributed; rank 0's store listens here (MASTER_ADDR:MASTER_PORT)
-        dist_init = (f"tcp://{parallel.master_addr}:{parallel.master_port or free_tcp_port(parallel.master_addr)}"
+        dist_init = (dp_group[1] if dp_group is not None and parallel.world_size > 1 else
+                     f"tcp://{parallel.master_addr}:{parallel.master_port or free_tcp_port(parallel.master_addr)}"
                      if self.world_size > 1 else None)
         work_addrs = []
-        for rank in range(self.world_size):
+        for rank in range(self.first_rank, self.first_rank + self.world_size):
             work = ctx.socket(zmq.PUSH)
             work.setsockopt(zmq.LINGER, 0)
             if rank >= num_local:
@@ -84,15 +90,15 @@ class WorkerGroup:
         # a pre-warmed TE's spare worker processes take the first ranks; the others start as new processes
         spares = list(spare_workers)
         self.procs = []
-        for rank in range(num_local):
+        for rank in range(self.first_rank, self.first_rank + num_local):
             if spares:
                 spare = spares.pop(0)
-                spare.assign(WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank],
+                spare.assign(WorkerHandshake(rank=rank, config=config, work_addr=work_addrs[rank - self.first_rank],
                                                  result_addr=result_addr, dist_init_method=dist_init))
                 self.procs.append(spare.proc)
             else:
                 self.procs.append(launch_forked("worker", RANK_PRELOAD, rank=rank, config=config.to_dict(),
-                                                work_addr=work_addrs[rank], result_addr=result_addr,
+                                                work_addr=work_addrs[rank - self.first_rank], result_addr=result_addr,
                                                 dist_init_method=dist_init, log_level=log_level))
         for spare in spares:  # more spares than this TE's ranks
             spare.release()
@@ -127,7 +133,7 @@ class WorkerGroup:
                 if isinstance(item, WorkerReady):
                     ready[item.rank] = item
                     if len(ready) == self.world_size:
-                        return [ready[rank] for rank in range(self.world_size)]
+                        return [ready[rank] for rank in sorted(ready)]
                 elif isinstance(item, WorkerFailure):
                     raise RuntimeError(f"worker {item.rank} failed to start: {item.message}{self._not_joined()}")
                 elif item is not None:  # a ready rank's background news (its weight server): handled after start
@@ -139,7 +145,7 @@ class WorkerGroup:
             raise RuntimeError(f"remote worker rank(s) {self.remote.missing()} did not join within "
                                f"{timeout_s:.0f}s; start each on its host with "
                                f"`meshserve worker --engine {self.remote.endpoint} --rank R`")
-        missing = sorted(set(range(self.world_size)) - set(ready))
+        missing = sorted(set(range(self.first_rank, self.first_rank + self.world_size)) - set(ready))
         raise RuntimeError(f"worker(s) {missing} not ready after {timeout_s:.0f}s")
 
     def _not_joined(self) -> str:
@@ -160,7 +166,7 @@ class WorkerGroup:
 
     def dead_ranks(self) -> list[int]:
         """The ranks whose process has ended (or whose remote connection is lost)."""
-        dead = [rank for rank, p in enumerate(self.procs) if p.poll() is not None]
+        dead = [rank for rank, p in enumerate(self.procs, self.first_rank) if p.poll() is not None]
         if self.remote is not None:
             lost = self.remote.lost_rank()
             if lost is not None:
@@ -168,7 +174,7 @@ class WorkerGroup:
         return sorted(set(dead))
 
     def _gone_rank(self, starting: bool = False) -> tuple[int, str] | None:
-        for rank, p in enumerate(self.procs):
+        for rank, p in enumerate(self.procs, self.first_rank):
             if p.poll() is not None:
                 return rank, (f"worker {rank} exited during start-up (exit code {p.returncode})" if starting
                               else f"worker {rank} died (exit code {p.returncode})")
@@ -210,7 +216,7 @@ class WeightServers:
     def on_served(self, rank: int, addr: str, world_size: int) -> None:
         self._of_rank[rank] = addr
         if len(self._of_rank) == world_size:  # new TEs may fork from this one now
-            self.addrs = [self._of_rank[r] for r in range(world_size)]
+            self.addrs = [self._of_rank[r] for r in sorted(self._of_rank)]
 
 
 def time_load(startup: StartupTimeline, ready: list[WorkerReady]) -> None:

@@ -94,7 +94,8 @@ class WorkerResults:
             self.recovery.on_rank_failure(error, self.workers, dead_ranks)
 
     def _on_pong(self, item: WorkerPong) -> None:
-        self.recovery.health.on_pong(item.rank, item.seq, time.monotonic())
+        # the health table counts this master's ranks from 0 (a self-contained group's start further on)
+        self.recovery.health.on_pong(item.rank - self.workers.first_rank, item.seq, time.monotonic())
 
     def _on_worker_event(self, event: WorkerEvent) -> None:
         """A rank finished an expert-placement phase (or failed it), its weight server is ready, or it rolled a

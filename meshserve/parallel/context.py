@@ -50,6 +50,9 @@ class ParallelContext:
     redundant_experts_per_rank: int = 0
     # a collective on this context's groups fails after this long (None: torch's default timeout)
     collective_timeout_s: float | None = None
+    # self-contained DP groups: the ranks agree on every step over `step_group` (`agree_on_step`)
+    agree_steps: bool = False
+    step_group: dist.ProcessGroup | None = None
     attn_tp_group: dist.ProcessGroup | None = None
     oproj_group: dist.ProcessGroup | None = None  # None with oproj TP1
     moe_groups: TopologyGroups | None = None
@@ -80,11 +83,11 @@ class ParallelContext:
     @classmethod
     def build(cls, strategy: ParallelStrategy, moe_comm: str = "fused", int8_dispatch: bool = False,
               max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0,
-              collective_timeout_s: float | None = None) -> ParallelContext:
+              collective_timeout_s: float | None = None, agree_steps: bool = False) -> ParallelContext:
         """Create every group on an initialised world; collective: every rank calls it in the same order."""
         settings = dict(moe_comm=moe_comm, int8_dispatch=int8_dispatch, max_tokens_per_step=max_tokens_per_step,
                         redundant_experts_per_rank=redundant_experts_per_rank,
-                        collective_timeout_s=collective_timeout_s)
+                        collective_timeout_s=collective_timeout_s, agree_steps=agree_steps)
         if not dist.is_initialized():
             if strategy.world_size == 1:
                 return cls(strategy, **settings)
@@ -119,12 +122,24 @@ class ParallelContext:
         oproj_pgs = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(self.world_size // k)] if k > 1 \
             else []
         self.oproj_group = oproj_pgs[self.rank // k] if oproj_pgs else None
-        self._all_groups = [group for group in (*attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node,
+        # gloo whatever the backend: the agreement's few integers live on the CPU, beside the ranks' loops
+        self.step_group = dist.new_group(list(range(self.world_size)), backend="gloo") if self.agree_steps else None
+        self._all_groups = [group for group in (self.step_group, *attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node,
                                                 *self.moe_groups.all_inter_node)
                             if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
         if self.collective_timeout_s is not None:
             for group in self._all_groups:
                 group.set_timeout(timedelta(seconds=self.collective_timeout_s))
+
+    def agree_on_step(self, row: list[int]) -> list[list[int]]:
+        """Every rank's `row` (all of one length), in rank order: how self-contained DP groups agree on each step
+        (worker/step_agreement.py). Collective over the world."""
+        if self.step_group is None:
+            return [list(row)]
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.step_group)
+        return [r.tolist() for r in rows]
 
     # ------------------------------------------------------------------ rollback (xdeepserve §6.2)
     def agree_on_rollback(self, step_id: int) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 # name -> "module:function"; the function takes the JSON-able keyword arguments `launch` was given
 PROCESS_ENTRY_POINTS: dict[str, str] = {
     "master": "meshserve.core.master:run_master",  # one engine's master (scheduler, KV cache manager)
+    "group-master": "meshserve.core.group_master:run_group_master",  # one self-contained DP group of a TE
     "worker": "meshserve.worker.worker:run_worker",  # one rank of an engine, started by its master
     "te": "meshserve.core.te_process:run_te",  # an engine that registers with routers (`meshserve te`)
     "frontend": "meshserve.entrypoints.openai.frontend:run_frontend",  # a further HTTP server + router

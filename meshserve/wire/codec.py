@@ -40,6 +40,7 @@ from meshserve.wire.cluster import (
     WarmAssign,
     WarmReady,
 )
+from meshserve.wire.dp_group import WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, StartupTimeline
 from meshserve.wire.kv import KVCacheEvents, KVConnectorReport
 from meshserve.wire.worker import (
@@ -65,7 +66,7 @@ _MESSAGE_TYPES = {
         AddRequest, AbortRequests, RequestDelta, EngineOutputs, StatsQuery, EngineStats, EngineReady, EngineError,
         KVCacheEvents, Shutdown, WorkerEvent, AdminRequest, AdminReply, ReleaseKV, EngineHeartbeat,
         KVConnectorReport, StartupTimeline, GroupDemand, JobExecutorReport, WarmReady, WarmAssign, ClusterQuery,
-        TEStatus, GroupStatus, JEStatus, ClusterStatus, WorkerPing, WorkerPong, InjectFault,
+        TEStatus, GroupStatus, JEStatus, ClusterStatus, WorkerPing, WorkerPong, InjectFault, WorldRestart,
     )
 }
 

@@ -502,24 +502,31 @@ class ModelRunner:
         return failed
 
     # ------------------------------------------------------------------ one step
-    def run_batch(self, batch: StepBatch) -> ModelRunnerOutput | None:
-        """Apply the batch's control, run this rank's DP group's part; the output the driver reports."""
+    def run_batch(self, batch: StepBatch, agreed: tuple[int, int] | None = None) -> ModelRunnerOutput | None:
+        """Apply the batch's control, run this rank's DP group's part; the output the driver reports. `agreed`:
+        (forward id, micro-batches) as the ranks of self-contained DP groups agreed on them for this step, whose
+        `per_dp` then holds this rank's group's part alone (worker/step_agreement.py)."""
         self.start_kv_connectors(batch.kv_connector)
         if batch.eplb is not None:
             self.apply_eplb(batch.eplb)
         if not batch.per_dp:  # control only
             return None
-        out = self.execute_rolling_back(batch.per_dp[self.parallel.dp_rank], batch.microbatches)
+        if agreed is None:
+            out = self.execute_rolling_back(batch.per_dp[self.parallel.dp_rank], batch.microbatches)
+        else:
+            out = self.execute_rolling_back(batch.per_dp[0], agreed[1], forward_id=agreed[0])
         if batch.report_load:
             out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
         if not self.parallel.is_driver:
             return None
-        out.dp_rank = self.parallel.dp_rank
+        out.dp_rank = self.parallel.dp_rank if agreed is None else 0  # a group's master holds that group alone
         return out
 
-    def execute_rolling_back(self, sched: SchedulerOutput, microbatches: int = 1) -> ModelRunnerOutput:
+    def execute_rolling_back(self, sched: SchedulerOutput, microbatches: int = 1,
+                             forward_id: int | None = None) -> ModelRunnerOutput:
         """`execute(sched)`; after a transient error, the state from before it and, once every rank of the TE has
-        failed the same step, the same step again on new process groups, on all of them together."""
+        failed the same step, the same step again on new process groups, on all of them together. `forward_id`
+        names the step among all ranks where DP groups number their steps each on their own."""
         snapshot = _StepSnapshot.take(self.requests, self.failed_ids, sched)
         for attempt in itertools.count(1):
             try:
@@ -532,7 +539,8 @@ class ModelRunner:
                 if attempt == MAX_STEP_ATTEMPTS:
                     raise StepRetriesExhausted(f"step {sched.step_id} failed {attempt} times in a row, "
                                                f"giving up after {attempt - 1} rollback(s): {why}") from exc
-                self.parallel.agree_on_rollback(sched.step_id)  # RollbackAbandoned: the master recovers the ranks
+                # RollbackAbandoned: the master recovers the ranks
+                self.parallel.agree_on_rollback(sched.step_id if forward_id is None else forward_id)
                 self.parallel.rebuild_groups()
                 self.num_rollbacks += 1
                 detail = (f"step {sched.step_id} attempt {attempt} of {MAX_STEP_ATTEMPTS} failed ({why}); "

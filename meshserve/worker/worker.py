@@ -50,6 +50,7 @@ from meshserve.wire.worker import (
     WorkerReady,
 )
 from meshserve.worker import fault_hooks
+from meshserve.worker.step_agreement import serve_agreeing
 
 if TYPE_CHECKING:
     from meshserve.worker.model_runner import ModelRunner
@@ -165,7 +166,10 @@ def run_worker(rank: int, config: dict, work_addr: str, result_addr: str, dist_i
         results.send(codec.encode(_ready_message(rank, runner)))
         collector = StepCollector(engine_config.parallel_config.gc_collect_every_steps)
         collector.start()
-        _serve(rank, runner, work, results, master_gone, collector)
+        if engine_config.parallel_config.dp_groups == "self-contained":
+            serve_agreeing(rank, runner, work, results, master_gone, collector)
+        else:
+            _serve(rank, runner, work, results, master_gone, collector)
     except Exception as exc:  # report, then die: the master fails in-flight requests
         logger.error("worker failed: %s", traceback.format_exc())
         try:
@@ -216,7 +220,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
         parallel_config.strategy, moe_comm=parallel_config.moe_comm, int8_dispatch=parallel_config.int8_dispatch,
         max_tokens_per_step=engine_config.scheduler_config.max_num_batched_tokens,
         redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts,
-        collective_timeout_s=parallel_config.collective_timeout_s)
+        collective_timeout_s=parallel_config.collective_timeout_s,
+        agree_steps=parallel_config.dp_groups == "self-contained")
     runner = ModelRunner(engine_config, parallel)
     logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
                 threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)

@@ -1,0 +1,306 @@
+"""The TE shell of a TE with self-contained DP groups (xdeepserve §4.2, Fig. 9).
+
+Each DP group is a process of its own (`group_master`): scheduler, KV cache manager and output path, its ranks
+agreeing on every step with the other groups' ranks (worker/step_agreement.py). The shell, in the TE's own
+process, does only what needs the whole TE:
+
+- it places each request on a group (the DP balancer of `dp_balancer`, from the groups' load reports and the
+  requests it sent since) and forwards aborts and operator commands to the groups;
+- it coordinates health: a group's failed ranks restart the whole world (`WorldRestart`: the shell names one
+  new rendezvous address for every group, and each group continues its own requests from their tokens so far);
+  a group master that dies fails the TE;
+- it speaks for the TE: readiness, stats and heartbeats summed over the groups.
+
+No per-step message passes through it: outputs go from each group straight to the clients.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from meshserve.config import EngineConfig
+from meshserve.core.client_links import ClientLink, RouterLinks
+from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, DPGroupLoad, cdiv, place_request
+from meshserve.utils.processes import free_tcp_port, launch, stop_process
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.client import (
+    AbortRequests,
+    AddRequest,
+    AdminOp,
+    AdminReply,
+    AdminRequest,
+    EngineError,
+    EngineReady,
+    EngineStats,
+    ReleaseKV,
+    StatsQuery,
+    StatsResult,
+)
+from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
+from meshserve.wire.dp_group import WorldRestart
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
+from meshserve.wire.receive import drop_frame, recv_message
+
+logger = logging.getLogger(__name__)
+
+_INBOX, _REPORTS = "te-inbox", "dp-group-reports"
+_POLL_MS = 100
+_STOP_GRACE_S = 15.0
+
+
+class GroupView:
+    """What the shell knows of one group: its process, its last load report and what it was sent since."""
+
+    def __init__(self, index: int, proc, inbox: zmq.Socket) -> None:
+        self.index, self.proc, self.inbox = index, proc, inbox
+        self.ready: EngineReady | None = None
+        self.stats = EngineStats()
+        self.last_report = time.monotonic()
+        self.sent_requests = self.sent_tokens = self.sent_blocks = 0  # since the last report
+
+    def send(self, item) -> None:
+        self.inbox.send(codec.encode(item))
+
+    def load(self, max_num_seqs: int) -> DPGroupLoad:
+        stats = self.stats
+        return DPGroupLoad(num_requests=stats.num_running + stats.num_waiting + self.sent_requests,
+                           max_num_seqs=max_num_seqs, num_blocks=stats.num_kv_blocks or self.ready.num_kv_blocks,
+                           num_used_blocks=round(stats.kv_usage * stats.num_kv_blocks),
+                           reserved_blocks=self.sent_blocks,
+                           pending_prefill_tokens=stats.waiting_tokens + self.sent_tokens)
+
+    def on_report(self, heartbeat: EngineHeartbeat) -> None:
+        self.stats = heartbeat.stats
+        self.last_report = time.monotonic()
+        self.sent_requests = self.sent_tokens = self.sent_blocks = 0
+
+
+class TEShell:
+    """A TE whose DP groups run on their own; `run_master` and `run_te` run it in place of `EngineCore` when
+    `dp_groups` is self-contained (the same constructor and loop)."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, link: ClientLink | RouterLinks, ipc_dir: str,
+                 log_level: int = logging.INFO, role: str = "colocated", group: str = "",
+                 watch_parent: bool = True, startup: StartupTimeline | None = None,
+                 spare_workers: Sequence = ()) -> None:
+        self.config, self.ctx, self.link, self.inbox = config, ctx, link, link.inbox
+        self.role, self.group = role, group or role
+        self.watch_parent, self.parent = watch_parent, os.getppid()
+        self.startup = startup or StartupTimeline(process_start=time.time())
+        self.running, self.stop_requested = True, False
+        self.dead_error: str | None = None
+        self.generation = 0
+        for spare in spare_workers:  # each group's master starts its own ranks
+            spare.release()
+        strategy = config.parallel_config.strategy
+        self.reports = ctx.socket(zmq.PULL)
+        report_addr = f"ipc://{ipc_dir}/shell-reports"
+        self.reports.bind(report_addr)
+        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        # the groups publish no prefix-cache events of their own; the routers see the TE as one
+        group_config = config.replace(kv_events_endpoint="").to_dict()
+        client_output = link.output_addr if isinstance(link, ClientLink) else ""
+        self.groups: list[GroupView] = []
+        for index in range(strategy.attn_dp):
+            inbox = ctx.socket(zmq.PUSH)
+            inbox.setsockopt(zmq.LINGER, 0)
+            shell_addr = f"ipc://{ipc_dir}/group-{index}-inbox"
+            inbox.bind(shell_addr)
+            group_dir = os.path.join(ipc_dir, f"group-{index}")
+            os.makedirs(group_dir, exist_ok=True)
+            proc = launch("group-master", config=group_config, index=index, dist_init=dist_init,
+                          shell_addr=shell_addr, report_addr=report_addr, client_output_addr=client_output,
+                          ipc_dir=group_dir, shell_pid=os.getpid(), log_level=log_level)
+            self.groups.append(GroupView(index, proc, inbox))
+        try:
+            self._wait_ready(config.parallel_config.startup_timeout_s)
+        except BaseException:
+            self._stop_groups(grace_s=2.0)
+            raise
+        ready = [g.ready for g in self.groups]
+        self.max_model_len = min(r.max_model_len for r in ready)
+        self.engine_ready = EngineReady(num_kv_blocks=sum(r.num_kv_blocks for r in ready),
+                                        block_size=ready[0].block_size, kv_bytes_per_token=ready[0].kv_bytes_per_token,
+                                        max_model_len=self.max_model_len, vocab_size=min(r.vocab_size for r in ready))
+        if isinstance(link, ClientLink):
+            link.send(self.engine_ready)
+        logger.info("TE shell ready: %d self-contained DP group(s) of %s, %d KV blocks", len(self.groups),
+                    strategy, self.engine_ready.num_kv_blocks)
+
+    # ------------------------------------------------------------------ start and stop
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(g.ready is None for g in self.groups):
+            if time.monotonic() > deadline:
+                missing = [g.index for g in self.groups if g.ready is None]
+                raise RuntimeError(f"DP group(s) {missing} not ready after {timeout_s:.0f} s")
+            for g in self.groups:
+                if g.proc.poll() is not None:
+                    raise RuntimeError(f"DP group {g.index}'s master exited during start-up (exit code "
+                                       f"{g.proc.returncode})")
+            if not self.reports.poll(200):
+                continue
+            item = recv_message(self.reports, _REPORTS)
+            if isinstance(item, EngineError):
+                raise RuntimeError(item.message)
+            if isinstance(item, EngineReady):
+                self._group_of_ready().ready = item
+
+    def _group_of_ready(self) -> GroupView:
+        """EngineReady names no group; every group sends one, in any order, and the groups' figures differ at
+        most in their KV blocks, which their load reports correct from the first report on."""
+        return next(g for g in self.groups if g.ready is None)
+
+    def stop_on_signal(self) -> None:
+        self.stop_requested = True
+        self.running = False
+
+    def _stop_groups(self, grace_s: float = _STOP_GRACE_S) -> None:
+        for g in self.groups:
+            if g.proc.poll() is None:
+                g.proc.send_signal(signal.SIGTERM)
+        for g in self.groups:
+            stop_process(g.proc, grace_s=grace_s)
+            g.inbox.close(0)
+
+    def _fail(self, error: str) -> None:
+        if self.dead_error is not None or self.stop_requested:
+            return
+        logger.error("TE failed: %s", error)
+        self.dead_error = error
+        self.link.broadcast(EngineError(message=error, fatal=True, engine=self.config.te_name))
+        self.running = False
+
+    # ------------------------------------------------------------------ loop
+    def run(self, warmup: bool = False) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.reports, zmq.POLLIN)
+        self.startup.ready = time.time()
+        try:
+            while self.running:
+                events = dict(poller.poll(_POLL_MS))
+                if self.reports in events:
+                    while self.reports.poll(0):
+                        self._on_report(recv_message(self.reports, _REPORTS))
+                if self.inbox in events:
+                    while self.inbox.poll(0):
+                        item = recv_message(self.inbox, _INBOX, MAX_INBOX_BYTES, self._answer_refused)
+                        if item is not None:
+                            self._on_client(item)
+                self._check_groups()
+                self.link.tick(time.time(), self._heartbeat)
+        finally:
+            logger.info("shutting down")
+            self.link.say_goodbye(self._heartbeat())
+            self._stop_groups(grace_s=_STOP_GRACE_S if self.dead_error is None else 2.0)
+            self.reports.close(0)
+            self.link.close()
+            self.ctx.term()
+
+    def _answer_refused(self, refused: RefusedFrame) -> None:
+        logger.warning("refused a request: %s", refused)
+        self.link.send(refused.answer, refused.reply_to)
+
+    def _check_groups(self) -> None:
+        if self.stop_requested:
+            return
+        if self.watch_parent and os.getppid() != self.parent:
+            logger.warning("client is gone; shutting down")
+            self.running = False
+            return
+        ended = [g for g in self.groups if g.proc.poll() is not None]
+        if ended and all(g.proc.returncode == 0 for g in ended) and len(ended) == len(self.groups):
+            logger.info("every DP group left (drained): leaving")
+            self.running = False
+        elif any(g.proc.returncode not in (None, 0) for g in ended):
+            g = next(g for g in ended if g.proc.returncode != 0)
+            self._fail(f"DP group {g.index}'s master exited (exit code {g.proc.returncode})")
+
+    # ------------------------------------------------------------------ the groups' reports
+    def _on_report(self, item) -> None:
+        if isinstance(item, EngineHeartbeat):
+            group = next((g for g in self.groups if g.proc.pid == item.pid), None)
+            if group is not None:
+                group.on_report(item)
+        elif isinstance(item, WorldRestart):
+            self._restart_world(item)
+        elif isinstance(item, EngineError):
+            self._fail(item.message)
+        elif item is not None:
+            drop_frame(_REPORTS, f"a {type(item).__name__} is not a DP group's report")
+
+    def _restart_world(self, item: WorldRestart) -> None:
+        """A group's ranks failed: every group's ranks restart into a new world (one address for all)."""
+        if item.generation > self.generation:
+            self.generation = item.generation
+            self.world_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+            logger.warning("the ranks of every DP group restart into world %d: %s", self.generation, item.reason)
+        for g in self.groups:
+            g.send(WorldRestart(generation=self.generation, dist_init=self.world_addr, reason=item.reason))
+
+    # ------------------------------------------------------------------ the clients' messages
+    def _on_client(self, item) -> None:
+        if isinstance(item, AddRequest):
+            self._place(item).send(item)
+        elif isinstance(item, (AbortRequests, ReleaseKV)):
+            for g in self.groups:  # the group holding a request forgets it; the others have never heard of it
+                g.send(item)
+        elif isinstance(item, StatsQuery):
+            self.link.send(self._stats(), item.reply_to)
+        elif isinstance(item, AdminRequest):
+            self._on_admin(item)
+        elif isinstance(item, Shutdown):
+            self.running = False
+        else:
+            drop_frame(_INBOX, f"a {type(item).__name__} is not a message for a TE")
+
+    def _on_admin(self, item: AdminRequest) -> None:
+        if item.op == AdminOp.STATS:
+            reply = AdminReply(query_id=item.query_id, ok=True, data=StatsResult(stats=self._stats()))
+            if item.reply_to or isinstance(self.link, ClientLink):
+                self.link.send(reply, item.reply_to)
+            return
+        for g in self.groups:  # every group applies it; the first answers
+            g.send(item)
+
+    def _place(self, item: AddRequest) -> GroupView:
+        """The group for a new request: the DP balancer's choice (xdeepserve §4.3), the least loaded group when
+        every group is at its batch limit (it waits there)."""
+        block_size = self.engine_ready.block_size
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        loads = [g.load(max_num_seqs) for g in self.groups]
+        expected = item.sampling_params.max_tokens or DEFAULT_EXPECTED_OUTPUT_TOKENS
+        num_prompt = len(item.prompt_token_ids)
+        choice = place_request(num_prompt, expected, block_size, loads, [0] * len(loads))
+        index = choice.group if choice is not None else min(range(len(loads)), key=lambda i: loads[i].num_requests)
+        group = self.groups[index]
+        group.sent_requests += 1
+        group.sent_tokens += num_prompt
+        group.sent_blocks += cdiv(num_prompt + expected, block_size)
+        return group
+
+    # ------------------------------------------------------------------ what the TE tells others
+    def _stats(self) -> EngineStats:
+        parts = [g.stats for g in self.groups]
+        return EngineStats.merge(parts, num_recoveries=max((p.num_recoveries for p in parts), default=0),
+                                 world_size=self.config.parallel_config.world_size,
+                                 healthy=self.dead_error is None and all(p.healthy for p in parts),
+                                 error=self.dead_error)
+
+    def _heartbeat(self) -> EngineHeartbeat:
+        config = self.config
+        strategy = config.parallel_config.strategy
+        return EngineHeartbeat(name=config.te_name, role=EngineRole(self.role), group=self.group,
+                               input_addr=self.link.listen_addr, kv_events_addr="",
+                               model=config.model_config.served_model_name or config.model_config.model,
+                               max_model_len=self.max_model_len, block_size=config.cache_config.block_size,
+                               attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),
+                               timestamp=time.time(), pid=os.getpid(), startup=self.startup)
+

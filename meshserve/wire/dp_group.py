@@ -1,0 +1,14 @@
+"""What a TE shell and its self-contained DP groups' masters tell each other (core/te_shell.py)."""
+from __future__ import annotations
+
+from meshserve.wire.base import Message
+
+
+class WorldRestart(Message):
+    """The ranks of every DP group restart into a new torch.distributed world. From a group master to the shell:
+    its ranks failed, it asks for world `generation` (`dist_init` empty). From the shell to every group master:
+    the new world's rendezvous address; a group whose ranks still run restarts them too."""
+
+    generation: int
+    dist_init: str = ""
+    reason: str = ""

@@ -1,0 +1,186 @@
+"""A rank's loop under self-contained DP groups (xdeepserve §4.2): steps come from its own group's master, and
+the ranks of every group agree on each step among themselves, with no master in between.
+
+Each DP group's master schedules on its own and sends its steps to its group's ranks only. The groups still meet
+at every MoE dispatch and combine, so before each forward every rank of the TE takes part in one round of
+agreement: an all-gather of a few integers per rank (the step at the head of its queue, that step's tokens, and
+whether it was told to stop), as SGLang's DP-attention schedulers gather their batch sizes. From the same rows
+every rank reads the same plan (`plan_round`):
+
+- a DP group runs its head step when every one of its ranks holds it (a step still on its way to one of them waits
+  for the next round, so the group's TP ranks never run different steps);
+- a group with nothing to run joins the forward with an empty batch (a dummy step), so the others are not held;
+- two micro-batches when configured and the largest step that runs is big enough for them;
+- no forward at all when no group has a step; then the next round comes after a short pause that doubles while
+  the TE stays idle (`IDLE_ROUND_MIN_S` to `IDLE_ROUND_MAX_S`): every rank computes the same pause from the same
+  rows, so they meet again without anyone to wake them. A step arriving meanwhile waits at most that long.
+- a rank told to stop says so in its row, and every rank leaves together.
+
+Between rounds the rank answers its master's pings and arms the faults it forwards, as in the lockstep loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from meshserve.utils import faults
+from meshserve.utils.gc_pauses import StepCollector
+from meshserve.wire import codec
+from meshserve.wire.base import Shutdown
+from meshserve.wire.receive import drop_frame, recv_message
+from meshserve.wire.worker import InjectFault, SchedulerOutput, StepBatch, WorkerEvent, WorkerPing, WorkerPong
+from meshserve.worker import fault_hooks
+
+if TYPE_CHECKING:
+    from meshserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+IDLE_ROUND_MIN_S = 0.0005
+IDLE_ROUND_MAX_S = 0.010
+_MASTER_CHECK_S = 1.0
+NO_STEP = -1
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What every rank does after one round of agreement."""
+
+    stop: bool  # a rank was told to stop: every rank leaves
+    runs: list[bool]  # per DP group: it runs the step at the head of its queue
+    microbatches: int
+
+    @property
+    def forward(self) -> bool:
+        return any(self.runs)
+
+
+def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatch_min_tokens: int) -> RoundPlan:
+    """The plan every rank reads from the gathered rows ([head step id or NO_STEP, its tokens, stop] per rank,
+    in rank order; the ranks of DP group g are g * attn_tp .. g * attn_tp + attn_tp - 1)."""
+    stop = any(row[2] for row in rows)
+    runs, tokens = [], []
+    for first in range(0, len(rows), attn_tp):
+        group = rows[first:first + attn_tp]
+        step = group[0][0]
+        runs.append(step != NO_STEP and all(row[0] == step for row in group))
+        tokens.append(group[0][1] if runs[-1] else 0)
+    split = microbatches == 2 and max(tokens, default=0) >= microbatch_min_tokens
+    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1)
+
+
+def idle_pause_s(idle_rounds: int) -> float:
+    """The pause before the next round after `idle_rounds` rounds in a row without a forward."""
+    return min(IDLE_ROUND_MAX_S, IDLE_ROUND_MIN_S * 2 ** min(max(0, idle_rounds - 1), 16))
+
+
+class AgreeingLoop:
+    """One rank's loop: take its master's messages between rounds, agree, run (or join with nothing)."""
+
+    def __init__(self, rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket,
+                 master_gone: Callable[[], bool], collector: StepCollector) -> None:
+        self.rank, self.runner = rank, runner
+        self.work, self.results = work, results
+        self.master_gone, self.collector = master_gone, collector
+        parallel_config = runner.config.parallel_config
+        self.attn_tp = parallel_config.strategy.attn_tp
+        self.microbatches, self.microbatch_min_tokens = (parallel_config.microbatches,
+                                                         parallel_config.microbatch_min_tokens)
+        self.pending: deque[StepBatch] = deque()
+        self.stopping = False
+        self.rounds = 0  # rounds with a forward: the same count on every rank, so it names a step for rollbacks
+        self._idle_rounds = 0
+        self._next_master_check = 0.0
+
+    def run(self) -> None:
+        next_round = time.monotonic()
+        while True:
+            self._report_background()
+            if not self._wait_until(next_round):
+                return  # the master is gone (the other groups fail at the next round and recover)
+            head = self.pending[0] if self.pending else None
+            row = [NO_STEP, 0, int(self.stopping)] if head is None else [
+                head.per_dp[0].step_id, head.per_dp[0].total_num_scheduled_tokens, int(self.stopping)]
+            plan = plan_round(self.runner.parallel.agree_on_step(row), self.attn_tp, self.microbatches,
+                              self.microbatch_min_tokens)
+            if plan.stop:
+                logger.info("shutting down")
+                return
+            if not plan.forward:
+                self._idle_rounds += 1
+                next_round = time.monotonic() + idle_pause_s(self._idle_rounds)
+                continue
+            self._idle_rounds = 0
+            batch = self.pending.popleft() if plan.runs[self.runner.parallel.dp_rank] else None
+            self._forward(batch, plan.microbatches)
+            next_round = time.monotonic()
+
+    def _forward(self, batch: StepBatch | None, microbatches: int) -> None:
+        """This group's step, or an empty one beside the groups that run theirs."""
+        self.rounds += 1
+        runner = self.runner
+        if batch is None:
+            runner.execute_rolling_back(SchedulerOutput(step_id=NO_STEP), microbatches, forward_id=self.rounds)
+            return
+        out = runner.run_batch(batch, agreed=(self.rounds, microbatches))
+        if out is not None:
+            self.results.send(codec.encode(out))
+        if batch.collect_garbage:
+            self.collector.collect()
+
+    def _wait_until(self, deadline: float) -> bool:
+        """Take the master's messages until `deadline` (at once when this rank has a step and the time has come);
+        False when the master is gone."""
+        while True:
+            wait_s = max(0.0, deadline - time.monotonic())
+            if self.stopping:
+                wait_s = 0.0
+            if self.work.poll(int(wait_s * 1000)):
+                while self.work.poll(0):
+                    self._take(recv_message(self.work, "worker-work"))
+                if time.monotonic() < deadline and not self.stopping:
+                    continue
+            now = time.monotonic()
+            if now >= self._next_master_check:
+                self._next_master_check = now + _MASTER_CHECK_S
+                if self.master_gone():
+                    logger.warning("master is gone; exiting")
+                    return False
+            if now >= deadline or self.stopping:
+                return True
+
+    def _take(self, item) -> None:
+        if isinstance(item, Shutdown):
+            self.stopping = True  # said in the next round: every rank leaves with this one
+        elif isinstance(item, WorkerPing):
+            self.results.send(codec.encode(WorkerPong(rank=self.rank, seq=item.seq)))
+        elif isinstance(item, InjectFault):
+            faults.arm(item.fault)
+        elif isinstance(item, StepBatch):
+            if item.per_dp:
+                self.pending.append(item)
+            else:  # control only (a connector's work): applied now, no forward to agree on
+                self.runner.run_batch(item)
+        elif item is not None:
+            drop_frame("worker-work", f"unexpected {type(item).__name__}")
+
+    def _report_background(self) -> None:
+        for kind, detail in self.runner.poll_background():
+            self.results.send(codec.encode(WorkerEvent(rank=self.rank, kind=kind, detail=detail)))
+        report = self.runner.take_kv_connector_report()
+        if report is not None:
+            self.results.send(codec.encode(report))
+
+
+def serve_agreeing(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket,
+                   master_gone: Callable[[], bool], collector: StepCollector) -> None:
+    """`worker._serve`'s counterpart under self-contained DP groups."""
+    fault_hooks.install(runner, rank, master_gone)  # wraps nothing until a fault is armed
+    AgreeingLoop(rank, runner, work, results, master_gone, collector).run()
+

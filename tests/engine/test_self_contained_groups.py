@@ -1,0 +1,102 @@
+"""Self-contained DP groups (xdeepserve §4.2): each DP group a master process of its own, its ranks agreeing
+with the other groups' on every step, the TE shell only placing requests. The single-rank engine is the oracle:
+16 prompts of mixed lengths x 32 greedy tokens, all submitted at once, must come out token for token the same,
+also when a rank is killed mid-stream."""
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from meshserve import LLM, SamplingParams
+from meshserve.config import ConfigError, EngineConfig
+from meshserve.utils.processes import process_tree
+
+NUM_PROMPTS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+# small steps: prefills are chunked and decodes mix with prefills, as in serving
+ENGINE_ARGS = dict(max_num_batched_tokens=64, block_size=8, max_num_seqs=8, num_kv_blocks=128)
+DP4_EP4 = "attn=TP1+DP4 moe=TP1+EP4"
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    lengths = [5, 70, 17, 33, 9, 120, 48, 2, 64, 3, 27, 90, 11, 40, 6, 21]
+    return [torch.randint(100, 31900, (n,), generator=g).tolist() for n in lengths[:NUM_PROMPTS]]
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    outs = llm.generate(prompts, GREEDY)
+    assert all(out.outputs[0].finish_reason == "length" for out in outs)
+    return [out.outputs[0].token_ids for out in outs]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return str(tiny_model("deepseek_v3", seed=5, overrides={"num_hidden_layers": 2}))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    prompts = _prompts()
+    with LLM(model=model_dir, **ENGINE_ARGS) as llm:
+        return prompts, _tokens(llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def dp4_ep4(model_dir):
+    llm = LLM(model=model_dir, parallel=DP4_EP4, dp_groups="self-contained", **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+def _processes_running(llm: LLM, entry: str) -> list[psutil.Process]:
+    return [p for p in process_tree(llm.engine.proc.pid) if entry in " ".join(p.cmdline())]
+
+
+def test_dp4_ep4_self_contained_groups_match_one_rank(dp4_ep4, reference):
+    prompts, expected = reference
+    assert _tokens(dp4_ep4, prompts) == expected
+    stats = dp4_ep4.get_stats()
+    assert stats.healthy and stats.world_size == 4
+    # one master process per DP group below the shell, and the four ranks they started
+    assert len(_processes_running(dp4_ep4, "run_group_master")) == 4
+    assert len(_processes_running(dp4_ep4, "run_worker")) == 4
+
+
+def test_a_killed_rank_restarts_every_group_and_loses_nothing(dp4_ep4, reference):
+    """Rank 2 (DP group 2) is killed -9 mid-stream: every group's ranks restart into a new world and every request
+    continues from its tokens so far, ending with the fault-free tokens."""
+    prompts, expected = reference
+    recoveries = dp4_ep4.get_stats().num_recoveries
+    dp4_ep4.admin("fault.inject", {"fault": {"kind": "kill", "rank": 2, "after_steps": 6}})
+    assert _tokens(dp4_ep4, prompts) == expected
+    stats = dp4_ep4.get_stats()
+    assert stats.healthy and stats.num_recoveries == recoveries + 1
+    assert stats.num_migrated >= 1  # requests went on from their tokens
+    assert stats.world_size == 4
+
+
+@pytest.mark.parametrize("layout", [
+    dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
+    dict(parallel="attn=TP2+DP2 moe=TP2+EP2"),
+], ids=["DP2+EP2-two-microbatches", "TP2+DP2-hybrid"])
+def test_other_layouts_with_self_contained_groups_match_one_rank(model_dir, reference, layout):
+    """Micro-batches: the ranks agree on splitting from the gathered step sizes. Attention TP2: a group runs a
+    step only once both its ranks hold it."""
+    prompts, expected = reference
+    with LLM(model=model_dir, dp_groups="self-contained", **layout, **ENGINE_ARGS) as llm:
+        assert _tokens(llm, prompts[:8]) == expected[:8]
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(dp_groups="self-contained", kv_transfer="consumer"), "kv_transfer"),
+    (dict(dp_groups="self-contained", speculative="mtp"), "speculative"),
+    (dict(dp_groups="self-contained", eplb_interval_s=10.0), "eplb_interval_s"),
+    (dict(dp_groups="self-contained", on_rank_failure="shrink", parallel=DP4_EP4), "on_rank_failure"),
+    (dict(dp_groups="self-contained", local_ranks=2, parallel=DP4_EP4), "local_ranks"),
+    (dict(dp_groups="together"), "dp_groups"),
+])
+def test_what_self_contained_groups_do_not_run_is_refused_naming_the_setting(settings, named):
+    with pytest.raises(ConfigError, match=named):
+        EngineConfig.from_kwargs("m", **settings)
