@@ -83,6 +83,7 @@ TIER_EXCEPTIONS = {
         "engine/test_output_processor.py",
         "engine/test_sampler.py",
         "models/test_draft_vocab.py",
+        "worker/test_step_agreement.py",
         "moe/test_eplb.py",
     ], "unit"),
     **dict.fromkeys([
@@ -142,6 +143,7 @@ TIER_EXCEPTIONS = {
         "router/test_migration.py",
         "router/test_pd_deployment.py",
         "router/test_router_hardening.py",
+        "router/test_self_contained_te.py",
     ], "deployment"),
     **dict.fromkeys([
         "bench/test_calibrate.py::test_calibrate_writes_a_cluster_file_that_plan_reads",

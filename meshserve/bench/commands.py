@@ -50,6 +50,9 @@ BENCH_COMMANDS = (
     ("jitter", "step-time tails with Python's automatic garbage collection, with collection on a schedule, and "
                "with that and pinned cores (p50, p90, p99, max; p99 against automatic collection)",
      "meshserve.bench.jitter:add_jitter_arguments"),
+    ("control-plane", "the control plane's CPU per decode step at DP 1, 2, 4, 8: one master for every DP group "
+                      "against self-contained DP groups, each ratio against DP 1",
+     "meshserve.bench.control_plane:add_control_plane_arguments"),
     ("tenants", "a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT alone and "
                 "beside it, with per-tenant limits on",
      "meshserve.bench.tenants:add_tenants_arguments"),

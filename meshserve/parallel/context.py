@@ -136,10 +136,13 @@ class ParallelContext:
         (worker/step_agreement.py). Collective over the world."""
         if self.step_group is None:
             return [list(row)]
+        # a gather to rank 0 and a broadcast back: two hops whatever the world's size (an all-gather's ring takes
+        # world - 1 in a row, each waiting for the next rank to be scheduled)
         mine = torch.tensor(row, dtype=torch.int64)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine, group=self.step_group)
-        return [r.tolist() for r in rows]
+        table = torch.empty(self.world_size, len(row), dtype=torch.int64)
+        dist.gather(mine, list(table.unbind(0)) if self.rank == 0 else None, dst=0, group=self.step_group)
+        dist.broadcast(table, src=0, group=self.step_group)
+        return table.tolist()
 
     # ------------------------------------------------------------------ rollback (xdeepserve §6.2)
     def agree_on_rollback(self, step_id: int) -> None:

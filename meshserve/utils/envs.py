@@ -68,10 +68,14 @@ MESHSERVE_EMULATED_LINK_LATENCY_MS = EnvVar(
     "MESHSERVE_EMULATED_LINK_LATENCY_MS", None,
     "benchmarks only: each expert-parallel dispatch and combine takes at least this long from its launch (ms), "
     "standing in for a slower link than loopback; what overlaps it hides it")
+MESHSERVE_NULL_MODEL_MS = EnvVar(
+    "MESHSERVE_NULL_MODEL_MS", None,
+    "benchmarks only: every rank runs without a model (worker/null_runner.py), each forward taking this long "
+    "(ms, 0: none) and making up its tokens, so what a step costs beyond it is the control plane around the model")
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
     MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE, MASTER_ADDR, RANK,
-    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS,
+    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS, MESHSERVE_NULL_MODEL_MS,
 )
 
 
@@ -146,3 +150,17 @@ def markdown_table() -> str:
     rows = [f"| `{v.name}` | {f'`{v.default}`' if v.default is not None else 'unset'} | {v.meaning} |"
             for v in ENV_VARS]
     return "\n".join(["| variable | default | meaning |", "| --- | --- | --- |", *rows])
+
+
+def null_model_s() -> float | None:
+    """MESHSERVE_NULL_MODEL_MS in seconds: None (unset) runs the model; ValueError names a bad value."""
+    text = (MESHSERVE_NULL_MODEL_MS.get() or "").strip()
+    if not text:
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise ValueError(f"{MESHSERVE_NULL_MODEL_MS.name} must be a number of milliseconds >= 0, got {text!r}")
+    return ms / 1000

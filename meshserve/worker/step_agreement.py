@@ -21,6 +21,7 @@ Between rounds the rank answers its master's pings and arms the faults it forwar
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_ROUND_MIN_S = 0.0005
-IDLE_ROUND_MAX_S = 0.010
+IDLE_ROUND_MAX_S = 0.020
 _MASTER_CHECK_S = 1.0
 NO_STEP = -1
 
@@ -95,6 +96,7 @@ class AgreeingLoop:
         self.pending: deque[StepBatch] = deque()
         self.stopping = False
         self.rounds = 0  # rounds with a forward: the same count on every rank, so it names a step for rollbacks
+        self.steps_run = 0  # ... of which with this group's step (the others joined with nothing)
         self._idle_rounds = 0
         self._next_master_check = 0.0
 
@@ -104,13 +106,11 @@ class AgreeingLoop:
             self._report_background()
             if not self._wait_until(next_round):
                 return  # the master is gone (the other groups fail at the next round and recover)
-            head = self.pending[0] if self.pending else None
-            row = [NO_STEP, 0, int(self.stopping)] if head is None else [
-                head.per_dp[0].step_id, head.per_dp[0].total_num_scheduled_tokens, int(self.stopping)]
-            plan = plan_round(self.runner.parallel.agree_on_step(row), self.attn_tp, self.microbatches,
+            plan = plan_round(self.runner.parallel.agree_on_step(self._row()), self.attn_tp, self.microbatches,
                               self.microbatch_min_tokens)
             if plan.stop:
-                logger.info("shutting down")
+                logger.info("shutting down after %d forwards (%d of them this group's steps)", self.rounds,
+                            self.steps_run)
                 return
             if not plan.forward:
                 self._idle_rounds += 1
@@ -121,6 +121,13 @@ class AgreeingLoop:
             self._forward(batch, plan.microbatches)
             next_round = time.monotonic()
 
+    def _row(self) -> list[int]:
+        """This rank's row of a round: the step at the head of its queue and its tokens, and whether to stop."""
+        head = self.pending[0].per_dp[0] if self.pending else None
+        if head is None:
+            return [NO_STEP, 0, int(self.stopping)]
+        return [head.step_id, head.total_num_scheduled_tokens, int(self.stopping)]
+
     def _forward(self, batch: StepBatch | None, microbatches: int) -> None:
         """This group's step, or an empty one beside the groups that run theirs."""
         self.rounds += 1
@@ -128,6 +135,7 @@ class AgreeingLoop:
         if batch is None:
             runner.execute_rolling_back(SchedulerOutput(step_id=NO_STEP), microbatches, forward_id=self.rounds)
             return
+        self.steps_run += 1
         out = runner.run_batch(batch, agreed=(self.rounds, microbatches))
         if out is not None:
             self.results.send(codec.encode(out))
@@ -141,7 +149,7 @@ class AgreeingLoop:
             wait_s = max(0.0, deadline - time.monotonic())
             if self.stopping:
                 wait_s = 0.0
-            if self.work.poll(int(wait_s * 1000)):
+            if self.work.poll(math.ceil(wait_s * 1000)):  # rounded up: a wait under 1 ms must not spin
                 while self.work.poll(0):
                     self._take(recv_message(self.work, "worker-work"))
                 if time.monotonic() < deadline and not self.stopping:

@@ -32,7 +32,7 @@ import zmq
 
 from meshserve.config import EngineConfig, ParallelConfig
 from meshserve.core.remote_ranks import PeerMonitor, enable_heartbeats
-from meshserve.utils import cluster_auth, faults
+from meshserve.utils import cluster_auth, envs, faults
 from meshserve.utils.core_pinning import pin_rank
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.wire import codec
@@ -222,6 +222,11 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
         redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts,
         collective_timeout_s=parallel_config.collective_timeout_s,
         agree_steps=parallel_config.dp_groups == "self-contained")
+    forward_s = envs.null_model_s()
+    if forward_s is not None:  # benchmarks only: the control plane without the model (worker/null_runner.py)
+        from meshserve.worker.null_runner import NullRunner
+
+        return NullRunner(engine_config, parallel, forward_s)
     runner = ModelRunner(engine_config, parallel)
     logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
                 threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)

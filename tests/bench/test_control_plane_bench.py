@@ -1,0 +1,58 @@
+"""`meshserve bench control-plane`: one-line argument errors, the table and ratios on a made-up result, and a
+--quick run end to end on the tiny model whose JSON has a row per DP degree and way of running the groups, with
+positive figures and each ratio against DP 1 (timings themselves are never compared)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshserve.bench.control_plane import LOCKSTEP, MODES, SELF_CONTAINED, ControlPlaneSettings, _result, table_lines
+from meshserve.entrypoints.cli import main
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--repeats", "0"], "--repeats must be at least 1"),
+                                                (["--dp", "2", "4"], "--dp must include 1"),
+                                                (["--dp", "1", "1"], "--dp takes distinct degrees"),
+                                                (["--model-ms", "-1"], "--model-ms must be at least 0"),
+                                                (["--model", "/no/such/dir"], "is not a model directory")])
+def test_bad_arguments_are_one_line_errors(flags, message, capsys):
+    assert main(["bench", "control-plane", *flags]) in (1, 2)
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_ratios_are_against_dp1_of_the_same_way_of_running():
+    settings = ControlPlaneSettings(model_dir=None, model_ms=20.0, dp=(1, 8), requests_per_group=8, output_len=64,
+                                    prompt_len=8, repeats=3, json_path="x.json")
+    figures = {(LOCKSTEP, 1): 0.5, (LOCKSTEP, 8): 3.0, (SELF_CONTAINED, 1): 0.6, (SELF_CONTAINED, 8): 0.66}
+    rows = [{"dp": dp, "mode": mode, "control_cpu_ms_per_step": figures[mode, dp],
+             "control_cpu_total_ms_per_step": figures[mode, dp] * dp, "wall_ms_per_step": 20.0 + 10 * figures[mode, dp],
+             "non_model_ms_per_step": 10 * figures[mode, dp], "rank_cpu_ms_per_step": 0.1}
+            for dp in (1, 8) for mode in MODES]
+    result = _result(settings, "m", rows)
+    by_key = {(r["mode"], r["dp"]): r for r in result["rows"]}
+    assert by_key[LOCKSTEP, 8]["control_cpu_vs_dp1"] == pytest.approx(6.0)
+    assert by_key[SELF_CONTAINED, 8]["control_cpu_vs_dp1"] == pytest.approx(1.1)
+    assert result["self_contained_largest_vs_dp1"] == pytest.approx(1.1) and result["largest_dp"] == 8
+    lines = table_lines(result)
+    assert by_key[LOCKSTEP, 8]["non_model_vs_dp1"] == pytest.approx(6.0)
+    assert len(lines) == 1 + len(rows) + 1 and "6.00" in lines[3] and "1.10x DP1 in non-model" in lines[-1]
+
+
+@pytest.mark.timeout(600)
+def test_a_quick_run_on_the_tiny_model(tiny_model, tmp_path, capsys):
+    path = tmp_path / "control_plane.json"
+    assert main(["bench", "control-plane", "--quick", "--model", str(tiny_model()), "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert path.with_suffix(".png").stat().st_size > 0
+    assert {(r["mode"], r["dp"]) for r in result["rows"]} == {(mode, dp) for mode in MODES for dp in (1, 2)}
+    for row in result["rows"]:
+        assert row["control_cpu_ms_per_step"] > 0 and row["rank_cpu_ms_per_step"] > 0
+        assert row["wall_ms_per_step"] >= result["config"]["model_ms"]  # each step sleeps that long on the ranks
+        assert row["non_model_ms_per_step"] == pytest.approx(row["wall_ms_per_step"] - result["config"]["model_ms"])
+        assert row["control_cpu_total_ms_per_step"] >= row["control_cpu_ms_per_step"] * 0.999
+        if row["dp"] == 1:
+            assert row["control_cpu_vs_dp1"] == pytest.approx(1.0)
+    out = capsys.readouterr()
+    assert "self-contained" in out.out and "DP2 lockstep" in out.err  # progress on stderr

@@ -1,0 +1,34 @@
+"""A TE with self-contained DP groups in a deployment (`meshserve te`): the job executor sees one TE (the shell's
+heartbeat), each group's master sends its requests' tokens straight to the job executor that sent them, and the
+greedy tokens are the single-rank engine's."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshserve import LLM, SamplingParams
+from tests.router.deployment_processes import generate_all, running_deployment, token_ids
+
+PROMPTS = [[5, 6, 7], [9, 3, 1, 4], [11, 12], [2, 8, 8, 8, 3], [40, 41, 42, 43, 44, 45], [7]]
+MAX_TOKENS = 12
+ENGINE = {"num_kv_blocks": 128, "parallel": "attn=TP1+DP2 moe=TP1+EP2", "dp_groups": "self-contained"}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> str:
+    return str(tiny_model("deepseek_v3", seed=0, name="deepseek_v3"))
+
+
+def test_a_self_contained_te_serves_a_job_executor_with_one_ranks_tokens(model):
+    with LLM(model=model, num_kv_blocks=128) as llm:
+        expected = [out.outputs[0].token_ids for out in llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    with running_deployment(model, "colocated", engine=ENGINE) as (jes, procs):
+        je = jes[0]
+        outs = asyncio.run(generate_all(je, PROMPTS, MAX_TOKENS))
+        assert token_ids(outs) == expected
+        te = next(iter(je.registry.tes.values()))
+        # one TE registered, whatever its number of groups; its stats are the groups' together
+        assert len(je.registry.tes) == 1 and te.heartbeat.attn_dp == 2
+        assert te.heartbeat.stats.world_size == 2 and te.heartbeat.stats.healthy
