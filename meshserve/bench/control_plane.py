@@ -23,10 +23,8 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import os
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, run_bench_cli
@@ -121,24 +119,10 @@ def run_control_plane_benchmark(settings: ControlPlaneSettings) -> dict:
 
 def _measure(model: str, dp: int, mode: str, settings: ControlPlaneSettings) -> dict:
     """The medians over repeats of one engine's figures per decode step."""
-    with _null_model(settings.model_ms):
+    null = envs.MESHSERVE_NULL_MODEL_MS.set_to(f"{settings.model_ms:g}") if settings.model_ms is not None \
+        else contextlib.nullcontext()
+    with null:  # the engine's processes read it as they start
         return _measure_engine(model, dp, mode, settings)
-
-
-@contextlib.contextmanager
-def _null_model(model_ms: float | None) -> Iterator[None]:
-    """MESHSERVE_NULL_MODEL_MS for the engine started meanwhile (its processes read it as they start)."""
-    name = envs.MESHSERVE_NULL_MODEL_MS.name
-    before = os.environ.get(name)
-    if model_ms is not None:
-        os.environ[name] = f"{model_ms:g}"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def _measure_engine(model: str, dp: int, mode: str, settings: ControlPlaneSettings) -> dict:

@@ -7,8 +7,9 @@ variable for child processes to inherit is not reading and stays where it happen
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,19 @@ class EnvVar:
 
     def get(self, environ: Mapping[str, str] | None = None) -> str | None:
         return (os.environ if environ is None else environ).get(self.name, self.default)
+
+    @contextlib.contextmanager
+    def set_to(self, value: str) -> Iterator[None]:
+        """This variable set to `value` for the processes started meanwhile to inherit, as it was afterwards."""
+        before = os.environ.get(self.name)
+        os.environ[self.name] = value
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(self.name, None)
+            else:
+                os.environ[self.name] = before
 
 
 MESHSERVE_API_KEY = EnvVar(
