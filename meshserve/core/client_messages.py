@@ -40,6 +40,7 @@ class ClientMessages:
     recovery: RankRecovery
     dead_error: str | None
     running: bool
+    requests_received: int
 
     def _stats(self) -> EngineStats: ...  # EngineCore's
 
@@ -72,6 +73,7 @@ class ClientMessages:
         self.link.send(refused.answer, refused.reply_to)
 
     def _add_request(self, item: AddRequest) -> None:
+        self.requests_received += 1
         if self.dead_error is not None:
             self.admission.reject(item, RuntimeError(f"engine is dead: {self.dead_error}"))
             return

@@ -27,6 +27,7 @@ def engine_stats(core: EngineCore) -> EngineStats:
         num_rollbacks=core.recovery.health.num_rollbacks,
         num_recoveries=recovery.total,
         num_migrated=recovery.migrated,
+        requests_received=core.requests_received,
         world_size=core.workers.world_size,
         microbatched_steps=core.microbatched_steps,
         recovering=recovery.in_progress,

@@ -99,6 +99,7 @@ class EngineCore(ClientMessages, WorkerResults):
         self.speculation = StepSpeculation(config.speculative_config)
         self.kv_connectors: KVConnectors | None = None
         self.microbatched_steps = 0
+        self.requests_received = 0
         self.gc_schedule = StepCollector(config.parallel_config.gc_collect_every_steps, idle_after_s=_IDLE_COLLECT_S)
         # tests and benchmarks: a master that dies as it sends a step, wrapped in only once such a fault is armed
         faults.on_arm({faults.FaultKind.KILL_MASTER}, lambda: faults.wrap_method(

@@ -15,6 +15,7 @@ No per-step message passes through it: outputs go from each group straight to th
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -55,30 +56,36 @@ _STOP_GRACE_S = 15.0
 
 
 class GroupView:
-    """What the shell knows of one group: its process, its last load report and what it was sent since."""
+    """What the shell knows of one group: its process, its last load report and the requests sent since."""
 
     def __init__(self, index: int, proc, inbox: zmq.Socket) -> None:
         self.index, self.proc, self.inbox = index, proc, inbox
         self.ready: EngineReady | None = None
         self.stats = EngineStats()
-        self.last_report = time.monotonic()
-        self.sent_requests = self.sent_tokens = self.sent_blocks = 0  # since the last report
+        self.num_sent = 0
+        # (prompt tokens, KV blocks) of the requests sent that the last report does not count yet, oldest first
+        self.unreported: collections.deque[tuple[int, int]] = collections.deque()
 
     def send(self, item) -> None:
         self.inbox.send(codec.encode(item))
 
+    def sent_request(self, tokens: int, blocks: int) -> None:
+        self.num_sent += 1
+        self.unreported.append((tokens, blocks))
+
     def load(self, max_num_seqs: int) -> DPGroupLoad:
         stats = self.stats
-        return DPGroupLoad(num_requests=stats.num_running + stats.num_waiting + self.sent_requests,
+        return DPGroupLoad(num_requests=stats.num_running + stats.num_waiting + len(self.unreported),
                            max_num_seqs=max_num_seqs, num_blocks=stats.num_kv_blocks or self.ready.num_kv_blocks,
                            num_used_blocks=round(stats.kv_usage * stats.num_kv_blocks),
-                           reserved_blocks=self.sent_blocks,
-                           pending_prefill_tokens=stats.waiting_tokens + self.sent_tokens)
+                           reserved_blocks=sum(blocks for _, blocks in self.unreported),
+                           pending_prefill_tokens=stats.waiting_tokens + sum(t for t, _ in self.unreported))
 
     def on_report(self, heartbeat: EngineHeartbeat) -> None:
+        """A load report: the requests it counts as received are in its figures; the rest are counted on top."""
         self.stats = heartbeat.stats
-        self.last_report = time.monotonic()
-        self.sent_requests = self.sent_tokens = self.sent_blocks = 0
+        while self.unreported and self.num_sent - len(self.unreported) < heartbeat.stats.requests_received:
+            self.unreported.popleft()
 
 
 class TEShell:
@@ -281,9 +288,7 @@ class TEShell:
         choice = place_request(num_prompt, expected, block_size, loads, [0] * len(loads))
         index = choice.group if choice is not None else min(range(len(loads)), key=lambda i: loads[i].num_requests)
         group = self.groups[index]
-        group.sent_requests += 1
-        group.sent_tokens += num_prompt
-        group.sent_blocks += cdiv(num_prompt + expected, block_size)
+        group.sent_request(num_prompt, cdiv(num_prompt + expected, block_size))
         return group
 
     # ------------------------------------------------------------------ what the TE tells others

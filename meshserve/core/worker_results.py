@@ -15,7 +15,8 @@ from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.worker import ModelRunnerOutput, WorkerEvent, WorkerEventKind, WorkerFailure, WorkerPong
 
 if TYPE_CHECKING:
-    from meshserve.core.dp_group import DPGroup
+    from meshserve.core.client_links import GroupLink
+    from meshserve.core.dp_group import DPGroup, GroupPlace
     from meshserve.core.eplb_controller import EplbController
     from meshserve.core.kv_events import KVEventPublisher
     from meshserve.core.recovery import RankRecovery
@@ -45,6 +46,8 @@ class WorkerResults:
     recovery: RankRecovery
     dead_error: str | None
     stop_requested: bool
+    place: GroupPlace | None  # a self-contained group's master: its link reports to the TE shell
+    link: GroupLink
 
     def _fail(self, error: str) -> None: ...  # EngineCore's
 
@@ -119,6 +122,8 @@ class WorkerResults:
         self.speculation.observe(sched, item)
         self.queue.on_deltas(deltas)
         self.outputs.send(deltas)
+        if self.place is not None and any(delta.finish_reason is not None for delta in deltas):
+            self.link.report_soon()  # the shell places requests by this group's figures: finishes change them
         self.kv_events.publish(group.index, group.kv_manager.drain_events())
 
     def _on_kv_connector_report(self, report: KVConnectorReport) -> None:

@@ -168,6 +168,7 @@ class EngineStats(Message):
     last_failure: str | None = None  # what the last recovery was for
     last_failure_silent_s: float = 0.0  # a hung rank: how long it was silent when found (the detection time)
     gc_marked_steps: int = 0  # steps after which every rank collected garbage (gc_collect_every_steps)
+    requests_received: int = 0  # requests the TE took in since it started (a TE shell places by it)
     healthy: bool = True
     error: str | None = None
 
@@ -202,7 +203,7 @@ class EngineStats(Message):
 _ADDED_UP = ("num_running", "num_waiting", "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits",
              "num_preemptions", "pool_hit_tokens", "waiting_tokens", "running_tokens", "kv_transfer_holds", "kv_pulled",
              "kv_pull_recomputed", "spec_verify_steps", "spec_tokens", "num_rollbacks", "num_recoveries",
-             "num_migrated", "world_size", "microbatched_steps", "gc_marked_steps")
+             "num_migrated", "world_size", "microbatched_steps", "gc_marked_steps", "requests_received")
 
 
 

@@ -10,6 +10,10 @@ every rank reads the same plan (`plan_round`):
 - a DP group runs its head step when every one of its ranks holds it (a step still on its way to one of them waits
   for the next round, so the group's TP ranks never run different steps);
 - a group with nothing to run joins the forward with an empty batch (a dummy step), so the others are not held;
+  but a group that ran a step in the last forward and has none now is most likely only late (its master
+  schedules one step ahead, and may be slower than the ranks once): the round is taken again after a short pause
+  (`LATE_ROUND_PAUSES_S`) before the others go on without it, which costs a millisecond or two instead of a
+  whole forward for everyone and the late group's step a forward later;
 - two micro-batches when configured and the largest step that runs is big enough for them;
 - no forward at all when no group has a step; then the next round comes after a short pause that doubles while
   the TE stays idle (`IDLE_ROUND_MIN_S` to `IDLE_ROUND_MAX_S`): every rank computes the same pause from the same
@@ -45,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_ROUND_MIN_S = 0.0005
 IDLE_ROUND_MAX_S = 0.020
+LATE_ROUND_PAUSES_S = (0.0005, 0.001, 0.002, 0.004)  # the waits for a late group, before going on without it
 _MASTER_CHECK_S = 1.0
 NO_STEP = -1
 
@@ -56,15 +61,18 @@ class RoundPlan:
     stop: bool  # a rank was told to stop: every rank leaves
     runs: list[bool]  # per DP group: it runs the step at the head of its queue
     microbatches: int
+    late: bool = False  # a group that ran a step in the last forward has none yet while others have theirs
 
     @property
     def forward(self) -> bool:
         return any(self.runs)
 
 
-def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatch_min_tokens: int) -> RoundPlan:
+def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatch_min_tokens: int,
+               ran_last: list[bool] | None = None) -> RoundPlan:
     """The plan every rank reads from the gathered rows ([head step id or NO_STEP, its tokens, stop] per rank,
-    in rank order; the ranks of DP group g are g * attn_tp .. g * attn_tp + attn_tp - 1)."""
+    in rank order; the ranks of DP group g are g * attn_tp .. g * attn_tp + attn_tp - 1). `ran_last`: which groups
+    ran a step in the last round with a forward (the same on every rank: it came from that round's rows)."""
     stop = any(row[2] for row in rows)
     runs, tokens = [], []
     for first in range(0, len(rows), attn_tp):
@@ -73,7 +81,8 @@ def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatc
         runs.append(step != NO_STEP and all(row[0] == step for row in group))
         tokens.append(group[0][1] if runs[-1] else 0)
     split = microbatches == 2 and max(tokens, default=0) >= microbatch_min_tokens
-    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1)
+    late = any(runs) and any(ran and not now for ran, now in zip(ran_last or [], runs))
+    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1, late=late)
 
 
 def idle_pause_s(idle_rounds: int) -> float:
@@ -98,6 +107,8 @@ class AgreeingLoop:
         self.rounds = 0  # rounds with a forward: the same count on every rank, so it names a step for rollbacks
         self.steps_run = 0  # ... of which with this group's step (the others joined with nothing)
         self._idle_rounds = 0
+        self._late_rounds = 0  # rounds taken again in a row for a late group
+        self._ran_last: list[bool] = []  # the groups that ran a step in the last forward
         self._next_master_check = 0.0
 
     def run(self) -> None:
@@ -107,16 +118,22 @@ class AgreeingLoop:
             if not self._wait_until(next_round):
                 return  # the master is gone (the other groups fail at the next round and recover)
             plan = plan_round(self.runner.parallel.agree_on_step(self._row()), self.attn_tp, self.microbatches,
-                              self.microbatch_min_tokens)
+                              self.microbatch_min_tokens, self._ran_last)
             if plan.stop:
                 logger.info("shutting down after %d forwards (%d of them this group's steps)", self.rounds,
                             self.steps_run)
                 return
             if not plan.forward:
+                self._ran_last = []
                 self._idle_rounds += 1
                 next_round = time.monotonic() + idle_pause_s(self._idle_rounds)
                 continue
-            self._idle_rounds = 0
+            if plan.late and self._late_rounds < len(LATE_ROUND_PAUSES_S):
+                next_round = time.monotonic() + LATE_ROUND_PAUSES_S[self._late_rounds]
+                self._late_rounds += 1
+                continue
+            self._idle_rounds = self._late_rounds = 0
+            self._ran_last = plan.runs
             batch = self.pending.popleft() if plan.runs[self.runner.parallel.dp_rank] else None
             self._forward(batch, plan.microbatches)
             next_round = time.monotonic()

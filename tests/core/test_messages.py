@@ -124,7 +124,7 @@ STATS = EngineStats(num_running=3, num_waiting=2, kv_usage=0.25, num_kv_blocks=5
                         num_migrated=5, world_size=3, recovering="worker 3 died", last_failure="worker 3 died",
                         last_failure_silent_s=0.5, healthy=False, error="worker 1 died",
                         spec_drafted=[10, 8], spec_accepted=[7, 4], spec_verify_steps=10, spec_tokens=21,
-                        microbatched_steps=4, gc_marked_steps=4)
+                        microbatched_steps=4, gc_marked_steps=4, requests_received=12)
 TRANSFER = KVTransferParams(role=KVTransferRole.CONSUMER, engine="prefill-0", engine_addr="tcp://10.0.0.5:5555",
                                 dp_rank=1, attn_tp=2, attn_dp=2, regions=[REGION], block_ids=[4, 9],
                                 num_tokens=32, num_cached_tokens=16, hold_s=30.0, hold_expires_at=1.7e9,

@@ -40,6 +40,16 @@ def test_two_micro_batches_when_the_largest_step_that_runs_is_big_enough():
     assert plan_round(rows, attn_tp=2, microbatches=2, microbatch_min_tokens=16).microbatches == 1
 
 
+def test_a_group_that_ran_last_and_has_no_step_yet_is_late_not_idle():
+    rows = [_row(5, 8), _row()]
+    assert plan_round(rows, attn_tp=1, microbatches=1, microbatch_min_tokens=16, ran_last=[True, True]).late
+    # it was idle before too: no wait for it
+    assert not plan_round(rows, attn_tp=1, microbatches=1, microbatch_min_tokens=16, ran_last=[True, False]).late
+    # nobody has a step: an idle round, not a late one
+    assert not plan_round([_row(), _row()], attn_tp=1, microbatches=1, microbatch_min_tokens=16,
+                          ran_last=[True, True]).late
+
+
 def test_a_stop_from_any_rank_stops_every_rank():
     plan = plan_round([_row(1, 4), _row(stop=1)], attn_tp=1, microbatches=1, microbatch_min_tokens=16)
     assert plan.stop
