@@ -294,7 +294,11 @@ class TEShell:
     # ------------------------------------------------------------------ what the TE tells others
     def _stats(self) -> EngineStats:
         parts = [g.stats for g in self.groups]
+        # a rollback or a recovery is the whole world's: every group counts the same one
         return EngineStats.merge(parts, num_recoveries=max((p.num_recoveries for p in parts), default=0),
+                                 num_rollbacks=max((p.num_rollbacks for p in parts), default=0),
+                                 recovering=next((p.recovering for p in parts if p.recovering), None),
+                                 last_failure=next((p.last_failure for p in parts if p.last_failure), None),
                                  world_size=self.config.parallel_config.world_size,
                                  healthy=self.dead_error is None and all(p.healthy for p in parts),
                                  error=self.dead_error)

@@ -10,6 +10,7 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import ConfigError, EngineConfig
+from meshserve.utils import faults
 from meshserve.utils.processes import process_tree
 
 NUM_PROMPTS = 16
@@ -75,6 +76,31 @@ def test_a_killed_rank_restarts_every_group_and_loses_nothing(dp4_ep4, reference
     assert stats.healthy and stats.num_recoveries == recoveries + 1
     assert stats.num_migrated >= 1  # requests went on from their tokens
     assert stats.world_size == 4
+
+
+def test_a_hung_rank_restarts_every_group_and_loses_nothing(model_dir, reference):
+    """Rank 1 stops answering mid-stream (as if stuck in a kernel): its group's master finds it hung, the ranks of
+    both groups restart into a new world, and every request ends with its fault-free tokens."""
+    prompts, expected = reference
+    with LLM(model=model_dir, parallel="attn=TP1+DP2 moe=TP1+EP2", dp_groups="self-contained", hang_timeout_s=3.0,
+             **ENGINE_ARGS) as llm:
+        llm.admin("fault.inject", {"fault": {"kind": "stall", "rank": 1, "after_steps": 5, "duration_s": 120}})
+        assert _tokens(llm, prompts[:8]) == expected[:8]
+        stats = llm.get_stats()
+    assert stats.healthy and stats.num_recoveries == 1 and "hung" in (stats.last_failure or "")
+
+
+def test_a_collective_error_rolls_one_step_back_on_every_group(model_dir, reference, monkeypatch):
+    """A transient error in a step's MoE dispatch on every rank: the ranks agree on the forward they failed (the
+    groups number their steps each on their own) and run it again, with no restart."""
+    prompts, expected = reference
+    monkeypatch.setenv(faults.ENV, "collective_error:after_steps=6")
+    with LLM(model=model_dir, parallel="attn=TP1+DP2 moe=TP1+EP2", dp_groups="self-contained",
+             **ENGINE_ARGS) as llm:
+        monkeypatch.delenv(faults.ENV)
+        assert _tokens(llm, prompts[:8]) == expected[:8]
+        stats = llm.get_stats()
+    assert stats.healthy and stats.num_rollbacks == 1 and stats.num_recoveries == 0
 
 
 @pytest.mark.parametrize("layout", [
