@@ -1,0 +1,67 @@
+"""The TE shell's placement of requests on self-contained DP groups (core/te_shell.py): from the groups' load
+reports plus the requests each report does not count yet, so a burst spreads evenly however the reports lag."""
+from __future__ import annotations
+
+import collections
+
+from meshserve.config import EngineConfig
+from meshserve.core.te_shell import GroupView, TEShell
+from meshserve.wire.client import AddRequest, EngineReady, EngineStats
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
+from meshserve.wire.sampling_params import SamplingParams
+
+MAX_NUM_SEQS = 8
+
+
+def _shell(num_groups: int) -> TEShell:
+    """A shell holding only what placement reads (no processes, no sockets)."""
+    shell = TEShell.__new__(TEShell)
+    shell.config = EngineConfig.from_kwargs("m", max_num_seqs=MAX_NUM_SEQS)
+    shell.engine_ready = EngineReady(num_kv_blocks=512, block_size=16, kv_bytes_per_token=1, max_model_len=4096,
+                                     vocab_size=32000)
+    shell.groups = []
+    for index in range(num_groups):
+        group = GroupView(index, proc=None, inbox=None)
+        group.ready = EngineReady(num_kv_blocks=128, block_size=16, kv_bytes_per_token=1, max_model_len=4096,
+                                  vocab_size=32000)
+        shell.groups.append(group)
+    return shell
+
+
+def _request(i: int) -> AddRequest:
+    return AddRequest(req_id=f"r{i}", prompt_token_ids=[5, 6, 7, 8], arrival_time=0.0,
+                      sampling_params=SamplingParams(max_tokens=64))
+
+
+def _report(running: int, received: int) -> EngineHeartbeat:
+    return EngineHeartbeat(name="te", role=EngineRole.COLOCATED, group="g", input_addr="", kv_events_addr="",
+                           model="m", max_model_len=4096, block_size=16, attn_tp=1, attn_dp=4,
+                           stats=EngineStats(num_running=running, num_kv_blocks=128, requests_received=received))
+
+
+def _placements(shell: TEShell, requests: range) -> collections.Counter:
+    return collections.Counter(shell._place(_request(i)).index for i in requests)
+
+
+def test_a_burst_spreads_evenly_over_the_groups():
+    shell = _shell(4)
+    assert _placements(shell, range(32)) == {0: 8, 1: 8, 2: 8, 3: 8}
+
+
+def test_a_report_counts_only_the_requests_its_group_had_received():
+    shell = _shell(2)
+    _placements(shell, range(8))  # 4 each
+    group = shell.groups[0]
+    group.on_report(_report(running=3, received=3))  # made before the 4th request reached the group
+    assert len(group.unreported) == 1 and group.load(MAX_NUM_SEQS).num_requests == 4
+    group.on_report(_report(running=4, received=4))
+    assert not group.unreported and group.load(MAX_NUM_SEQS).num_requests == 4
+
+
+def test_a_report_after_finishes_frees_the_group_for_the_next_burst():
+    shell = _shell(2)
+    _placements(shell, range(16))  # both groups full
+    shell.groups[0].on_report(_report(running=0, received=8))  # its 8 finished; group 1 has not reported yet
+    shell.groups[1].on_report(_report(running=8, received=8))
+    # the next burst fills the free group to its batch limit before the other gets any
+    assert _placements(shell, range(16, 24)) == {0: 8}
