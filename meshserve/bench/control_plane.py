@@ -149,7 +149,12 @@ def _measure_engine(model: str, dp: int, mode: str, settings: ControlPlaneSettin
             used = {name: [after - then for after, then in zip(_cpu_s(procs), before[name])]
                     for name, procs in processes.items()}
             runs.append(_per_step(used, wall, settings.output_len, settings.model_ms))
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]} | {"runs": runs}
+    return medians(runs) | {"runs": runs}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (None where the runs have none: non-model time with the real model)."""
+    return {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def _processes(te_pid: int, mode: str) -> dict[str, list]:

@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from meshserve.bench.control_plane import LOCKSTEP, MODES, SELF_CONTAINED, ControlPlaneSettings, _result, table_lines
+from meshserve.bench.control_plane import (
+    LOCKSTEP,
+    MODES,
+    SELF_CONTAINED,
+    ControlPlaneSettings,
+    _result,
+    medians,
+    table_lines,
+)
 from meshserve.entrypoints.cli import main
 
 
@@ -39,6 +47,23 @@ def test_ratios_are_against_dp1_of_the_same_way_of_running():
     assert by_key[LOCKSTEP, 8]["non_model_vs_dp1"] == pytest.approx(6.0)
     assert len(lines) == 1 + len(rows) + 1 and "6.00" in lines[3] and "1.10x DP1 in control CPU" in lines[-1]
     assert "1.10x in non-model time" in lines[-1]
+
+
+def test_medians_leave_out_what_the_real_model_has_none_of():
+    runs = [{"wall_ms_per_step": w, "non_model_ms_per_step": None} for w in (30.0, 10.0, 20.0)]
+    assert medians(runs) == {"wall_ms_per_step": 20.0, "non_model_ms_per_step": None}
+
+
+def test_the_table_shows_dashes_for_non_model_time_with_the_real_model():
+    settings = ControlPlaneSettings(model_dir=None, model_ms=None, dp=(1, 2), requests_per_group=8, output_len=64,
+                                    prompt_len=8, repeats=3, json_path="x.json")
+    rows = [{"dp": dp, "mode": mode, "control_cpu_ms_per_step": 1.0 * dp, "control_cpu_total_ms_per_step": 1.0 * dp,
+             "wall_ms_per_step": 30.0, "non_model_ms_per_step": None, "rank_cpu_ms_per_step": 5.0}
+            for dp in (1, 2) for mode in MODES]
+    result = _result(settings, "m", rows)
+    assert result["self_contained_largest_vs_dp1"] == pytest.approx(2.0)
+    lines = table_lines(result)
+    assert " - " in lines[1] and "the real model" in lines[-1] and "non-model time" not in lines[-1]
 
 
 @pytest.mark.timeout(600)
