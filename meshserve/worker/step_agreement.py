@@ -3,9 +3,9 @@ the ranks of every group agree on each step among themselves, with no master in 
 
 Each DP group's master schedules on its own and sends its steps to its group's ranks only. The groups still meet
 at every MoE dispatch and combine, so before each forward every rank of the TE takes part in one round of
-agreement: an all-gather of a few integers per rank (the step at the head of its queue, that step's tokens, and
-whether it was told to stop), as SGLang's DP-attention schedulers gather their batch sizes. From the same rows
-every rank reads the same plan (`plan_round`):
+agreement: a gather to rank 0 and a broadcast back of a few integers per rank (the step at the head of its
+queue, that step's tokens, and whether it was told to stop), as SGLang's DP-attention schedulers gather their
+batch sizes (`ParallelContext.agree_on_step`). From the same rows every rank reads the same plan (`plan_round`):
 
 - a DP group runs its head step when every one of its ranks holds it (a step still on its way to one of them waits
   for the next round, so the group's TP ranks never run different steps);
