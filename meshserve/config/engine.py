@@ -48,7 +48,6 @@ class EngineConfig(ConfigStruct, frozen=True):
         unsupported = {
             "kv_transfer (prefill/decode disaggregation)": self.kv_transfer_config.kv_transfer != "none",
             "pool_controller (the memory pool)": self.pool_config.pool_controller is not None,
-            "speculative (MTP drafts)": self.speculative_config.enabled,
             "eplb_interval_s (live expert rebalancing)": self.eplb_config.eplb_interval_s is not None,
         }
         named = [name for name, used in unsupported.items() if used]

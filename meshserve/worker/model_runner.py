@@ -82,6 +82,7 @@ from meshserve.worker.sampler import (
     make_generator,
 )
 from meshserve.worker.spec_decode import DraftRow, VerifyOutput, verify_drafts
+from meshserve.worker.step_agreement import AgreedStep
 from meshserve.worker.weight_fork import WeightServer, fork_identity, fork_model
 
 logger = logging.getLogger(__name__)
@@ -502,10 +503,10 @@ class ModelRunner:
         return failed
 
     # ------------------------------------------------------------------ one step
-    def run_batch(self, batch: StepBatch, agreed: tuple[int, int] | None = None) -> ModelRunnerOutput | None:
+    def run_batch(self, batch: StepBatch, agreed: AgreedStep | None = None) -> ModelRunnerOutput | None:
         """Apply the batch's control, run this rank's DP group's part; the output the driver reports. `agreed`:
-        (forward id, micro-batches) as the ranks of self-contained DP groups agreed on them for this step, whose
-        `per_dp` then holds this rank's group's part alone (worker/step_agreement.py)."""
+        the step as the ranks of self-contained DP groups agreed on it, whose `per_dp` then holds this rank's
+        group's part alone (worker/step_agreement.py)."""
         self.start_kv_connectors(batch.kv_connector)
         if batch.eplb is not None:
             self.apply_eplb(batch.eplb)
@@ -514,7 +515,7 @@ class ModelRunner:
         if agreed is None:
             out = self.execute_rolling_back(batch.per_dp[self.parallel.dp_rank], batch.microbatches)
         else:
-            out = self.execute_rolling_back(batch.per_dp[0], agreed[1], forward_id=agreed[0])
+            out = self.execute_rolling_back(batch.per_dp[0], agreed.microbatches, agreed)
         if batch.report_load:
             out.expert_load = self.take_expert_load()  # every rank resets; the driver's is reported
         if not self.parallel.is_driver:
@@ -523,14 +524,15 @@ class ModelRunner:
         return out
 
     def execute_rolling_back(self, sched: SchedulerOutput, microbatches: int = 1,
-                             forward_id: int | None = None) -> ModelRunnerOutput:
+                             agreed: AgreedStep | None = None) -> ModelRunnerOutput:
         """`execute(sched)`; after a transient error, the state from before it and, once every rank of the TE has
-        failed the same step, the same step again on new process groups, on all of them together. `forward_id`
-        names the step among all ranks where DP groups number their steps each on their own."""
+        failed the same step, the same step again on new process groups, on all of them together. `agreed`:
+        the forward's number among all ranks (DP groups that number their steps each on their own) and its
+        MTP forwards."""
         snapshot = _StepSnapshot.take(self.requests, self.failed_ids, sched)
         for attempt in itertools.count(1):
             try:
-                return self.execute(sched, microbatches)
+                return self.execute(sched, microbatches, None if agreed is None else agreed.mtp_forwards)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -540,7 +542,7 @@ class ModelRunner:
                     raise StepRetriesExhausted(f"step {sched.step_id} failed {attempt} times in a row, "
                                                f"giving up after {attempt - 1} rollback(s): {why}") from exc
                 # RollbackAbandoned: the master recovers the ranks
-                self.parallel.agree_on_rollback(sched.step_id if forward_id is None else forward_id)
+                self.parallel.agree_on_rollback(sched.step_id if agreed is None else agreed.forward_id)
                 self.parallel.rebuild_groups()
                 self.num_rollbacks += 1
                 detail = (f"step {sched.step_id} attempt {attempt} of {MAX_STEP_ATTEMPTS} failed ({why}); "
@@ -549,8 +551,10 @@ class ModelRunner:
                 self._rollback_events.append(detail)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, microbatches: int = 1) -> ModelRunnerOutput:
-        """One attempt at a step (`execute_rolling_back` retries it); `microbatches`: as the whole step runs."""
+    def execute(self, sched: SchedulerOutput, microbatches: int = 1,
+                mtp_forwards: int | None = None) -> ModelRunnerOutput:
+        """One attempt at a step (`execute_rolling_back` retries it); `microbatches`: as the whole step runs;
+        `mtp_forwards`: the MTP forwards every rank runs this step (default: this step's own)."""
         overlap = {"microbatches": 2} if microbatches == 2 else {}
         t0 = time.perf_counter()
         failed = self._apply(sched)
@@ -558,7 +562,7 @@ class ModelRunner:
         num_tokens = {req_id: n for req_id, n in sched.num_scheduled_tokens.items() if req_id not in self.failed_ids}
         if not num_tokens:
             if self.parallel.world_size > 1:  # an idle DP group still joins every MoE collective
-                self._idle_forward(sched, overlap)
+                self._idle_forward(sched, overlap, mtp_forwards)
             return ModelRunnerOutput(step_id=sched.step_id, failed=failed)
         seqs = self._lay_out(num_tokens)
         input_ids: list[int] = []
@@ -588,6 +592,8 @@ class ModelRunner:
         produced = self._produce_tokens(hidden, [seq for seq in seqs if seq.samples], out)
         if self.proposer is not None and sched.mtp_catch_up:
             self._propose(hidden, seqs, produced, drafting=sched.num_draft_tokens > 0)
+        if mtp_forwards is not None and mtp_forwards > self.mtp_forwards_of(sched):  # other groups draft more
+            self.proposer.idle_forwards(mtp_forwards - self.mtp_forwards_of(sched))
         out.execute_seconds = time.perf_counter() - t0
         return out
 
@@ -712,11 +718,18 @@ class ModelRunner:
             failed = {i: "sampling failed on the driver rank" for i, t in enumerate(tokens) if t[0] == FAILED_TOKEN}
         return tokens, verified.logprobs, failed
 
-    def _idle_forward(self, sched: SchedulerOutput, overlap: dict) -> None:
+    def _idle_forward(self, sched: SchedulerOutput, overlap: dict, mtp_forwards: int | None = None) -> None:
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.model(empty, empty, AttentionMetadata.empty(self.device), self.model_kv_caches, **overlap)
-        if sched.mtp_catch_up and self.proposer is not None:
-            self.proposer.idle(drafting=sched.num_draft_tokens > 0)
+        forwards = self.mtp_forwards_of(sched) if mtp_forwards is None else mtp_forwards
+        if forwards:
+            self.proposer.idle_forwards(forwards)
+
+    def mtp_forwards_of(self, sched: SchedulerOutput) -> int:
+        """The MTP forwards a step runs: its catch-up, and the drafting ones after it when it drafts."""
+        if self.proposer is None or not sched.mtp_catch_up:
+            return 0
+        return self.proposer.num_draft_tokens if sched.num_draft_tokens > 0 else 1
 
 
 def configure_threads(num_threads: int | None, world_size: int = 1) -> int:

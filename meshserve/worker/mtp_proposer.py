@@ -85,11 +85,12 @@ class MTPProposer:
                 drafts[seqs[drafting[j]].req_id].append(token)
         return drafts
 
-    def idle(self, drafting: bool) -> None:
-        """An idle DP group's share of an MTP step: the same number of (empty) MTP forwards as the busy ones."""
+    def idle_forwards(self, count: int) -> None:
+        """An idle DP group's share of an MTP step: as many (empty) MTP forwards as the busy ones run (the
+        catch-up, and when drafting the draft steps after it)."""
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         hidden = torch.empty(0, self.model.params.hidden_size, dtype=self.model.dtype, device=self.device)
-        for _ in range(self.num_draft_tokens if drafting else 1):
+        for _ in range(count):
             self.model.forward_mtp(hidden, empty, empty, AttentionMetadata.empty(self.device), self.kv_cache)
 
     # ------------------------------------------------------------------ forwards

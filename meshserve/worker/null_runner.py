@@ -41,7 +41,7 @@ class NullRunner:
         self.background_busy = False
         self._held: dict[str, _Held] = {}
 
-    def run_batch(self, batch: StepBatch, agreed: tuple[int, int] | None = None) -> ModelRunnerOutput | None:
+    def run_batch(self, batch: StepBatch, agreed=None) -> ModelRunnerOutput | None:
         if not batch.per_dp:
             return None
         sched = batch.per_dp[self.parallel.dp_rank if agreed is None else 0]
@@ -51,8 +51,7 @@ class NullRunner:
         out.dp_rank = self.parallel.dp_rank if agreed is None else 0
         return out
 
-    def execute_rolling_back(self, sched: SchedulerOutput, microbatches: int = 1,
-                             forward_id: int | None = None) -> ModelRunnerOutput:
+    def execute_rolling_back(self, sched: SchedulerOutput, microbatches: int = 1, agreed=None) -> ModelRunnerOutput:
         if self.forward_s:
             time.sleep(self.forward_s)
         for req_id in sched.finished_req_ids:
@@ -68,6 +67,9 @@ class NullRunner:
                 held.tokens.append(token)
                 sampled[req_id] = [token]
         return ModelRunnerOutput(step_id=sched.step_id, sampled=sampled)
+
+    def mtp_forwards_of(self, sched: SchedulerOutput) -> int:
+        return 0
 
     def poll_background(self) -> list:
         return []

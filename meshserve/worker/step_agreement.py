@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import zmq
 
@@ -54,6 +54,14 @@ _MASTER_CHECK_S = 1.0
 NO_STEP = -1
 
 
+class AgreedStep(NamedTuple):
+    """What the runner takes from a round for the step it runs."""
+
+    forward_id: int  # the forward's number, the same on every rank (rollbacks agree on it)
+    microbatches: int
+    mtp_forwards: int  # MTP forwards every rank runs after the main one (the most any running group needs)
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """What every rank does after one round of agreement."""
@@ -62,6 +70,7 @@ class RoundPlan:
     runs: list[bool]  # per DP group: it runs the step at the head of its queue
     microbatches: int
     late: bool = False  # a group that ran a step in the last forward has none yet while others have theirs
+    mtp_forwards: int = 0  # the MTP forwards of the running step that has the most
 
     @property
     def forward(self) -> bool:
@@ -70,19 +79,21 @@ class RoundPlan:
 
 def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatch_min_tokens: int,
                ran_last: list[bool] | None = None) -> RoundPlan:
-    """The plan every rank reads from the gathered rows ([head step id or NO_STEP, its tokens, stop] per rank,
+    """The plan every rank reads from the gathered rows ([head step id or NO_STEP, its tokens, stop, its MTP
+    forwards] per rank,
     in rank order; the ranks of DP group g are g * attn_tp .. g * attn_tp + attn_tp - 1). `ran_last`: which groups
     ran a step in the last round with a forward (the same on every rank: it came from that round's rows)."""
     stop = any(row[2] for row in rows)
-    runs, tokens = [], []
+    runs, tokens, mtp = [], [], []
     for first in range(0, len(rows), attn_tp):
         group = rows[first:first + attn_tp]
         step = group[0][0]
         runs.append(step != NO_STEP and all(row[0] == step for row in group))
         tokens.append(group[0][1] if runs[-1] else 0)
+        mtp.append(group[0][3] if runs[-1] else 0)
     split = microbatches == 2 and max(tokens, default=0) >= microbatch_min_tokens
     late = any(runs) and any(ran and not now for ran, now in zip(ran_last or [], runs))
-    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1, late=late)
+    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1, late=late, mtp_forwards=max(mtp, default=0))
 
 
 def idle_pause_s(idle_rounds: int) -> float:
@@ -135,25 +146,25 @@ class AgreeingLoop:
             self._idle_rounds = self._late_rounds = 0
             self._ran_last = plan.runs
             batch = self.pending.popleft() if plan.runs[self.runner.parallel.dp_rank] else None
-            self._forward(batch, plan.microbatches)
+            self._forward(batch, AgreedStep(self.rounds + 1, plan.microbatches, plan.mtp_forwards))
             next_round = time.monotonic()
 
     def _row(self) -> list[int]:
         """This rank's row of a round: the step at the head of its queue and its tokens, and whether to stop."""
         head = self.pending[0].per_dp[0] if self.pending else None
         if head is None:
-            return [NO_STEP, 0, int(self.stopping)]
-        return [head.step_id, head.total_num_scheduled_tokens, int(self.stopping)]
+            return [NO_STEP, 0, int(self.stopping), 0]
+        return [head.step_id, head.total_num_scheduled_tokens, int(self.stopping), self.runner.mtp_forwards_of(head)]
 
-    def _forward(self, batch: StepBatch | None, microbatches: int) -> None:
+    def _forward(self, batch: StepBatch | None, agreed: AgreedStep) -> None:
         """This group's step, or an empty one beside the groups that run theirs."""
         self.rounds += 1
         runner = self.runner
         if batch is None:
-            runner.execute_rolling_back(SchedulerOutput(step_id=NO_STEP), microbatches, forward_id=self.rounds)
+            runner.execute_rolling_back(SchedulerOutput(step_id=NO_STEP), agreed.microbatches, agreed)
             return
         self.steps_run += 1
-        out = runner.run_batch(batch, agreed=(self.rounds, microbatches))
+        out = runner.run_batch(batch, agreed=agreed)
         if out is not None:
             self.results.send(codec.encode(out))
         if batch.collect_garbage:

@@ -106,10 +106,12 @@ def test_a_collective_error_rolls_one_step_back_on_every_group(model_dir, refere
 @pytest.mark.parametrize("layout", [
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
     dict(parallel="attn=TP2+DP2 moe=TP2+EP2"),
-], ids=["DP2+EP2-two-microbatches", "TP2+DP2-hybrid"])
+    dict(parallel="attn=TP1+DP2 moe=TP1+EP2", speculative="mtp", num_speculative_tokens=2),
+], ids=["DP2+EP2-two-microbatches", "TP2+DP2-hybrid", "DP2+EP2-mtp"])
 def test_other_layouts_with_self_contained_groups_match_one_rank(model_dir, reference, layout):
     """Micro-batches: the ranks agree on splitting from the gathered step sizes. Attention TP2: a group runs a
-    step only once both its ranks hold it."""
+    step only once both its ranks hold it. MTP (the single rank without it is the oracle): every rank runs as many
+    MTP forwards as the group that drafts most, a group that only catches up or idles with empty ones."""
     prompts, expected = reference
     with LLM(model=model_dir, dp_groups="self-contained", **layout, **ENGINE_ARGS) as llm:
         assert _tokens(llm, prompts[:8]) == expected[:8]
@@ -117,7 +119,6 @@ def test_other_layouts_with_self_contained_groups_match_one_rank(model_dir, refe
 
 @pytest.mark.parametrize("settings, named", [
     (dict(dp_groups="self-contained", kv_transfer="consumer"), "kv_transfer"),
-    (dict(dp_groups="self-contained", speculative="mtp"), "speculative"),
     (dict(dp_groups="self-contained", eplb_interval_s=10.0), "eplb_interval_s"),
     (dict(dp_groups="self-contained", on_rank_failure="shrink", parallel=DP4_EP4), "on_rank_failure"),
     (dict(dp_groups="self-contained", local_ranks=2, parallel=DP4_EP4), "local_ranks"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from meshserve.worker.step_agreement import IDLE_ROUND_MAX_S, IDLE_ROUND_MIN_S, NO_STEP, idle_pause_s, plan_round
 
 
-def _row(step: int = NO_STEP, tokens: int = 0, stop: int = 0) -> list[int]:
-    return [step, tokens, stop]
+def _row(step: int = NO_STEP, tokens: int = 0, stop: int = 0, mtp: int = 0) -> list[int]:
+    return [step, tokens, stop, mtp]
 
 
 def test_groups_with_a_step_run_it_and_idle_groups_join_with_nothing():
@@ -48,6 +48,15 @@ def test_a_group_that_ran_last_and_has_no_step_yet_is_late_not_idle():
     # nobody has a step: an idle round, not a late one
     assert not plan_round([_row(), _row()], attn_tp=1, microbatches=1, microbatch_min_tokens=16,
                           ran_last=[True, True]).late
+
+
+def test_every_rank_runs_as_many_mtp_forwards_as_the_running_group_that_needs_most():
+    # group 0 drafts (catch-up + 2 draft forwards), group 1 only catches up, group 2 is idle, group 3's step
+    # (which drafts) cannot run yet: it does not count
+    rows = [_row(1, 8, mtp=3), _row(2, 8, mtp=1), _row(), _row(4, 8, mtp=3), _row(), _row()]
+    assert plan_round(rows[:3], attn_tp=1, microbatches=1, microbatch_min_tokens=16).mtp_forwards == 3
+    assert plan_round(rows[1:3], attn_tp=1, microbatches=1, microbatch_min_tokens=16).mtp_forwards == 1
+    assert plan_round(rows[2:], attn_tp=2, microbatches=1, microbatch_min_tokens=16).mtp_forwards == 0
 
 
 def test_a_stop_from_any_rank_stops_every_rank():
