@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 _INBOX, _REPORTS = "te-inbox", "dp-group-reports"
 _POLL_MS = 100
 _STOP_GRACE_S = 15.0
+_GROUPS_CANNOT = (AdminOp.EPLB_LOAD, AdminOp.EPLB_REBALANCE)  # operator commands the shell refuses
 
 
 class GroupView:
@@ -270,12 +271,19 @@ class TEShell:
 
     def _on_admin(self, item: AdminRequest) -> None:
         if item.op == AdminOp.STATS:
-            reply = AdminReply(query_id=item.query_id, ok=True, data=StatsResult(stats=self._stats()))
-            if item.reply_to or isinstance(self.link, ClientLink):
-                self.link.send(reply, item.reply_to)
-            return
-        for g in self.groups:  # every group applies it; the first answers
-            g.send(item)
+            self._reply(item, AdminReply(query_id=item.query_id, ok=True, data=StatsResult(stats=self._stats())))
+        elif item.op in _GROUPS_CANNOT:
+            # each group records its own experts' load and would move experts at a step of its own
+            self._reply(item, AdminReply(query_id=item.query_id, ok=False, error=(
+                f"{item.op}: not with self-contained DP groups yet (dp_groups lockstep records the load and moves "
+                f"experts while serving)")))
+        else:
+            for g in self.groups:  # every group applies it; the first answers
+                g.send(item)
+
+    def _reply(self, item: AdminRequest, reply: AdminReply) -> None:
+        if item.reply_to or isinstance(self.link, ClientLink):  # a sender that names no address wants none
+            self.link.send(reply, item.reply_to)
 
     def _place(self, item: AddRequest) -> GroupView:
         """The group for a new request: the DP balancer's choice (xdeepserve §4.3), the least loaded group when

@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -59,7 +59,6 @@ from meshserve.parallel.rollback import is_transient
 from meshserve.utils import envs, page_cache
 from meshserve.wire.eplb import EplbCommand, EplbPhase
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVRegion
-from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import (
     ModelRunnerOutput,
     NewRequestData,
@@ -72,6 +71,7 @@ from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.model_cache import pool_weights
 from meshserve.worker.mtp_proposer import CatchUp, MTPProposer
+from meshserve.worker.request_state import RequestState, StepSeq, StepSnapshot
 from meshserve.worker.sampler import (
     FAILED_TOKEN,
     Sampler,
@@ -93,72 +93,6 @@ MAX_STEP_ATTEMPTS = 3  # a step failing with a transient error runs at most this
 
 class StepRetriesExhausted(RuntimeError):
     """A step failed with a transient error on each of its MAX_STEP_ATTEMPTS attempts."""
-
-
-@dataclass
-class RequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts to verify next step
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-
-@dataclass
-class _StepSnapshot:
-    """The request state a step may change, taken before it; `restore` puts it back after a failed attempt.
-    Lists a step only extends are kept as lengths; the ones it replaces (drafts) by reference."""
-
-    requests: dict[str, RequestState]
-    failed_ids: set[str]
-    # per request of the step: (state, len(token_ids), len(block_ids), num_computed_tokens, drafts, generator state)
-    progress: list[tuple[RequestState, int, int, int, list[int], torch.Tensor | None]]
-
-    @classmethod
-    def take(cls, requests: dict[str, RequestState], failed_ids: set[str], sched: SchedulerOutput) -> _StepSnapshot:
-        touched = set(sched.num_scheduled_tokens).union(c.req_id for c in sched.cached_reqs)
-        progress = []
-        for req_id in touched:
-            state = requests.get(req_id)
-            if state is not None:
-                generator = state.generator.get_state() if state.generator is not None else None
-                progress.append((state, len(state.token_ids), len(state.block_ids), state.num_computed_tokens,
-                                 state.draft_token_ids, generator))
-        return cls(dict(requests), set(failed_ids), progress)
-
-    def restore(self, requests: dict[str, RequestState], failed_ids: set[str]) -> None:
-        requests.clear()
-        requests.update(self.requests)
-        failed_ids.clear()
-        failed_ids.update(self.failed_ids)
-        for state, num_tokens, num_blocks, num_computed, drafts, generator in self.progress:
-            del state.token_ids[num_tokens:]
-            del state.block_ids[num_blocks:]
-            state.num_computed_tokens = num_computed
-            state.draft_token_ids = drafts
-            if generator is not None:
-                state.generator.set_state(generator)
-
-
-@dataclass
-class _StepSeq:
-    """One sequence's part of a step."""
-
-    state: RequestState
-    start: int  # position of its first token this step
-    row: int  # its first row in the step's flattened batch
-    num_rows: int
-    drafts: list[int]  # drafts it verifies: its rows are [last token, *drafts], one-token decode rows each
-    is_decode: bool  # its rows are one-token decode rows (a decode, or a verification)
-    samples: bool  # the step reaches the end of its known tokens: it produces tokens
 
 
 @dataclass(frozen=True)
@@ -529,7 +463,7 @@ class ModelRunner:
         failed the same step, the same step again on new process groups, on all of them together. `agreed`:
         the forward's number among all ranks (DP groups that number their steps each on their own) and its
         MTP forwards."""
-        snapshot = _StepSnapshot.take(self.requests, self.failed_ids, sched)
+        snapshot = StepSnapshot.take(self.requests, self.failed_ids, sched)
         for attempt in itertools.count(1):
             try:
                 return self.execute(sched, microbatches, None if agreed is None else agreed.mtp_forwards)
@@ -597,7 +531,7 @@ class ModelRunner:
         out.execute_seconds = time.perf_counter() - t0
         return out
 
-    def _lay_out(self, num_tokens: dict[str, int]) -> list[_StepSeq]:
+    def _lay_out(self, num_tokens: dict[str, int]) -> list[StepSeq]:
         """The step's sequences in batch order (one-token decode rows first, as the attention kernels expect),
         each request's progress booked."""
         seqs = []
@@ -613,7 +547,7 @@ class ModelRunner:
             num_rows = 1 + len(drafts) if is_decode else n
             # a verification books its first token; accepted drafts are added once known
             state.num_computed_tokens = start + (1 if is_decode else n)
-            seqs.append(_StepSeq(state, start, 0, num_rows, drafts, is_decode, samples=start + num_rows >= known))
+            seqs.append(StepSeq(state, start, 0, num_rows, drafts, is_decode, samples=start + num_rows >= known))
         seqs.sort(key=lambda seq: not seq.is_decode)
         row = 0
         for seq in seqs:
@@ -621,7 +555,7 @@ class ModelRunner:
             row += seq.num_rows
         return seqs
 
-    def _produce_tokens(self, hidden: torch.Tensor, sampling: list[_StepSeq],
+    def _produce_tokens(self, hidden: torch.Tensor, sampling: list[StepSeq],
                         out: ModelRunnerOutput) -> dict[str, list[int]]:
         """Sample (or verify the drafts of) each sequence that reached its end; the tokens each produced."""
         if not sampling:
@@ -658,7 +592,7 @@ class ModelRunner:
                 out.logprobs[state.req_id] = logprobs[i]
         return produced
 
-    def _propose(self, hidden: torch.Tensor, seqs: list[_StepSeq], produced: dict[str, list[int]],
+    def _propose(self, hidden: torch.Tensor, seqs: list[StepSeq], produced: dict[str, list[int]],
                  drafting: bool) -> None:
         """Fill the MTP layer's cache for the positions this step made final and draft the next tokens."""
         catch_up = []

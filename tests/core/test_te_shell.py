@@ -6,7 +6,7 @@ import collections
 
 from meshserve.config import EngineConfig
 from meshserve.core.te_shell import GroupView, TEShell
-from meshserve.wire.client import AddRequest, EngineReady, EngineStats
+from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineReady, EngineStats
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -56,6 +56,35 @@ def test_a_report_counts_only_the_requests_its_group_had_received():
     assert len(group.unreported) == 1 and group.load(MAX_NUM_SEQS).num_requests == 4
     group.on_report(_report(running=4, received=4))
     assert not group.unreported and group.load(MAX_NUM_SEQS).num_requests == 4
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, item, reply_to: str = "") -> None:
+        self.sent.append((item, reply_to))
+
+
+class _Inbox:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.frames.append(data)
+
+
+def test_expert_rebalancing_is_refused_and_other_commands_reach_every_group():
+    shell = _shell(2)
+    shell.link = _Link()
+    for group in shell.groups:
+        group.inbox = _Inbox()
+    shell._on_admin(AdminRequest(query_id=1, op=AdminOp.EPLB_REBALANCE, reply_to="tcp://fe:1"))
+    (reply, to), = shell.link.sent
+    assert not reply.ok and "eplb.rebalance" in reply.error and "self-contained" in reply.error and to == "tcp://fe:1"
+    assert all(not group.inbox.frames for group in shell.groups)
+    shell._on_admin(AdminRequest(query_id=2, op=AdminOp.DRAIN, reply_to="tcp://fe:1"))
+    assert all(len(group.inbox.frames) == 1 for group in shell.groups) and len(shell.link.sent) == 1
 
 
 def test_a_report_after_finishes_frees_the_group_for_the_next_burst():
