@@ -4,12 +4,15 @@ with the other groups' on every step, the TE shell only placing requests. The si
 also when a rank is killed mid-stream."""
 from __future__ import annotations
 
+import asyncio
+
 import psutil
 import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import ConfigError, EngineConfig
+from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.utils import faults
 from meshserve.utils.processes import process_tree
 
@@ -101,6 +104,38 @@ def test_a_collective_error_rolls_one_step_back_on_every_group(model_dir, refere
         assert _tokens(llm, prompts[:8]) == expected[:8]
         stats = llm.get_stats()
     assert stats.healthy and stats.num_rollbacks == 1 and stats.num_recoveries == 0
+
+
+def test_a_killed_group_master_fails_the_te_and_the_api_client_moves_every_stream_on(model_dir, reference):
+    """A group's master dies with -9 mid-stream: the shell fails the TE (the group's requests and its ranks are
+    gone), and the engine client starts a new TE and continues every request from its tokens so far."""
+    prompts, expected = reference
+    engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, parallel="attn=TP1+DP2 moe=TP1+EP2",
+                                                        dp_groups="self-contained", **ENGINE_ARGS))
+
+    async def scenario():
+        outputs: dict[int, list] = {}
+
+        async def consume(i: int):
+            async for out in engine.generate(None, prompts[i], GREEDY, f"r{i}"):
+                outputs.setdefault(i, []).append(out)
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(8)]
+        while sum(len(v) for v in outputs.values()) < 8:  # streaming
+            await asyncio.sleep(0.02)
+        shell = engine.engine.proc.pid
+        group_master = next(p for p in psutil.Process(shell).children() if "run_group_master" in " ".join(p.cmdline()))
+        group_master.kill()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+        assert engine.engine.proc.pid != shell and engine.restarts.total == 1
+        for i in range(8):
+            deltas = [t for out in outputs[i] for t in out.outputs[0].token_ids_delta]
+            assert deltas == outputs[i][-1].outputs[0].token_ids == expected[i]  # nothing repeated or lost
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("layout", [
