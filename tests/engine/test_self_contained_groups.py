@@ -142,14 +142,28 @@ def test_a_killed_group_master_fails_the_te_and_the_api_client_moves_every_strea
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
     dict(parallel="attn=TP2+DP2 moe=TP2+EP2"),
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2", speculative="mtp", num_speculative_tokens=2),
-], ids=["DP2+EP2-two-microbatches", "TP2+DP2-hybrid", "DP2+EP2-mtp"])
+    dict(parallel="attn=TP1+DP2 oproj=TP2 moe=TP1+EP2"),
+    dict(parallel="attn=TP1+DP4 moe=TP1+EP4 shared=EP1"),
+], ids=["DP2+EP2-two-microbatches", "TP2+DP2-hybrid", "DP2+EP2-mtp", "DP2-oproj-TP2", "DP4-shared-EP1"])
 def test_other_layouts_with_self_contained_groups_match_one_rank(model_dir, reference, layout):
     """Micro-batches: the ranks agree on splitting from the gathered step sizes. Attention TP2: a group runs a
     step only once both its ranks hold it. MTP (the single rank without it is the oracle): every rank runs as many
-    MTP forwards as the group that drafts most, a group that only catches up or idles with empty ones."""
+    MTP forwards as the group that drafts most, a group that only catches up or idles with empty ones. The seeds'
+    decode layouts: o_proj shared over two groups' ranks, the shared expert on a rank of its own."""
     prompts, expected = reference
     with LLM(model=model_dir, dp_groups="self-contained", **layout, **ENGINE_ARGS) as llm:
         assert _tokens(llm, prompts[:8]) == expected[:8]
+
+
+def test_int8_weights_and_dispatch_give_the_lockstep_engines_tokens(model_dir, reference):
+    """W8A8 weights and INT8 dispatch change the numbers, the same way whichever way the groups run: the lockstep
+    engine of the same layout is the oracle."""
+    prompts, _ = reference
+    int8 = dict(parallel="attn=TP1+DP2 moe=TP1+EP2", quantization="int8", int8_dispatch=True, **ENGINE_ARGS)
+    with LLM(model=model_dir, **int8) as llm:
+        expected = _tokens(llm, prompts[:8])
+    with LLM(model=model_dir, dp_groups="self-contained", **int8) as llm:
+        assert _tokens(llm, prompts[:8]) == expected
 
 
 @pytest.mark.parametrize("settings, named", [
