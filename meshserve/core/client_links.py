@@ -127,7 +127,9 @@ class GroupLink:
     failures go to the shell, which speaks for the TE."""
 
     def __init__(self, ctx: zmq.Context, place: GroupPlace, shell_addr: str, report_addr: str,
-                 client_output_addr: str = "") -> None:
+                 client_output_addr: str = "", te_addr: str = "") -> None:
+        """`te_addr`: the TE's own input address (the shell's), where other TEs reach this group too (a decode
+        TE's release of the KV this prefill group holds for it goes to the shell, which tells every group)."""
         self.place = place  # which group, in which world
         self.inbox = ctx.socket(zmq.PULL)
         self.inbox.connect(shell_addr)
@@ -140,7 +142,7 @@ class GroupLink:
             self._client.setsockopt(zmq.LINGER, 2000)
             self._client.connect(client_output_addr)
         self._peers = Peers(ctx)
-        self.listen_addr = ""
+        self.listen_addr = te_addr
         self._next_heartbeat = 0.0
 
     @property

@@ -62,20 +62,21 @@ class DPGroup:
 
 def build_dp_groups(config: EngineConfig, ready: list[WorkerReady], listen_addr: str, send_to: Callable,
                     max_model_len: int, num_draft_tokens: int,
-                    num_groups: int | None = None) -> tuple[list[DPGroup], KVConnectors]:
-    """One group per attention-DP rank of `config`'s layout (or the first `num_groups` of `ready`'s ranks: a
-    self-contained group's master holds its own only), its KV cache as large as the smallest of its ranks
-    allows; remote KV (memory pool, prefill -> decode) comes through KV connectors, one set per group."""
+                    place: GroupPlace | None = None) -> tuple[list[DPGroup], KVConnectors]:
+    """One group per attention-DP rank of `config`'s layout (a self-contained group's master, `place`: its own
+    only, `ready` its ranks), its KV cache as large as the smallest of its ranks allows; remote KV (memory
+    pool, prefill -> decode) comes through KV connectors, one set per group."""
     strategy = config.parallel_config.strategy
     kv_managers = []
-    for group in range(strategy.attn_dp if num_groups is None else num_groups):
+    for group in range(strategy.attn_dp if place is None else 1):
         ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
         kv_managers.append(KVCacheManager(min(r.num_kv_blocks for r in ranks), config.cache_config.block_size,
                                           enable_prefix_caching=config.cache_config.enable_prefix_caching))
-    connectors = KVConnectors(config, ready, kv_managers, listen_addr, send_to)
+    first_group = 0 if place is None else place.index
+    connectors = KVConnectors(config, ready, kv_managers, listen_addr, send_to, first_group)
     scheduler_config = msgspec.structs.replace(config.scheduler_config, max_model_len=max_model_len)
-    groups = [DPGroup(index, Scheduler(scheduler_config, kv_manager, connectors.per_group[index],
-                                       num_speculative_tokens=num_draft_tokens))
+    groups = [DPGroup(first_group + index, Scheduler(scheduler_config, kv_manager, connectors.per_group[index],
+                                                     num_speculative_tokens=num_draft_tokens))
               for index, kv_manager in enumerate(kv_managers)]
     return groups, connectors
 

@@ -22,12 +22,13 @@ from meshserve.wire.client import EngineError
 
 
 def run_group_master(config: dict, index: int, dist_init: str, shell_addr: str, report_addr: str,
-                     client_output_addr: str, ipc_dir: str, shell_pid: int, log_level: int = logging.INFO) -> None:
+                     client_output_addr: str, te_addr: str, ipc_dir: str, shell_pid: int,
+                     log_level: int = logging.INFO) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s dp-group[{index}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shell stops us in order
     engine_config = EngineConfig.from_dict(config)
     ctx = zmq.Context()
-    link = GroupLink(ctx, GroupPlace(index, dist_init), shell_addr, report_addr, client_output_addr)
+    link = GroupLink(ctx, GroupPlace(index, dist_init), shell_addr, report_addr, client_output_addr, te_addr)
     try:
         core = EngineCore(engine_config, ctx, link, ipc_dir, log_level)
     except Exception as exc:

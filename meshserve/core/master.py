@@ -149,7 +149,7 @@ class EngineCore(ClientMessages, WorkerResults):
             self.kv_connectors.close()
         self.groups, self.kv_connectors = build_dp_groups(config, ready, self.link.listen_addr, self.link.send_to,
                                                           self.max_model_len, self.speculation.config.num_draft_tokens,
-                                                          num_groups=self.dp_size)
+                                                          self.place)
         self.schedulers = [group.scheduler for group in self.groups]
         self.queue = DPWaitingQueue(self.schedulers, config.scheduler_config.max_waiting,
                                     config.cache_config.block_size)

@@ -124,6 +124,7 @@ class TEShell:
             os.makedirs(group_dir, exist_ok=True)
             proc = launch("group-master", config=group_config, index=index, dist_init=dist_init,
                           shell_addr=shell_addr, report_addr=report_addr, client_output_addr=client_output,
+                          te_addr=link.listen_addr,
                           ipc_dir=group_dir, shell_pid=os.getpid(), log_level=log_level)
             self.groups.append(GroupView(index, proc, inbox))
         try:

@@ -128,10 +128,11 @@ class WorkerResults:
 
     def _on_kv_connector_report(self, report: KVConnectorReport) -> None:
         """A rank's KV connectors finished background work (pool fetches, KV pulls)."""
-        if not 0 <= report.dp_rank < self.dp_size:
+        group = report.dp_rank - (0 if self.place is None else self.place.index)  # the TE's DP group: ours
+        if not 0 <= group < self.dp_size:
             drop_frame(RESULTS, f"KV connector report of DP group {report.dp_rank}")
             return
-        self.schedulers[report.dp_rank].update_connector_output(report)
+        self.schedulers[group].update_connector_output(report)
 
     _RESULT_HANDLERS = {ModelRunnerOutput: _on_step_output, WorkerEvent: _on_worker_event,
                         KVConnectorReport: _on_kv_connector_report, WorkerFailure: _on_worker_failure,

@@ -8,7 +8,16 @@ import asyncio
 import pytest
 
 from meshserve import LLM, SamplingParams
+from meshserve.utils.processes import process_tree
 from tests.router.deployment_processes import generate_all, running_deployment, token_ids
+from tests.router.test_pd_deployment import (
+    HEARTBEAT_TIMEOUT_S,
+    assert_pulled_without_recompute,
+    deployment,
+    names,
+    pd_groups,
+    wait_until_released,
+)
 
 PROMPTS = [[5, 6, 7], [9, 3, 1, 4], [11, 12], [2, 8, 8, 8, 3], [40, 41, 42, 43, 44, 45], [7]]
 MAX_TOKENS = 12
@@ -32,3 +41,23 @@ def test_a_self_contained_te_serves_a_job_executor_with_one_ranks_tokens(model):
         # one TE registered, whatever its number of groups; its stats are the groups' together
         assert len(je.registry.tes) == 1 and te.heartbeat.attn_dp == 2
         assert te.heartbeat.stats.world_size == 2 and te.heartbeat.stats.healthy
+
+
+def test_prefill_and_decode_tes_with_self_contained_groups_hand_kv_over(model):
+    """1P1D, both TEs DP2+EP2 with self-contained groups: each decode group pulls the prompt KV its request's
+    prefill group computed (its own rank's region), releases it through the prefill TE's shell, and the greedy
+    tokens are the single rank's."""
+    with LLM(model=model, num_kv_blocks=128) as llm:
+        expected = [out.outputs[0].token_ids for out in llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    layout = deployment(pd_groups("1p1d", "shm", prefill={"parallel": ENGINE["parallel"]},
+                                  decode={"parallel": ENGINE["parallel"]}))
+    with running_deployment(model, layout, engine={"dp_groups": "self-contained"},
+                            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as (jes, procs):
+        je = jes[0]
+        outs = asyncio.run(generate_all(je, PROMPTS, MAX_TOKENS))
+        assert token_ids(outs) == expected
+        for proc in procs.values():  # each TE is a shell over two group masters
+            assert len([p for p in process_tree(proc.pid) if "run_group_master" in " ".join(p.cmdline())]) == 2
+        assert_pulled_without_recompute(je, names(procs, "decode"), expected_total=len(PROMPTS))
+        wait_until_released(je, names(procs, "prefill"))

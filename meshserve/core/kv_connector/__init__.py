@@ -29,7 +29,8 @@ class KVConnectors:
     (a decode TE's pull first: a request it claims is never looked up in the pool)."""
 
     def __init__(self, config: EngineConfig, ready: list[WorkerReady], kv_managers: list[KVCacheManager],
-                 engine_addr: str, send: Callable[[str, Message], None]) -> None:
+                 engine_addr: str, send: Callable[[str, Message], None], first_group: int = 0) -> None:
+        """`first_group`: the TE's DP group of `kv_managers[0]` (a self-contained group's master holds one)."""
         self.config = config
         self.per_group: list[list[KVConnectorScheduler]] = [[] for _ in kv_managers]
         self._pool: PoolClient | None = None
@@ -37,7 +38,7 @@ class KVConnectors:
         if config.kv_transfer_config.kv_transfer != "none":
             for group, kv_manager in enumerate(kv_managers):
                 ranks = ready[group * strategy.attn_tp:(group + 1) * strategy.attn_tp]
-                endpoint = PDEndpoint(engine=config.te_name, engine_addr=engine_addr, dp_rank=group,
+                endpoint = PDEndpoint(engine=config.te_name, engine_addr=engine_addr, dp_rank=first_group + group,
                                       attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp,
                                       regions=[r.kv_region for r in ranks if r.kv_region is not None])
                 self.per_group[group].append(PDConnector(
