@@ -46,7 +46,6 @@ class EngineConfig(ConfigStruct, frozen=True):
     def _check_self_contained(self) -> None:
         """What self-contained DP groups do not run yet, refused at start with the setting named."""
         unsupported = {
-            "pool_controller (the memory pool)": self.pool_config.pool_controller is not None,
             "eplb_interval_s (live expert rebalancing)": self.eplb_config.eplb_interval_s is not None,
         }
         named = [name for name, used in unsupported.items() if used]

@@ -112,6 +112,24 @@ def test_a_prefix_computed_by_one_te_is_a_pool_hit_for_another(arch, pool, model
     assert other.pool_hit_tokens == 0
 
 
+def test_self_contained_dp_groups_store_to_and_fetch_from_the_pool(pool, models, reference):
+    """Each group's master is a pool client of its own; its ranks store and fetch their blocks as one group of a
+    lockstep TE would (the same keys)."""
+    controller, _ = pool
+    arch, prompts = "deepseek_v3", _prompts()
+    groups = dict(parallel="attn=TP1+DP2 moe=TP1+EP2", dp_groups="self-contained", pool_controller=controller,
+                  pool_namespace="self-contained")
+    first, _, _ = _generate(models[arch], prompts, **groups)
+    assert first == reference(arch)
+    keys = block_keys(prompts[3][:-1], BLOCK, model_identity(str(models[arch]), "float32"), "self-contained")
+    with PoolClient(controller, timeout_s=2.0) as client:
+        wait_until(lambda: all(client.exists("self-contained", [rank_key(k, 0, 1) for k in keys])), 30,
+                   "the first TE's blocks to reach the pool")
+    second, cached, stats = _generate(models[arch], prompts, **groups)
+    assert second == reference(arch)
+    assert stats.pool_hit_tokens >= len(keys) * BLOCK and cached[3] == len(keys) * BLOCK
+
+
 def test_a_pool_that_goes_away_costs_hits_not_requests(models, reference, tmp_path):
     with _running_pool(tmp_path) as (controller, server):
         _check_pool_loss(controller, server, models["deepseek_v3"], reference("deepseek_v3"))

@@ -167,7 +167,6 @@ def test_int8_weights_and_dispatch_give_the_lockstep_engines_tokens(model_dir, r
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(dp_groups="self-contained", pool_controller="tcp://127.0.0.1:7600"), "pool_controller"),
     (dict(dp_groups="self-contained", eplb_interval_s=10.0), "eplb_interval_s"),
     (dict(dp_groups="self-contained", on_rank_failure="shrink", parallel=DP4_EP4), "on_rank_failure"),
     (dict(dp_groups="self-contained", local_ranks=2, parallel=DP4_EP4), "local_ranks"),
