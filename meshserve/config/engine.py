@@ -40,18 +40,6 @@ class EngineConfig(ConfigStruct, frozen=True):
         if self.parallel_config.microbatches == 2 and self.scheduler_config.max_num_seqs < 2:
             raise ConfigError("microbatches 2 splits a step's sequences in two: it needs max_num_seqs >= 2, got "
                               f"{self.scheduler_config.max_num_seqs}")
-        if self.parallel_config.dp_groups == "self-contained":
-            self._check_self_contained()
-
-    def _check_self_contained(self) -> None:
-        """What self-contained DP groups do not run yet, refused at start with the setting named."""
-        unsupported = {
-            "eplb_interval_s (live expert rebalancing)": self.eplb_config.eplb_interval_s is not None,
-        }
-        named = [name for name, used in unsupported.items() if used]
-        if named:
-            raise ConfigError(f"dp_groups self-contained does not run with {', '.join(named)} yet: use "
-                              f"dp_groups lockstep")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -11,8 +11,9 @@ from meshserve.core.client_links import ClientLink, GroupLink, RouterLinks
 from meshserve.wire.base import Shutdown
 from meshserve.wire.client import AbortRequests, AddRequest, AdminRequest, EngineStats, ReleaseKV, StatsQuery
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
-from meshserve.wire.dp_group import WorldRestart
+from meshserve.wire.dp_group import EplbRelay, WorldRestart
 from meshserve.wire.receive import drop_frame, recv_message
+from meshserve.wire.worker import StepBatch
 
 if TYPE_CHECKING:
     import zmq
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from meshserve.core.dp_group import GroupPlace
     from meshserve.core.kv_connector import KVConnectors
     from meshserve.core.recovery import RankRecovery
+    from meshserve.core.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class ClientMessages:
     dead_error: str | None
     running: bool
     requests_received: int
+    workers: WorkerGroup
 
     def _stats(self) -> EngineStats: ...  # EngineCore's
 
@@ -103,6 +106,10 @@ class ClientMessages:
     def _on_world_restart_message(self, item: WorldRestart) -> None:
         self._on_world_restart(item)
 
+    def _on_eplb_relay(self, item: EplbRelay) -> None:
+        """A phase of the shell's reconfiguration, for this group's ranks to apply with every other rank."""
+        self.workers.send(StepBatch(per_dp=[], eplb=item.command))
+
     _CLIENT_HANDLERS = {AddRequest: _add_request, AbortRequests: _on_abort, ReleaseKV: _on_release_kv,
                         StatsQuery: _on_stats_query, AdminRequest: _on_admin, Shutdown: _on_shutdown,
-                        WorldRestart: _on_world_restart_message}
+                        WorldRestart: _on_world_restart_message, EplbRelay: _on_eplb_relay}

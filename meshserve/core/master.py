@@ -115,6 +115,8 @@ class EngineCore(ClientMessages, WorkerResults):
         if isinstance(link, ClientLink):
             link.send(engine_ready)
         elif isinstance(link, GroupLink):  # the shell speaks for the TE once every group is ready
+            if self.place.index == 0:  # what the shell's expert-load recorder needs of the model
+                link.report(ready[0])
             link.report(engine_ready)
         logger.info("engine ready: %s, %d DP group(s), %d KV blocks, max_model_len %d, pipeline depth %d",
                     config.parallel_config.strategy, self.dp_size, num_blocks, self.max_model_len,

@@ -6,6 +6,9 @@ process, does only what needs the whole TE:
 
 - it places each request on a group (the DP balancer of `dp_balancer`, from the groups' load reports and the
   requests it sent since) and forwards aborts and operator commands to the groups;
+- it triggers expert load balancing (xdeepserve §4.5): the groups' masters send it their ranks' expert load and
+  the ranks' phase acknowledgements; its `EplbController` plans and moves the placement as a lockstep master
+  does, each phase relayed to every group's ranks (`EplbRelay`), which apply it at one agreed forward;
 - it coordinates health: a group's failed ranks restart the whole world (`WorldRestart`: the shell names one
   new rendezvous address for every group, and each group continues its own requests from their tokens so far);
   a group master that dies fails the TE;
@@ -21,12 +24,14 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from typing import ClassVar
 
 import zmq
 
 from meshserve.config import EngineConfig
 from meshserve.core.client_links import ClientLink, RouterLinks
 from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, DPGroupLoad, cdiv, place_request
+from meshserve.core.eplb_controller import EplbController, EplbError
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
@@ -39,21 +44,22 @@ from meshserve.wire.client import (
     EngineError,
     EngineReady,
     EngineStats,
+    EplbStatus,
     ReleaseKV,
     StatsQuery,
     StatsResult,
 )
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
-from meshserve.wire.dp_group import WorldRestart
+from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
 from meshserve.wire.receive import drop_frame, recv_message
+from meshserve.wire.worker import WorkerEvent, WorkerReady
 
 logger = logging.getLogger(__name__)
 
 _INBOX, _REPORTS = "te-inbox", "dp-group-reports"
 _POLL_MS = 100
 _STOP_GRACE_S = 15.0
-_GROUPS_CANNOT = (AdminOp.EPLB_LOAD, AdminOp.EPLB_REBALANCE)  # operator commands the shell refuses
 
 
 class GroupView:
@@ -104,6 +110,7 @@ class TEShell:
         self.running, self.stop_requested = True, False
         self.dead_error: str | None = None
         self.generation = 0
+        self.rank0: WorkerReady | None = None  # what the expert-load recorder needs of the model (group 0 sends it)
         for spare in spare_workers:  # each group's master starts its own ranks
             spare.release()
         strategy = config.parallel_config.strategy
@@ -111,8 +118,9 @@ class TEShell:
         report_addr = f"ipc://{ipc_dir}/shell-reports"
         self.reports.bind(report_addr)
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
-        # the groups publish no prefix-cache events of their own; the routers see the TE as one
-        group_config = config.replace(kv_events_endpoint="").to_dict()
+        # the groups publish no prefix-cache events of their own (the routers see the TE as one), and only the
+        # shell rebalances experts on a schedule
+        group_config = config.replace(kv_events_endpoint="", eplb_interval_s=None).to_dict()
         client_output = link.output_addr if isinstance(link, ClientLink) else ""
         self.groups: list[GroupView] = []
         for index in range(strategy.attn_dp):
@@ -137,6 +145,7 @@ class TEShell:
         self.engine_ready = EngineReady(num_kv_blocks=sum(r.num_kv_blocks for r in ready),
                                         block_size=ready[0].block_size, kv_bytes_per_token=ready[0].kv_bytes_per_token,
                                         max_model_len=self.max_model_len, vocab_size=min(r.vocab_size for r in ready))
+        self.eplb = EplbController.for_ranks(config, self.rank0)
         if isinstance(link, ClientLink):
             link.send(self.engine_ready)
         logger.info("TE shell ready: %d self-contained DP group(s) of %s, %d KV blocks", len(self.groups),
@@ -160,6 +169,8 @@ class TEShell:
                 raise RuntimeError(item.message)
             if isinstance(item, EngineReady):
                 self._group_of_ready().ready = item
+            elif isinstance(item, WorkerReady):
+                self.rank0 = item
 
     def _group_of_ready(self) -> GroupView:
         """EngineReady names no group; every group sends one, in any order, and the groups' figures differ at
@@ -204,7 +215,9 @@ class TEShell:
                         if item is not None:
                             self._on_client(item)
                 self._check_groups()
-                self.link.tick(time.time(), self._heartbeat)
+                now = time.time()
+                self._tick_eplb(now)
+                self.link.tick(now, self._heartbeat)
         finally:
             logger.info("shutting down")
             self.link.say_goodbye(self._heartbeat())
@@ -240,6 +253,10 @@ class TEShell:
                 group.on_report(item)
         elif isinstance(item, WorldRestart):
             self._restart_world(item)
+        elif isinstance(item, GroupExpertLoad):
+            self.eplb.on_counts(item.counts)
+        elif isinstance(item, WorkerEvent):
+            self.eplb.on_event(item.rank, item.kind, item.detail)
         elif isinstance(item, EngineError):
             self._fail(item.message)
         elif item is not None:
@@ -250,6 +267,8 @@ class TEShell:
         if item.generation > self.generation:
             self.generation = item.generation
             self.world_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+            # the new ranks start from the configured placement, any move under way dropped
+            self.eplb = EplbController.for_ranks(self.config, self.rank0)
             logger.warning("the ranks of every DP group restart into world %d: %s", self.generation, item.reason)
         for g in self.groups:
             g.send(WorldRestart(generation=self.generation, dist_init=self.world_addr, reason=item.reason))
@@ -271,16 +290,39 @@ class TEShell:
             drop_frame(_INBOX, f"a {type(item).__name__} is not a message for a TE")
 
     def _on_admin(self, item: AdminRequest) -> None:
-        if item.op == AdminOp.STATS:
-            self._reply(item, AdminReply(query_id=item.query_id, ok=True, data=StatsResult(stats=self._stats())))
-        elif item.op in _GROUPS_CANNOT:
-            # each group records its own experts' load and would move experts at a step of its own
-            self._reply(item, AdminReply(query_id=item.query_id, ok=False, error=(
-                f"{item.op}: not with self-contained DP groups yet (dp_groups lockstep records the load and moves "
-                f"experts while serving)")))
-        else:
-            for g in self.groups:  # every group applies it; the first answers
+        """What the shell holds it answers (stats, expert load balancing); the rest every group applies and the
+        first answers."""
+        answer = self._ADMIN_ANSWERS.get(item.op)
+        if answer is None:
+            for g in self.groups:
                 g.send(item)
+            return
+        try:
+            reply = AdminReply(query_id=item.query_id, ok=True, data=answer(self, item))
+        except EplbError as exc:
+            reply = AdminReply(query_id=item.query_id, ok=False, error=str(exc))
+        self._reply(item, reply)
+
+    def _eplb_rebalance(self, item: AdminRequest) -> EplbStatus:
+        if self.dead_error is not None:
+            raise EplbError(f"engine is dead: {self.dead_error}")
+        self.eplb.rebalance(item.placement)
+        return self.eplb.status()
+
+    _ADMIN_ANSWERS: ClassVar[dict] = {
+        AdminOp.STATS: lambda self, item: StatsResult(stats=self._stats()),
+        AdminOp.EPLB_LOAD: lambda self, item: self.eplb.load(),
+        AdminOp.EPLB_STATUS: lambda self, item: self.eplb.status(),
+        AdminOp.EPLB_REBALANCE: _eplb_rebalance,
+    }
+
+    def _tick_eplb(self, now: float) -> None:
+        """Close load slices, start a due rebalance, and relay a phase that is due to every group's ranks."""
+        self.eplb.tick(now)
+        command = self.eplb.idle_control().eplb
+        if command is not None:
+            for g in self.groups:
+                g.send(EplbRelay(command=command))
 
     def _reply(self, item: AdminRequest, reply: AdminReply) -> None:
         if item.reply_to or isinstance(self.link, ClientLink):  # a sender that names no address wants none

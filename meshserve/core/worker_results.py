@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from meshserve.core.dp_group import StepMismatchError
 from meshserve.core.worker_group import RESULTS
+from meshserve.wire.dp_group import GroupExpertLoad
 from meshserve.wire.kv import KVConnectorReport
 from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.worker import ModelRunnerOutput, WorkerEvent, WorkerEventKind, WorkerFailure, WorkerPong
@@ -107,12 +108,17 @@ class WorkerResults:
             self.recovery.health.on_rolled_back(event.rank, event.detail)
         elif event.kind == WorkerEventKind.WEIGHTS_SERVED:
             self.weight_servers.on_served(event.rank, event.detail, self.workers.world_size)
-        else:
+        elif self.place is None:
             self.eplb.on_event(event.rank, event.kind, event.detail)
+        else:  # a phase of the shell's reconfiguration
+            self.link.report(event)
 
     def _on_step_output(self, item: ModelRunnerOutput) -> None:
         if item.expert_load is not None:
-            self.eplb.on_counts(item.expert_load)
+            if self.place is None:
+                self.eplb.on_counts(item.expert_load)
+            else:  # the shell records the TE's load and moves its experts
+                self.link.report(GroupExpertLoad(counts=item.expert_load))
         group = self.groups[item.dp_rank]
         try:
             sched, deltas = group.take_output(item)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from meshserve.wire.base import Message
+from meshserve.wire.eplb import EplbCommand
 
 
 class WorldRestart(Message):
@@ -12,3 +13,17 @@ class WorldRestart(Message):
     generation: int
     dist_init: str = ""
     reason: str = ""
+
+
+class GroupExpertLoad(Message):
+    """From a group master to the shell: its ranks' tokens per logical expert of each MoE layer since its last
+    report ([layer][expert]); the shell's expert-load recorder sums the groups'."""
+
+    counts: list[list[int]]
+
+
+class EplbRelay(Message):
+    """From the shell to every group master, which hands it to its ranks: a phase of an expert-placement
+    reconfiguration. The ranks apply each phase at the same forward (worker/step_agreement.py)."""
+
+    command: EplbCommand

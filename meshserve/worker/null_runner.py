@@ -71,6 +71,9 @@ class NullRunner:
     def mtp_forwards_of(self, sched: SchedulerOutput) -> int:
         return 0
 
+    def apply_eplb(self, command) -> None:
+        pass
+
     def poll_background(self) -> list:
         return []
 

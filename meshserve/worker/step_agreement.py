@@ -18,7 +18,9 @@ batch sizes (`ParallelContext.agree_on_step`). From the same rows every rank rea
 - no forward at all when no group has a step; then the next round comes after a short pause that doubles while
   the TE stays idle (`IDLE_ROUND_MIN_S` to `IDLE_ROUND_MAX_S`): every rank computes the same pause from the same
   rows, so they meet again without anyone to wake them. A step arriving meanwhile waits at most that long.
-- a rank told to stop says so in its row, and every rank leaves together.
+- a rank told to stop says so in its row, and every rank leaves together;
+- an expert-placement phase (the shell's live EPLB, relayed by each group's master) is applied by every rank
+  before the first forward at which every rank has received it, so all ranks route with one mapping.
 
 Between rounds the rank answers its master's pings and arms the faults it forwards, as in the lockstep loop.
 """
@@ -38,6 +40,7 @@ from meshserve.utils import faults
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
+from meshserve.wire.eplb import EplbCommand
 from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.worker import InjectFault, SchedulerOutput, StepBatch, WorkerEvent, WorkerPing, WorkerPong
 from meshserve.worker import fault_hooks
@@ -71,6 +74,7 @@ class RoundPlan:
     microbatches: int
     late: bool = False  # a group that ran a step in the last forward has none yet while others have theirs
     mtp_forwards: int = 0  # the MTP forwards of the running step that has the most
+    eplb_phases: int = 0  # expert-placement phases every rank has received: applied before the forward
 
     @property
     def forward(self) -> bool:
@@ -80,7 +84,7 @@ class RoundPlan:
 def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatch_min_tokens: int,
                ran_last: list[bool] | None = None) -> RoundPlan:
     """The plan every rank reads from the gathered rows ([head step id or NO_STEP, its tokens, stop, its MTP
-    forwards] per rank,
+    forwards, expert-placement phases received] per rank,
     in rank order; the ranks of DP group g are g * attn_tp .. g * attn_tp + attn_tp - 1). `ran_last`: which groups
     ran a step in the last round with a forward (the same on every rank: it came from that round's rows)."""
     stop = any(row[2] for row in rows)
@@ -93,7 +97,8 @@ def plan_round(rows: list[list[int]], attn_tp: int, microbatches: int, microbatc
         mtp.append(group[0][3] if runs[-1] else 0)
     split = microbatches == 2 and max(tokens, default=0) >= microbatch_min_tokens
     late = any(runs) and any(ran and not now for ran, now in zip(ran_last or [], runs))
-    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1, late=late, mtp_forwards=max(mtp, default=0))
+    return RoundPlan(stop=stop, runs=runs, microbatches=2 if split else 1, late=late, mtp_forwards=max(mtp, default=0),
+                     eplb_phases=min((row[4] for row in rows), default=0))
 
 
 def idle_pause_s(idle_rounds: int) -> float:
@@ -120,6 +125,8 @@ class AgreeingLoop:
         self._idle_rounds = 0
         self._late_rounds = 0  # rounds taken again in a row for a late group
         self._ran_last: list[bool] = []  # the groups that ran a step in the last forward
+        self._eplb: list[EplbCommand] = []  # expert-placement phases received, in order
+        self._eplb_applied = 0
         self._next_master_check = 0.0
 
     def run(self) -> None:
@@ -130,6 +137,9 @@ class AgreeingLoop:
                 return  # the master is gone (the other groups fail at the next round and recover)
             plan = plan_round(self.runner.parallel.agree_on_step(self._row()), self.attn_tp, self.microbatches,
                               self.microbatch_min_tokens, self._ran_last)
+            while self._eplb_applied < plan.eplb_phases:  # every rank has it: all apply it before this forward
+                self.runner.apply_eplb(self._eplb[self._eplb_applied])
+                self._eplb_applied += 1
             if plan.stop:
                 logger.info("shutting down after %d forwards (%d of them this group's steps)", self.rounds,
                             self.steps_run)
@@ -153,8 +163,9 @@ class AgreeingLoop:
         """This rank's row of a round: the step at the head of its queue and its tokens, and whether to stop."""
         head = self.pending[0].per_dp[0] if self.pending else None
         if head is None:
-            return [NO_STEP, 0, int(self.stopping), 0]
-        return [head.step_id, head.total_num_scheduled_tokens, int(self.stopping), self.runner.mtp_forwards_of(head)]
+            return [NO_STEP, 0, int(self.stopping), 0, len(self._eplb)]
+        return [head.step_id, head.total_num_scheduled_tokens, int(self.stopping), self.runner.mtp_forwards_of(head),
+                len(self._eplb)]
 
     def _forward(self, batch: StepBatch | None, agreed: AgreedStep) -> None:
         """This group's step, or an empty one beside the groups that run theirs."""
@@ -201,8 +212,10 @@ class AgreeingLoop:
         elif isinstance(item, StepBatch):
             if item.per_dp:
                 self.pending.append(item)
-            else:  # control only (a connector's work): applied now, no forward to agree on
-                self.runner.run_batch(item)
+            else:  # control only: a connector's work starts now; an expert-placement phase waits for agreement
+                self.runner.start_kv_connectors(item.kv_connector)
+                if item.eplb is not None:
+                    self._eplb.append(item.eplb)
         elif item is not None:
             drop_frame("worker-work", f"unexpected {type(item).__name__}")
 

@@ -56,7 +56,7 @@ from meshserve.wire.cluster import (
     WarmReady,
 )
 from meshserve.wire.codec import _MESSAGE_TYPES, RefusedFrame
-from meshserve.wire.dp_group import WorldRestart
+from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, WorldRestart
 from meshserve.wire.eplb import EplbCommand, EplbPhase, PlacementData
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
 from meshserve.wire.kv import (
@@ -218,6 +218,8 @@ SAMPLES: dict[type, object] = {
     WorkerPong: WorkerPong(rank=1, seq=7),
     InjectFault: InjectFault(fault=FAULT),
     WorldRestart: WorldRestart(generation=3, dist_init="tcp://127.0.0.1:29700", reason="rank 5 died"),
+    GroupExpertLoad: GroupExpertLoad(counts=[[3, 0, 5], [1, 1, 6]]),
+    EplbRelay: EplbRelay(command=EplbCommand(EplbPhase.ENABLE)),
     AdminReply: AdminReply(query_id=4, ok=False, data=ContextCacheDeleted(id="ctxc-1", deleted=True),
                                    error="partly failed"),
     Shutdown: Shutdown(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 from meshserve.config import EngineConfig
+from meshserve.core.eplb_controller import EplbController
 from meshserve.core.te_shell import GroupView, TEShell
 from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineReady, EngineStats
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
@@ -74,17 +75,21 @@ class _Inbox:
         self.frames.append(data)
 
 
-def test_expert_rebalancing_is_refused_and_other_commands_reach_every_group():
+def test_the_shell_answers_expert_balancing_and_every_group_gets_the_other_commands():
     shell = _shell(2)
     shell.link = _Link()
+    shell.dead_error = None
+    shell.eplb = EplbController(None, [], world_size=2, slice_s=1.0)  # a model without MoE layers
     for group in shell.groups:
         group.inbox = _Inbox()
-    shell._on_admin(AdminRequest(query_id=1, op=AdminOp.EPLB_REBALANCE, reply_to="tcp://fe:1"))
-    (reply, to), = shell.link.sent
-    assert not reply.ok and "eplb.rebalance" in reply.error and "self-contained" in reply.error and to == "tcp://fe:1"
+    shell._on_admin(AdminRequest(query_id=1, op=AdminOp.EPLB_STATUS, reply_to="tcp://fe:1"))
+    shell._on_admin(AdminRequest(query_id=2, op=AdminOp.EPLB_REBALANCE, reply_to="tcp://fe:1"))
+    (status, to), (refused, _) = shell.link.sent
+    assert status.ok and not status.data.enabled and to == "tcp://fe:1"
+    assert not refused.ok and refused.error  # the controller's own refusal, passed on
     assert all(not group.inbox.frames for group in shell.groups)
-    shell._on_admin(AdminRequest(query_id=2, op=AdminOp.DRAIN, reply_to="tcp://fe:1"))
-    assert all(len(group.inbox.frames) == 1 for group in shell.groups) and len(shell.link.sent) == 1
+    shell._on_admin(AdminRequest(query_id=3, op=AdminOp.DRAIN, reply_to="tcp://fe:1"))
+    assert all(len(group.inbox.frames) == 1 for group in shell.groups) and len(shell.link.sent) == 2
 
 
 def test_a_report_after_finishes_frees_the_group_for_the_next_burst():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import psutil
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from meshserve import LLM, SamplingParams
 from meshserve.config import ConfigError, EngineConfig
 from meshserve.engine.async_client import AsyncEngineClient
+from meshserve.moe.placement import ExpertPlacement
 from meshserve.utils import faults
 from meshserve.utils.processes import process_tree
 
@@ -138,6 +140,49 @@ def test_a_killed_group_master_fails_the_te_and_the_api_client_moves_every_strea
         engine.shutdown()
 
 
+def test_a_live_move_of_every_expert_keeps_the_tokens(model_dir, reference):
+    """The shell records the groups' expert load and moves the placement planned from it (primaries too, in
+    rounds) while all 16 requests stream: every phase reaches every rank through its group's master and is
+    applied at one agreed forward, so no token changes."""
+    prompts, expected = reference
+    engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, parallel=DP4_EP4, dp_groups="self-contained",
+                                                        eplb_redundant_experts=1, eplb_slice_s=0.5, **ENGINE_ARGS))
+
+    async def scenario():
+        async def generate(tag: str) -> list[list[int]]:
+            async def one(i: int) -> list[int]:
+                tokens = []
+                async for out in engine.generate(None, prompts[i], GREEDY, f"{tag}-{i}"):
+                    tokens = out.outputs[0].token_ids
+                return tokens
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+        assert await generate("before") == expected
+        load = await engine.admin("eplb.load")
+        assert load.ok and sum(map(sum, load.data.counts[-1])) > 0  # the groups' load reached the shell
+        moving = asyncio.create_task(generate("during"))
+        await asyncio.sleep(0.2)
+        reply = await engine.admin("eplb.rebalance")
+        assert reply.ok, reply.error
+        assert await moving == expected
+        for again in range(20):  # a move of primaries takes rounds: generate while they run
+            status = (await engine.admin("eplb.status")).data
+            if status.phase == "idle":
+                break
+            assert await generate(f"again-{again}") == expected
+        assert status.phase == "idle" and status.num_reconfigurations == 1 and status.last_error is None
+        placement = ExpertPlacement.from_dict(msgspec.to_builtins(status.placement))
+        shape, default = placement.shape, ExpertPlacement.default(placement.shape, list(placement.layers))
+        assert any(slots[slot] != default.layers[layer][slot] for layer, slots in placement.layers.items()
+                   for slot in range(len(slots)) if slot % shape.slots_per_rank < shape.primary_per_rank)
+        assert await generate("after") == expected
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("layout", [
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
     dict(parallel="attn=TP2+DP2 moe=TP2+EP2"),
@@ -167,7 +212,6 @@ def test_int8_weights_and_dispatch_give_the_lockstep_engines_tokens(model_dir, r
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(dp_groups="self-contained", eplb_interval_s=10.0), "eplb_interval_s"),
     (dict(dp_groups="self-contained", on_rank_failure="shrink", parallel=DP4_EP4), "on_rank_failure"),
     (dict(dp_groups="self-contained", local_ranks=2, parallel=DP4_EP4), "local_ranks"),
     (dict(dp_groups="together"), "dp_groups"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from meshserve.worker.step_agreement import IDLE_ROUND_MAX_S, IDLE_ROUND_MIN_S, NO_STEP, idle_pause_s, plan_round
 
 
-def _row(step: int = NO_STEP, tokens: int = 0, stop: int = 0, mtp: int = 0) -> list[int]:
-    return [step, tokens, stop, mtp]
+def _row(step: int = NO_STEP, tokens: int = 0, stop: int = 0, mtp: int = 0, eplb: int = 0) -> list[int]:
+    return [step, tokens, stop, mtp, eplb]
 
 
 def test_groups_with_a_step_run_it_and_idle_groups_join_with_nothing():
@@ -57,6 +57,14 @@ def test_every_rank_runs_as_many_mtp_forwards_as_the_running_group_that_needs_mo
     assert plan_round(rows[:3], attn_tp=1, microbatches=1, microbatch_min_tokens=16).mtp_forwards == 3
     assert plan_round(rows[1:3], attn_tp=1, microbatches=1, microbatch_min_tokens=16).mtp_forwards == 1
     assert plan_round(rows[2:], attn_tp=2, microbatches=1, microbatch_min_tokens=16).mtp_forwards == 0
+
+
+def test_an_expert_placement_phase_applies_once_every_rank_has_it():
+    rows = [_row(1, 8, eplb=3), _row(eplb=2), _row(eplb=3), _row(eplb=3)]
+    assert plan_round(rows, attn_tp=1, microbatches=1, microbatch_min_tokens=16).eplb_phases == 2
+    # also in a round without a forward
+    idle = plan_round([_row(eplb=1), _row(eplb=1)], attn_tp=1, microbatches=1, microbatch_min_tokens=16)
+    assert idle.eplb_phases == 1 and not idle.forward
 
 
 def test_a_stop_from_any_rank_stops_every_rank():
