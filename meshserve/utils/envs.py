@@ -133,15 +133,21 @@ def num_threads() -> int | None:
 
 def emulated_link_latency_s() -> float:
     """MESHSERVE_EMULATED_LINK_LATENCY_MS in seconds (0 where unset); ValueError names a bad value."""
-    text = (MESHSERVE_EMULATED_LINK_LATENCY_MS.get() or "").strip()
+    seconds = _milliseconds_as_seconds(MESHSERVE_EMULATED_LINK_LATENCY_MS)
+    return 0.0 if seconds is None else seconds
+
+
+def _milliseconds_as_seconds(var: EnvVar) -> float | None:
+    """A variable that holds milliseconds, in seconds (None where unset); ValueError names a bad value."""
+    text = (var.get() or "").strip()
     if not text:
-        return 0.0
+        return None
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise ValueError(f"MESHSERVE_EMULATED_LINK_LATENCY_MS must be a number of milliseconds >= 0, got {text!r}")
+        raise ValueError(f"{var.name} must be a number of milliseconds >= 0, got {text!r}")
     return value / 1e3
 
 
@@ -168,13 +174,4 @@ def markdown_table() -> str:
 
 def null_model_s() -> float | None:
     """MESHSERVE_NULL_MODEL_MS in seconds: None (unset) runs the model; ValueError names a bad value."""
-    text = (MESHSERVE_NULL_MODEL_MS.get() or "").strip()
-    if not text:
-        return None
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:
-        raise ValueError(f"{MESHSERVE_NULL_MODEL_MS.name} must be a number of milliseconds >= 0, got {text!r}")
-    return ms / 1000
+    return _milliseconds_as_seconds(MESHSERVE_NULL_MODEL_MS)

@@ -94,3 +94,16 @@ def test_threads_per_rank_come_from_the_flag_then_the_variable_then_the_cores(mo
                 envs.num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_null_model_time_reads_milliseconds(monkeypatch):
+    monkeypatch.delenv("MESHSERVE_NULL_MODEL_MS", raising=False)
+    assert envs.null_model_s() is None  # the model runs
+    monkeypatch.setenv("MESHSERVE_NULL_MODEL_MS", "20")
+    assert envs.null_model_s() == pytest.approx(0.02)
+    monkeypatch.setenv("MESHSERVE_NULL_MODEL_MS", "0")
+    assert envs.null_model_s() == 0.0  # null ranks whose forwards take no time
+    for bad in ("-1", "soon"):
+        monkeypatch.setenv("MESHSERVE_NULL_MODEL_MS", bad)
+        with pytest.raises(ValueError, match="MESHSERVE_NULL_MODEL_MS must be a number of milliseconds"):
+            envs.null_model_s()
