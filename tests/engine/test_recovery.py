@@ -134,7 +134,9 @@ def test_the_api_client_restarts_a_killed_master_and_streams_continue(model_dir,
         if how == "kill -9":
             os.kill(first_master, signal.SIGKILL)
         else:
-            reply = await engine.admin("fault.inject", {"fault": {"kind": "kill_master"}})
+            # a few steps later: killed at once, the master could take the reply's frame down with it before its
+            # socket sent it
+            reply = await engine.admin("fault.inject", {"fault": {"kind": "kill_master", "after_steps": 3}})
             assert reply.ok, reply.error
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
         assert engine.engine.proc.pid != first_master
