@@ -238,12 +238,12 @@ class TEShell:
             self.running = False
             return
         ended = [g for g in self.groups if g.proc.poll() is not None]
-        if ended and all(g.proc.returncode == 0 for g in ended) and len(ended) == len(self.groups):
+        failed = next((g for g in ended if g.proc.returncode != 0), None)
+        if failed is not None:
+            self._fail(f"DP group {failed.index}'s master exited (exit code {failed.proc.returncode})")
+        elif len(ended) == len(self.groups):
             logger.info("every DP group left (drained): leaving")
             self.running = False
-        elif any(g.proc.returncode not in (None, 0) for g in ended):
-            g = next(g for g in ended if g.proc.returncode != 0)
-            self._fail(f"DP group {g.index}'s master exited (exit code {g.proc.returncode})")
 
     # ------------------------------------------------------------------ the groups' reports
     def _on_report(self, item) -> None:

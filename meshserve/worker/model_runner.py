@@ -526,8 +526,9 @@ class ModelRunner:
         produced = self._produce_tokens(hidden, [seq for seq in seqs if seq.samples], out)
         if self.proposer is not None and sched.mtp_catch_up:
             self._propose(hidden, seqs, produced, drafting=sched.num_draft_tokens > 0)
-        if mtp_forwards is not None and mtp_forwards > self.mtp_forwards_of(sched):  # other groups draft more
-            self.proposer.idle_forwards(mtp_forwards - self.mtp_forwards_of(sched))
+        missing = 0 if mtp_forwards is None else mtp_forwards - self.mtp_forwards_of(sched)
+        if missing > 0:  # other groups draft more: their MTP collectives need this rank too
+            self.proposer.idle_forwards(missing)
         out.execute_seconds = time.perf_counter() - t0
         return out
 
