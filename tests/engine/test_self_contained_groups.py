@@ -184,6 +184,34 @@ def test_a_live_move_of_every_expert_keeps_the_tokens(model_dir, reference):
         engine.shutdown()
 
 
+def test_a_bad_request_fails_alone_in_its_group(model_dir, reference):
+    """A prompt with a token outside the vocabulary, placed on a group among good ones: its group's master refuses
+    it with the request's own error; every other request, on both groups, ends with its tokens."""
+    from meshserve.wire.errors import InvalidRequestError
+
+    prompts, expected = reference
+    engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, parallel="attn=TP1+DP2 moe=TP1+EP2",
+                                                        dp_groups="self-contained", **ENGINE_ARGS))
+
+    async def scenario():
+        async def one(tag: str, prompt: list[int]) -> list[int]:
+            tokens = []
+            async for out in engine.generate(None, prompt, GREEDY, tag):
+                tokens = out.outputs[0].token_ids
+            return tokens
+
+        good = [asyncio.create_task(one(f"good-{i}", prompts[i])) for i in range(4)]
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            await one("bad", [5, 6, 10**7])
+        assert await asyncio.gather(*good) == expected[:4]
+        assert (await engine.get_stats()).healthy
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("layout", [
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2", microbatches=2, microbatch_min_tokens=2),
     dict(parallel="attn=TP2+DP2 moe=TP2+EP2"),
