@@ -86,7 +86,8 @@ class ParallelConfig(ConfigStruct, frozen=True):
                               f"attn=TP1+DPn moe=TP1+EPn with n > 1, not {strategy}")
         if self.dp_groups == "self-contained":
             if self.local_ranks is not None and self.local_ranks < world:
-                raise ConfigError("dp_groups self-contained starts every rank on this host: drop local_ranks")
+                raise ConfigError("dp_groups self-contained starts every rank on this host (its ranks agree over a "
+                                  "Unix socket): drop local_ranks")
             if self.on_rank_failure == "shrink":
                 raise ConfigError("dp_groups self-contained recovers a lost rank by restarting the ranks: "
                                   "on_rank_failure must be restart or fail, not shrink")

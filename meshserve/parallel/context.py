@@ -31,8 +31,11 @@ import torch
 import torch.distributed as dist
 
 from meshserve.parallel.rollback import RollbackAgreement
+from meshserve.parallel.step_board import StepBoard
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.parallel.topology import Topology, TopologyGroups, build_groups
+
+_DEFAULT_TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 
 
 @dataclass
@@ -50,9 +53,9 @@ class ParallelContext:
     redundant_experts_per_rank: int = 0
     # a collective on this context's groups fails after this long (None: torch's default timeout)
     collective_timeout_s: float | None = None
-    # self-contained DP groups: the ranks agree on every step over `step_group` (`agree_on_step`)
+    # self-contained DP groups: the ranks agree on every step over `step_board` (`agree_on_step`)
     agree_steps: bool = False
-    step_group: dist.ProcessGroup | None = None
+    step_board: StepBoard | None = None
     attn_tp_group: dist.ProcessGroup | None = None
     oproj_group: dist.ProcessGroup | None = None  # None with oproj TP1
     moe_groups: TopologyGroups | None = None
@@ -62,6 +65,7 @@ class ParallelContext:
     moe_tp_ranks: list[int] = field(default_factory=lambda: [0])
     ep_ranks: list[int] = field(default_factory=lambda: [0])
     rollback: RollbackAgreement | None = None  # the ranks' rollback rounds (None: one rank)
+    _boards_opened: int = field(default=0, init=False, repr=False)  # names each new board in the world's store
     _all_groups: list = field(default_factory=list, init=False, repr=False)  # the groups this rank is in
     _rebuild_listeners: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
 
@@ -99,7 +103,7 @@ class ParallelContext:
         topo = Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp)
         a, k = strategy.attn_tp, strategy.oproj_tp
         # a peer still in a collective fails it within one timeout; the second covers the compute before it
-        wait_s = 2 * (collective_timeout_s or dist.default_pg_timeout.total_seconds())
+        wait_s = 2 * (collective_timeout_s or _DEFAULT_TIMEOUT_S)
         # the store the world rendezvoused on: its server lives in rank 0's process, apart from the groups
         store = dist.distributed_c10d._get_default_store()
         ctx = cls(strategy, rank=rank, **settings, attn_tp_ranks=list(range(rank // a * a, (rank // a + 1) * a)),
@@ -122,27 +126,30 @@ class ParallelContext:
         oproj_pgs = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(self.world_size // k)] if k > 1 \
             else []
         self.oproj_group = oproj_pgs[self.rank // k] if oproj_pgs else None
-        # gloo whatever the backend: the agreement's few integers live on the CPU, beside the ranks' loops
-        self.step_group = dist.new_group(list(range(self.world_size)), backend="gloo") if self.agree_steps else None
-        self._all_groups = [group for group in (self.step_group, *attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node,
+        if self.agree_steps:
+            self._open_step_board()
+        self._all_groups = [group for group in (*attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node,
                                                 *self.moe_groups.all_inter_node)
                             if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
         if self.collective_timeout_s is not None:
             for group in self._all_groups:
                 group.set_timeout(timedelta(seconds=self.collective_timeout_s))
 
+    def _open_step_board(self) -> None:
+        """A new board for the step agreement (the old one's connections may be broken after a transient error)."""
+        if self.step_board is not None:
+            self.step_board.close()
+        self._boards_opened += 1
+        self.step_board = StepBoard.open(self.rollback.store, self.rank, self.world_size, self._boards_opened,
+                                         round_timeout_s=self.collective_timeout_s or _DEFAULT_TIMEOUT_S,
+                                         meet_timeout_s=_DEFAULT_TIMEOUT_S)
+
     def agree_on_step(self, row: list[int]) -> list[list[int]]:
         """Every rank's `row` (all of one length), in rank order: how self-contained DP groups agree on each step
         (worker/step_agreement.py). Collective over the world."""
-        if self.step_group is None:
+        if self.step_board is None:
             return [list(row)]
-        # a gather to rank 0 and a broadcast back: two hops whatever the world's size (an all-gather's ring takes
-        # world - 1 in a row, each waiting for the next rank to be scheduled)
-        mine = torch.tensor(row, dtype=torch.int64)
-        table = torch.empty(self.world_size, len(row), dtype=torch.int64)
-        dist.gather(mine, list(table.unbind(0)) if self.rank == 0 else None, dst=0, group=self.step_group)
-        dist.broadcast(table, src=0, group=self.step_group)
-        return table.tolist()
+        return self.step_board.exchange(row)
 
     # ------------------------------------------------------------------ rollback (xdeepserve §6.2)
     def agree_on_rollback(self, step_id: int) -> None:

@@ -3,9 +3,10 @@ the ranks of every group agree on each step among themselves, with no master in 
 
 Each DP group's master schedules on its own and sends its steps to its group's ranks only. The groups still meet
 at every MoE dispatch and combine, so before each forward every rank of the TE takes part in one round of
-agreement: a gather to rank 0 and a broadcast back of a few integers per rank (the step at the head of its
+agreement: a gather to rank 0 and a send back of a few integers per rank (the step at the head of its
 queue, that step's tokens, and whether it was told to stop), as SGLang's DP-attention schedulers gather their
-batch sizes (`ParallelContext.agree_on_step`). From the same rows every rank reads the same plan (`plan_round`):
+batch sizes (`ParallelContext.agree_on_step`, over the step board of parallel/step_board.py). From the same
+rows every rank reads the same plan (`plan_round`):
 
 - a DP group runs its head step when every one of its ranks holds it (a step still on its way to one of them waits
   for the next round, so the group's TP ranks never run different steps);
@@ -22,10 +23,14 @@ batch sizes (`ParallelContext.agree_on_step`). From the same rows every rank rea
 - an expert-placement phase (the shell's live EPLB, relayed by each group's master) is applied by every rank
   before the first forward at which every rank has received it, so all ranks route with one mapping.
 
-Between rounds the rank answers its master's pings and arms the faults it forwards, as in the lockstep loop.
+Between rounds the rank answers its master's pings and arms the faults it forwards, as in the lockstep loop. A
+step's output leaves after the next round has met, just before the next forward: the masters, woken by it, then
+take the CPU while the ranks run, not while the ranks of every group need it at once to meet (on a host with
+fewer cores than processes that was most of a step's non-model time).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -42,7 +47,15 @@ from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
 from meshserve.wire.eplb import EplbCommand
 from meshserve.wire.receive import drop_frame, recv_message
-from meshserve.wire.worker import InjectFault, SchedulerOutput, StepBatch, WorkerEvent, WorkerPing, WorkerPong
+from meshserve.wire.worker import (
+    InjectFault,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepBatch,
+    WorkerEvent,
+    WorkerPing,
+    WorkerPong,
+)
 from meshserve.worker import fault_hooks
 
 if TYPE_CHECKING:
@@ -128,11 +141,14 @@ class AgreeingLoop:
         self._eplb: list[EplbCommand] = []  # expert-placement phases received, in order
         self._eplb_applied = 0
         self._next_master_check = 0.0
+        self._unsent: ModelRunnerOutput | None = None  # the last step's output, sent after the next round
 
     def run(self) -> None:
         next_round = time.monotonic()
         while True:
             self._report_background()
+            if next_round > time.monotonic():
+                self.send_output()  # a pause: nothing to hold it back for
             if not self._wait_until(next_round):
                 return  # the master is gone (the other groups fail at the next round and recover)
             plan = plan_round(self.runner.parallel.agree_on_step(self._row()), self.attn_tp, self.microbatches,
@@ -141,6 +157,7 @@ class AgreeingLoop:
                 self.runner.apply_eplb(self._eplb[self._eplb_applied])
                 self._eplb_applied += 1
             if plan.stop:
+                self.send_output()
                 logger.info("shutting down after %d forwards (%d of them this group's steps)", self.rounds,
                             self.steps_run)
                 return
@@ -156,6 +173,7 @@ class AgreeingLoop:
             self._idle_rounds = self._late_rounds = 0
             self._ran_last = plan.runs
             batch = self.pending.popleft() if plan.runs[self.runner.parallel.dp_rank] else None
+            self.send_output()
             self._forward(batch, AgreedStep(self.rounds + 1, plan.microbatches, plan.mtp_forwards))
             next_round = time.monotonic()
 
@@ -175,11 +193,16 @@ class AgreeingLoop:
             runner.execute_rolling_back(SchedulerOutput(step_id=NO_STEP), agreed.microbatches, agreed)
             return
         self.steps_run += 1
-        out = runner.run_batch(batch, agreed=agreed)
-        if out is not None:
-            self.results.send(codec.encode(out))
+        self._unsent = runner.run_batch(batch, agreed=agreed)
         if batch.collect_garbage:
             self.collector.collect()
+
+    def send_output(self) -> None:
+        """The last step's output, sent once the next round has met (or before a pause): the master wakes to it
+        while the ranks run the next forward, rather than taking the CPU the ranks need to meet."""
+        if self._unsent is not None:
+            self.results.send(codec.encode(self._unsent))
+            self._unsent = None
 
     def _wait_until(self, deadline: float) -> bool:
         """Take the master's messages until `deadline` (at once when this rank has a step and the time has come);
@@ -231,5 +254,10 @@ def serve_agreeing(rank: int, runner: ModelRunner, work: zmq.Socket, results: zm
                    master_gone: Callable[[], bool], collector: StepCollector) -> None:
     """`worker._serve`'s counterpart under self-contained DP groups."""
     fault_hooks.install(runner, rank, master_gone)  # wraps nothing until a fault is armed
-    AgreeingLoop(rank, runner, work, results, master_gone, collector).run()
+    loop = AgreeingLoop(rank, runner, work, results, master_gone, collector)
+    try:
+        loop.run()
+    finally:  # a round that failed (a peer died) leaves the last step's tokens good: the master keeps them
+        with contextlib.suppress(zmq.ZMQError):
+            loop.send_output()
 

@@ -36,7 +36,8 @@ def test_ratios_are_against_dp1_of_the_same_way_of_running():
     figures = {(LOCKSTEP, 1): 0.5, (LOCKSTEP, 8): 3.0, (SELF_CONTAINED, 1): 0.6, (SELF_CONTAINED, 8): 0.66}
     rows = [{"dp": dp, "mode": mode, "control_cpu_ms_per_step": figures[mode, dp],
              "control_cpu_total_ms_per_step": figures[mode, dp] * dp, "wall_ms_per_step": 20.0 + 10 * figures[mode, dp],
-             "non_model_ms_per_step": 10 * figures[mode, dp], "rank_cpu_ms_per_step": 0.1}
+             "non_model_ms_per_step": 10 * figures[mode, dp], "cpu_floor_ms_per_step": 0.05 * dp,
+             "rank_cpu_ms_per_step": 0.1 * (2 if dp == 8 else 1)}
             for dp in (1, 8) for mode in MODES]
     result = _result(settings, "m", rows)
     by_key = {(r["mode"], r["dp"]): r for r in result["rows"]}
@@ -45,8 +46,11 @@ def test_ratios_are_against_dp1_of_the_same_way_of_running():
     assert result["self_contained_largest_vs_dp1"] == pytest.approx(1.1) and result["largest_dp"] == 8
     lines = table_lines(result)
     assert by_key[LOCKSTEP, 8]["non_model_vs_dp1"] == pytest.approx(6.0)
-    assert len(lines) == 1 + len(rows) + 1 and "6.00" in lines[3] and "1.10x DP1 in control CPU" in lines[-1]
-    assert "1.10x in non-model time" in lines[-1]
+    assert by_key[SELF_CONTAINED, 8]["rank_cpu_vs_dp1"] == pytest.approx(2.0)
+    assert result["self_contained_largest_rank_cpu_vs_dp1"] == pytest.approx(2.0)
+    assert len(lines) == 1 + len(rows) + 1 and "6.00" in lines[3] and "1.10x in control CPU" in lines[-1]
+    assert "2.00x in the busiest rank's CPU" in lines[-1] and "1.10x in non-model time" in lines[-1]
+    assert "0.40" in lines[4]  # DP8's floor
 
 
 def test_medians_leave_out_what_the_real_model_has_none_of():
@@ -58,7 +62,8 @@ def test_the_table_shows_dashes_for_non_model_time_with_the_real_model():
     settings = ControlPlaneSettings(model_dir=None, model_ms=None, dp=(1, 2), requests_per_group=8, output_len=64,
                                     prompt_len=8, repeats=3, json_path="x.json")
     rows = [{"dp": dp, "mode": mode, "control_cpu_ms_per_step": 1.0 * dp, "control_cpu_total_ms_per_step": 1.0 * dp,
-             "wall_ms_per_step": 30.0, "non_model_ms_per_step": None, "rank_cpu_ms_per_step": 5.0}
+             "wall_ms_per_step": 30.0, "non_model_ms_per_step": None, "cpu_floor_ms_per_step": None,
+             "rank_cpu_ms_per_step": 5.0}
             for dp in (1, 2) for mode in MODES]
     result = _result(settings, "m", rows)
     assert result["self_contained_largest_vs_dp1"] == pytest.approx(2.0)
@@ -78,6 +83,7 @@ def test_a_quick_run_on_the_tiny_model(tiny_model, tmp_path, capsys):
         assert row["wall_ms_per_step"] >= result["config"]["model_ms"]  # each step sleeps that long on the ranks
         assert row["non_model_ms_per_step"] == pytest.approx(row["wall_ms_per_step"] - result["config"]["model_ms"])
         assert row["control_cpu_total_ms_per_step"] >= row["control_cpu_ms_per_step"] * 0.999
+        assert 0 < row["cpu_floor_ms_per_step"] <= row["rank_cpu_ms_per_step"] * row["dp"] * 1.001
         if row["dp"] == 1:
             assert row["control_cpu_vs_dp1"] == pytest.approx(1.0)
     out = capsys.readouterr()
