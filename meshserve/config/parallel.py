@@ -88,9 +88,6 @@ class ParallelConfig(ConfigStruct, frozen=True):
             if self.local_ranks is not None and self.local_ranks < world:
                 raise ConfigError("dp_groups self-contained starts every rank on this host (its ranks agree over a "
                                   "Unix socket): drop local_ranks")
-            if self.on_rank_failure == "shrink":
-                raise ConfigError("dp_groups self-contained recovers a lost rank by restarting the ranks: "
-                                  "on_rank_failure must be restart or fail, not shrink")
         if self.local_ranks is not None and self.local_ranks > world:
             raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
                               f"master), got {self.local_ranks}")

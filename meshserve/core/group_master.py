@@ -21,19 +21,21 @@ from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
 from meshserve.wire.client import EngineError
 
 
-def run_group_master(config: dict, index: int, dist_init: str, shell_addr: str, report_addr: str,
-                     client_output_addr: str, te_addr: str, ipc_dir: str, shell_pid: int,
-                     log_level: int = logging.INFO) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s dp-group[{index}] %(levelname)s %(message)s")
+def run_group_master(config: dict, place: dict, shell_addr: str, report_addr: str, client_output_addr: str,
+                     te_addr: str, ipc_dir: str, shell_pid: int, log_level: int = logging.INFO) -> None:
+    """`place`: the group's `GroupPlace` fields (its index, the world's address and generation)."""
+    group_place = GroupPlace(**place)
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s dp-group[{group_place.index}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the shell stops us in order
     engine_config = EngineConfig.from_dict(config)
     ctx = zmq.Context()
-    link = GroupLink(ctx, GroupPlace(index, dist_init), shell_addr, report_addr, client_output_addr, te_addr)
+    link = GroupLink(ctx, group_place, shell_addr, report_addr, client_output_addr, te_addr)
     try:
         core = EngineCore(engine_config, ctx, link, ipc_dir, log_level)
     except Exception as exc:
         logging.getLogger(__name__).error("start-up failed: %s", traceback.format_exc())
-        link.report(EngineError(message=f"DP group {index} failed to start: {exc}", fatal=True))
+        link.report(EngineError(message=f"DP group {group_place.index} failed to start: {exc}", fatal=True))
         link.close()
         ctx.term()
         raise SystemExit(1) from exc

@@ -37,7 +37,7 @@ from meshserve.core.engine_report import engine_heartbeat, engine_stats
 from meshserve.core.eplb_controller import EplbController
 from meshserve.core.kv_connector import KVConnectors
 from meshserve.core.kv_events import KVEventPublisher
-from meshserve.core.recovery import RankRecovery
+from meshserve.core.recovery import RankRecovery, hand_over_request
 from meshserve.core.request import Request
 from meshserve.core.request_outputs import WARMUP_ID, RequestOutputs
 from meshserve.core.spec_controller import StepSpeculation
@@ -49,8 +49,8 @@ from meshserve.utils import cluster_auth, faults
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
 from meshserve.wire import codec
-from meshserve.wire.client import EngineError, EngineReady, EngineStats
-from meshserve.wire.dp_group import WorldRestart
+from meshserve.wire.client import AddRequest, EngineError, EngineReady, EngineStats
+from meshserve.wire.dp_group import HandOver, WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, StartupTimeline
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import StepBatch, WorkerReady
@@ -94,7 +94,8 @@ class EngineCore(ClientMessages, WorkerResults):
         self.recovery = RankRecovery(config, self.outputs, restart=self._restart, fail=self._fail,
                                      unfinished=lambda: self.queue.unfinished(),
                                      admit=lambda request: self.queue.admit(request), replay=self._on_client,
-                                     eplb=lambda: self.eplb)
+                                     eplb=lambda: self.eplb,
+                                     hand_over=self._hand_over if self.place is not None else None)
         self.kv_events = KVEventPublisher(ctx, config.cache_config.kv_events_endpoint, config.te_name)
         self.speculation = StepSpeculation(config.speculative_config)
         self.kv_connectors: KVConnectors | None = None
@@ -129,7 +130,7 @@ class EngineCore(ClientMessages, WorkerResults):
         if self.recovery.state.total:  # the last ranks' sockets may not have let go of their names yet
             ipc_dir = os.path.join(self.ipc_dir, f"recovery-{self.recovery.state.total}")
             os.makedirs(ipc_dir, exist_ok=True)
-        world = None if self.place is None else (self.place.index, self._world_addr())
+        world = None if self.place is None else (self.place.index, self.place.dist_init)
         self.workers = WorkerGroup(self.ctx, config, ipc_dir, self.log_level, spare_workers, dp_group=world)
         try:
             ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s, on_wait)
@@ -166,32 +167,50 @@ class EngineCore(ClientMessages, WorkerResults):
         for item in self.workers.early_results:
             self._take_result(item)
 
-    def _restart(self, config: EngineConfig) -> int:
+    def _restart(self, config: EngineConfig, removed: list[int]) -> EngineConfig | None:
         """The recovery's restart: new ranks for `config`, fresh state for them, and routers told that their
-        caches start empty; the number of ranks started."""
+        caches start empty; the layout started. A self-contained group's layout is the one its shell names for
+        the new world (None: the group has no rank in it)."""
+        if self.place is not None:
+            world = self._next_world(removed)
+            if world.retire:
+                return None
+            config = world.config or config
         ready = self._start_workers(config, on_wait=self._serve_while_restarting)
         old_dp_size = self.dp_size
         self._build_state(config, ready)
         self.kv_events.publish_cleared(max(old_dp_size, self.dp_size))
-        return len(ready)
+        return config
 
-    def _world_addr(self) -> str:
-        """A self-contained group's rendezvous address: the TE's first world, or after a failure the next one,
-        which the shell names for every group (asked for here unless it told this group first)."""
+    def _next_world(self, lost_ranks: list[int]) -> WorldRestart:
+        """The world a self-contained group's ranks restart into, which the shell names for every group (asked
+        for here, with the ranks this group lost, unless it told this group first)."""
         place = self.place
-        if not self.recovery.state.total:
-            return place.dist_init
         if place.next_world is None or place.next_world.generation <= place.generation:
-            self.link.report(WorldRestart(generation=place.generation + 1, reason=self.recovery.state.in_progress
-                                          or ""))
+            self.link.report(WorldRestart(generation=place.generation + 1, index=place.index, lost_ranks=lost_ranks,
+                                          reason=self.recovery.state.in_progress or ""))
             deadline = time.monotonic() + self.config.parallel_config.startup_timeout_s
             while place.next_world is None or place.next_world.generation <= place.generation:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the TE shell named no new world for the ranks")
                 self.inbox.poll(20)
                 self._serve_while_restarting()  # the shell's answer comes in with the clients' messages
-        place.generation, place.dist_init = place.next_world.generation, place.next_world.dist_init
-        return place.dist_init
+        world = place.next_world
+        place.generation = world.generation
+        if not world.retire:
+            place.dist_init = world.dist_init
+            place.index = place.index if world.index is None else world.index
+        return world
+
+    def _hand_over(self, requests: list[Request], deferred: list) -> None:
+        """This group has no rank in the shell's new layout: its requests (with their tokens so far) and the
+        ones that waited for the ranks go to the shell for the groups left, and the master leaves."""
+        moved = [hand_over_request(request, self.outputs.reply_to(request.req_id)) for request in requests]
+        moved += [item for item in deferred if isinstance(item, AddRequest)]
+        self.link.report(HandOver(requests=moved))
+        logger.warning("DP group %d leaves the TE's layout: %d request(s) handed over", self.place.index,
+                       len(moved))
+        self.running = False
 
     def _on_world_restart(self, item: WorldRestart) -> None:
         """The shell names a new world: another group lost a rank, so this group's ranks restart too."""

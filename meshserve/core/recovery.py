@@ -32,16 +32,21 @@ logger = logging.getLogger(__name__)
 
 
 class RankRecovery:
-    """The recovery of one TE's ranks. What it does to the engine comes in as callbacks: `restart(config)` starts
-    the ranks of a layout and builds fresh state for them (raising when they do not start), `fail(error)`
-    fails the engine, `unfinished()` lists the engine's requests, `admit(request)` admits one, `replay(item)`
-    handles a client message that waited, and `eplb()` is the expert-placement controller of the ranks served
-    now (its placement and load plan a shrink)."""
+    """The recovery of one TE's ranks. What it does to the engine comes in as callbacks: `restart(config,
+    removed)` starts the ranks of a layout and builds fresh state for them (raising when they do not start) and
+    returns the layout they started with, `fail(error)` fails the engine, `unfinished()` lists the engine's
+    requests, `admit(request)` admits one, `replay(item)` handles a client message that waited, and `eplb()`
+    is the expert-placement controller of the ranks served now (its placement and load plan a shrink).
+
+    The master of a self-contained DP group (`hand_over` given) plans no layout: its TE shell does, from every
+    group's lost ranks, and its `restart` returns None when the group has no rank in the new layout. The
+    group's requests then go to `hand_over`, with the client messages that waited, for the groups left."""
 
     def __init__(self, base_config: EngineConfig, outputs: RequestOutputs, *,
-                 restart: Callable[[EngineConfig], int], fail: Callable[[str], None],
+                 restart: Callable[[EngineConfig, list[int]], EngineConfig | None], fail: Callable[[str], None],
                  unfinished: Callable[[], list[Request]], admit: Callable[[Request], None],
-                 replay: Callable[[object], None], eplb: Callable[[], EplbController]) -> None:
+                 replay: Callable[[object], None], eplb: Callable[[], EplbController],
+                 hand_over: Callable[[list[Request], list], None] | None = None) -> None:
         parallel = base_config.parallel_config
         self.base_config = base_config  # the configured layout
         self.config = base_config  # the layout served now: a shrunk one while ranks are missing
@@ -50,6 +55,7 @@ class RankRecovery:
         self._outputs = outputs
         self._restart, self._fail, self._unfinished = restart, fail, unfinished
         self._admit, self._replay, self._eplb = admit, replay, eplb
+        self._hand_over = hand_over
         self._deferred: list = []  # client messages that came while the ranks were recovered
 
     def defers(self, item) -> bool:
@@ -74,7 +80,7 @@ class RankRecovery:
             self.on_rank_failure(f"rank(s) {hung} hung: no answer to health pings for {silent:.1f} s "
                                  f"(hang timeout {self.health.hang_timeout_s:g} s)", workers, [], hung=True)
             return
-        shrunk = self.state.shrunk_since
+        shrunk = self.state.shrunk_since  # never set in a self-contained group: its shell grows the TE back
         if shrunk is not None and now - shrunk >= self.base_config.parallel_config.regrow_after_s:
             self._recover(f"growing back to {self.base_config.parallel_config.world_size} ranks", workers, [])
 
@@ -92,13 +98,16 @@ class RankRecovery:
                        f"{RECOVERY_WINDOW_S:.0f} s before it: giving up)")
             return
         removed: list[int] = []
-        if policy == "shrink" and not hung and not dead_ranks:  # a survivor's report may come before the death
+        # a survivor's report may come before the death (a self-contained group's shell waits for every group)
+        if policy == "shrink" and not hung and not dead_ranks and self._hand_over is None:
             deadline = time.monotonic() + DEAD_GRACE_S
             while not dead_ranks and time.monotonic() < deadline:
                 time.sleep(0.05)
                 dead_ranks = workers.dead_ranks()
         if policy == "shrink" and not hung and dead_ranks:
-            removed = dead_ranks  # ranks of the layout served now (it may be shrunk already)
+            # ranks of the layout served now (it may be shrunk already); a self-contained group names only the
+            # ranks a signal ended: its other ranks exit on their own once a peer's death fails their round
+            removed = dead_ranks if self._hand_over is None else workers.killed_ranks()
         self._recover(error, workers, removed)
 
     def _recover(self, reason: str, workers: WorkerGroup, removed: list[int]) -> None:
@@ -114,25 +123,34 @@ class RankRecovery:
         logger.warning("recovering the ranks (%s); %d request(s) continue from their tokens so far", reason,
                        len(requests))
         workers.shutdown(grace_s=DEAD_GRACE_S)  # survivors may be stuck in a collective with the dead one
-        config = self._layout_without(removed) if removed else self.base_config
+        if self._hand_over is not None:  # the shell names the layout
+            config = self.config
+        else:
+            config = self._layout_without(removed) if removed else self.base_config
         try:
-            num_ranks = self._restart(config)
+            started = self._restart(config, removed)
         except Exception as exc:  # noqa: BLE001 - the engine fails; its owner restarts it, clients move on
             self.state.in_progress = None
             self._fail(f"{reason}; restarting the ranks failed: {exc}")
             self._refuse_deferred()
             return
-        self.config = config
-        shrunk = config.parallel_config.world_size < self.base_config.parallel_config.world_size
-        self.state.shrunk_since = time.monotonic() if shrunk else None
+        if started is None:  # a self-contained group left out of the new layout: the groups left go on
+            deferred, self._deferred = self._deferred, []
+            self._hand_over(requests, deferred)
+            self.state.in_progress = None
+            logger.warning("no rank in the new layout: %d request(s) handed over", len(requests))
+            return
+        self.config = started
+        shrunk = started.parallel_config.world_size < self.base_config.parallel_config.world_size
+        self.state.shrunk_since = time.monotonic() if shrunk and self._hand_over is None else None
         for request in requests:
             self._continue(request)
         self.state.in_progress = None
         deferred, self._deferred = self._deferred, []
         for item in deferred:
             self._replay(item)
-        logger.warning("recovered in %.1f s on %d rank(s): %d request(s) continue", time.monotonic() - now,
-                       num_ranks, len(requests))
+        logger.warning("recovered in %.1f s on %s: %d request(s) continue", time.monotonic() - now,
+                       started.parallel_config.strategy, len(requests))
 
     def _layout_without(self, removed: list[int]) -> EngineConfig:
         """The layout on the ranks left (go on without them now; grow back after regrow_after_s), or the full
@@ -180,3 +198,18 @@ class RankRecovery:
             self._outputs.send([RequestDelta(req_id=old.req_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
                                              error=f"could not continue after a recovery: {exc}",
                                              num_prompt_tokens=old.num_prompt_tokens)])
+
+
+def hand_over_request(request: Request, reply_to: str) -> AddRequest:
+    """A request as another DP group admits it to go on from the tokens it streamed (a self-contained group
+    that leaves the layout hands its requests over): as `RankRecovery._continue` admits it here."""
+    producer = request.kv_transfer is not None and request.kv_transfer.role is KVTransferRole.PRODUCER
+    return AddRequest(req_id=request.req_id, prompt_token_ids=request.prompt_token_ids,
+                      sampling_params=request.sampling_params, arrival_time=request.arrival_time,
+                      priority=request.priority, eos_token_ids=request.eos_token_ids, reply_to=reply_to,
+                      # a prefill TE's request computes its prompt again and hands it off again; a decode
+                      # request whose KV pull was under way computes its prompt where it goes
+                      kv_transfer=request.kv_transfer if producer else None,
+                      output_token_ids=[] if producer else list(request.output_token_ids),
+                      context_cache_id=request.context_cache_id, context_cache_ttl_s=request.context_cache_ttl_s,
+                      tenancy=request.tenancy)

@@ -24,6 +24,10 @@ class RequestOutputs:
         if reply_to:
             self._reply_of[req_id] = reply_to
 
+    def reply_to(self, req_id: str) -> str:
+        """Where this request's outputs go ("": the TE's own client)."""
+        return self._reply_of.get(req_id, "")
+
     def send(self, deltas: list[RequestDelta]) -> None:
         """The deltas, grouped per destination; a request's route is forgotten with its last delta (it finished,
         or a prefill TE handed it to decode)."""

@@ -10,8 +10,9 @@ process, does only what needs the whole TE:
   the ranks' phase acknowledgements; its `EplbController` plans and moves the placement as a lockstep master
   does, each phase relayed to every group's ranks (`EplbRelay`), which apply it at one agreed forward;
 - it coordinates health: a group's failed ranks restart the whole world (`WorldRestart`: the shell names one
-  new rendezvous address for every group, and each group continues its own requests from their tokens so far);
-  a group master that dies fails the TE;
+  new rendezvous address for every group, and each group continues its own requests from their tokens so far),
+  or with `on_rank_failure shrink` the world goes on without the lost ranks' groups and grows back later
+  (core/group_world.py); a group master that dies fails the TE;
 - it speaks for the TE: readiness, stats and heartbeats summed over the groups.
 
 No per-step message passes through it: outputs go from each group straight to the clients.
@@ -32,6 +33,7 @@ from meshserve.config import EngineConfig
 from meshserve.core.client_links import ClientLink, RouterLinks
 from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, DPGroupLoad, cdiv, place_request
 from meshserve.core.eplb_controller import EplbController, EplbError
+from meshserve.core.group_world import GroupWorld
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
@@ -50,7 +52,7 @@ from meshserve.wire.client import (
     StatsResult,
 )
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
-from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, WorldRestart
+from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, HandOver, WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
 from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.worker import WorkerEvent, WorkerReady
@@ -66,7 +68,12 @@ class GroupView:
     """What the shell knows of one group: its process, its last load report and the requests sent since."""
 
     def __init__(self, index: int, proc, inbox: zmq.Socket) -> None:
-        self.index, self.proc, self.inbox = index, proc, inbox
+        self.index, self.inbox = index, inbox
+        self.started(proc)
+
+    def started(self, proc) -> None:
+        """Its master's process, new (at start, and when a retired group rejoins the layout)."""
+        self.proc = proc
         self.ready: EngineReady | None = None
         self.stats = EngineStats()
         self.num_sent = 0
@@ -109,32 +116,22 @@ class TEShell:
         self.startup = startup or StartupTimeline(process_start=time.time())
         self.running, self.stop_requested = True, False
         self.dead_error: str | None = None
-        self.generation = 0
         self.rank0: WorkerReady | None = None  # what the expert-load recorder needs of the model (group 0 sends it)
         for spare in spare_workers:  # each group's master starts its own ranks
             spare.release()
         strategy = config.parallel_config.strategy
         self.reports = ctx.socket(zmq.PULL)
-        report_addr = f"ipc://{ipc_dir}/shell-reports"
-        self.reports.bind(report_addr)
+        self._ipc_dir, self._log_level = ipc_dir, log_level
+        self._report_addr = f"ipc://{ipc_dir}/shell-reports"
+        self.reports.bind(self._report_addr)
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
-        # the groups publish no prefix-cache events of their own (the routers see the TE as one), and only the
-        # shell rebalances experts on a schedule
-        group_config = config.replace(kv_events_endpoint="", eplb_interval_s=None).to_dict()
-        client_output = link.output_addr if isinstance(link, ClientLink) else ""
         self.groups: list[GroupView] = []
         for index in range(strategy.attn_dp):
             inbox = ctx.socket(zmq.PUSH)
             inbox.setsockopt(zmq.LINGER, 0)
-            shell_addr = f"ipc://{ipc_dir}/group-{index}-inbox"
-            inbox.bind(shell_addr)
-            group_dir = os.path.join(ipc_dir, f"group-{index}")
-            os.makedirs(group_dir, exist_ok=True)
-            proc = launch("group-master", config=group_config, index=index, dist_init=dist_init,
-                          shell_addr=shell_addr, report_addr=report_addr, client_output_addr=client_output,
-                          te_addr=link.listen_addr,
-                          ipc_dir=group_dir, shell_pid=os.getpid(), log_level=log_level)
-            self.groups.append(GroupView(index, proc, inbox))
+            inbox.bind(self._group_inbox_addr(index))
+            self.groups.append(GroupView(index, self._launch_group(index, config, dist_init, 0), inbox))
+        self.world = GroupWorld(config, self.groups, _group_config)
         try:
             self._wait_ready(config.parallel_config.startup_timeout_s)
         except BaseException:
@@ -152,6 +149,20 @@ class TEShell:
                     strategy, self.engine_ready.num_kv_blocks)
 
     # ------------------------------------------------------------------ start and stop
+    def _group_inbox_addr(self, index: int) -> str:
+        return f"ipc://{self._ipc_dir}/group-{index}-inbox"
+
+    def _launch_group(self, index: int, config: EngineConfig, dist_init: str, generation: int):
+        """Start DP group `index`'s master, its ranks joining world `generation` at `dist_init`."""
+        group_dir = os.path.join(self._ipc_dir, f"group-{index}-{generation}")
+        os.makedirs(group_dir, exist_ok=True)
+        client_output = self.link.output_addr if isinstance(self.link, ClientLink) else ""
+        return launch("group-master", config=_group_config(config).to_dict(),
+                      place={"index": index, "dist_init": dist_init, "generation": generation},
+                      shell_addr=self._group_inbox_addr(index), report_addr=self._report_addr,
+                      client_output_addr=client_output, te_addr=self.link.listen_addr, ipc_dir=group_dir,
+                      shell_pid=os.getpid(), log_level=self._log_level)
+
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while any(g.ready is None for g in self.groups):
@@ -215,6 +226,7 @@ class TEShell:
                         if item is not None:
                             self._on_client(item)
                 self._check_groups()
+                self._tick_world(time.monotonic())
                 now = time.time()
                 self._tick_eplb(now)
                 self.link.tick(now, self._heartbeat)
@@ -237,11 +249,14 @@ class TEShell:
             logger.warning("client is gone; shutting down")
             self.running = False
             return
-        ended = [g for g in self.groups if g.proc.poll() is not None]
+        for g in self.world.retired():  # its master leaves once it has handed its requests over: reaped here
+            g.proc.poll()
+        served = self.world.served
+        ended = [g for g in served if g.proc.poll() is not None]
         failed = next((g for g in ended if g.proc.returncode != 0), None)
         if failed is not None:
             self._fail(f"DP group {failed.index}'s master exited (exit code {failed.proc.returncode})")
-        elif len(ended) == len(self.groups):
+        elif len(ended) == len(served):
             logger.info("every DP group left (drained): leaving")
             self.running = False
 
@@ -252,7 +267,14 @@ class TEShell:
             if group is not None:
                 group.on_report(item)
         elif isinstance(item, WorldRestart):
-            self._restart_world(item)
+            self.world.on_request(item, time.monotonic())
+        elif isinstance(item, HandOver):
+            for request in item.requests:  # they go on from their tokens so far in the groups left
+                self._place(request).send(request)
+        elif isinstance(item, EngineReady) and any(g.ready is None for g in self.groups):
+            self._group_of_ready().ready = item  # a retired group back in the layout
+        elif isinstance(item, WorkerReady):
+            self.rank0 = item
         elif isinstance(item, GroupExpertLoad):
             self.eplb.on_counts(item.counts)
         elif isinstance(item, WorkerEvent):
@@ -262,23 +284,26 @@ class TEShell:
         elif item is not None:
             drop_frame(_REPORTS, f"a {type(item).__name__} is not a DP group's report")
 
-    def _restart_world(self, item: WorldRestart) -> None:
-        """A group's ranks failed: every group's ranks restart into a new world (one address for all)."""
-        if item.generation > self.generation:
-            self.generation = item.generation
-            self.world_addr = f"tcp://127.0.0.1:{free_tcp_port()}"
-            # the new ranks start from the configured placement, any move under way dropped
-            self.eplb = EplbController.for_ranks(self.config, self.rank0)
-            logger.warning("the ranks of every DP group restart into world %d: %s", self.generation, item.reason)
-        for g in self.groups:
-            g.send(WorldRestart(generation=self.generation, dist_init=self.world_addr, reason=item.reason))
+    def _tick_world(self, now: float) -> None:
+        """A new world once it is due: every group's message, the retired groups' masters started again."""
+        if self.dead_error is not None or not self.world.due(now):
+            return
+        placement = self.eplb.placement
+        change = self.world.decide(now, f"tcp://127.0.0.1:{free_tcp_port()}", placement,
+                                   self.eplb.record() if placement is not None else None)
+        for g in change.relaunch:
+            g.started(self._launch_group(g.index, self.config, change.dist_init, change.generation))
+        for g, message in change.messages:
+            g.send(message)
+        # the new ranks start from the layout's own placement, any move under way dropped
+        self.eplb = EplbController.for_ranks(change.config, self.rank0)
 
     # ------------------------------------------------------------------ the clients' messages
     def _on_client(self, item) -> None:
         if isinstance(item, AddRequest):
             self._place(item).send(item)
         elif isinstance(item, (AbortRequests, ReleaseKV)):
-            for g in self.groups:  # the group holding a request forgets it; the others have never heard of it
+            for g in self.world.served:  # the group holding a request forgets it; the others never heard of it
                 g.send(item)
         elif isinstance(item, StatsQuery):
             self.link.send(self._stats(), item.reply_to)
@@ -294,7 +319,7 @@ class TEShell:
         first answers."""
         answer = self._ADMIN_ANSWERS.get(item.op)
         if answer is None:
-            for g in self.groups:
+            for g in self.world.served:
                 g.send(item)
             return
         try:
@@ -321,7 +346,7 @@ class TEShell:
         self.eplb.tick(now)
         command = self.eplb.idle_control().eplb
         if command is not None:
-            for g in self.groups:
+            for g in self.world.served:
                 g.send(EplbRelay(command=command))
 
     def _reply(self, item: AdminRequest, reply: AdminReply) -> None:
@@ -333,30 +358,32 @@ class TEShell:
         every group is at its batch limit (it waits there)."""
         block_size = self.engine_ready.block_size
         max_num_seqs = self.config.scheduler_config.max_num_seqs
-        loads = [g.load(max_num_seqs) for g in self.groups]
+        # a group that rejoins the layout takes requests once its master is ready (they wait in the others')
+        groups = [g for g in self.world.served if g.ready is not None]
+        loads = [g.load(max_num_seqs) for g in groups]
         expected = item.sampling_params.max_tokens or DEFAULT_EXPECTED_OUTPUT_TOKENS
         num_prompt = len(item.prompt_token_ids)
         choice = place_request(num_prompt, expected, block_size, loads, [0] * len(loads))
         index = choice.group if choice is not None else min(range(len(loads)), key=lambda i: loads[i].num_requests)
-        group = self.groups[index]
+        group = groups[index]
         group.sent_request(num_prompt, cdiv(num_prompt + expected, block_size))
         return group
 
     # ------------------------------------------------------------------ what the TE tells others
     def _stats(self) -> EngineStats:
-        parts = [g.stats for g in self.groups]
+        parts = [g.stats for g in self.world.served]
         # a rollback or a recovery is the whole world's: every group counts the same one
         return EngineStats.merge(parts, num_recoveries=max((p.num_recoveries for p in parts), default=0),
                                  num_rollbacks=max((p.num_rollbacks for p in parts), default=0),
                                  recovering=next((p.recovering for p in parts if p.recovering), None),
                                  last_failure=next((p.last_failure for p in parts if p.last_failure), None),
-                                 world_size=self.config.parallel_config.world_size,
+                                 world_size=self.world.config.parallel_config.world_size,
                                  healthy=self.dead_error is None and all(p.healthy for p in parts),
                                  error=self.dead_error)
 
     def _heartbeat(self) -> EngineHeartbeat:
         config = self.config
-        strategy = config.parallel_config.strategy
+        strategy = self.world.config.parallel_config.strategy
         return EngineHeartbeat(name=config.te_name, role=EngineRole(self.role), group=self.group,
                                input_addr=self.link.listen_addr, kv_events_addr="",
                                model=config.model_config.served_model_name or config.model_config.model,
@@ -364,3 +391,8 @@ class TEShell:
                                attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),
                                timestamp=time.time(), pid=os.getpid(), startup=self.startup)
 
+
+def _group_config(config: EngineConfig) -> EngineConfig:
+    """A group master's config: the groups publish no prefix-cache events of their own (the routers see the TE
+    as one), and only the shell rebalances experts on a schedule."""
+    return config.replace(kv_events_endpoint="", eplb_interval_s=None)

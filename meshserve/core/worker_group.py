@@ -173,6 +173,12 @@ class WorkerGroup:
                 dead.append(lost)
         return sorted(set(dead))
 
+    def killed_ranks(self) -> list[int]:
+        """The ranks whose process a signal ended (kill -9, the OOM killer): lost, unlike one that failed with an
+        error and exited (a peer's death fails every rank's next collective, and each of those exits too)."""
+        return [rank for rank, p in enumerate(self.procs, self.first_rank)
+                if p.poll() is not None and p.returncode < 0]
+
     def _gone_rank(self, starting: bool = False) -> tuple[int, str] | None:
         for rank, p in enumerate(self.procs, self.first_rank):
             if p.poll() is not None:

@@ -40,7 +40,7 @@ from meshserve.wire.cluster import (
     WarmAssign,
     WarmReady,
 )
-from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, WorldRestart
+from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, HandOver, WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, StartupTimeline
 from meshserve.wire.kv import KVCacheEvents, KVConnectorReport
 from meshserve.wire.worker import (
@@ -67,7 +67,7 @@ _MESSAGE_TYPES = {
         KVCacheEvents, Shutdown, WorkerEvent, AdminRequest, AdminReply, ReleaseKV, EngineHeartbeat,
         KVConnectorReport, StartupTimeline, GroupDemand, JobExecutorReport, WarmReady, WarmAssign, ClusterQuery,
         TEStatus, GroupStatus, JEStatus, ClusterStatus, WorkerPing, WorkerPong, InjectFault, WorldRestart,
-        GroupExpertLoad, EplbRelay,
+        GroupExpertLoad, EplbRelay, HandOver,
     )
 }
 

@@ -56,7 +56,7 @@ from meshserve.wire.cluster import (
     WarmReady,
 )
 from meshserve.wire.codec import _MESSAGE_TYPES, RefusedFrame
-from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, WorldRestart
+from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, HandOver, WorldRestart
 from meshserve.wire.eplb import EplbCommand, EplbPhase, PlacementData
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
 from meshserve.wire.kv import (
@@ -217,7 +217,12 @@ SAMPLES: dict[type, object] = {
     WorkerPing: WorkerPing(seq=7),
     WorkerPong: WorkerPong(rank=1, seq=7),
     InjectFault: InjectFault(fault=FAULT),
-    WorldRestart: WorldRestart(generation=3, dist_init="tcp://127.0.0.1:29700", reason="rank 5 died"),
+    WorldRestart: WorldRestart(generation=3, dist_init="tcp://127.0.0.1:29700", reason="rank 5 died",
+                               lost_ranks=[5], index=2,
+                               config=EngineConfig.from_kwargs("/models/tiny", parallel="attn=TP1+DP3 moe=TP1+EP3"),
+                               retire=True),
+    HandOver: HandOver(requests=[AddRequest(req_id="cmpl-3-0", prompt_token_ids=[4, 5], sampling_params=PARAMS,
+                                            arrival_time=1.7e9, output_token_ids=[9, 8])]),
     GroupExpertLoad: GroupExpertLoad(counts=[[3, 0, 5], [1, 1, 6]]),
     EplbRelay: EplbRelay(command=EplbCommand(EplbPhase.ENABLE)),
     AdminReply: AdminReply(query_id=4, ok=False, data=ContextCacheDeleted(id="ctxc-1", deleted=True),

@@ -6,8 +6,11 @@ import collections
 
 from meshserve.config import EngineConfig
 from meshserve.core.eplb_controller import EplbController
+from meshserve.core.group_world import GroupWorld
 from meshserve.core.te_shell import GroupView, TEShell
+from meshserve.wire import codec
 from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineReady, EngineStats
+from meshserve.wire.dp_group import HandOver
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -26,6 +29,7 @@ def _shell(num_groups: int) -> TEShell:
         group.ready = EngineReady(num_kv_blocks=128, block_size=16, kv_bytes_per_token=1, max_model_len=4096,
                                   vocab_size=32000)
         shell.groups.append(group)
+    shell.world = GroupWorld(shell.config, shell.groups, lambda config: config)
     return shell
 
 
@@ -99,3 +103,18 @@ def test_a_report_after_finishes_frees_the_group_for_the_next_burst():
     shell.groups[1].on_report(_report(running=8, received=8))
     # the next burst fills the free group to its batch limit before the other gets any
     assert _placements(shell, range(16, 24)) == {0: 8}
+
+
+def test_requests_handed_over_by_a_retired_group_go_to_the_groups_left():
+    shell = _shell(3)
+    for group in shell.groups:
+        group.inbox = _Inbox()
+    shell.world.served = [shell.groups[0], shell.groups[2]]  # group 1 retired after its rank was lost
+    moved = [AddRequest(req_id=f"r{i}", prompt_token_ids=[5, 6, 7, 8], arrival_time=0.0, output_token_ids=[9, i],
+                        sampling_params=SamplingParams(max_tokens=64)) for i in range(4)]
+    shell._on_report(HandOver(requests=moved))
+    assert not shell.groups[1].inbox.frames
+    received = [codec.decode(frame) for g in (shell.groups[0], shell.groups[2]) for frame in g.inbox.frames]
+    assert sorted(r.req_id for r in received) == ["r0", "r1", "r2", "r3"]
+    assert all(r.output_token_ids == [9, int(r.req_id[1:])] for r in received)  # they go on from these tokens
+    assert len(shell.groups[0].inbox.frames) == len(shell.groups[2].inbox.frames) == 2

@@ -5,6 +5,9 @@ also when a rank is killed mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from pathlib import Path
 
 import msgspec
 import psutil
@@ -81,6 +84,39 @@ def test_a_killed_rank_restarts_every_group_and_loses_nothing(dp4_ep4, reference
     assert stats.healthy and stats.num_recoveries == recoveries + 1
     assert stats.num_migrated >= 1  # requests went on from their tokens
     assert stats.world_size == 4
+
+
+def _experts_present(llm: LLM) -> list[set[int]]:
+    """Per MoE layer, the experts some slot of the placement the ranks serve holds."""
+    layers = llm.admin("eplb.status")["placement"]["layers"]
+    return [{expert for expert in slots if expert >= 0} for slots in layers.values()]
+
+
+def test_a_killed_rank_shrinks_the_groups_and_they_grow_back(model_dir, reference):
+    """With `on_rank_failure shrink`, rank 2 killed -9 mid-stream takes its DP group out of the layout: the
+    three groups left restart on DP3+EP3 (every expert kept by a shrink placement), group 2's master hands its
+    requests over and leaves, and every request ends with the fault-free tokens. After `regrow_after_s` group
+    2's master starts again and the TE is DP4+EP4 once more, with the same tokens."""
+    prompts, expected = reference
+    every_expert = set(range(json.loads((Path(model_dir) / "config.json").read_text())["n_routed_experts"]))
+    with LLM(model=model_dir, parallel=DP4_EP4, dp_groups="self-contained", on_rank_failure="shrink",
+             regrow_after_s=8.0, eplb_redundant_experts=2, **ENGINE_ARGS) as llm:
+        llm.admin("fault.inject", {"fault": {"kind": "kill", "rank": 2, "after_steps": 6}})
+        assert _tokens(llm, prompts) == expected
+        stats = llm.get_stats()
+        assert stats.healthy and stats.world_size == 3 and stats.num_recoveries == 1, stats
+        assert len(_processes_running(llm, "run_group_master")) == 3  # group 2's master left
+        assert len(_processes_running(llm, "run_worker")) == 3
+        assert all(present == every_expert for present in _experts_present(llm))
+        assert _tokens(llm, prompts) == expected  # on the 3 groups left
+        deadline = time.monotonic() + 120
+        while llm.get_stats().world_size != 4:
+            assert time.monotonic() < deadline, "the TE did not grow back to 4 groups"
+            time.sleep(0.5)
+        assert _tokens(llm, prompts) == expected
+        assert len(_processes_running(llm, "run_group_master")) == 4
+        assert len(_processes_running(llm, "run_worker")) == 4
+        assert llm.get_stats().num_recoveries == 2
 
 
 def test_a_hung_rank_restarts_every_group_and_loses_nothing(model_dir, reference):
@@ -241,7 +277,6 @@ def test_int8_weights_and_dispatch_give_the_lockstep_engines_tokens(model_dir, r
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(dp_groups="self-contained", on_rank_failure="shrink", parallel=DP4_EP4), "on_rank_failure"),
     (dict(dp_groups="self-contained", local_ranks=2, parallel=DP4_EP4), "local_ranks"),
     (dict(dp_groups="together"), "dp_groups"),
 ])
