@@ -146,6 +146,7 @@ TIER_EXCEPTIONS = {
         "router/test_self_contained_te.py",
     ], "deployment"),
     **dict.fromkeys([
+        "bench/test_a2e_bench.py::test_a_quick_run_writes_rows_ratios_and_a_png",
         "bench/test_calibrate.py::test_calibrate_writes_a_cluster_file_that_plan_reads",
         "bench/test_decode_step_bench.py",
         "bench/test_eplb_bench.py::test_bench_eplb_writes_json_png_and_tables",

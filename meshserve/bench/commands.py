@@ -53,6 +53,9 @@ BENCH_COMMANDS = (
     ("control-plane", "the control plane's CPU per decode step at DP 1, 2, 4, 8: one master for every DP group "
                       "against self-contained DP groups, each ratio against DP 1",
      "meshserve.bench.control_plane:add_control_plane_arguments"),
+    ("a2e", "A2E / E2A between attention ranks and expert ranks (attention-expert disaggregation): latency per "
+            "direction against tokens per rank and expert ranks, direct and two-stage routing",
+     "meshserve.bench.a2e:add_a2e_arguments"),
     ("tenants", "a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT alone and "
                 "beside it, with per-tenant limits on",
      "meshserve.bench.tenants:add_tenants_arguments"),

@@ -87,13 +87,13 @@ def dequantize_per_token_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch
     return (q.float() * scale.unsqueeze(1)).to(dtype)
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[N, ...] contiguous tensor -> [N, bytes per row] uint8 view."""
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
-def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().view(dtype)
 
 
@@ -296,11 +296,11 @@ class EPDispatcher:
         msg = buffers.send_msg[:num_send]
         if self.int8:  # early quantization: once per token, before the rows are replicated
             codes, scale = quantize_per_token_int8(hidden)
-            msg[:, :self.payload_bytes].copy_(_as_bytes(codes.index_select(0, token_of_row)))
-            msg[:, self.payload_bytes:self.payload_bytes + 4].copy_(_as_bytes(scale.index_select(0, token_of_row)))
+            msg[:, :self.payload_bytes].copy_(as_bytes(codes.index_select(0, token_of_row)))
+            msg[:, self.payload_bytes:self.payload_bytes + 4].copy_(as_bytes(scale.index_select(0, token_of_row)))
         else:
-            msg[:, :self.payload_bytes].copy_(_as_bytes(hidden.index_select(0, token_of_row)))
-        msg[:, -4:].copy_(_as_bytes(flat_ids.index_select(0, order).to(torch.int32)))
+            msg[:, :self.payload_bytes].copy_(as_bytes(hidden.index_select(0, token_of_row)))
+        msg[:, -4:].copy_(as_bytes(flat_ids.index_select(0, order).to(torch.int32)))
 
         received = buffers.recv_msg[:num_recv]
         work = dist.all_to_all_single(received, msg, recv_splits, send_splits, group=self.group, async_op=True)
@@ -310,13 +310,13 @@ class EPDispatcher:
     def dispatch_finish(self, started: DispatchInFlight) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         started.transfer.wait()
         received = started.received
-        recv_ids = _from_bytes(received[:, -4:], torch.int32).reshape(-1).to(torch.int64)
+        recv_ids = from_bytes(received[:, -4:], torch.int32).reshape(-1).to(torch.int64)
         if self.int8:
-            codes = _from_bytes(received[:, :self.payload_bytes], torch.int8)
-            scale = _from_bytes(received[:, self.payload_bytes:self.payload_bytes + 4], torch.float32).reshape(-1)
+            codes = from_bytes(received[:, :self.payload_bytes], torch.int8)
+            scale = from_bytes(received[:, self.payload_bytes:self.payload_bytes + 4], torch.float32).reshape(-1)
             recv_hidden = dequantize_per_token_int8(codes, scale, self.dtype)
         else:
-            recv_hidden = _from_bytes(received[:, :self.payload_bytes], self.dtype)
+            recv_hidden = from_bytes(received[:, :self.payload_bytes], self.dtype)
         return recv_hidden, recv_ids, started.handle
 
     def combine_start(self, expert_out: torch.Tensor, handle: DispatchHandle,
