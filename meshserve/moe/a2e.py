@@ -143,12 +143,14 @@ class A2EComm:
         self._forward = torch.empty(forward_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._forwarded = torch.empty(forward_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._partials = torch.empty(rows, hidden, dtype=dtype, device=self.device)
+        self._relay_back = torch.empty(forward_rows, hidden, dtype=dtype, device=self.device)
         self._counts_send = torch.zeros(layout.world_size, dtype=torch.int64, device=self.device)
         self._counts_recv = torch.zeros(layout.world_size, dtype=torch.int64, device=self.device)
 
     def buffer_data_ptrs(self) -> list[int]:
         """data_ptr of every pre-allocated buffer (lets callers check nothing is re-allocated)."""
-        return [t.data_ptr() for t in (self._send, self._recv, self._forward, self._forwarded, self._partials)]
+        return [t.data_ptr() for t in (self._send, self._recv, self._forward, self._forwarded, self._partials,
+                                       self._relay_back)]
 
     # ------------------------------------------------------------------ attention ranks
     def a2e(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> A2EHandle:
@@ -215,7 +217,7 @@ class A2EComm:
         forwarded = self._forwarded[:sum(recv_splits)]
         dist.all_to_all_single(forwarded, forward, recv_splits, send_splits, group=self.node_group)
         computed = self._compute(forwarded, compute)
-        back = torch.empty(row_of_fwd.numel(), self.hidden, dtype=self.dtype, device=self.device)
+        back = self._relay_back[:row_of_fwd.numel()]
         dist.all_to_all_single(back, computed, send_splits, recv_splits, group=self.node_group)
         partials = self._partials[:received.shape[0]].zero_()
         partials.index_add_(0, row_of_fwd, back)
