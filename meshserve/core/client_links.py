@@ -173,10 +173,6 @@ class GroupLink:
             self._next_heartbeat = now + GROUP_REPORT_INTERVAL_S
             self.report(heartbeat())
 
-    def report_soon(self) -> None:
-        """The next tick reports (requests finished: the shell's view of this group's load is behind)."""
-        self._next_heartbeat = 0.0
-
     def say_goodbye(self, heartbeat: EngineHeartbeat) -> None:
         pass
 

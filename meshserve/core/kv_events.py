@@ -36,10 +36,11 @@ class KVEventPublisher:
         if events and self._socket is not None:
             self._send(group, events)
 
-    def publish_cleared(self, num_groups: int) -> None:
-        """The new ranks' KV caches start empty: routers forget what this TE had cached."""
+    def publish_cleared(self, num_groups: int, first_group: int = 0) -> None:
+        """The new ranks' KV caches start empty: routers forget what this TE (or this self-contained DP group,
+        `first_group` its index) had cached."""
         if self._socket is not None:
-            for group in range(num_groups):
+            for group in range(first_group, first_group + num_groups):
                 self._send(group, [AllBlocksCleared()])
 
     def _send(self, group: int, events: list) -> None:

@@ -179,7 +179,7 @@ class EngineCore(ClientMessages, WorkerResults):
         ready = self._start_workers(config, on_wait=self._serve_while_restarting)
         old_dp_size = self.dp_size
         self._build_state(config, ready)
-        self.kv_events.publish_cleared(max(old_dp_size, self.dp_size))
+        self.kv_events.publish_cleared(max(old_dp_size, self.dp_size), 0 if self.place is None else self.place.index)
         return config
 
     def _next_world(self, lost_ranks: list[int]) -> WorldRestart:

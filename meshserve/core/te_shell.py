@@ -4,8 +4,9 @@ Each DP group is a process of its own (`group_master`): scheduler, KV cache mana
 agreeing on every step with the other groups' ranks (worker/step_agreement.py). The shell, in the TE's own
 process, does only what needs the whole TE:
 
-- it places each request on a group (the DP balancer of `dp_balancer`, from the groups' load reports and the
-  requests it sent since) and forwards aborts and operator commands to the groups;
+- it places each request on a group (the DP balancer of `dp_balancer`, from the groups' load reports, the
+  requests it sent since and the prefixes each group caches, `group_prefixes`) and forwards aborts and operator
+  commands to the groups;
 - it triggers expert load balancing (xdeepserve §4.5): the groups' masters send it their ranks' expert load and
   the ranks' phase acknowledgements; its `EplbController` plans and moves the placement as a lockstep master
   does, each phase relayed to every group's ranks (`EplbRelay`), which apply it at one agreed forward;
@@ -33,6 +34,7 @@ from meshserve.config import EngineConfig
 from meshserve.core.client_links import ClientLink, RouterLinks
 from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, DPGroupLoad, cdiv, place_request
 from meshserve.core.eplb_controller import EplbController, EplbError
+from meshserve.core.group_prefixes import GroupPrefixes
 from meshserve.core.group_world import GroupWorld
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
 from meshserve.wire import codec
@@ -54,6 +56,7 @@ from meshserve.wire.client import (
 from meshserve.wire.codec import MAX_INBOX_BYTES, RefusedFrame
 from meshserve.wire.dp_group import EplbRelay, GroupExpertLoad, HandOver, WorldRestart
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
+from meshserve.wire.kv import KVCacheEvents
 from meshserve.wire.receive import drop_frame, recv_message
 from meshserve.wire.worker import WorkerEvent, WorkerReady
 
@@ -67,13 +70,14 @@ _STOP_GRACE_S = 15.0
 class GroupView:
     """What the shell knows of one group: its process, its last load report and the requests sent since."""
 
-    def __init__(self, index: int, proc, inbox: zmq.Socket) -> None:
+    def __init__(self, index: int, proc, inbox: zmq.Socket, kv_events: zmq.Socket) -> None:
         self.index, self.inbox = index, inbox
-        self.started(proc)
+        self.started(proc, kv_events)
 
-    def started(self, proc) -> None:
-        """Its master's process, new (at start, and when a retired group rejoins the layout)."""
-        self.proc = proc
+    def started(self, proc, kv_events: zmq.Socket) -> None:
+        """Its master's process, new (at start, and when a retired group rejoins the layout), and the socket
+        its prefix-cache events come in on."""
+        self.proc, self.kv_events = proc, kv_events
         self.ready: EngineReady | None = None
         self.stats = EngineStats()
         self.num_sent = 0
@@ -125,12 +129,14 @@ class TEShell:
         self._report_addr = f"ipc://{ipc_dir}/shell-reports"
         self.reports.bind(self._report_addr)
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.prefixes = GroupPrefixes(config.cache_config.block_size)
         self.groups: list[GroupView] = []
         for index in range(strategy.attn_dp):
             inbox = ctx.socket(zmq.PUSH)
             inbox.setsockopt(zmq.LINGER, 0)
             inbox.bind(self._group_inbox_addr(index))
-            self.groups.append(GroupView(index, self._launch_group(index, config, dist_init, 0), inbox))
+            proc, kv_events = self._launch_group(index, config, dist_init, 0)
+            self.groups.append(GroupView(index, proc, inbox, kv_events))
         self.world = GroupWorld(config, self.groups, _group_config)
         try:
             self._wait_ready(config.parallel_config.startup_timeout_s)
@@ -152,16 +158,25 @@ class TEShell:
     def _group_inbox_addr(self, index: int) -> str:
         return f"ipc://{self._ipc_dir}/group-{index}-inbox"
 
-    def _launch_group(self, index: int, config: EngineConfig, dist_init: str, generation: int):
-        """Start DP group `index`'s master, its ranks joining world `generation` at `dist_init`."""
+    def _launch_group(self, index: int, config: EngineConfig, dist_init: str, generation: int
+                      ) -> tuple[object, zmq.Socket]:
+        """Start DP group `index`'s master, its ranks joining world `generation` at `dist_init`; its process and
+        a socket subscribed to its prefix-cache events."""
         group_dir = os.path.join(self._ipc_dir, f"group-{index}-{generation}")
         os.makedirs(group_dir, exist_ok=True)
+        events_addr = f"ipc://{group_dir}/kv-events"
         client_output = self.link.output_addr if isinstance(self.link, ClientLink) else ""
-        return launch("group-master", config=_group_config(config).to_dict(),
+        proc = launch("group-master", config=_group_config(config).replace(kv_events_endpoint=events_addr).to_dict(),
                       place={"index": index, "dist_init": dist_init, "generation": generation},
                       shell_addr=self._group_inbox_addr(index), report_addr=self._report_addr,
                       client_output_addr=client_output, te_addr=self.link.listen_addr, ipc_dir=group_dir,
                       shell_pid=os.getpid(), log_level=self._log_level)
+        events = self.ctx.socket(zmq.SUB)
+        events.setsockopt(zmq.LINGER, 0)
+        events.setsockopt(zmq.SUBSCRIBE, b"")
+        events.connect(events_addr)
+        self.prefixes.forget(index)  # a new master numbers its events from the start
+        return proc, events
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -199,6 +214,7 @@ class TEShell:
         for g in self.groups:
             stop_process(g.proc, grace_s=grace_s)
             g.inbox.close(0)
+            g.kv_events.close(0)
 
     def _fail(self, error: str) -> None:
         if self.dead_error is not None or self.stop_requested:
@@ -213,10 +229,14 @@ class TEShell:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.reports, zmq.POLLIN)
+        kv_sockets = self._watch_kv_events(poller, {})
         self.startup.ready = time.time()
         try:
             while self.running:
                 events = dict(poller.poll(_POLL_MS))
+                for socket, group in kv_sockets.items():
+                    if socket in events:
+                        self._take_kv_events(group)
                 if self.reports in events:
                     while self.reports.poll(0):
                         self._on_report(recv_message(self.reports, _REPORTS))
@@ -226,7 +246,8 @@ class TEShell:
                         if item is not None:
                             self._on_client(item)
                 self._check_groups()
-                self._tick_world(time.monotonic())
+                if self._tick_world(time.monotonic()):
+                    kv_sockets = self._watch_kv_events(poller, kv_sockets)
                 now = time.time()
                 self._tick_eplb(now)
                 self.link.tick(now, self._heartbeat)
@@ -237,6 +258,23 @@ class TEShell:
             self.reports.close(0)
             self.link.close()
             self.ctx.term()
+
+    def _watch_kv_events(self, poller: zmq.Poller, watched: dict) -> dict:
+        """Poll each group's prefix-cache event socket (new ones after a group's master started again)."""
+        for socket in watched:
+            poller.unregister(socket)
+        watched = {g.kv_events: g for g in self.groups}
+        for socket in watched:
+            poller.register(socket, zmq.POLLIN)
+        return watched
+
+    def _take_kv_events(self, group: GroupView) -> None:
+        while group.kv_events.poll(0):
+            batch = recv_message(group.kv_events, "dp-group-kv-events")
+            if isinstance(batch, KVCacheEvents):
+                self.prefixes.apply(group.index, batch)
+            elif batch is not None:
+                drop_frame("dp-group-kv-events", f"a {type(batch).__name__} is not a batch of cache events")
 
     def _answer_refused(self, refused: RefusedFrame) -> None:
         logger.warning("refused a request: %s", refused)
@@ -284,19 +322,22 @@ class TEShell:
         elif item is not None:
             drop_frame(_REPORTS, f"a {type(item).__name__} is not a DP group's report")
 
-    def _tick_world(self, now: float) -> None:
-        """A new world once it is due: every group's message, the retired groups' masters started again."""
+    def _tick_world(self, now: float) -> bool:
+        """A new world once it is due: every group's message, the retired groups' masters started again (True:
+        some were)."""
         if self.dead_error is not None or not self.world.due(now):
-            return
+            return False
         placement = self.eplb.placement
         change = self.world.decide(now, f"tcp://127.0.0.1:{free_tcp_port()}", placement,
                                    self.eplb.record() if placement is not None else None)
         for g in change.relaunch:
-            g.started(self._launch_group(g.index, self.config, change.dist_init, change.generation))
+            g.kv_events.close(0)
+            g.started(*self._launch_group(g.index, self.config, change.dist_init, change.generation))
         for g, message in change.messages:
             g.send(message)
         # the new ranks start from the layout's own placement, any move under way dropped
         self.eplb = EplbController.for_ranks(change.config, self.rank0)
+        return bool(change.relaunch)
 
     # ------------------------------------------------------------------ the clients' messages
     def _on_client(self, item) -> None:
@@ -363,7 +404,10 @@ class TEShell:
         loads = [g.load(max_num_seqs) for g in groups]
         expected = item.sampling_params.max_tokens or DEFAULT_EXPECTED_OUTPUT_TOKENS
         num_prompt = len(item.prompt_token_ids)
-        choice = place_request(num_prompt, expected, block_size, loads, [0] * len(loads))
+        # a request handed over from a retired group goes on from its tokens so far: they are its prefix too
+        hits = self.prefixes.hits([*item.prompt_token_ids, *item.output_token_ids], item.tenancy.cache_salt,
+                                  [g.index for g in groups])
+        choice = place_request(num_prompt, expected, block_size, loads, hits)
         index = choice.group if choice is not None else min(range(len(loads)), key=lambda i: loads[i].num_requests)
         group = groups[index]
         group.sent_request(num_prompt, cdiv(num_prompt + expected, block_size))

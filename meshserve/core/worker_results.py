@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from meshserve.core.spec_controller import StepSpeculation
     from meshserve.core.waiting_queue import DPWaitingQueue
     from meshserve.core.worker_group import WeightServers, WorkerGroup
+    from meshserve.wire.heartbeat import EngineHeartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class WorkerResults:
     link: GroupLink
 
     def _fail(self, error: str) -> None: ...  # EngineCore's
+
+    def _heartbeat(self) -> EngineHeartbeat: ...  # EngineCore's
 
     def _take_results(self) -> None:
         # `self.workers` looked up again each time: handling a result may have restarted the ranks
@@ -127,9 +130,11 @@ class WorkerResults:
             return
         self.speculation.observe(sched, item)
         self.queue.on_deltas(deltas)
-        self.outputs.send(deltas)
         if self.place is not None and any(delta.finish_reason is not None for delta in deltas):
-            self.link.report_soon()  # the shell places requests by this group's figures: finishes change them
+            # the shell places requests by this group's figures, and finishes change them: it hears of them
+            # before the clients do, whose next requests it places
+            self.link.report(self._heartbeat())
+        self.outputs.send(deltas)
         self.kv_events.publish(group.index, group.kv_manager.drain_events())
 
     def _on_kv_connector_report(self, report: KVConnectorReport) -> None:

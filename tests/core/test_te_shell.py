@@ -6,12 +6,14 @@ import collections
 
 from meshserve.config import EngineConfig
 from meshserve.core.eplb_controller import EplbController
+from meshserve.core.group_prefixes import GroupPrefixes
 from meshserve.core.group_world import GroupWorld
 from meshserve.core.te_shell import GroupView, TEShell
 from meshserve.wire import codec
-from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineReady, EngineStats
+from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineReady, EngineStats, Tenancy
 from meshserve.wire.dp_group import HandOver
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
+from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvents, chain_block_hash
 from meshserve.wire.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 8
@@ -25,11 +27,12 @@ def _shell(num_groups: int) -> TEShell:
                                      vocab_size=32000)
     shell.groups = []
     for index in range(num_groups):
-        group = GroupView(index, proc=None, inbox=None)
+        group = GroupView(index, proc=None, inbox=None, kv_events=None)
         group.ready = EngineReady(num_kv_blocks=128, block_size=16, kv_bytes_per_token=1, max_model_len=4096,
                                   vocab_size=32000)
         shell.groups.append(group)
     shell.world = GroupWorld(shell.config, shell.groups, lambda config: config)
+    shell.prefixes = GroupPrefixes(block_size=16)
     return shell
 
 
@@ -118,3 +121,47 @@ def test_requests_handed_over_by_a_retired_group_go_to_the_groups_left():
     assert sorted(r.req_id for r in received) == ["r0", "r1", "r2", "r3"]
     assert all(r.output_token_ids == [9, int(r.req_id[1:])] for r in received)  # they go on from these tokens
     assert len(shell.groups[0].inbox.frames) == len(shell.groups[2].inbox.frames) == 2
+
+
+def _stored(seq: int, tokens: list[int], cache_salt: str = "") -> KVCacheEvents:
+    """A group's event: it cached the full blocks of `tokens` (16 a block)."""
+    hashes, parent = [], None
+    for start in range(0, len(tokens) - 15, 16):
+        parent = chain_block_hash(parent, tokens[start:start + 16], cache_salt)
+        hashes.append(parent)
+    return KVCacheEvents(seq=seq, timestamp=0.0, dp_rank=0, engine="te", events=[
+        BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:len(hashes) * 16], block_size=16)])
+
+
+def test_a_request_goes_to_the_group_caching_its_prefix():
+    shell = _shell(3)
+    prefix = list(range(100, 164))  # 4 blocks
+    shell.prefixes.apply(2, _stored(1, prefix))
+    shell.prefixes.apply(1, _stored(1, prefix[:16]))
+    follow_up = AddRequest(req_id="r", prompt_token_ids=[*prefix, 7, 8], arrival_time=0.0,
+                           sampling_params=SamplingParams(max_tokens=8))
+    assert shell.prefixes.hits(follow_up.prompt_token_ids, "", [0, 1, 2]) == [0, 16, 64]
+    assert shell._place(follow_up).index == 2
+    # another tenant's namespace holds nothing of it: placed by load alone (the least loaded, group 0)
+    other = AddRequest(req_id="s", prompt_token_ids=[*prefix, 7, 8], arrival_time=0.0,
+                       sampling_params=SamplingParams(max_tokens=8), tenancy=Tenancy(tenant="t", cache_salt="x"))
+    assert shell.prefixes.hits(other.prompt_token_ids, "x", [0, 1, 2]) == [0, 0, 0]
+    assert shell._place(other).index == 0
+
+
+def test_prefix_events_removed_cleared_and_missed():
+    prefixes = GroupPrefixes(block_size=16)
+    tokens = list(range(48))
+    prefixes.apply("g", _stored(1, tokens))
+    assert prefixes.hits([*tokens, 1], "", ["g"]) == [48]
+    assert prefixes.hits(tokens, "", ["g"]) == [32]  # the last token is always computed
+    first = chain_block_hash(None, tokens[:16])
+    second = chain_block_hash(first, tokens[16:32])
+    prefixes.apply("g", KVCacheEvents(seq=2, timestamp=0.0, dp_rank=0, engine="te",
+                                      events=[BlockRemoved(block_hashes=[second])]))
+    assert prefixes.hits([*tokens, 1], "", ["g"]) == [16]  # a chain ends at its first missing block
+    prefixes.apply("g", KVCacheEvents(seq=3, timestamp=0.0, dp_rank=0, engine="te", events=[AllBlocksCleared()]))
+    assert prefixes.hits([*tokens, 1], "", ["g"]) == [0]
+    prefixes.apply("g", _stored(4, tokens))
+    prefixes.apply("g", _stored(9, tokens[:16]))  # batches 5-8 were missed: only what came since is known
+    assert prefixes.hits([*tokens, 1], "", ["g"]) == [16]

@@ -119,6 +119,31 @@ def test_a_killed_rank_shrinks_the_groups_and_they_grow_back(model_dir, referenc
         assert llm.get_stats().num_recoveries == 2
 
 
+def _wait_for_idle_reports(llm: LLM) -> None:
+    """Until the shell's view of every group (their load reports) has no request left: placement then weighs
+    the prefixes alone, not a finished request a report has not yet counted out."""
+    deadline = time.monotonic() + 30
+    while (stats := llm.get_stats()).num_running or stats.num_waiting:
+        assert time.monotonic() < deadline, "the groups' reports still count requests that finished"
+        time.sleep(0.05)
+
+
+def test_a_request_goes_to_the_group_that_caches_its_prefix(model_dir):
+    """Two long prompts are cached one in each group; follow-ups sharing one of them, sent one at a time to idle
+    groups, each reuse that prompt's blocks: the shell sees each group's prefix-cache events and places by
+    them (placed by load alone, every follow-up would go to the same group and half would miss)."""
+    g = torch.Generator().manual_seed(11)
+    prefixes = [torch.randint(100, 31900, (64,), generator=g).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with LLM(model=model_dir, parallel="attn=TP1+DP2 moe=TP1+EP2", dp_groups="self-contained",
+             **ENGINE_ARGS) as llm:
+        llm.generate(prefixes, params)  # together: one in each group
+        for i in range(6):
+            _wait_for_idle_reports(llm)
+            out = llm.generate([[*prefixes[i % 2], 50 + i, 60 + i]], params)[0]
+            assert out.num_cached_tokens == 64, (i, out.num_cached_tokens)  # all 8 blocks of its prefix
+
+
 def test_a_hung_rank_restarts_every_group_and_loses_nothing(model_dir, reference):
     """Rank 1 stops answering mid-stream (as if stuck in a kernel): its group's master finds it hung, the ranks of
     both groups restart into a new world, and every request ends with its fault-free tokens."""
