@@ -11,39 +11,57 @@ A group's events are numbered: a missed batch (a gap) or a new master process (n
 shell forget what it knew of the group and start again from the next batch; until the group caches the
 prefixes again, they count as misses (a request may compute a prefix another group holds: the same output,
 no reuse).
+
+The shell also speaks for its groups to job executors (one TE, one event stream): it publishes each group's
+batches again under its own numbers, and answers a router's snapshot from what it holds here (`snapshot`:
+each block's hash and parent, parents first, without its tokens, which routers do not keep).
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from meshserve.wire.client import CachedBlock
 from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvents, chain_block_hash
 
 
 class GroupPrefixes:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._held: dict[Hashable, set[int]] = {}  # group -> chain hashes of the blocks it caches
+        # group -> the chain hash of each block it caches -> its parent's (None at the root), parents first
+        self._held: dict[Hashable, dict[int, int | None]] = {}
         self._last_seq: dict[Hashable, int] = {}
 
-    def apply(self, group: Hashable, batch: KVCacheEvents) -> None:
-        """One batch of `group`'s cache events."""
+    def apply(self, group: Hashable, batch: KVCacheEvents) -> bool:
+        """One batch of `group`'s cache events; False when batches were missed before it (what was known of
+        the group is forgotten: only this batch's blocks are known now)."""
         last = self._last_seq.get(group)
-        if last is not None and batch.seq != last + 1:
-            self.forget(group)  # a gap: what came before is no longer known to be true
+        continued = last is None or batch.seq == last + 1
+        if not continued:
+            self.forget(group)
         self._last_seq[group] = batch.seq
-        held = self._held.setdefault(group, set())
+        held = self._held.setdefault(group, {})
         for event in batch.events:
             if isinstance(event, BlockStored):
-                held.update(event.block_hashes)
+                parent = event.parent_block_hash
+                for block_hash in event.block_hashes:
+                    held[block_hash] = parent
+                    parent = block_hash
             elif isinstance(event, BlockRemoved):
-                held.difference_update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    held.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
+        return continued
 
     def forget(self, group: Hashable) -> None:
         """Nothing is known of `group` (its master is new, or a batch was missed)."""
         self._held.pop(group, None)
         self._last_seq.pop(group, None)
+
+    def snapshot(self, groups: Sequence[Hashable]) -> dict[Hashable, list[CachedBlock]]:
+        """Every block each of `groups` caches: (hash, parent hash, no tokens), parents first."""
+        return {group: [(block_hash, parent, []) for block_hash, parent in self._held.get(group, {}).items()]
+                for group in groups}
 
     def hits(self, token_ids: Sequence[int], cache_salt: str, groups: Sequence[Hashable]) -> list[int]:
         """For each of `groups`: the leading tokens of `token_ids` it caches (whole blocks). At least the last

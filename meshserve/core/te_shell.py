@@ -14,7 +14,8 @@ process, does only what needs the whole TE:
   new rendezvous address for every group, and each group continues its own requests from their tokens so far),
   or with `on_rank_failure shrink` the world goes on without the lost ranks' groups and grows back later
   (core/group_world.py); a group master that dies fails the TE;
-- it speaks for the TE: readiness, stats and heartbeats summed over the groups.
+- it speaks for the TE: readiness, stats and heartbeats summed over the groups, and one stream of prefix-cache
+  events for job executors (each group's, numbered again) with its snapshot.
 
 No per-step message passes through it: outputs go from each group straight to the clients.
 """
@@ -36,6 +37,7 @@ from meshserve.core.dp_balancer import DEFAULT_EXPECTED_OUTPUT_TOKENS, DPGroupLo
 from meshserve.core.eplb_controller import EplbController, EplbError
 from meshserve.core.group_prefixes import GroupPrefixes
 from meshserve.core.group_world import GroupWorld
+from meshserve.core.kv_events import KVEventPublisher
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
@@ -49,6 +51,7 @@ from meshserve.wire.client import (
     EngineReady,
     EngineStats,
     EplbStatus,
+    KVSnapshot,
     ReleaseKV,
     StatsQuery,
     StatsResult,
@@ -130,6 +133,8 @@ class TEShell:
         self.reports.bind(self._report_addr)
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.prefixes = GroupPrefixes(config.cache_config.block_size)
+        # what job executors subscribe to: every group's prefix-cache events, numbered again
+        self.kv_events = KVEventPublisher(ctx, config.cache_config.kv_events_endpoint, config.te_name)
         self.groups: list[GroupView] = []
         for index in range(strategy.attn_dp):
             inbox = ctx.socket(zmq.PUSH)
@@ -176,6 +181,7 @@ class TEShell:
         events.setsockopt(zmq.SUBSCRIBE, b"")
         events.connect(events_addr)
         self.prefixes.forget(index)  # a new master numbers its events from the start
+        self.kv_events.publish_cleared(1, index)
         return proc, events
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -256,6 +262,7 @@ class TEShell:
             self.link.say_goodbye(self._heartbeat())
             self._stop_groups(grace_s=_STOP_GRACE_S if self.dead_error is None else 2.0)
             self.reports.close(0)
+            self.kv_events.close()
             self.link.close()
             self.ctx.term()
 
@@ -272,9 +279,15 @@ class TEShell:
         while group.kv_events.poll(0):
             batch = recv_message(group.kv_events, "dp-group-kv-events")
             if isinstance(batch, KVCacheEvents):
-                self.prefixes.apply(group.index, batch)
+                self._on_group_events(group, batch)
             elif batch is not None:
                 drop_frame("dp-group-kv-events", f"a {type(batch).__name__} is not a batch of cache events")
+
+    def _on_group_events(self, group: GroupView, batch: KVCacheEvents) -> None:
+        """A group's prefix-cache events: for placement, and again for job executors under the shell's numbers."""
+        if not self.prefixes.apply(group.index, batch):
+            self.kv_events.publish_cleared(1, group.index)  # batches were missed: the group starts again
+        self.kv_events.publish(group.index, batch.events)
 
     def _answer_refused(self, refused: RefusedFrame) -> None:
         logger.warning("refused a request: %s", refused)
@@ -380,6 +393,9 @@ class TEShell:
         AdminOp.EPLB_LOAD: lambda self, item: self.eplb.load(),
         AdminOp.EPLB_STATUS: lambda self, item: self.eplb.status(),
         AdminOp.EPLB_REBALANCE: _eplb_rebalance,
+        # the blocks as of the last batch the shell published: its own numbers, not a group's
+        AdminOp.KV_SNAPSHOT: lambda self, item: KVSnapshot(
+            seq=self.kv_events.seq, blocks=self.prefixes.snapshot([g.index for g in self.world.served])),
     }
 
     def _tick_eplb(self, now: float) -> None:
@@ -429,7 +445,8 @@ class TEShell:
         config = self.config
         strategy = self.world.config.parallel_config.strategy
         return EngineHeartbeat(name=config.te_name, role=EngineRole(self.role), group=self.group,
-                               input_addr=self.link.listen_addr, kv_events_addr="",
+                               input_addr=self.link.listen_addr, kv_events_addr=self.kv_events.addr,
+                               kv_event_seq=self.kv_events.seq,
                                model=config.model_config.served_model_name or config.model_config.model,
                                max_model_len=self.max_model_len, block_size=config.cache_config.block_size,
                                attn_tp=strategy.attn_tp, attn_dp=strategy.attn_dp, stats=self._stats(),

@@ -165,3 +165,36 @@ def test_prefix_events_removed_cleared_and_missed():
     prefixes.apply("g", _stored(4, tokens))
     prefixes.apply("g", _stored(9, tokens[:16]))  # batches 5-8 were missed: only what came since is known
     assert prefixes.hits([*tokens, 1], "", ["g"]) == [16]
+
+
+class _Publisher:
+    """What the shell publishes for job executors: (group, events) per batch, numbered."""
+
+    def __init__(self) -> None:
+        self.seq, self.sent = 0, []
+
+    def publish(self, group: int, events: list) -> None:
+        self.seq += 1
+        self.sent.append((group, events))
+
+    def publish_cleared(self, num_groups: int, first_group: int = 0) -> None:
+        for group in range(first_group, first_group + num_groups):
+            self.publish(group, [AllBlocksCleared()])
+
+
+def test_the_shell_speaks_for_its_groups_prefix_caches_to_job_executors():
+    shell = _shell(2)
+    shell.link, shell.dead_error, shell.kv_events = _Link(), None, _Publisher()
+    tokens = list(range(100, 132))
+    shell._on_group_events(shell.groups[1], _stored(1, tokens))
+    shell._on_admin(AdminRequest(query_id=5, op=AdminOp.KV_SNAPSHOT, reply_to="tcp://je:1"))
+    (reply, to), = shell.link.sent
+    first = chain_block_hash(None, tokens[:16])
+    assert to == "tcp://je:1" and reply.ok and reply.data.seq == 1
+    assert reply.data.blocks == {0: [], 1: [(first, None, []), (chain_block_hash(first, tokens[16:32]), first, [])]}
+    assert shell.kv_events.sent == [(1, _stored(1, tokens).events)]  # the group's batch, the shell's number
+    # a gap in a group's numbers: job executors are told to forget the group before its next batch
+    shell._on_group_events(shell.groups[1], _stored(5, tokens[:16]))
+    assert [events[0].__class__.__name__ for _, events in shell.kv_events.sent[1:]] == ["AllBlocksCleared",
+                                                                                        "BlockStored"]
+    assert shell.prefixes.hits([*tokens, 1], "", [1]) == [16]

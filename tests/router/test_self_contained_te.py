@@ -4,6 +4,7 @@ greedy tokens are the single-rank engine's."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -41,6 +42,21 @@ def test_a_self_contained_te_serves_a_job_executor_with_one_ranks_tokens(model):
         # one TE registered, whatever its number of groups; its stats are the groups' together
         assert len(je.registry.tes) == 1 and te.heartbeat.attn_dp == 2
         assert te.heartbeat.stats.world_size == 2 and te.heartbeat.stats.healthy
+
+
+def test_the_job_executor_sees_the_groups_prefix_caches_through_the_shell(model):
+    """Each group's prefix-cache events reach the job executor's prompt tree as the TE's (the shell publishes
+    them again under its own numbers and answers the snapshot a new subscriber asks for)."""
+    prompts = [list(range(100 + 50 * i, 140 + 50 * i)) for i in range(4)]  # 40 tokens: 2 full blocks each
+    with running_deployment(model, "colocated", engine=ENGINE) as (jes, procs):
+        je = jes[0]
+        asyncio.run(generate_all(je, prompts, 2))
+        te = next(iter(je.registry.tes))
+        deadline = time.monotonic() + 30
+        while any(je.registry.tree.match(prompt) != {te: 32} for prompt in prompts):
+            assert time.monotonic() < deadline, [je.registry.tree.match(prompt) for prompt in prompts]
+            time.sleep(0.1)
+        assert je.registry.tree.match([*prompts[0][:16], 7] * 2) == {te: 16}  # its first block only
 
 
 def test_prefill_and_decode_tes_with_self_contained_groups_hand_kv_over(model):
