@@ -92,6 +92,40 @@ def test_a2e_and_e2a_give_the_single_rank_layer(world, num_attention, ranks_per_
                       timeout_s=WORLD_TIMEOUT_S)
 
 
+def _domains_worker(rank: int, world: int) -> None:
+    """Two DP domains of one attention rank each (ranks 0 and 1) take turns on the same two expert ranks (2 and
+    3): each domain's A2E group holds its attention rank and the expert ranks, and the expert ranks serve the
+    domains' layers in turn, domain 0's then domain 1's, while the other domain's attention rank computes."""
+    domain_groups = [dist.new_group([domain, 2, 3]) for domain in range(2)]
+    w13, w2 = _layer()
+    comms = {}
+    for domain, group in enumerate(domain_groups):
+        if rank in (domain, 2, 3):  # within the group, its attention rank is 0 and the expert ranks 1 and 2
+            layout = A2ELayout(attention_ranks=(0,), expert_ranks=(1, 2), num_experts=NUM_EXPERTS, top_k=TOP_K)
+            comms[domain] = A2EComm(group, layout, HIDDEN, max_tokens_per_rank=8, dtype=torch.float32)
+    served = []
+    for layer in range(4):
+        if rank < 2:
+            comm = comms[rank]
+            hidden, ids, weights = _tokens(3 + layer + rank, seed=10 * layer + rank)
+            out = comm.e2a(comm.a2e(hidden, ids, weights))
+            torch.testing.assert_close(out, moe_layer_reference(hidden, ids, weights, w13, w2), atol=1e-5,
+                                       rtol=1e-5)
+        else:
+            for domain in (0, 1):  # one domain at a time talks to the experts
+                comm = comms[domain]
+                first = comm.expert_index * comm.layout.experts_per_rank
+                local_w13, local_w2 = shard_expert_weights(w13, w2, first, comm.layout.experts_per_rank)
+                served.append(comm.serve_layer(
+                    lambda h, ids, w, a=local_w13, b=local_w2, f=first: fused_experts(h, ids, w, a, b, first_expert=f)))
+    if rank >= 2:
+        assert len(served) == 8 and sum(served) > 0
+
+
+def test_dp_domains_take_turns_on_the_expert_ranks():
+    spawn_local_world(_domains_worker, 4, timeout_s=WORLD_TIMEOUT_S)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(attention_ranks=(), expert_ranks=(0, 1)), "at least one attention rank"),
     (dict(attention_ranks=(0, 1), expert_ranks=(1, 2)), "either an attention rank or an expert rank"),
