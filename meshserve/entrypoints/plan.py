@@ -21,6 +21,7 @@ from meshserve.parallel.analyzer import (
     to_deployment,
 )
 from meshserve.parallel.cluster_file import CLUSTER_PRESETS, GB, MODEL_PRESETS, PlanError, load_cluster_file
+from meshserve.parallel.disagg import compare, parse_disagg
 from meshserve.parallel.strategy import StrategyError
 
 
@@ -59,6 +60,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-dispatch", action="store_true", help="record INT8 EP dispatch in the deployment file")
     parser.add_argument("--out", default=None, help="write the best strategy's deployment YAML here")
     parser.add_argument("--top", type=int, default=0, help="print only the best N rows (default: all)")
+    parser.add_argument("--disagg", metavar="LAYOUT", default=None,
+                        help="price one attention-expert disaggregated layout instead, e.g. 'attn=DP480 moe=EP256 "
+                             "shared=EP32 disagg domains=3', beside colocated DP=EP on as many devices")
     commands = parser.add_subparsers(dest="plan_command", metavar="{calibrate}", parser_class=_OneLineErrorParser)
     calibrate = commands.add_parser("calibrate", help="measure this machine into a cluster YAML for --cluster",
                                     description="Measure collective latency/bandwidth, matmul rate and memory "
@@ -107,6 +111,8 @@ def run_plan(args: argparse.Namespace, out=None) -> dict:
                         arrival_rate=args.rate,
                         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
                         slo_itl_s=None if args.slo_itl_ms is None else args.slo_itl_ms / 1e3)
+    if args.disagg:
+        return _plan_disagg(args.disagg, config, model, cluster, workload, out)
     estimates = analyze(model, cluster, workload, include_unfit=True)
     best = estimates[0]
     if not best.fits_memory:
@@ -132,6 +138,30 @@ def run_plan(args: argparse.Namespace, out=None) -> dict:
     else:
         print(f"chosen: {best.strategy}", file=out)
     return deployment
+
+
+def _plan_disagg(text: str, config: dict, model, cluster, workload: Workload, out) -> dict:
+    """Price one disaggregated layout beside colocated DP=EP on as many devices; print both."""
+    layout = parse_disagg(text)
+    num_experts = config.get("n_routed_experts") or config.get("num_experts") or model.num_experts
+    layout.check_model(num_experts, config.get("moe_intermediate_size") or config.get("intermediate_size", 1))
+    result = compare(model, layout, cluster, workload)
+    dis, colocated = result["disaggregated"], result["colocated"]
+    print(f"model {model.name}, cluster {cluster.name}, batch {workload.batch} (decode)", file=out)
+    print(f"{layout}: {layout.devices} devices; per layer attention {dis.attention_ms:.3f} ms, A2E/E2A "
+          f"{dis.transfer_ms:.3f} ms each, experts {dis.expert_ms:.3f} ms per domain -> {dis.layer_ms:.3f} ms "
+          f"({'the expert ranks set the pace' if dis.experts_bound else 'one domain sets the pace'})", file=out)
+    print(f"  ITL {dis.itl_ms:.2f} ms, {dis.tokens_per_s_per_device:.0f} tokens/s per device, memory "
+          f"{dis.attention_memory_bytes / GB:.1f} GB per attention rank, {dis.expert_memory_bytes / GB:.1f} GB "
+          f"per expert rank{'' if dis.fits_memory else ' (does not fit)'}", file=out)
+    if colocated.fits_memory:
+        print(f"colocated {colocated.strategy}: ITL {colocated.itl_s * 1e3:.2f} ms, "
+              f"{result['colocated_tokens_per_s_per_device']:.0f} tokens/s per device; disaggregated/colocated "
+              f"{result['ratio']:.2f}x", file=out)
+    else:
+        print(f"colocated {colocated.strategy}: does not fit in {cluster.device_memory_bytes / GB:.0f} GB per "
+              "device", file=out)
+    return {"layout": str(layout), "tokens_per_s_per_device": dis.tokens_per_s_per_device, "ratio": result["ratio"]}
 
 
 def plan_main(args: argparse.Namespace) -> int:
