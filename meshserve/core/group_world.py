@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from meshserve.config import EngineConfig
-from meshserve.core.shrink_layout import shrink_layout
+from meshserve.core.shrink_layout import grown_layout, shrink_layout
 from meshserve.moe.load_record import ExpertLoadRecord
 from meshserve.moe.placement import ExpertPlacement
 from meshserve.wire.dp_group import WorldRestart
@@ -116,7 +116,9 @@ class GroupWorld(Generic[G]):
                 logger.warning("cannot go on without rank(s) %s (%s): restarting every rank", sorted(pending.lost),
                                exc)
         logger.warning("the ranks of every DP group restart into world %d: %s", self.generation, reason)
-        world = WorldRestart(generation=self.generation, dist_init=dist_init, reason=reason)
+        self.config = _with_placement(self.config, placement)  # a live rebalance's result survives the restart
+        world = WorldRestart(generation=self.generation, dist_init=dist_init, reason=reason,
+                             config=self._for_groups(self.config))
         return WorldChange(self.generation, dist_init, [(g, world) for g in self.served], config=self.config)
 
     def _shrink(self, now: float, dist_init: str, reason: str, lost: list[int], placement: ExpertPlacement | None,
@@ -144,3 +146,11 @@ class GroupWorld(Generic[G]):
         logger.warning("world %d grows back to %s", self.generation, self.full_config.parallel_config.strategy)
         self.served, self.config, self.shrunk_since = list(self.groups), self.full_config, None
         return WorldChange(self.generation, dist_init, messages, relaunch=relaunch, config=self.full_config)
+
+
+def _with_placement(config: EngineConfig, placement: ExpertPlacement | None) -> EngineConfig:
+    """`config` with `placement` applied at start, where it has that placement's shape; else `config`."""
+    try:
+        return grown_layout(config, placement)
+    except ValueError:
+        return config

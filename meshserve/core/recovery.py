@@ -4,7 +4,8 @@ A rank that dies, hangs (silent to the health pings of `rank_health`) or gives u
 engine, or, as `on_rank_failure` says, has its ranks restarted: on the full layout, or ("shrink") on the
 ranks left, with fewer DP groups and EP ranks (`shrink_layout`, xdeepserve §6.2 stage 2), growing back to
 the full layout after `regrow_after_s`. Every unfinished request is admitted again with the tokens it
-produced (token recomputation): nothing accepted is lost, a greedy request produces the same text. While
+produced (token recomputation): nothing accepted is lost, a greedy request produces the same text. Ranks
+restarted on the same layout load the expert placement served before the failure (a live rebalance survives). While
 the new ranks start, the engine's heartbeat goes on and stats queries are answered; every other client
 message waits for the new ranks. Too many recoveries too fast (`max_recoveries`) fail the engine.
 """
@@ -126,7 +127,7 @@ class RankRecovery:
         if self._hand_over is not None:  # the shell names the layout
             config = self.config
         else:
-            config = self._layout_without(removed) if removed else self.base_config
+            config = self._layout_without(removed) if removed else self._with_served_placement(self.base_config)
         try:
             started = self._restart(config, removed)
         except Exception as exc:  # noqa: BLE001 - the engine fails; its owner restarts it, clients move on
@@ -151,6 +152,18 @@ class RankRecovery:
             self._replay(item)
         logger.warning("recovered in %.1f s on %s: %d request(s) continue", time.monotonic() - now,
                        started.parallel_config.strategy, len(requests))
+
+    def _with_served_placement(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the expert placement served now (a live rebalance's result survives the restart),
+        where it has that placement's shape; else `config` (growing back from a shrunk layout)."""
+        # start-up: the shrink planner's module (numpy) only once ranks are lost
+        from meshserve.core.shrink_layout import grown_layout
+
+        placement = self._eplb().placement
+        try:
+            return grown_layout(config, placement)
+        except ValueError:
+            return config
 
     def _layout_without(self, removed: list[int]) -> EngineConfig:
         """The layout on the ranks left (go on without them now; grow back after regrow_after_s), or the full

@@ -50,7 +50,9 @@ def test_a_restart_names_one_address_for_every_group_at_once():
     change = world.decide(0.0, ADDR, None, None)
     assert change.generation == 1 and world.generation == 1 and not change.relaunch
     assert [g for g, _ in change.messages] == ["g0", "g1", "g2", "g3"]
-    assert all(m.dist_init == ADDR and m.config is None and m.index is None and not m.retire
+    assert all(m.dist_init == ADDR and m.index is None and not m.retire for _, m in change.messages)
+    # the layout served (no expert placement to keep: placement None), in the groups' version
+    assert all(m.config == _for_groups(world.config) and str(m.config.parallel_config.strategy) == DP4_EP4
                for _, m in change.messages)
     _ask(world, 2)  # a late request for the world decided already: its answer is in its inbox
     assert not world.due(100.0)
@@ -115,5 +117,22 @@ def test_a_layout_that_cannot_shrink_restarts_every_group_instead(config, placem
     _ask(world, 1, lost=[2])
     change = world.decide(COLLECT_S, ADDR, placement, None)
     assert [g for g, _ in change.messages] == world.groups == world.served
-    assert all(m.config is None and not m.retire for _, m in change.messages)
+    assert all(m.config.parallel_config.strategy == config.parallel_config.strategy and not m.retire
+               for _, m in change.messages)
     assert world.shrunk_since is None
+
+
+def test_a_restart_keeps_the_placement_served():
+    """A live rebalance's placement survives a restart: the groups restart their ranks with it."""
+    world = _world(_config(on_rank_failure="restart", eplb_redundant_experts=1))
+    moved = _placement()
+    _ask(world, 0)
+    change = world.decide(0.0, ADDR, moved, None)
+    kept = [load_placement_file(m.config.eplb_config.eplb_placement) for _, m in change.messages]
+    assert all(placement.layers == moved.layers for placement in kept)
+    assert change.config.eplb_config.eplb_placement == world.config.eplb_config.eplb_placement
+    # a placement of another shape (the layout grew back meanwhile, say) is not forced on the ranks
+    _ask(world, 0, generation=2)
+    other = world.decide(0.0, ADDR, _placement(num_ranks=2, experts=8), None)
+    assert all(load_placement_file(m.config.eplb_config.eplb_placement).layers == moved.layers
+               for _, m in other.messages)

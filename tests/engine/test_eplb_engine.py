@@ -121,6 +121,14 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
                        for slot in range(len(slots)) if slot % shape.slots_per_rank < shape.primary_per_rank)
 
             on, on_gap = await _generate(client, prompts, "on")
+            # a rank lost now: the ranks restart with the rebalanced placement, not the configured one
+            inject = await client.admin("fault.inject", {"fault": {"kind": "kill", "rank": 2, "after_steps": 3}})
+            assert inject.ok, inject.error
+            restarted, _ = await _generate(client, prompts, "restarted")
+            assert restarted == off
+            kept = await client.admin("eplb.status")
+            assert ExpertPlacement.from_dict(kept.to_json()["placement"]).layers == placement.layers
+            assert (await client.admin("stats")).data.stats.num_recoveries == 1
             print(f"\n{arch}: longest gap between tokens: steady {steady_gap:.3f} s, during reconfiguration "
                   f"{live_gap:.3f} s, rebalanced {on_gap:.3f} s")
             assert live_gap < STALL_LIMIT_S

@@ -204,7 +204,7 @@ def test_a_killed_group_master_fails_the_te_and_the_api_client_moves_every_strea
 def test_a_live_move_of_every_expert_keeps_the_tokens(model_dir, reference):
     """The shell records the groups' expert load and moves the placement planned from it (primaries too, in
     rounds) while all 16 requests stream: every phase reaches every rank through its group's master and is
-    applied at one agreed forward, so no token changes."""
+    applied at one agreed forward, so no token changes. A restart after the move keeps the moved placement."""
     prompts, expected = reference
     engine = AsyncEngineClient(EngineConfig.from_kwargs(model_dir, parallel=DP4_EP4, dp_groups="self-contained",
                                                         eplb_redundant_experts=1, eplb_slice_s=0.5, **ENGINE_ARGS))
@@ -238,6 +238,11 @@ def test_a_live_move_of_every_expert_keeps_the_tokens(model_dir, reference):
         assert any(slots[slot] != default.layers[layer][slot] for layer, slots in placement.layers.items()
                    for slot in range(len(slots)) if slot % shape.slots_per_rank < shape.primary_per_rank)
         assert await generate("after") == expected
+        # a rank lost now: every group's ranks restart with the rebalanced placement, not the configured one
+        assert (await engine.admin("fault.inject", {"fault": {"kind": "kill", "rank": 1, "after_steps": 3}})).ok
+        assert await generate("restarted") == expected
+        status = (await engine.admin("eplb.status")).data
+        assert ExpertPlacement.from_dict(msgspec.to_builtins(status.placement)).layers == placement.layers
 
     try:
         asyncio.run(scenario())
