@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 _INBOX, _REPORTS = "te-inbox", "dp-group-reports"
 _POLL_MS = 100
+# aborts remembered for requests a retiring group hands over after the abort reached the groups (a handover
+# follows its group's failure within seconds; this many aborts cover that at any realistic rate)
+_RECENT_ABORTS = 4096
 _STOP_GRACE_S = 15.0
 
 
@@ -133,6 +136,7 @@ class TEShell:
         self.reports.bind(self._report_addr)
         dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.prefixes = GroupPrefixes(config.cache_config.block_size)
+        self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS)
         # what job executors subscribe to: every group's prefix-cache events, numbered again
         self.kv_events = KVEventPublisher(ctx, config.cache_config.kv_events_endpoint, config.te_name)
         self.groups: list[GroupView] = []
@@ -320,8 +324,10 @@ class TEShell:
         elif isinstance(item, WorldRestart):
             self.world.on_request(item, time.monotonic())
         elif isinstance(item, HandOver):
+            aborted = set(self._recent_aborts)
             for request in item.requests:  # they go on from their tokens so far in the groups left
-                self._place(request).send(request)
+                if request.req_id not in aborted:  # its client left while it was on its way
+                    self._place(request).send(request)
         elif isinstance(item, EngineReady) and any(g.ready is None for g in self.groups):
             self._group_of_ready().ready = item  # a retired group back in the layout
         elif isinstance(item, WorkerReady):
@@ -357,6 +363,8 @@ class TEShell:
         if isinstance(item, AddRequest):
             self._place(item).send(item)
         elif isinstance(item, (AbortRequests, ReleaseKV)):
+            if isinstance(item, AbortRequests):  # one handed over from a retiring group may still be on its way
+                self._recent_aborts.extend(item.req_ids)
             for g in self.world.served:  # the group holding a request forgets it; the others never heard of it
                 g.send(item)
         elif isinstance(item, StatsQuery):

@@ -10,7 +10,15 @@ from meshserve.core.group_prefixes import GroupPrefixes
 from meshserve.core.group_world import GroupWorld
 from meshserve.core.te_shell import GroupView, TEShell
 from meshserve.wire import codec
-from meshserve.wire.client import AddRequest, AdminOp, AdminRequest, EngineReady, EngineStats, Tenancy
+from meshserve.wire.client import (
+    AbortRequests,
+    AddRequest,
+    AdminOp,
+    AdminRequest,
+    EngineReady,
+    EngineStats,
+    Tenancy,
+)
 from meshserve.wire.dp_group import HandOver
 from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
 from meshserve.wire.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvents, chain_block_hash
@@ -33,6 +41,7 @@ def _shell(num_groups: int) -> TEShell:
         shell.groups.append(group)
     shell.world = GroupWorld(shell.config, shell.groups, lambda config: config)
     shell.prefixes = GroupPrefixes(block_size=16)
+    shell._recent_aborts = collections.deque(maxlen=16)
     return shell
 
 
@@ -121,6 +130,19 @@ def test_requests_handed_over_by_a_retired_group_go_to_the_groups_left():
     assert sorted(r.req_id for r in received) == ["r0", "r1", "r2", "r3"]
     assert all(r.output_token_ids == [9, int(r.req_id[1:])] for r in received)  # they go on from these tokens
     assert len(shell.groups[0].inbox.frames) == len(shell.groups[2].inbox.frames) == 2
+
+
+def test_a_request_aborted_while_it_was_handed_over_is_not_placed_again():
+    shell = _shell(2)
+    for group in shell.groups:
+        group.inbox = _Inbox()
+    shell._on_client(AbortRequests(req_ids=["gone"]))  # reaches the groups before the handover reaches the shell
+    assert all(len(group.inbox.frames) == 1 for group in shell.groups)
+    moved = [AddRequest(req_id=req_id, prompt_token_ids=[5, 6], arrival_time=0.0, output_token_ids=[9],
+                        sampling_params=SamplingParams(max_tokens=8)) for req_id in ("gone", "kept")]
+    shell._on_report(HandOver(requests=moved))
+    placed = [codec.decode(frame) for g in shell.groups for frame in g.inbox.frames[1:]]
+    assert [r.req_id for r in placed] == ["kept"]
 
 
 def _stored(seq: int, tokens: list[int], cache_salt: str = "") -> KVCacheEvents:
