@@ -81,16 +81,13 @@ class DisaggLayout:
         relay = f" relay={self.relay}" if self.relay > 1 else ""
         return f"attn=DP{self.attention_ranks} moe={moe}{shared} disagg{domains}{relay}"
 
-    def check_model(self, num_experts: int, intermediate_size: int, redundant_per_rank: int = 0) -> None:
-        """StrategyError naming the setting when the expert ranks cannot host every expert of the model, or
-        their MoE TP does not divide its FFN."""
-        slots = self.expert_ep * (math.ceil(num_experts / self.expert_ep) + redundant_per_rank)
+    def check_model(self, num_experts: int, intermediate_size: int) -> None:
+        """StrategyError naming the setting when the expert ranks cannot host every expert of the model (each
+        EP rank holds at least one; an uneven split gives each ceil(E/EP) slots), or their MoE TP does not
+        divide its FFN."""
         if self.expert_ep > num_experts:
             raise StrategyError(f"moe=EP{self.expert_ep}: more expert ranks than the model's {num_experts} routed "
                                 "experts (each EP rank holds at least one)")
-        if slots < num_experts:
-            raise StrategyError(f"moe=EP{self.expert_ep} holds {slots} expert slots, fewer than the model's "
-                                f"{num_experts} routed experts")
         if intermediate_size % self.expert_tp:
             raise StrategyError(f"moe=TP{self.expert_tp} does not divide the experts' intermediate size "
                                 f"{intermediate_size}")
