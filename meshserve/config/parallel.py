@@ -81,6 +81,8 @@ class ParallelConfig(ConfigStruct, frozen=True):
         super().__post_init__()
         world = self.world_size  # parses `parallel`, raising ConfigError on a bad strategy
         strategy = self.strategy
+        if strategy.disagg:
+            self._check_disagg(strategy)
         if self.microbatches == 2 and not (strategy.attn_tp == 1 and strategy.moe_tp == 1 and strategy.moe_ep > 1):
             raise ConfigError(f"microbatches 2 overlaps the expert-parallel dispatch and combine: it needs "
                               f"attn=TP1+DPn moe=TP1+EPn with n > 1, not {strategy}")
@@ -91,6 +93,22 @@ class ParallelConfig(ConfigStruct, frozen=True):
         if self.local_ranks is not None and self.local_ranks > world:
             raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
                               f"master), got {self.local_ranks}")
+
+    def _check_disagg(self, strategy: ParallelStrategy) -> None:
+        """What a disaggregated layout does not serve, refused in one line naming the setting."""
+        if strategy.shared_ep:
+            raise ConfigError(f"shared=EP{strategy.shared_ep * strategy.moe_tp}: a served disaggregated layout "
+                              "computes the shared experts on its attention ranks (`meshserve plan --disagg` prices "
+                              "shared-expert ranks)")
+        if self.microbatches == 2:
+            raise ConfigError("microbatches 2 overlaps a colocated layout's dispatch; a disaggregated layout "
+                              "overlaps its DP domains instead (domains=D)")
+        if self.dp_groups == "self-contained":
+            raise ConfigError("dp_groups self-contained: a disaggregated layout runs its attention ranks in "
+                              "lockstep (the expert ranks serve every forward)")
+        if self.on_rank_failure == "shrink":
+            raise ConfigError("on_rank_failure shrink removes DP groups and EP ranks together (DP=EP layouts); a "
+                              "disaggregated layout restarts its ranks (restart)")
 
     @property
     def strategy(self) -> ParallelStrategy:

@@ -45,6 +45,7 @@ from meshserve.core.waiting_queue import DPWaitingQueue
 from meshserve.core.worker_group import DEAD_GRACE_S, SpareWorker, WeightServers, WorkerGroup, time_load
 from meshserve.core.worker_results import WorkerResults
 from meshserve.models.generation_config import max_position_embeddings
+from meshserve.parallel.disagg import check_model_dir
 from meshserve.utils import cluster_auth, faults
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
@@ -105,6 +106,9 @@ class EngineCore(ClientMessages, WorkerResults):
         # tests and benchmarks: a master that dies as it sends a step, wrapped in only once such a fault is armed
         faults.on_arm({faults.FaultKind.KILL_MASTER}, lambda: faults.wrap_method(
             self, "_send_step", faults.kill_when_fired(faults.FaultKind.KILL_MASTER)))
+        strategy = config.parallel_config.strategy
+        if strategy.disagg:  # a role layout the model cannot fill is refused before any rank starts
+            check_model_dir(strategy.disagg_layout(), config.model_config.model)
         ready = self._start_workers(config, spare_workers)
         self.vocab_size = min(r.vocab_size for r in ready)  # every token id a request names must be below it
         self.max_model_len = config.scheduler_config.max_model_len or max_position_embeddings(config.model_config.model)

@@ -102,7 +102,10 @@ class FusedMoEWeights(torch.nn.Module):
         super().__init__()
         if num_local_experts is None:
             num_local_experts = num_experts - first_expert
-        if not (0 <= first_expert and 1 <= num_local_experts and first_expert + num_local_experts <= num_experts):
+        # no expert at all: an attention rank of a disaggregated layout (its experts live on expert ranks)
+        holds_none = num_local_experts == 0 and redundant_slots == 0 and first_slot is not None
+        if not (0 <= first_expert and (1 <= num_local_experts or holds_none)
+                and first_expert + num_local_experts <= num_experts):
             raise ValueError(f"experts [{first_expert}, {first_expert + num_local_experts}) are not a slice of "
                              f"{num_experts} experts")
         if not 0 <= tp_rank < tp_size:
@@ -122,7 +125,7 @@ class FusedMoEWeights(torch.nn.Module):
         self.redundant_slots = redundant_slots
         self.num_slots = num_local_experts + redundant_slots
         # slots are rank-major: EP rank r's slots start at r * num_slots
-        self.first_slot = first_expert // num_local_experts * self.num_slots if first_slot is None else first_slot
+        self.first_slot = first_slot if first_slot is not None else first_expert // num_local_experts * self.num_slots
         # the logical expert each local slot holds (-1: empty)
         self.slot_experts = list(range(first_expert, first_expert + num_local_experts)) + [-1] * redundant_slots
         self.hidden_size = hidden_size

@@ -5,11 +5,24 @@ How a batch and its paged KV cache are laid out is `meshserve.layers.metadata`.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from meshserve.layers.metadata import KVCacheLayout
 from meshserve.layers.tensor_parallel import Shard, attention_tp_shard
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A model's routed experts: the decoder layers that have them and their shape. Models with routed experts
+    say theirs through `routed_experts_of(hf_config)` (a staticmethod)."""
+
+    layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
 
 
 class CausalLM(torch.nn.Module):

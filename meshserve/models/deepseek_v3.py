@@ -45,7 +45,7 @@ from meshserve.layers.tensor_parallel import (
     row_parallel_linear,
     vocab_parallel_logits,
 )
-from meshserve.models.base import CausalLM
+from meshserve.models.base import CausalLM, RoutedExperts
 from meshserve.models.microbatch import Stages, StageTimeline, interleave, split_batch
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.moe.runtime import MoERuntime, rank_expert_range
@@ -243,7 +243,8 @@ class DeepseekV3MoE(torch.nn.Module):
     _EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
     _SHARED = re.compile(r"shared_experts\.(gate_proj|up_proj|down_proj)\.weight")
 
-    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
+    def __init__(self, p: DeepseekV3Params, dtype: torch.dtype, parallel: ParallelContext | None = None,
+                 layer: int = 0) -> None:
         super().__init__()
         self.parallel = parallel or ParallelContext.single()
         self.hidden_size = p.hidden_size
@@ -257,7 +258,7 @@ class DeepseekV3MoE(torch.nn.Module):
         self.gate_weight = torch.nn.Parameter(torch.empty(p.n_routed_experts, p.hidden_size), requires_grad=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(p.n_routed_experts))
         self.runtime = MoERuntime(self.parallel, p.n_routed_experts, p.num_experts_per_tok, p.hidden_size, dtype,
-                                  num_shared_experts=p.n_shared_experts)
+                                  num_shared_experts=p.n_shared_experts, layer=layer)
         # this rank's expert slots: routed experts, or on a shared-expert rank the shared experts' blocks
         self.experts = self.runtime.make_weights(p.moe_intermediate_size)
         local_shared = p.n_shared_experts and not self.parallel.shared_ep_size
@@ -348,7 +349,7 @@ class DeepseekV3DecoderLayer(torch.nn.Module):
             dtype=dtype,
             parallel=parallel,
         )
-        self.mlp = DeepseekV3MoE(p, dtype, parallel) if p.is_moe_layer(layer_idx) else SwiGLUMLP(
+        self.mlp = DeepseekV3MoE(p, dtype, parallel, layer_idx) if p.is_moe_layer(layer_idx) else SwiGLUMLP(
             p.hidden_size, p.intermediate_size, dtype, parallel)
         self.input_layernorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(p.hidden_size, p.rms_norm_eps, dtype)
@@ -495,6 +496,13 @@ class DeepseekV3ForCausalLM(CausalLM):
     @property
     def num_mtp_layers(self) -> int:
         return len(self.mtp)
+
+    @staticmethod
+    def routed_experts_of(hf_config: dict) -> RoutedExperts:
+        """The decoder layers' routed experts (what an expert rank of a disaggregated layout holds)."""
+        p = DeepseekV3Params.from_hf_config(hf_config)
+        return RoutedExperts(tuple(i for i in range(p.num_hidden_layers) if p.is_moe_layer(i)), p.n_routed_experts,
+                             p.num_experts_per_tok, p.hidden_size, p.moe_intermediate_size)
 
     def wants_weight(self, name: str) -> bool:
         """Also: with shared-expert ranks, only they read the shared experts."""

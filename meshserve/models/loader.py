@@ -32,7 +32,8 @@ from meshserve.layers import fp8, w8a8
 from meshserve.layers.linear import pack_linears
 from meshserve.layers.tensor_parallel import Shard
 from meshserve.models import compressed_tensors
-from meshserve.models.base import CausalLM
+from meshserve.models.base import CausalLM, RoutedExperts
+from meshserve.models.expert_rank import ExpertRankModel
 from meshserve.models.registry import model_class
 from meshserve.parallel.context import ParallelContext
 from meshserve.utils.checkpoint_files import safetensors_files
@@ -208,7 +209,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, 
     else:
         weights = _dequantized(model, read, wanted, block, torch_dtype)
     loaded = model.load_weights(weights)
-    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    # an empty parameter needs nothing (an attention rank's experts in a disaggregated layout)
+    missing = [name for name, param in model.named_parameters() if name not in loaded and param.numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {str(model_dir)!r} did not provide {len(missing)} parameter(s): {shown}")
@@ -226,7 +228,19 @@ def new_model(model_dir: str | Path, dtype: str | torch.dtype = torch.float32, d
     config = config if config is not None else load_hf_config(model_dir)
     cls = model_class(config["model_type"])
     with torch.device(device):  # allocate parameters where they will live
+        if parallel is not None and parallel.is_expert_rank:  # a disaggregated layout's expert rank: experts only
+            return ExpertRankModel(config, resolve_dtype(dtype, config), parallel, routed_experts(cls, config))
         return cls(config, dtype=resolve_dtype(dtype, config), parallel=parallel)
+
+
+def routed_experts(cls: type, config: dict) -> RoutedExperts:
+    """The routed experts of a model of class `cls`; ValueError for a model without any."""
+    routed = getattr(cls, "routed_experts_of", None)
+    shape = routed(config) if routed is not None else None
+    if shape is None or not shape.layers or shape.num_experts < 1:
+        raise ValueError(f"{config.get('model_type')!r} models have no routed experts to put on expert ranks "
+                         "(a disaggregated layout serves MoE models)")
+    return shape
 
 
 def finish_model(model: CausalLM, model_dir: str | Path) -> CausalLM:

@@ -18,6 +18,7 @@ import torch
 
 from meshserve.layers.moe import FusedMoEWeights
 from meshserve.layers.tensor_parallel import Shard, Span
+from meshserve.models.base import RoutedExperts
 from meshserve.models.qwen3 import FusedLinear, Qwen3ForCausalLM, Qwen3MLP, require
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.moe.runtime import MoERuntime, rank_expert_range
@@ -31,7 +32,8 @@ _PACKED_EXPERTS = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_pr
 
 class Qwen3MoeSparseBlock(torch.nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
-                 norm_topk_prob: bool, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
+                 norm_topk_prob: bool, dtype: torch.dtype, parallel: ParallelContext | None = None,
+                 layer: int = 0) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
@@ -41,7 +43,8 @@ class Qwen3MoeSparseBlock(torch.nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = FusedLinear(hidden_size, [num_experts], False, dtype)
-        self.runtime = MoERuntime(parallel or ParallelContext.single(), num_experts, top_k, hidden_size, dtype)
+        self.runtime = MoERuntime(parallel or ParallelContext.single(), num_experts, top_k, hidden_size, dtype,
+                                  layer=layer)
         self.experts = self.runtime.make_weights(moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +101,15 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
             dtype=self.dtype,
             parallel=self.parallel,
+            layer=layer_idx,
         )
+
+    @staticmethod
+    def routed_experts_of(hf_config: dict) -> RoutedExperts:
+        """The sparse layers' routed experts (what an expert rank of a disaggregated layout holds)."""
+        layers = tuple(i for i in range(require(hf_config, "num_hidden_layers")) if is_sparse_layer(hf_config, i))
+        return RoutedExperts(layers, num_routed_experts(hf_config), require(hf_config, "num_experts_per_tok"),
+                             require(hf_config, "hidden_size"), require(hf_config, "moe_intermediate_size"))
 
     def weight_shard(self, name: str) -> Shard | Span | None:
         # packed expert tensors [E, ...]: only this rank's expert range is read

@@ -47,14 +47,19 @@ ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 @dataclass(frozen=True)
 class A2ELayout:
-    """Who is what in the A2E group: group ranks of the attention ranks and of the expert ranks (in expert
-    order: expert rank j owns experts [j * E/n, (j + 1) * E/n)), and the expert ranks per node (two-stage)."""
+    """Who is what in the A2E group: group ranks of the attention ranks and of the expert ranks, and the expert
+    ranks per node (two-stage). Expert ranks are in expert order, in EP groups of `expert_tp` ranks that split
+    each expert's intermediate dimension (MoE TP): expert rank j = g * t + r holds column block r of the experts
+    [g * E/G, (g + 1) * E/G) of EP group g of G. A row goes to every rank of its expert's EP group; their partial
+    outputs add up to the expert's, on the attention side with the others. "Experts" are the routed slots (with
+    redundant slots, E counts the slots)."""
 
     attention_ranks: tuple[int, ...]
     expert_ranks: tuple[int, ...]
     num_experts: int
     top_k: int
     ranks_per_node: int = 1
+    expert_tp: int = 1
 
     def __post_init__(self) -> None:
         if not self.attention_ranks or not self.expert_ranks:
@@ -64,9 +69,11 @@ class A2ELayout:
         everyone = sorted(self.attention_ranks + self.expert_ranks)
         if everyone != list(range(len(everyone))):
             raise ValueError(f"the roles must cover group ranks 0..{len(everyone) - 1} once each")
-        if self.num_experts % len(self.expert_ranks):
-            raise ValueError(f"{self.num_experts} experts do not split evenly over {len(self.expert_ranks)} "
-                             "expert ranks")
+        if self.expert_tp < 1 or len(self.expert_ranks) % self.expert_tp:
+            raise ValueError(f"{len(self.expert_ranks)} expert ranks do not form EP groups of TP{self.expert_tp}")
+        if self.num_experts % self.num_ep_groups:
+            raise ValueError(f"{self.num_experts} experts do not split evenly over {self.num_ep_groups} EP groups "
+                             "of expert ranks")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
         if self.ranks_per_node < 1 or len(self.expert_ranks) % self.ranks_per_node:
@@ -77,8 +84,26 @@ class A2ELayout:
         return len(self.attention_ranks) + len(self.expert_ranks)
 
     @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // len(self.expert_ranks)
+    def num_ep_groups(self) -> int:
+        return len(self.expert_ranks) // self.expert_tp
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.num_ep_groups
+
+    @property
+    def destinations_per_token(self) -> int:
+        """The most expert ranks one token's k experts live on."""
+        return min(self.top_k * self.expert_tp, len(self.expert_ranks))
+
+    def owner_indices(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """[N, K] expert ids -> [N, K * t] indices (into `expert_ranks`) of the ranks holding each one's columns."""
+        group = expert_ids.to(torch.int64) // self.experts_per_group
+        if self.expert_tp == 1:
+            return group
+        columns = torch.arange(self.expert_tp, dtype=torch.int64, device=expert_ids.device)
+        owners = group.unsqueeze(-1) * self.expert_tp + columns
+        return owners.reshape(expert_ids.shape[0], expert_ids.shape[1] * self.expert_tp)
 
     @property
     def num_nodes(self) -> int:
@@ -134,18 +159,27 @@ class A2EComm:
         self.row_bytes = self.payload_bytes + self.scale_bytes + 4 * k + 4 * k  # + int32 ids + fp32 weights
         # the most rows one rank holds at once: an attention rank sends a token to each destination once; an
         # expert rank (or a relay) gets at most one row per token of every attention rank
-        destinations = min(k, layout.num_nodes if two_stage else len(layout.expert_ranks))
+        destinations = min(layout.destinations_per_token, layout.num_nodes) if two_stage \
+            else layout.destinations_per_token
         num_attention = len(layout.attention_ranks)
         rows = max_tokens_per_rank * (destinations if self.is_attention else num_attention)
-        forward_rows = max_tokens_per_rank * num_attention * min(k, layout.ranks_per_node) if two_stage else 0
+        forward_rows = (max_tokens_per_rank * num_attention * min(layout.destinations_per_token, layout.ranks_per_node)
+                        if two_stage else 0)
         self._send = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._recv = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._forward = torch.empty(forward_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._forwarded = torch.empty(forward_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._partials = torch.empty(rows, hidden, dtype=dtype, device=self.device)
         self._relay_back = torch.empty(forward_rows, hidden, dtype=dtype, device=self.device)
-        self._counts_send = torch.zeros(layout.world_size, dtype=torch.int64, device=self.device)
-        self._counts_recv = torch.zeros(layout.world_size, dtype=torch.int64, device=self.device)
+        # (row count, tag) to and from every rank: the tag names the layer, so ranks out of step fail at once
+        self._counts_send = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
+        self._counts_recv = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
+
+    def use_groups(self, group, node_groups: Sequence | None = None) -> None:
+        """Talk over new process groups (the context rebuilt them after a transient error)."""
+        self.group = group
+        if self.two_stage and not self.is_attention:
+            self.node_group = node_groups[self.node]
 
     def buffer_data_ptrs(self) -> list[int]:
         """data_ptr of every pre-allocated buffer (lets callers check nothing is re-allocated)."""
@@ -153,11 +187,13 @@ class A2EComm:
                                        self._relay_back)]
 
     # ------------------------------------------------------------------ attention ranks
-    def a2e(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> A2EHandle:
-        """Send this attention rank's tokens to their experts' ranks (or their nodes' relays)."""
+    def a2e(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            tag: int = 0) -> A2EHandle:
+        """Send this attention rank's tokens to their experts' ranks (or their nodes' relays); `tag` names the layer
+        (the expert ranks serve the same one)."""
         self._check_attention_inputs(hidden, topk_ids, topk_weights)
         layout = self.layout
-        owner = topk_ids.to(torch.int64) // layout.experts_per_rank  # expert-rank index of each (token, k)
+        owner = layout.owner_indices(topk_ids)  # expert-rank index of each (token, k[, column block])
         target = owner // layout.ranks_per_node if self.two_stage else owner
         if self.two_stage:
             ranks = torch.tensor([layout.relay(node, self.attention_index) for node in range(layout.num_nodes)],
@@ -169,7 +205,8 @@ class A2EComm:
         order = torch.argsort(dest_rank, stable=True)
         token_of_row, dest_rank = token_of_row.index_select(0, order), dest_rank.index_select(0, order)
         send = self._pack(self._send, hidden, topk_ids, topk_weights, token_of_row)
-        send_splits, _ = self._exchange_counts(torch.bincount(dest_rank, minlength=layout.world_size), self.group)
+        send_splits, _ = self._exchange_counts(torch.bincount(dest_rank, minlength=layout.world_size), self.group,
+                                               tag)
         dist.all_to_all_single(self._recv[:0], send, [0] * layout.world_size, send_splits, group=self.group)
         return A2EHandle(token_of_row, send_splits, hidden.shape[0])
 
@@ -184,28 +221,30 @@ class A2EComm:
         return out
 
     # ------------------------------------------------------------------ expert ranks
-    def serve_layer(self, compute: ExpertCompute) -> int:
+    def serve_layer(self, compute: ExpertCompute, tag: int = 0) -> int:
         """One MoE layer on an expert rank: take the rows sent here, compute them, send the partials back. The
-        number of rows this rank computed."""
+        number of rows this rank computed. `tag`: the layer the attention ranks must be sending."""
+        if self.is_attention:
+            raise RuntimeError(f"rank {self.rank} is an attention rank: it sends tokens, it serves no layer")
         layout = self.layout
-        _, recv_splits = self._exchange_counts(torch.zeros(layout.world_size, dtype=torch.int64), self.group)
+        _, recv_splits = self._exchange_counts(torch.zeros(layout.world_size, dtype=torch.int64), self.group, tag)
         received = self._recv[:sum(recv_splits)]
         dist.all_to_all_single(received, self._send[:0], recv_splits, [0] * layout.world_size, group=self.group)
         if self.two_stage:
-            partials = self._relay(received, compute)
+            partials = self._relay(received, compute, tag)
         else:
             partials = self._compute(received, compute)
         dist.all_to_all_single(self._partials[:0], partials, [0] * layout.world_size, recv_splits,
                                group=self.group)
         return received.shape[0]
 
-    def _relay(self, received: torch.Tensor, compute: ExpertCompute) -> torch.Tensor:
+    def _relay(self, received: torch.Tensor, compute: ExpertCompute, tag: int) -> torch.Tensor:
         """Two-stage: forward the rows this rank relays to the node's ranks that own their experts (A2E'),
         compute what came here, send the partials back to the relays (E2A'), and sum each relayed row's."""
         layout = self.layout
         members = torch.tensor(layout.node_members(self.node), dtype=torch.int64, device=self.device)
         ids = self._ids_of(received)
-        local_owner = ids.to(torch.int64) // layout.experts_per_rank - self.node * layout.ranks_per_node
+        local_owner = layout.owner_indices(ids) - self.node * layout.ranks_per_node
         local_owner[(local_owner < 0) | (local_owner >= layout.ranks_per_node)] = -1  # experts of other nodes
         row_of_fwd, member = _unique_destinations(local_owner)  # each row once per owner in this node
         order = torch.argsort(member, stable=True)
@@ -213,7 +252,7 @@ class A2EComm:
         forward = self._forward[:row_of_fwd.numel()]
         torch.index_select(received, 0, row_of_fwd, out=forward)
         send_splits, recv_splits = self._exchange_counts(torch.bincount(member, minlength=members.numel()),
-                                                         self.node_group)
+                                                         self.node_group, tag)
         forwarded = self._forwarded[:sum(recv_splits)]
         dist.all_to_all_single(forwarded, forward, recv_splits, send_splits, group=self.node_group)
         computed = self._compute(forwarded, compute)
@@ -261,12 +300,19 @@ class A2EComm:
         weights = from_bytes(rows[:, p + s + 4 * k:], torch.float32).reshape(-1, k)
         return hidden.reshape(-1, self.hidden), self._ids_of(rows), weights
 
-    def _exchange_counts(self, send_counts: torch.Tensor, group) -> tuple[list[int], list[int]]:
+    def _exchange_counts(self, send_counts: torch.Tensor, group, tag: int) -> tuple[list[int], list[int]]:
+        """Rows to and from each rank of `group`; RuntimeError when a rank is at another layer (`tag`)."""
         size = send_counts.numel()
         sent, received = self._counts_send[:size], self._counts_recv[:size]
-        sent.copy_(send_counts)
+        sent[:, 0].copy_(send_counts)
+        sent[:, 1].fill_(tag)
         dist.all_to_all_single(received, sent, group=group)
-        return sent.tolist(), received.tolist()
+        tags = received[:, 1].tolist()
+        if any(other != tag for other in tags):
+            peer = next(i for i, other in enumerate(tags) if other != tag)
+            raise RuntimeError(f"A2E out of step: group rank {peer} sent layer {tags[peer]} to rank {self.rank}, "
+                               f"which is at layer {tag}")
+        return sent[:, 0].tolist(), received[:, 0].tolist()
 
     def _check_attention_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                                 topk_weights: torch.Tensor) -> None:

@@ -132,7 +132,7 @@ class ExpertBalancer:
             raise RuntimeError("the expert balancer has no checkpoint to read experts from "
                                "(set expert_balancer.model_dir to the model directory)")
         changing = {layer: changed_slots(self.placement.layers[layer], new.layers[layer]) for layer in self.moe_layers}
-        first, count = self._first_local_slot, self.shape.slots_per_rank
+        first, count = self._first_local_slot, self._blocks[0].experts.num_slots  # none on an attention rank
         writes = [(position, slot - first, new.layers[layer][slot])
                   for position, layer in enumerate(self.moe_layers)
                   for slot in changing[layer] if first <= slot < first + count]

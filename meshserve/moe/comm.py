@@ -97,7 +97,7 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().view(dtype)
 
 
-def _default_device(group) -> torch.device:
+def group_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -208,7 +208,7 @@ class EPDispatcher:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.dtype = dtype
         self.int8 = int8
-        self.device = torch.device(device) if device is not None else _default_device(ep_group)
+        self.device = torch.device(device) if device is not None else group_device(ep_group)
         self.experts_per_rank = num_experts // self.world
         self.first_expert = self.rank * self.experts_per_rank
         self.rank_of_slot: torch.Tensor | None = None

@@ -36,6 +36,11 @@ max|x_t| / 254, and the layer output stays within 2% of its max |output| (max ab
 <= 0.02 * max |output|, checked in tests/parallel/test_moe_runtime.py). The combine
 stays in full precision.
 
+Attention-expert disaggregation (`disagg`, meshserve/moe/a2e.py): an attention rank holds no expert; it counts
+and maps its tokens' ids as above, sends each token to the expert ranks of its slots (A2E, over its DP domain's
+group, tagged with `layer`) and sums what comes back (E2A). An expert rank has no tokens: `serve` takes each
+domain's rows in turn, runs them through its slots and sends the partial outputs back.
+
 Shared-expert ranks (`shared=EPs`, meshserve/moe/shared_ranks.py): the routed slots cover the routed ranks
 only; after the routed ids are counted and mapped each token gets the columns of its shared-expert blocks,
 and a shared rank's weights (`make_weights`) hold those blocks instead of routed experts.
@@ -51,7 +56,8 @@ import torch
 import torch.distributed as dist
 
 from meshserve.layers.moe import FusedMoEWeights
-from meshserve.moe.comm import CombineInFlight, DispatchInFlight, EPDispatcher, HybridMoEComm
+from meshserve.moe.a2e import A2EComm, A2ELayout
+from meshserve.moe.comm import CombineInFlight, DispatchInFlight, EPDispatcher, HybridMoEComm, group_device
 from meshserve.moe.placement import PlacementShape, engine_shape
 from meshserve.moe.recorder import add_counts
 from meshserve.moe.shared_ranks import SharedExpertSlots
@@ -82,6 +88,21 @@ def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object],
     return comm
 
 
+def _a2e_comm(ctx: ParallelContext, index: int, num_slots: int, top_k: int, hidden_size: int,
+              dtype: torch.dtype) -> A2EComm:
+    """The context's A2E communicator over its `index`-th A2E group (an expert rank has one per DP domain)."""
+    s = ctx.strategy
+    per_domain = s.attention_ranks // s.domains
+    num_expert_ranks = ctx.world_size - s.attention_ranks
+    layout = A2ELayout(attention_ranks=tuple(range(per_domain)),
+                       expert_ranks=tuple(range(per_domain, per_domain + num_expert_ranks)),
+                       num_experts=num_slots, top_k=top_k, ranks_per_node=s.relay, expert_tp=s.moe_tp)
+    return _shared_comm(ctx, ("a2e", index, num_slots, top_k, hidden_size, dtype), lambda: A2EComm(
+        ctx.a2e_groups[index], layout, hidden_size, ctx.max_tokens_per_step, dtype, two_stage=s.relay > 1,
+        node_groups=ctx.a2e_node_groups, int8=ctx.int8_dispatch, device=group_device(ctx.a2e_groups[index])),
+        lambda comm: comm.use_groups(ctx.a2e_groups[index], ctx.a2e_node_groups))
+
+
 def engine_placement_shape(ctx: ParallelContext, num_experts: int) -> PlacementShape:
     """The routed-expert slots of the engine `ctx` is a rank of (the same on every rank; over its routed ranks)."""
     return engine_shape(num_experts, ctx.routed_ep_size, ctx.redundant_experts_per_rank)
@@ -90,7 +111,7 @@ def engine_placement_shape(ctx: ParallelContext, num_experts: int) -> PlacementS
 def rank_expert_range(ctx: ParallelContext, num_experts: int) -> tuple[int, int]:
     """[first, first + count) of the experts this rank reads from the checkpoint into its first slots (none on a
     shared-expert rank)."""
-    if ctx.is_shared_expert_rank:
+    if ctx.is_shared_expert_rank or (ctx.is_disagg and not ctx.is_expert_rank):
         return 0, 0
     return engine_placement_shape(ctx, num_experts).initial_experts(ctx.ep_rank)
 
@@ -124,10 +145,11 @@ class MoERuntime:
     """Runs the routed experts of one MoE layer for this rank of a parallel context."""
 
     def __init__(self, ctx: ParallelContext, num_experts: int, top_k: int, hidden_size: int,
-                 dtype: torch.dtype, num_shared_experts: int = 0) -> None:
+                 dtype: torch.dtype, num_shared_experts: int = 0, layer: int = 0) -> None:
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.ctx = ctx
+        self.layer = layer  # the decoder layer: what A2E tags its rows with
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -140,6 +162,9 @@ class MoERuntime:
         self.first_slot = ctx.ep_rank * slots_per_rank
         self.redundant_slots = slots_per_rank - self.num_local_experts  # this rank's slots beyond its share
         self.num_slots = shape.num_slots  # what the dispatchers route over
+        self.holds_experts = not ctx.is_disagg or ctx.is_expert_rank
+        if not self.holds_experts:  # an attention rank of a disaggregated layout
+            self.first_expert = self.num_local_experts = self.first_slot = self.redundant_slots = 0
         # logical -> slot ids; None while slot ids are the expert ids (no redundant slots, an even split)
         self.slot_map: SlotMap | None = None
         if shape.redundant_per_rank or shape.uneven:
@@ -157,7 +182,8 @@ class MoERuntime:
         self.load_counts: torch.Tensor | None = None
         self._one = torch.ones(1, dtype=torch.int64)
         self.rotation_offset = ctx.dp_rank
-        self.tp_rank, self.tp_size = ctx.moe_tp_rank, ctx.moe_tp_size
+        # an attention rank of a disaggregated layout holds no column block either
+        self.tp_rank, self.tp_size = (ctx.moe_tp_rank, ctx.moe_tp_size) if self.holds_experts else (0, 1)
         self.attn_tp_size = ctx.attn_tp_size
         self.single = ctx.world_size == 1
         # a == c: the attention TP group is the MoE node, whose tokens are then already replicated
@@ -165,7 +191,16 @@ class MoERuntime:
         self.deduplicate = self.attn_tp_size > 1 and not self.node_replicated
         self.ep_dispatcher: EPDispatcher | None = None
         self.hybrid: HybridMoEComm | None = None
-        if self.single:
+        self.a2e_comms: list[A2EComm] = []  # disaggregated: one per DP domain this rank talks to
+        if not self.single:
+            self._connect(num_shared_experts)
+
+    def _connect(self, num_shared_experts: int) -> None:
+        """This layer's communicator (shared with the context's other layers of its shape)."""
+        ctx, top_k, hidden_size, dtype = self.ctx, self.top_k, self.hidden_size, self.dtype
+        if ctx.is_disagg:
+            self.a2e_comms = [_a2e_comm(ctx, index, self.num_slots, top_k, hidden_size, dtype)
+                              for index in range(len(ctx.a2e_groups))]
             return
         if ctx.moe_groups is None:
             raise ValueError(f"a context for {ctx.strategy} needs its process groups (ParallelContext.build)")
@@ -207,6 +242,9 @@ class MoERuntime:
         topk_ids, topk_weights = self._count_and_map(topk_ids, topk_weights)
         if self.single:
             return experts(hidden, topk_ids, topk_weights)
+        if self.a2e_comms:  # the experts are on the expert ranks
+            comm = self.a2e_comms[0]
+            return comm.e2a(comm.a2e(hidden, topk_ids, topk_weights, tag=self.layer))
         num_tokens = hidden.shape[0]
         if self.deduplicate:
             rank = self.ctx.attn_tp_rank
@@ -231,6 +269,12 @@ class MoERuntime:
         if self.shared_slots is None:
             return slot_ids, topk_weights
         return self.shared_slots.append_columns(slot_ids, topk_weights, self.rotation_offset)
+
+    def serve(self, experts: FusedMoEWeights) -> int:
+        """An expert rank's part of the layer: every DP domain's rows in turn, through its slots. The rows run."""
+        if not self.ctx.is_expert_rank:
+            raise RuntimeError(f"rank {self.ctx.rank} is not an expert rank of a disaggregated layout")
+        return sum(comm.serve_layer(experts, tag=self.layer) for comm in self.a2e_comms)
 
     # ------------------------------------------------------------------ forward in stages (two micro-batches)
 

@@ -38,6 +38,24 @@ from meshserve.parallel.topology import Topology, TopologyGroups, build_groups
 _DEFAULT_TIMEOUT_S = dist.default_pg_timeout.total_seconds()
 
 
+def _rank_lists(strategy: ParallelStrategy, rank: int) -> dict[str, list[int]]:
+    """The ranks of `rank`'s groups by kind (for tests and logs)."""
+    if strategy.disagg:
+        first, t = strategy.attention_ranks, strategy.moe_tp
+        if rank < first:
+            return dict(attn_tp_ranks=[rank], oproj_ranks=[rank], moe_tp_ranks=[rank], ep_ranks=[rank])
+        index = rank - first
+        return dict(attn_tp_ranks=[rank], oproj_ranks=[rank],
+                    moe_tp_ranks=[first + index // t * t + r for r in range(t)],
+                    ep_ranks=[first + g * t + index % t for g in range(strategy.moe_ep)])
+    topo = Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp)
+    a, k = strategy.attn_tp, strategy.oproj_tp
+    return dict(attn_tp_ranks=list(range(rank // a * a, (rank // a + 1) * a)),
+                oproj_ranks=list(range(rank // k * k, (rank // k + 1) * k)),
+                moe_tp_ranks=topo.intra_node_ranks(topo.node_of(rank)),
+                ep_ranks=topo.inter_node_ranks(topo.local_rank(rank)))
+
+
 @dataclass
 class ParallelContext:
     strategy: ParallelStrategy
@@ -59,6 +77,11 @@ class ParallelContext:
     attn_tp_group: dist.ProcessGroup | None = None
     oproj_group: dist.ProcessGroup | None = None  # None with oproj TP1
     moe_groups: TopologyGroups | None = None
+    # attention-expert disaggregation (`disagg`): the A2E groups this rank talks over (an attention rank: its DP
+    # domain's, holding the domain's attention ranks and every expert rank; an expert rank: every domain's, in
+    # domain order) and, with two-stage routing, every node's group of expert ranks (meshserve/moe/a2e.py)
+    a2e_groups: list = field(default_factory=list)
+    a2e_node_groups: list = field(default_factory=list)
     # rank lists of this rank's groups (for tests and logs)
     attn_tp_ranks: list[int] = field(default_factory=lambda: [0])
     oproj_ranks: list[int] = field(default_factory=lambda: [0])
@@ -100,16 +123,11 @@ class ParallelContext:
         if world != strategy.world_size:
             raise ValueError(f"strategy {strategy} spans {strategy.world_size} ranks but the world has {world}")
         rank = dist.get_rank()
-        topo = Topology(num_nodes=strategy.moe_ep, ranks_per_node=strategy.moe_tp)
-        a, k = strategy.attn_tp, strategy.oproj_tp
         # a peer still in a collective fails it within one timeout; the second covers the compute before it
         wait_s = 2 * (collective_timeout_s or _DEFAULT_TIMEOUT_S)
         # the store the world rendezvoused on: its server lives in rank 0's process, apart from the groups
         store = dist.distributed_c10d._get_default_store()
-        ctx = cls(strategy, rank=rank, **settings, attn_tp_ranks=list(range(rank // a * a, (rank // a + 1) * a)),
-                  oproj_ranks=list(range(rank // k * k, (rank // k + 1) * k)),
-                  moe_tp_ranks=topo.intra_node_ranks(topo.node_of(rank)),
-                  ep_ranks=topo.inter_node_ranks(topo.local_rank(rank)),
+        ctx = cls(strategy, rank=rank, **settings, **_rank_lists(strategy, rank),
                   rollback=RollbackAgreement(store, rank, world, wait_s))
         ctx._create_groups()
         return ctx
@@ -117,6 +135,9 @@ class ParallelContext:
     def _create_groups(self) -> None:
         """This rank's groups, new; collective over the world (new_group must be called for every group on every
         rank, in one order). They meet under torch's default timeout; their collectives then get the bounded one."""
+        if self.strategy.disagg:
+            self._create_disagg_groups()
+            return
         a = self.strategy.attn_tp
         attn_pgs = [dist.new_group(list(range(dp * a, (dp + 1) * a))) for dp in range(self.strategy.attn_dp)]
         self.moe_groups = build_groups(Topology(num_nodes=self.strategy.moe_ep, ranks_per_node=self.strategy.moe_tp))
@@ -126,10 +147,27 @@ class ParallelContext:
         oproj_pgs = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(self.world_size // k)] if k > 1 \
             else []
         self.oproj_group = oproj_pgs[self.rank // k] if oproj_pgs else None
+        self._finish_groups([*attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node, *self.moe_groups.all_inter_node])
+
+    def _create_disagg_groups(self) -> None:
+        """The A2E groups of a disaggregated layout: one per DP domain (its attention ranks, then every expert
+        rank) and, with two-stage routing, one per node of `relay` expert ranks."""
+        s = self.strategy
+        experts = list(range(s.attention_ranks, self.world_size))
+        per_domain = s.attention_ranks // s.domains
+        domain_pgs = [dist.new_group(list(range(d * per_domain, (d + 1) * per_domain)) + experts)
+                      for d in range(s.domains)]
+        node_pgs = [dist.new_group(experts[n:n + s.relay]) for n in range(0, len(experts), s.relay)] \
+            if s.relay > 1 else []
+        self.a2e_groups = domain_pgs if self.is_expert_rank else [domain_pgs[self.domain]]
+        self.a2e_node_groups = node_pgs
+        self._finish_groups([*domain_pgs, *node_pgs])
+
+    def _finish_groups(self, groups: list) -> None:
+        """Keep the groups this rank is in (to rebuild and destroy them), bound their collectives, open the board."""
         if self.agree_steps:
             self._open_step_board()
-        self._all_groups = [group for group in (*attn_pgs, *oproj_pgs, *self.moe_groups.all_intra_node,
-                                                *self.moe_groups.all_inter_node)
+        self._all_groups = [group for group in groups
                             if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
         if self.collective_timeout_s is not None:
             for group in self._all_groups:
@@ -180,7 +218,29 @@ class ParallelContext:
         return self.strategy.world_size
 
     @property
+    def is_disagg(self) -> bool:
+        """Attention and experts on different ranks (`disagg`)."""
+        return self.strategy.disagg
+
+    @property
+    def is_expert_rank(self) -> bool:
+        """A rank of a disaggregated layout holding experts only: no tokens, no KV cache, no DP group."""
+        return self.strategy.disagg and self.rank >= self.strategy.attention_ranks
+
+    @property
+    def expert_index(self) -> int:
+        """This expert rank's place among the expert ranks (EP group * MoE TP + column block)."""
+        return self.rank - self.strategy.attention_ranks
+
+    @property
+    def domain(self) -> int:
+        """The DP domain of this attention rank (disaggregated layouts; 0 otherwise)."""
+        return self.dp_rank // (self.strategy.attn_dp // self.strategy.domains)
+
+    @property
     def dp_rank(self) -> int:
+        if self.is_expert_rank:
+            return 0  # in no DP group; never asked for one's part of a step
         return self.rank // self.strategy.attn_tp
 
     @property
@@ -206,6 +266,8 @@ class ParallelContext:
 
     @property
     def moe_tp_rank(self) -> int:
+        if self.is_disagg:
+            return self.expert_index % self.strategy.moe_tp if self.is_expert_rank else 0
         return self.rank % self.strategy.moe_tp
 
     @property
@@ -214,6 +276,8 @@ class ParallelContext:
 
     @property
     def ep_rank(self) -> int:
+        if self.is_disagg:  # an attention rank holds no expert: 0 keeps index arithmetic in range
+            return self.expert_index // self.strategy.moe_tp if self.is_expert_rank else 0
         return self.rank // self.strategy.moe_tp
 
     @property
@@ -232,12 +296,14 @@ class ParallelContext:
 
     @property
     def is_shared_expert_rank(self) -> bool:
+        if self.is_disagg and not self.is_expert_rank:
+            return False
         return self.ep_rank >= self.routed_ep_size
 
     @property
     def is_driver(self) -> bool:
         """The rank that samples for its DP group and reports the group's results to the master."""
-        return self.attn_tp_rank == 0
+        return self.attn_tp_rank == 0 and not self.is_expert_rank
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """[first, first + count) of the global experts this rank's EP slot holds."""

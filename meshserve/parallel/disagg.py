@@ -20,7 +20,9 @@ No torch: `meshserve plan` imports this.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 
 from meshserve.parallel.analyzer import (
@@ -91,6 +93,21 @@ class DisaggLayout:
         if intermediate_size % self.expert_tp:
             raise StrategyError(f"moe=TP{self.expert_tp} does not divide the experts' intermediate size "
                                 f"{intermediate_size}")
+
+
+def check_model_dir(layout: DisaggLayout, model_dir: str) -> None:
+    """`layout.check_model` for the model in `model_dir` (its config.json); StrategyError for a model without
+    routed experts."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # the model's load reports what is wrong with its files
+    num_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts")
+    if not num_experts or "moe_intermediate_size" not in config:
+        raise StrategyError(f"{layout}: {config.get('model_type')!r} models have no routed experts to put on expert "
+                            "ranks")
+    layout.check_model(int(num_experts), int(config["moe_intermediate_size"]))
 
 
 def parse_disagg(text: str) -> DisaggLayout:

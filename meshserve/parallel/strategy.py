@@ -15,6 +15,12 @@ and the partial sums between them. k divides the attention DP degree.
 An optional `shared=EPs` block puts the shared experts on the last s of the EP ranks (the seeds'
 EP288 = 256 routed + 32 shared-expert dies, xdeepserve §7): the other EP ranks hold the routed experts.
 Pure EP with attention TP1 only; omitted (and not printed) it is 0.
+
+Attention-expert disaggregation (`attn=DP4 moe=EP2 disagg domains=2`, xdeepserve §5.2,
+meshserve/parallel/disagg.py): the attention ranks (TP1, one DP group each) and the expert ranks are
+different ranks, the expert ranks after the attention ones, so the world is their sum. `domains` split
+the attention ranks into groups that take turns on the expert ranks, `relay` routes through one relay
+per that many expert ranks (two-stage).
 """
 from __future__ import annotations
 
@@ -42,6 +48,10 @@ class ParallelStrategy:
     moe_ep: int = 1
     oproj_tp: int = 1  # ranks sharing each attention output projection (MLA at attention TP1)
     shared_ep: int = 0  # of the moe_ep EP ranks, the last shared_ep host only the shared experts
+    # attention-expert disaggregation: the MoE ranks follow the attention ranks instead of being the same ones
+    disagg: bool = False
+    domains: int = 1  # disagg: DP domains taking turns on the expert ranks
+    relay: int = 1  # disagg: expert ranks behind one relay (two-stage routing); 1: direct
 
     def __post_init__(self) -> None:
         for name in ("attn_tp", "attn_dp", "moe_tp", "moe_ep", "oproj_tp"):
@@ -50,6 +60,11 @@ class ParallelStrategy:
                 raise StrategyError(f"{name} must be a positive power of two, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise StrategyError(f"{name} must be a positive integer, got {value!r}")
+        if self.disagg:
+            self.disagg_layout()  # checks the roles (StrategyError naming the setting)
+            return
+        if (self.domains, self.relay) != (1, 1):
+            raise StrategyError("domains and relay belong to a disaggregated layout (add the word 'disagg')")
         attn_ranks = self.attn_tp * self.attn_dp
         moe_ranks = self.moe_tp * self.moe_ep
         if attn_ranks != moe_ranks:
@@ -81,10 +96,30 @@ class ParallelStrategy:
         return self.moe_ep - self.shared_ep
 
     @property
-    def world_size(self) -> int:
+    def attention_ranks(self) -> int:
+        """Ranks running attention (every rank unless disaggregated)."""
         return self.attn_tp * self.attn_dp
 
+    @property
+    def world_size(self) -> int:
+        return self.attention_ranks + (self.moe_tp * self.moe_ep if self.disagg else 0)
+
+    def disagg_layout(self):
+        """The disaggregated layout this strategy serves (meshserve/parallel/disagg.py; its checks run)."""
+        from meshserve.parallel.disagg import DisaggLayout  # it prices layouts with the analyzer, which needs us
+
+        if not self.disagg:
+            raise StrategyError(f"{self} is not a disaggregated layout")
+        if self.attn_tp != 1 or self.oproj_tp != 1:
+            raise StrategyError(f"a disaggregated layout runs attention at TP1 (attn=DPa), not attn=TP{self.attn_tp}"
+                                + (f" oproj=TP{self.oproj_tp}" if self.oproj_tp > 1 else ""))
+        return DisaggLayout(attention_ranks=self.attn_dp, expert_ranks=self.moe_tp * self.routed_ep,
+                            shared_ranks=self.moe_tp * self.shared_ep, expert_tp=self.moe_tp, domains=self.domains,
+                            relay=self.relay)
+
     def __str__(self) -> str:
+        if self.disagg:
+            return str(self.disagg_layout())
         oproj = f" oproj=TP{self.oproj_tp}" if self.oproj_tp > 1 else ""
         shared = f" shared=EP{self.shared_ep}" if self.shared_ep else ""
         return f"attn=TP{self.attn_tp}+DP{self.attn_dp}{oproj} moe=TP{self.moe_tp}+EP{self.moe_ep}{shared}"
@@ -115,6 +150,8 @@ def parse_strategy(text: str) -> ParallelStrategy:
     s to 0; order of terms is free."""
     if not isinstance(text, str) or not text.strip():
         raise StrategyError("empty strategy; expected e.g. 'attn=TP2+DP2 moe=TP2+EP2'")
+    if "disagg" in text.split():
+        return from_disagg_text(text)
     degrees: dict[str, int] = {}
     seen_blocks: set[str] = set()
     for block in text.split():
@@ -141,6 +178,20 @@ def parse_strategy(text: str) -> ParallelStrategy:
     if missing:
         raise StrategyError(f"strategy {text!r} lacks the {', '.join(missing)} block")
     return ParallelStrategy(**degrees)
+
+
+def from_disagg_text(text: str) -> ParallelStrategy:
+    """The strategy of a disaggregated layout `attn=DPa moe=[TPt+]EPe [shared=EPs] disagg [domains=D] [relay=R]`."""
+    from meshserve.parallel.disagg import parse_disagg
+
+    layout = parse_disagg(text)
+    t = layout.expert_tp
+    if layout.shared_ranks % t:
+        raise StrategyError(f"shared=EP{layout.shared_ranks} must be a multiple of moe=TP{t} (shared-expert ranks "
+                            "split their experts the same way)")
+    return ParallelStrategy(attn_dp=layout.attention_ranks, moe_tp=t,
+                            moe_ep=(layout.expert_ranks + layout.shared_ranks) // t, shared_ep=layout.shared_ranks // t,
+                            disagg=True, domains=layout.domains, relay=layout.relay)
 
 
 def enumerate_strategies(world_size: int, oproj: bool = False) -> list[ParallelStrategy]:

@@ -36,14 +36,10 @@ the master recovers the ranks.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -52,12 +48,11 @@ from meshserve.layers.kv_quant import cache_dtype
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.models.draft_vocab import load_draft_vocab
 from meshserve.models.generation_config import eos_token_ids
-from meshserve.models.loader import iter_safetensors, load_hf_config, load_model, resolve_dtype
-from meshserve.moe.placement import ExpertPlacement, describe_placement_source, load_placement_file
+from meshserve.models.loader import load_hf_config, resolve_dtype
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.rollback import is_transient
-from meshserve.utils import envs, page_cache
-from meshserve.wire.eplb import EplbCommand, EplbPhase
+from meshserve.utils import envs
+from meshserve.wire.eplb import EplbCommand
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVRegion
 from meshserve.wire.worker import (
     ModelRunnerOutput,
@@ -69,8 +64,8 @@ from meshserve.wire.worker import (
 )
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
-from meshserve.worker.model_cache import pool_weights
 from meshserve.worker.mtp_proposer import CatchUp, MTPProposer
+from meshserve.worker.rank_model import RankExperts, load_rank_model, load_threads
 from meshserve.worker.request_state import RequestState, StepSeq, StepSnapshot
 from meshserve.worker.sampler import (
     FAILED_TOKEN,
@@ -83,7 +78,7 @@ from meshserve.worker.sampler import (
 )
 from meshserve.worker.spec_decode import DraftRow, VerifyOutput, verify_drafts
 from meshserve.worker.step_agreement import AgreedStep
-from meshserve.worker.weight_fork import WeightServer, fork_identity, fork_model
+from meshserve.worker.weight_fork import WeightServer, fork_identity
 
 logger = logging.getLogger(__name__)
 
@@ -93,28 +88,6 @@ MAX_STEP_ATTEMPTS = 3  # a step failing with a transient error runs at most this
 
 class StepRetriesExhausted(RuntimeError):
     """A step failed with a transient error on each of its MAX_STEP_ATTEMPTS attempts."""
-
-
-@dataclass(frozen=True)
-class LoadInfo:
-    """How a rank got its weights (`WorkerReady.load_*`): wall-clock times, source, bytes read."""
-
-    start: float
-    end: float
-    source: str  # disk | page-cache | pool | fork
-    nbytes: int
-
-
-@contextlib.contextmanager
-def _load_threads(ranks_on_host: int):
-    """Load with this host's cores shared among the TE's ranks, then serve with the configured threads: the rank
-    serves nothing while it loads, and its load time is the new TE's start-up (copies and prepacking scale)."""
-    serving = torch.get_num_threads()
-    torch.set_num_threads(max(serving, (os.cpu_count() or 1) // max(1, ranks_on_host)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(serving)
 
 
 def kv_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: float) -> int:
@@ -141,8 +114,8 @@ class ModelRunner:
             # still fails fast after its first timeout)
             self.pool = PoolClient(config.pool_config.pool_controller, timeout_s=5.0,
                                    name=f"worker-{self.parallel.rank}")
-        with _load_threads(config.parallel_config.num_local_ranks):
-            self.model, self.load_info = self._load_model(config)
+        with load_threads(config.parallel_config.num_local_ranks):
+            self.model, self.load_info = load_rank_model(config, self.parallel, self.dtype, self.device, self.pool)
         logger.info("loaded %s from %s in %.1fs (%.1f MiB)", config.model_config.model, self.load_info.source,
                     self.load_info.end - self.load_info.start, self.load_info.nbytes / 2**20)
         # new TEs of this layout fork their weights from here; started before an initial placement moves experts
@@ -181,11 +154,9 @@ class ModelRunner:
                                         draft_vocab=self._draft_vocab(spec.speculative_draft_vocab))
         # a prefill TE hands its requests over after their first token: it fills the MTP cache, never drafts
         self.drafts_wanted = config.kv_transfer_config.kv_transfer != "producer"
-        self.expert_balancer = getattr(self.model, "expert_balancer", None)
+        self.experts = RankExperts(getattr(self.model, "expert_balancer", None))
         if config.eplb_config.eplb_placement:
-            self._apply_initial_placement(config.eplb_config.eplb_placement)
-        # reconfiguration phase: "prefetching" / "loading" run in the background, then "prefetched" / "loaded"
-        self._eplb_phase: str | None = None
+            self.experts.apply_initial_placement(config.eplb_config.eplb_placement)
 
     def _allocate_kv_cache(self, config: EngineConfig) -> None:
         """This rank's KV cache (its blocks from the memory budget unless counted) and the KV connectors' worker
@@ -221,43 +192,6 @@ class ModelRunner:
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token, str(self.layout.dtype).removeprefix("torch."))
 
-    def _load_model(self, config: EngineConfig):
-        """This rank's model and how it got its weights: forked from a running TE (`fork_from`), from the
-        memory pool's model cache, else from the checkpoint files (page cache or disk, as they were before)."""
-        model_config = config.model_config
-        model_dir = model_config.model
-        start = time.time()
-        if model_config.fork_from:
-            sources = [a.strip() for a in model_config.fork_from.split(",")]
-            if len(sources) != self.parallel.world_size:
-                raise ValueError(f"fork_from names {len(sources)} weight server(s); this TE has "
-                                 f"{self.parallel.world_size} rank(s), one each")
-            model, nbytes = fork_model(sources[self.parallel.rank], model_dir, self.dtype, self.device, self.parallel,
-                                       model_config.quantization, config.parallel_config.startup_timeout_s)
-            return model, LoadInfo(start, time.time(), "fork", nbytes)
-        # with a pool, weights come from its model cache when the model is there (`meshserve pool put-model`)
-        from_pool = self.pool is not None and config.pool_config.pool_load_weights
-        if from_pool:
-            source, read = "pool", pool_weights(self.pool, model_dir)
-        else:
-            try:
-                resident = page_cache.resident_fraction(page_cache.checkpoint_files(model_dir))
-            except (OSError, ValueError):
-                resident = 0.0  # the load itself reports what is wrong with the files
-            source = "page-cache" if resident >= page_cache.RESIDENT_THRESHOLD else "disk"
-
-            def read(wanted, shard_of):
-                return iter_safetensors(model_dir, wanted, shard_of)
-        counted = [0]
-
-        def counting(wanted, shard_of):
-            for name, tensor in read(wanted, shard_of):
-                counted[0] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-        model = load_model(model_dir, dtype=self.dtype, device=self.device, parallel=self.parallel,
-                           read_weights=counting, quantization=model_config.quantization)
-        return model, LoadInfo(start, time.time(), source, counted[0])
-
     @property
     def weights_addr(self) -> str:
         """This rank's weight server once its snapshot is whole ("" before: a `WEIGHTS_SERVED` event follows)."""
@@ -273,24 +207,13 @@ class ModelRunner:
         return ids
 
     # ------------------------------------------------------------------ expert placement (xdeepserve §4.5)
-    def _apply_initial_placement(self, source: str) -> None:
-        """Load the experts of a planned placement (a file, or inline JSON: a shrunk layout's) before serving:
-        primary slots may move here too, and the slots of a shrunk layout are all planned."""
-        placement = load_placement_file(source)
-        what = describe_placement_source(source)
-        if self.expert_balancer is None:
-            raise ValueError(f"--eplb-placement {what}: the model has no MoE layers")
-        t0 = time.perf_counter()
-        self.expert_balancer.reconfigure(placement, offline=True)
-        logger.info("applied expert placement %s in %.2fs", what, time.perf_counter() - t0)
-
     @property
     def moe_layers(self) -> list[int]:
-        return list(self.expert_balancer.moe_layers) if self.expert_balancer is not None else []
+        return self.experts.moe_layers
 
     @property
     def num_logical_experts(self) -> int:
-        return self.expert_balancer.shape.num_logical if self.expert_balancer is not None else 0
+        return self.experts.num_logical_experts
 
     def start_kv_connectors(self, metadata: dict[int, KVConnectorMetadata]) -> None:
         """This DP group's remote-KV work (pool stores and fetches, KV pulls); every rank of the group
@@ -312,35 +235,11 @@ class ModelRunner:
 
     def apply_eplb(self, command: EplbCommand) -> None:
         """One phase of an expert-placement reconfiguration; every rank applies it at the same step boundary."""
-        if self.expert_balancer is None:
-            raise RuntimeError("expert placement command for a model without MoE layers")
-        self._EPLB_PHASES[command.phase](self, self.expert_balancer, command)
-
-    def _eplb_prefetch(self, balancer, command: EplbCommand) -> None:
-        balancer.start_prefetch(ExpertPlacement.from_dict(command.placement.to_dict()))
-        self._eplb_phase = "prefetching"
-
-    def _eplb_disable_and_load(self, balancer, command: EplbCommand) -> None:
-        balancer.disable_changing_slots()
-        balancer.start_load()
-        self._eplb_phase = "loading"
-
-    def _eplb_enable(self, balancer, command: EplbCommand) -> None:
-        balancer.enable()
-        self._eplb_phase = None
-
-    def _eplb_abort(self, balancer, command: EplbCommand) -> None:
-        """Some rank failed a phase: all drop it at this same step boundary."""
-        balancer.abort()
-        self._eplb_phase = None
-
-    _EPLB_PHASES: ClassVar[dict[EplbPhase, Callable]] = {
-        EplbPhase.PREFETCH: _eplb_prefetch, EplbPhase.DISABLE_AND_LOAD: _eplb_disable_and_load,
-        EplbPhase.ENABLE: _eplb_enable, EplbPhase.ABORT: _eplb_abort}
+        self.experts.apply(command)
 
     @property
     def background_busy(self) -> bool:
-        return (self._eplb_phase in ("prefetching", "loading")
+        return (self.experts.busy
                 or (self.weight_server is not None and self.weight_server.pending)
                 or any(connector.busy for connector in self.kv_connectors))
 
@@ -358,28 +257,13 @@ class ModelRunner:
         """(kind, detail) of background work that finished since the last call (KV connectors aside)."""
         events = [(WorkerEventKind.ROLLED_BACK, detail) for detail in self._rollback_events]
         self._rollback_events.clear()
-        events += self._poll_eplb()
+        events += self.experts.poll()
         if self.weight_server is not None and self.weight_server.take_ready():
             events.append((WorkerEventKind.WEIGHTS_SERVED, self.weight_server.address))
         return events
 
-    def _poll_eplb(self) -> list[tuple[WorkerEventKind, str]]:
-        if self._eplb_phase not in ("prefetching", "loading"):
-            return []
-        balancer = self.expert_balancer
-        try:
-            done = balancer.prefetch_done() if self._eplb_phase == "prefetching" else balancer.load_done()
-        except Exception as exc:  # reported to the master, which stops the reconfiguration on every rank
-            self._eplb_phase = None
-            return [(WorkerEventKind.EPLB_FAILED, f"{type(exc).__name__}: {exc}")]
-        if not done:
-            return []
-        prefetched = self._eplb_phase == "prefetching"
-        self._eplb_phase = "prefetched" if prefetched else "loaded"
-        return [(WorkerEventKind.EPLB_PREFETCHED if prefetched else WorkerEventKind.EPLB_LOADED, "")]
-
     def take_expert_load(self) -> list[list[int]] | None:
-        return self.expert_balancer.take_counts() if self.expert_balancer is not None else None
+        return self.experts.take_load()
 
     # ------------------------------------------------------------------ state updates
     def _add(self, new: NewRequestData) -> None:

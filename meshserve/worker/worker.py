@@ -227,6 +227,13 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
         from meshserve.worker.null_runner import NullRunner
 
         return NullRunner(engine_config, parallel, forward_s)
+    if parallel.is_expert_rank:  # a disaggregated layout's expert rank: experts only, no KV cache
+        from meshserve.worker.expert_runner import ExpertRankRunner
+
+        expert_runner = ExpertRankRunner(engine_config, parallel)
+        logger.info("ready (%d torch threads; expert rank %d: EP rank %d, MoE TP rank %d, serving %d DP domain(s))",
+                    threads, parallel.expert_index, parallel.ep_rank, parallel.moe_tp_rank, len(parallel.a2e_groups))
+        return expert_runner
     runner = ModelRunner(engine_config, parallel)
     logger.info("ready (%d torch threads; DP group %d, attention TP rank %d, EP rank %d, MoE TP rank %d)",
                 threads, parallel.dp_rank, parallel.attn_tp_rank, parallel.ep_rank, parallel.moe_tp_rank)

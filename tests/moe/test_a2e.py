@@ -37,17 +37,19 @@ def _tokens(num_tokens: int, seed: int):
 
 
 def _a2e_worker(rank: int, world: int, num_attention: int, ranks_per_node: int, two_stage: bool,
-                int8: bool) -> None:
+                int8: bool, expert_tp: int = 1) -> None:
     layout = A2ELayout(attention_ranks=tuple(range(num_attention)), expert_ranks=tuple(range(num_attention, world)),
-                       num_experts=NUM_EXPERTS, top_k=TOP_K, ranks_per_node=ranks_per_node)
+                       num_experts=NUM_EXPERTS, top_k=TOP_K, ranks_per_node=ranks_per_node, expert_tp=expert_tp)
     # every rank creates every node's group, in node order
     node_groups = [dist.new_group(list(layout.node_members(node))) for node in range(layout.num_nodes)]
     comm = A2EComm(dist.group.WORLD, layout, HIDDEN, max_tokens_per_rank=8, dtype=torch.float32,
                    two_stage=two_stage, node_groups=node_groups, int8=int8)
     w13, w2 = _layer()
     if not comm.is_attention:  # this expert rank's slice of the experts, its compute skipping the others
-        first = comm.expert_index * layout.experts_per_rank
-        local_w13, local_w2 = shard_expert_weights(w13, w2, first, layout.experts_per_rank)
+        # expert rank j = g * t + r: column block r of EP group g's experts
+        group, column_block = divmod(comm.expert_index, expert_tp)
+        first = group * layout.experts_per_group
+        local_w13, local_w2 = shard_expert_weights(w13, w2, first, layout.experts_per_group, column_block, expert_tp)
 
         def compute(h, ids, w):
             return fused_experts(h, ids, w, local_w13, local_w2, first_expert=first)
@@ -58,7 +60,7 @@ def _a2e_worker(rank: int, world: int, num_attention: int, ranks_per_node: int, 
             hidden, ids, weights = _tokens(tokens_per_rank[(rank + layer) % 4], seed=100 * layer + rank)
             handle = comm.a2e(hidden, ids, weights)
             destinations = layout.num_nodes if two_stage else len(layout.expert_ranks)
-            owners = ids // layout.experts_per_rank // (layout.ranks_per_node if two_stage else 1)
+            owners = layout.owner_indices(ids) // (layout.ranks_per_node if two_stage else 1)
             once = sum(len(set(row.tolist())) for row in owners)  # each token once per destination
             assert handle.token_of_row.numel() == sum(handle.send_splits) == once <= hidden.shape[0] * destinations
             out = comm.e2a(handle)
@@ -92,6 +94,27 @@ def test_a2e_and_e2a_give_the_single_rank_layer(world, num_attention, ranks_per_
                       timeout_s=WORLD_TIMEOUT_S)
 
 
+@pytest.mark.parametrize(("ranks_per_node", "two_stage"), [(1, False), (2, True)])
+def test_moe_tp_on_the_expert_ranks_sums_their_column_blocks(ranks_per_node, two_stage):
+    """moe=TP2+EP2 on 4 expert ranks: a row reaches both ranks of its expert's EP group, whose partial outputs
+    (half the intermediate columns each) add up on the attention side."""
+    spawn_local_world(_a2e_worker, 6, args=(2, ranks_per_node, two_stage, False, 2), timeout_s=WORLD_TIMEOUT_S)
+
+
+def _out_of_step_worker(rank: int, world: int) -> None:
+    layout = A2ELayout(attention_ranks=(0,), expert_ranks=(1,), num_experts=NUM_EXPERTS, top_k=TOP_K)
+    comm = A2EComm(dist.group.WORLD, layout, HIDDEN, max_tokens_per_rank=4, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="A2E out of step"):
+        if comm.is_attention:
+            comm.a2e(*_tokens(2, seed=rank), tag=3)  # the attention rank is at layer 3
+        else:
+            comm.serve_layer(lambda h, ids, w: torch.zeros_like(h), tag=2)  # the expert rank serves layer 2
+
+
+def test_ranks_at_different_layers_fail_at_once():
+    spawn_local_world(_out_of_step_worker, 2, timeout_s=WORLD_TIMEOUT_S)
+
+
 def _domains_worker(rank: int, world: int) -> None:
     """Two DP domains of one attention rank each (ranks 0 and 1) take turns on the same two expert ranks (2 and
     3): each domain's A2E group holds its attention rank and the expert ranks, and the expert ranks serve the
@@ -114,8 +137,8 @@ def _domains_worker(rank: int, world: int) -> None:
         else:
             for domain in (0, 1):  # one domain at a time talks to the experts
                 comm = comms[domain]
-                first = comm.expert_index * comm.layout.experts_per_rank
-                local_w13, local_w2 = shard_expert_weights(w13, w2, first, comm.layout.experts_per_rank)
+                first = comm.expert_index * comm.layout.experts_per_group
+                local_w13, local_w2 = shard_expert_weights(w13, w2, first, comm.layout.experts_per_group)
                 served.append(comm.serve_layer(
                     lambda h, ids, w, a=local_w13, b=local_w2, f=first: fused_experts(h, ids, w, a, b, first_expert=f)))
     if rank >= 2:
@@ -131,6 +154,7 @@ def test_dp_domains_take_turns_on_the_expert_ranks():
     (dict(attention_ranks=(0, 1), expert_ranks=(1, 2)), "either an attention rank or an expert rank"),
     (dict(attention_ranks=(0,), expert_ranks=(2, 3)), "cover group ranks"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2, 3)), "do not split evenly"),
+    (dict(attention_ranks=(0,), expert_ranks=(1, 2, 3), expert_tp=2), "EP groups of TP2"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2), ranks_per_node=4), "do not form nodes"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2), top_k=9), "top_k"),
 ])

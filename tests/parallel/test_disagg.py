@@ -3,15 +3,17 @@ cannot form refused naming the setting, the price's shape (a layer is max(A + 2C
 `meshserve plan --disagg` beside colocated DP=EP on as many devices."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from meshserve.config import ConfigError, EngineConfig
 from meshserve.entrypoints.cli import main
 from meshserve.parallel.analyzer import Workload, model_spec_from_config
 from meshserve.parallel.cluster_file import CLUSTER_PRESETS, MODEL_PRESETS
-from meshserve.parallel.disagg import DisaggLayout, compare, estimate_disagg, parse_disagg
-from meshserve.parallel.strategy import StrategyError
+from meshserve.parallel.disagg import DisaggLayout, check_model_dir, compare, estimate_disagg, parse_disagg
+from meshserve.parallel.strategy import ParallelStrategy, StrategyError, parse_strategy
 
 R1 = model_spec_from_config(MODEL_PRESETS["deepseek-r1"], name="deepseek-r1")
 CLUSTER = CLUSTER_PRESETS["ascend910b-4x8"]
@@ -94,3 +96,46 @@ def test_plan_refuses_a_bad_layout_in_one_line(capsys):
                  "--disagg", "attn=DP16 moe=EP16 disagg domains=3"]) == 2
     err = capsys.readouterr().err
     assert "domains=3" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("text", "world", "attention"), [
+    ("attn=DP2 moe=EP2 disagg", 4, 2),
+    ("attn=DP4 moe=EP2 disagg domains=2", 6, 4),
+    ("attn=DP2 moe=TP2+EP2 disagg relay=2", 6, 2),
+])
+def test_the_engine_strategy_of_a_disaggregated_layout_counts_both_roles(text, world, attention):
+    strategy = parse_strategy(text)
+    assert strategy.disagg and (strategy.world_size, strategy.attention_ranks) == (world, attention)
+    assert parse_strategy(str(strategy)) == strategy
+    assert strategy.disagg_layout() == parse_disagg(text)
+
+
+def test_only_a_disaggregated_layout_takes_domains():
+    with pytest.raises(StrategyError, match="disagg"):
+        ParallelStrategy(attn_dp=2, moe_ep=2, domains=2)
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    (dict(parallel="attn=DP2 moe=EP2 shared=EP1 disagg"), "shared=EP1"),
+    (dict(parallel="attn=DP2 moe=EP2 disagg", microbatches=2), "microbatches 2"),
+    (dict(parallel="attn=DP2 moe=EP2 disagg", dp_groups="self-contained"), "dp_groups self-contained"),
+    (dict(parallel="attn=DP2 moe=EP2 disagg", on_rank_failure="shrink"), "on_rank_failure shrink"),
+    (dict(parallel="attn=DP2 moe=EP2 disagg", speculative="mtp"), "speculative mtp"),
+    (dict(parallel="attn=DP3 moe=EP2 disagg domains=2"), "domains=2"),
+])
+def test_what_a_served_disaggregated_layout_does_not_do_is_refused_in_one_line(settings, named):
+    with pytest.raises(ConfigError, match=named) as err:
+        EngineConfig.from_kwargs("model-dir", **settings)
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_without_routed_experts_or_too_few_is_refused_naming_the_setting(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 8}))
+    with pytest.raises(StrategyError, match="no routed experts"):
+        check_model_dir(parse_disagg("attn=DP2 moe=EP2 disagg"), str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 4, "moe_intermediate_size": 6}))
+    with pytest.raises(StrategyError, match="moe=EP8"):
+        check_model_dir(parse_disagg("attn=DP2 moe=EP8 disagg"), str(tmp_path))
+    with pytest.raises(StrategyError, match="moe=TP4"):
+        check_model_dir(parse_disagg("attn=DP2 moe=TP4+EP1 disagg"), str(tmp_path))
+    check_model_dir(parse_disagg("attn=DP2 moe=TP2+EP2 disagg"), str(tmp_path))

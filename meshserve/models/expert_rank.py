@@ -1,0 +1,79 @@
+"""The model of an expert rank in a disaggregated layout (`attn=DPa moe=EPe disagg`, xdeepserve §5.2): the routed
+experts of this rank's slots in every MoE layer of the decoder and nothing else (no embedding, no attention, no
+KV cache). Each forward of the attention ranks, `serve_forward` serves their A2E rows layer by layer, every DP
+domain in turn (meshserve/moe/runtime.py `MoERuntime.serve`).
+
+It loads like any model (meshserve/models/loader.py builds it in place of the registered model on an expert rank):
+it wants the checkpoint's per-expert tensors of its experts only, and its `expert_balancer` moves experts between
+its slots when the placement changes, as on a colocated rank.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from meshserve.layers.moe import FusedMoEWeights
+from meshserve.models.base import CausalLM, RoutedExperts
+from meshserve.moe.balancer import ExpertBalancer
+from meshserve.moe.runtime import MoERuntime, rank_expert_range
+from meshserve.parallel.context import ParallelContext
+
+_EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class ExpertRankBlock(torch.nn.Module):
+    """One MoE layer's slots on this expert rank (what the `ExpertBalancer` needs: a runtime and its weights)."""
+
+    def __init__(self, experts: RoutedExperts, layer: int, dtype: torch.dtype, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.runtime = MoERuntime(parallel, experts.num_experts, experts.top_k, experts.hidden_size, dtype,
+                                  layer=layer)
+        self.experts: FusedMoEWeights = self.runtime.make_weights(experts.intermediate_size)
+
+
+class ExpertRankModel(CausalLM):
+    _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype, parallel: ParallelContext,
+                 routed: RoutedExperts) -> None:
+        super().__init__()
+        if not parallel.is_expert_rank:
+            raise ValueError(f"rank {parallel.rank} is not an expert rank of {parallel.strategy}")
+        self.model_type = hf_config.get("model_type", "")
+        self.parallel, self.dtype, self.routed = parallel, dtype, routed
+        self.blocks = torch.nn.ModuleDict({str(layer): ExpertRankBlock(routed, layer, dtype, parallel)
+                                           for layer in routed.layers})
+        self._expert_range = rank_expert_range(parallel, routed.num_experts)
+        self.expert_balancer = ExpertBalancer({layer: self.blocks[str(layer)] for layer in routed.layers})
+        self.requires_grad_(False)
+
+    def wants_weight(self, name: str) -> bool:
+        """Only this rank's experts of the decoder's MoE layers (MTP layers run no forward here)."""
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        return match is not None and match.group(1) in self.blocks and super().wants_weight(name)
+
+    def weight_shard(self, name: str) -> None:
+        return None  # whole experts: the weights keep their column block (MoE TP) themselves
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            match = _EXPERT_WEIGHT.fullmatch(name)
+            if match is None or match.group(1) not in self.blocks:
+                raise ValueError(f"unexpected weight {name!r} for an expert rank (it holds only routed experts)")
+            layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+            experts = self.blocks[layer].experts
+            expected = experts.hf_shape(proj)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            experts.load_expert(expert, proj, tensor)
+            loaded.add(f"blocks.{layer}.experts." + ("w2" if proj == "down_proj" else "w13"))
+        return loaded
+
+    @torch.inference_mode()
+    def serve_forward(self) -> int:
+        """One forward of the attention ranks, seen from here: each MoE layer's rows of every DP domain, served
+        in layer order. The rows computed."""
+        return sum(block.runtime.serve(block.experts) for block in self.blocks.values())

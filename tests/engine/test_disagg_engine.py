@@ -1,0 +1,132 @@
+"""Attention-expert disaggregation through the whole engine (xdeepserve §5.2): attention ranks and expert ranks
+on different processes, tokens over A2E/E2A, against the single-rank engine.
+
+16 prompts of mixed lengths x 32 greedy tokens, submitted together: the tokens must be the single rank's for two
+attention + two expert ranks, four attention ranks in two DP domains taking turns on two expert ranks, MoE TP on
+the expert ranks behind a relay (two-stage routing), a Qwen3-MoE model, and redundant experts on the expert
+ranks after an expert-placement move; after a kill -9 of an expert rank mid-stream every request completes with
+the same tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+from meshserve import LLM, SamplingParams
+from meshserve.config import EngineConfig
+from meshserve.engine.async_client import AsyncEngineClient
+from meshserve.engine.core_client import EngineStartupError
+from meshserve.moe.placement import ExpertPlacement
+
+NUM_PROMPTS = 16
+OUTPUT_LEN = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+ENGINE_ARGS = dict(max_num_batched_tokens=64, block_size=8, max_num_seqs=8, num_kv_blocks=256)
+
+LAYOUTS = {
+    "2-attention+2-expert": "attn=DP2 moe=EP2 disagg",
+    "4-attention-in-2-domains+2-expert": "attn=DP4 moe=EP2 disagg domains=2",
+    "moe-TP2+EP2-through-relays": "attn=DP2 moe=TP2+EP2 disagg relay=2",
+}
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 70, 17, 33, 9, 120, 48, 2, 64, 3, 27, 91, 12, 40, 7, 55]
+    return [torch.randint(100, 31900, (n,), generator=g).tolist() for n in lengths[:NUM_PROMPTS]]
+
+
+def _run(model_dir, prompts, **engine_args) -> list[list[int]]:
+    with LLM(model=str(model_dir), **ENGINE_ARGS, **engine_args) as llm:
+        return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    model_dir = tiny_model("deepseek_v3", seed=3)
+    prompts = _prompts()
+    return model_dir, prompts, _run(model_dir, prompts)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_disaggregated_layout_gives_the_single_rank_tokens(reference, layout):
+    model_dir, prompts, expected = reference
+    assert _run(model_dir, prompts, parallel=LAYOUTS[layout]) == expected
+
+
+def test_a_qwen3_moe_model_on_expert_ranks_gives_the_single_rank_tokens(tiny_model):
+    model_dir = tiny_model("qwen3_moe", seed=3)
+    prompts = _prompts(seed=1)[:8]
+    assert _run(model_dir, prompts, parallel="attn=DP2 moe=EP2 disagg") == _run(model_dir, prompts)
+
+
+async def _generate(client: AsyncEngineClient, prompts, tag: str) -> list[list[int]]:
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in client.generate(None, prompt, GREEDY, f"{tag}-{i}"):
+            tokens = out.outputs[0].token_ids
+        return tokens
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+async def _wait_idle(client: AsyncEngineClient, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply = await client.admin("eplb.status")
+        assert reply.ok, reply.error
+        if reply.data.phase == "idle":
+            return reply.to_json()
+        await asyncio.sleep(0.05)
+    raise AssertionError("the reconfiguration did not finish")
+
+
+def test_expert_moves_and_a_killed_expert_rank_keep_the_single_rank_tokens(reference):
+    """Redundant slots on the expert ranks, a rebalance planned from the attention ranks' load, then a kill -9 of
+    an expert rank while 16 requests stream: the ranks restart with the moved placement and every request ends
+    with the single rank's tokens."""
+    model_dir, prompts, expected = reference
+    config = EngineConfig.from_kwargs(str(model_dir), parallel="attn=DP2 moe=EP2 disagg", eplb_redundant_experts=1,
+                                      eplb_slice_s=0.5, **ENGINE_ARGS)
+
+    async def scenario():
+        client = AsyncEngineClient(config, log_level=logging.WARNING)
+        try:
+            assert await _generate(client, prompts, "off") == expected
+            load = await client.admin("eplb.load")
+            assert load.ok, load.error
+            assert sum(sum(sum(row) for row in rank) for rank in load.data.counts) > 0  # the attention ranks count
+            reply = await client.admin("eplb.rebalance")
+            assert reply.ok, reply.error
+            status = await _wait_idle(client)
+            assert status["num_reconfigurations"] == 1 and status["last_error"] is None
+            placement = ExpertPlacement.from_dict(status["placement"])
+            assert any(len(r) > 1 for layer in placement.layers for r in placement.replicas(layer))
+            assert await _generate(client, prompts, "moved") == expected
+            # rank 3 is the second expert rank (ranks 0-1 attend, 2-3 hold experts)
+            inject = await client.admin("fault.inject", {"fault": {"kind": "kill", "rank": 3, "after_steps": 4}})
+            assert inject.ok, inject.error
+            started = time.monotonic()
+            assert await _generate(client, prompts, "killed") == expected
+            print(f"\n16 requests through a kill -9 of an expert rank: {time.monotonic() - started:.1f} s")
+            assert (await client.admin("stats")).data.stats.num_recoveries == 1
+            kept = await client.admin("eplb.status")
+            assert ExpertPlacement.from_dict(kept.to_json()["placement"]).layers == placement.layers
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("layout", "setting"), [
+    ("attn=DP2 moe=EP32 disagg", "moe=EP32"),  # the tiny model has 16 routed experts
+    ("attn=DP2 moe=TP256+EP1 disagg", "moe=TP256"),  # its experts' intermediate size is 128
+])
+def test_a_role_layout_the_model_cannot_fill_is_refused_before_any_rank_starts(reference, layout, setting):
+    model_dir, _, _ = reference
+    with pytest.raises(EngineStartupError, match=setting) as err:
+        LLM(model=str(model_dir), parallel=layout)
+    assert "\n" not in str(err.value)
