@@ -56,6 +56,9 @@ BENCH_COMMANDS = (
     ("a2e", "A2E / E2A between attention ranks and expert ranks (attention-expert disaggregation): latency per "
             "direction against tokens per rank and expert ranks, direct and two-stage routing",
      "meshserve.bench.a2e:add_a2e_arguments"),
+    ("disagg", "attention-expert disaggregation against colocated DP/EP on the same ranks: tokens/s and step time "
+               "per DP domain count and emulated link latency, and a timeline of the domains taking turns",
+     "meshserve.bench.disagg:add_disagg_arguments"),
     ("tenants", "a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT alone and "
                 "beside it, with per-tenant limits on",
      "meshserve.bench.tenants:add_tenants_arguments"),

@@ -66,6 +66,7 @@ from meshserve.bench.faults_load import (
 )
 from meshserve.config import ClusterConfig
 from meshserve.config.base import ConfigError
+from meshserve.parallel.strategy import StrategyError, parse_strategy
 from meshserve.utils import report
 from meshserve.utils.processes import rank_processes
 
@@ -86,10 +87,13 @@ class FaultSpec:
     target: str  # the role of the TE it hits (prefill, decode, colocated), or je, pool, pd (both P/D TEs)
     how: str  # kill_rank | kill_master | kill_te | kill_je | kill_pool_server | inject
     inject: dict[str, Any] | None = None  # POST /admin/faults body (without "te")
+    rank: int = 1  # kill_rank: the rank killed (-1: the last, an expert rank of a disaggregated decode TE)
 
 
 FAULTS = (
     FaultSpec("kill_decode_rank", "kill -9 rank 1 of the decode TE", "decode", "kill_rank"),
+    FaultSpec("kill_decode_expert_rank", "kill -9 the last rank of the decode TE (an expert rank of a "
+              "disaggregated --decode-parallel)", "decode", "kill_rank", rank=-1),
     FaultSpec("kill_colocated_master", "kill -9 the colocated TE's master", "colocated", "kill_master"),
     FaultSpec("kill_prefill_te", "kill -9 the prefill TE (master and ranks)", "prefill", "kill_te"),
     FaultSpec("kill_decode_te", "kill -9 the decode TE (master and ranks)", "decode", "kill_te"),
@@ -138,6 +142,8 @@ def add_faults_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-break-s", type=float, default=10.0, help="link_break: how long (default: 10)")
     parser.add_argument("--pool", action=argparse.BooleanOptionalAction, default=None,
                         help="run a memory pool the TEs cache context in (default: on, off with --quick)")
+    parser.add_argument("--decode-parallel", default=DECODE_PARALLEL,
+                        help=f"the decode TE's layout, e.g. 'attn=DP2 moe=EP2 disagg' (default: {DECODE_PARALLEL})")
     parser.add_argument("--runs", type=int, default=1,
                         help="repetitions of each fault phase; times are reported as medians (default: 1)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
@@ -162,6 +168,7 @@ class FaultsBenchSettings:
     pool: bool
     runs: int
     out_dir: str
+    decode_parallel: str = DECODE_PARALLEL
 
 
 # what --quick changes, for the options not given
@@ -172,8 +179,14 @@ _QUICK = {"concurrency": 2, "max_tokens": 8, "warmup_s": 4.0, "observe_s": 15.0,
 def settings_from_args(args: argparse.Namespace) -> FaultsBenchSettings:
     sizes = {key: getattr(args, key) if getattr(args, key) is not None else (_QUICK if args.quick else _FULL)[key]
              for key in _FULL}
+    try:
+        decode_strategy = parse_strategy(args.decode_parallel)
+    except StrategyError as exc:
+        raise ValueError(f"--decode-parallel: {exc}") from None
+    # every fault by default; an expert rank's kill where the decode TE has expert ranks
+    every = tuple(name for name in FAULT_NAMES if name != "kill_decode_expert_rank" or decode_strategy.disagg)
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else \
-        (QUICK_FAULTS if args.quick else FAULT_NAMES)
+        (QUICK_FAULTS if args.quick else every)
     unknown = sorted(set(faults) - set(FAULT_NAMES))
     if unknown or not faults:
         raise ValueError(f"--faults: unknown {', '.join(unknown) or 'empty list'} (known: {', '.join(FAULT_NAMES)})")
@@ -190,12 +203,15 @@ def settings_from_args(args: argparse.Namespace) -> FaultsBenchSettings:
                         ("--stall-s", args.stall_s), ("--link-break-s", args.link_break_s)):
         if not value > 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    if "kill_decode_expert_rank" in faults and not decode_strategy.disagg:
+        raise ValueError("--faults kill_decode_expert_rank needs a disaggregated --decode-parallel (its last rank "
+                         "holds experts)")
     if args.model is not None and not Path(args.model).is_dir():
         raise ValueError(f"--model: directory {args.model!r} does not exist")
     return FaultsBenchSettings(
         model_dir=args.model or "", faults=faults, prompts=args.prompts, prompt_len=args.prompt_len,
         deadline_s=args.deadline_s, settle_s=args.settle_s, stall_s=args.stall_s, link_break_s=args.link_break_s,
-        pool=pool, runs=args.runs, out_dir=args.out, **sizes)
+        pool=pool, runs=args.runs, out_dir=args.out, decode_parallel=args.decode_parallel, **sizes)
 
 
 _ERRORS = (FaultsBenchError, ConfigError, TimeoutError, OSError, ValueError, RuntimeError)
@@ -219,13 +235,13 @@ def _report(settings: FaultsBenchSettings, result: dict) -> None:
 HANG_TIMEOUT_S = 5.0
 
 
-def bench_deployment(pool_controller: str | None) -> dict:
+def bench_deployment(pool_controller: str | None, decode_parallel: str = DECODE_PARALLEL) -> dict:
     # a rank silent for 5 s is hung (the default 30 s would outlast a phase); the stall lasts longer than that
     engine: dict[str, Any] = {"num_kv_blocks": 128, "hang_timeout_s": HANG_TIMEOUT_S}
     if pool_controller:
         engine["pool_controller"] = pool_controller
     return {"te_groups": [{"group": "pd", "role": "prefill", "count": 1},
-                          {"group": "pd", "role": "decode", "count": 1, "parallel": DECODE_PARALLEL},
+                          {"group": "pd", "role": "decode", "count": 1, "parallel": decode_parallel},
                           {"group": "main", "role": "colocated", "count": 1}],
             "job_executors": 2, "routing": "round_robin", "engine": engine}
 
@@ -474,10 +490,11 @@ class Injector:
     def _kill_rank(self, fault: FaultSpec) -> str:
         te = self.te_named(fault.target)
         ranks = rank_processes(te.pid)
-        if 1 not in ranks:
-            raise FaultsBenchError(f"TE {te.name} has no rank 1 process (ranks found: {sorted(ranks)})")
-        _kill(ranks[1])
-        return f"killed rank 1 (pid {ranks[1]}) of TE {te.name}"
+        rank = max(ranks, default=-1) if fault.rank == -1 else fault.rank
+        if rank not in ranks:
+            raise FaultsBenchError(f"TE {te.name} has no rank {rank} process (ranks found: {sorted(ranks)})")
+        _kill(ranks[rank])
+        return f"killed rank {rank} (pid {ranks[rank]}) of TE {te.name}"
 
     def _kill_master(self, fault: FaultSpec) -> str:
         te = self.te_named(fault.target)
@@ -567,7 +584,7 @@ def run_faults_benchmark(settings: FaultsBenchSettings) -> dict:
     work_dir = Path(settings.out_dir) / "work"
     work_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"machine": report.machine_info(), "model": settings.model_dir,
-                              "settings": dataclasses.asdict(settings), "decode_parallel": DECODE_PARALLEL}
+                              "settings": dataclasses.asdict(settings), "decode_parallel": settings.decode_parallel}
     with contextlib.ExitStack() as stack:
         pool = pool_client = None
         if settings.pool:
@@ -577,10 +594,11 @@ def run_faults_benchmark(settings: FaultsBenchSettings) -> dict:
             pool = stack.enter_context(LocalPool(2, 0.25, work_dir))
             pool_client = pool.client()
             stack.callback(pool_client.close)
-        log(LOG_PREFIX, "starting the deployment: prefill TE, decode TE (" + DECODE_PARALLEL + "), colocated TE, "
+        log(LOG_PREFIX, f"starting the deployment: prefill TE, decode TE ({settings.decode_parallel}), colocated TE, "
                         "2 JEs" + (", memory pool" if pool else ""))
         t0 = time.perf_counter()
-        manager = stack.enter_context(managed(settings.model_dir, bench_deployment(pool and pool.controller),
+        manager = stack.enter_context(managed(settings.model_dir, bench_deployment(pool and pool.controller,
+                                                                                   settings.decode_parallel),
                                               work_dir, hold_s=settings.deadline_s))
         result["startup_s"] = time.perf_counter() - t0
         jes = {je.name: je.http_addr for je in manager.status().jes}

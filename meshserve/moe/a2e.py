@@ -30,9 +30,14 @@ quantization); partial outputs travel back in full precision.
 
 Every rank of the group calls the same methods in the same order each layer: attention ranks `a2e` then
 `e2a`; expert ranks `serve_layer`.
+
+Under the benchmarks' emulated link latency (`MESHSERVE_EMULATED_LINK_LATENCY_MS`) an attention rank's rows leave
+that long after `a2e` is called and the partial outputs reach it that long after they were sent: the expert
+ranks do not wait meanwhile, so another DP domain can use them, as over a slow link.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from meshserve.moe.comm import as_bytes, dequantize_per_token_int8, from_bytes, quantize_per_token_int8
+from meshserve.utils import envs
 
 # (hidden [R, H], topk_ids [R, K] global, topk_weights [R, K]) -> the weighted sum over this rank's experts
 ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -174,6 +180,7 @@ class A2EComm:
         # (row count, tag) to and from every rank: the tag names the layer, so ranks out of step fail at once
         self._counts_send = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
         self._counts_recv = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
+        self.link_latency_s = envs.emulated_link_latency_s()  # benchmarks only (see the module's docstring)
 
     def use_groups(self, group, node_groups: Sequence | None = None) -> None:
         """Talk over new process groups (the context rebuilt them after a transient error)."""
@@ -205,6 +212,8 @@ class A2EComm:
         order = torch.argsort(dest_rank, stable=True)
         token_of_row, dest_rank = token_of_row.index_select(0, order), dest_rank.index_select(0, order)
         send = self._pack(self._send, hidden, topk_ids, topk_weights, token_of_row)
+        if self.link_latency_s:
+            time.sleep(self.link_latency_s)
         send_splits, _ = self._exchange_counts(torch.bincount(dest_rank, minlength=layout.world_size), self.group,
                                                tag)
         dist.all_to_all_single(self._recv[:0], send, [0] * layout.world_size, send_splits, group=self.group)
@@ -218,6 +227,8 @@ class A2EComm:
                                group=self.group)
         out = torch.zeros(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
         out.index_add_(0, handle.token_of_row, back)
+        if self.link_latency_s:
+            time.sleep(self.link_latency_s)
         return out
 
     # ------------------------------------------------------------------ expert ranks

@@ -274,7 +274,11 @@ class MoERuntime:
         """An expert rank's part of the layer: every DP domain's rows in turn, through its slots. The rows run."""
         if not self.ctx.is_expert_rank:
             raise RuntimeError(f"rank {self.ctx.rank} is not an expert rank of a disaggregated layout")
-        return sum(comm.serve_layer(experts, tag=self.layer) for comm in self.a2e_comms)
+        return sum(self.serve_domain(domain, comm, experts) for domain, comm in enumerate(self.a2e_comms))
+
+    def serve_domain(self, domain: int, comm: A2EComm, experts: FusedMoEWeights) -> int:
+        """DP domain `domain`'s rows of this layer (a method of its own: the benchmarks' timeline records it)."""
+        return comm.serve_layer(experts, tag=self.layer)
 
     # ------------------------------------------------------------------ forward in stages (two micro-batches)
 

@@ -81,7 +81,11 @@ MESHSERVE_FAULT_INJECTION = EnvVar(
 MESHSERVE_EMULATED_LINK_LATENCY_MS = EnvVar(
     "MESHSERVE_EMULATED_LINK_LATENCY_MS", None,
     "benchmarks only: each expert-parallel dispatch and combine takes at least this long from its launch (ms), "
-    "standing in for a slower link than loopback; what overlaps it hides it")
+    "standing in for a slower link than loopback; what overlaps it hides it (also A2E and E2A, meshserve/moe/a2e.py)")
+MESHSERVE_A2E_TIMELINE = EnvVar(
+    "MESHSERVE_A2E_TIMELINE", None,
+    "benchmarks only: each rank of a disaggregated layout records when its MoE layers wait on the expert ranks "
+    "(attention ranks) or serve a DP domain (expert ranks) and writes a window of them to <value>-rank<N>.json")
 MESHSERVE_NULL_MODEL_MS = EnvVar(
     "MESHSERVE_NULL_MODEL_MS", None,
     "benchmarks only: every rank runs without a model (worker/null_runner.py), each forward taking this long "
@@ -89,7 +93,8 @@ MESHSERVE_NULL_MODEL_MS = EnvVar(
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
     MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE, MASTER_ADDR, RANK,
-    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS, MESHSERVE_NULL_MODEL_MS,
+    MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS, MESHSERVE_A2E_TIMELINE,
+    MESHSERVE_NULL_MODEL_MS,
 )
 
 
@@ -170,6 +175,11 @@ def markdown_table() -> str:
     rows = [f"| `{v.name}` | {f'`{v.default}`' if v.default is not None else 'unset'} | {v.meaning} |"
             for v in ENV_VARS]
     return "\n".join(["| variable | default | meaning |", "| --- | --- | --- |", *rows])
+
+
+def a2e_timeline() -> str | None:
+    """MESHSERVE_A2E_TIMELINE: where ranks write their A2E timeline (None: they record none)."""
+    return MESHSERVE_A2E_TIMELINE.get() or None
 
 
 def null_model_s() -> float | None:

@@ -222,6 +222,11 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
         redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts,
         collective_timeout_s=parallel_config.collective_timeout_s,
         agree_steps=parallel_config.dp_groups == "self-contained")
+    timeline = envs.a2e_timeline()
+    if timeline:  # benchmarks only: the A2E timeline (a rank without it runs unwrapped code)
+        from meshserve.moe import a2e_timeline
+
+        a2e_timeline.install(timeline, rank)
     forward_s = envs.null_model_s()
     if forward_s is not None:  # benchmarks only: the control plane without the model (worker/null_runner.py)
         from meshserve.worker.null_runner import NullRunner

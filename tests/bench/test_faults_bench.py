@@ -213,6 +213,8 @@ def test_summary_table_and_plot(tmp_path):
     (["--runs", "0"], "--runs must be at least 1"),
     (["--quick", "--observe-s", "0"], "--observe-s must be positive"),
     (["--model", "/no/such/model"], "does not exist"),
+    (["--faults", "kill_decode_expert_rank"], "needs a disaggregated --decode-parallel"),
+    (["--decode-parallel", "attn=DP3 moe=EP2 disagg domains=2"], "--decode-parallel: domains=2 must divide"),
 ])
 def test_bad_arguments_are_one_line(args, message, capsys):
     assert main(["bench", "faults", *args]) == 2
