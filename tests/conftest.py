@@ -147,6 +147,7 @@ TIER_EXCEPTIONS = {
     ], "deployment"),
     **dict.fromkeys([
         "bench/test_a2e_bench.py::test_a_quick_run_writes_rows_ratios_and_a_png",
+        "bench/test_disagg_bench.py::test_a_quick_run_compares_every_layout_and_draws_the_domains_taking_turns",
         "bench/test_calibrate.py::test_calibrate_writes_a_cluster_file_that_plan_reads",
         "bench/test_decode_step_bench.py",
         "bench/test_eplb_bench.py::test_bench_eplb_writes_json_png_and_tables",

@@ -37,11 +37,15 @@ PROMPT_LEN = (16, 64)
 LAYOUT_TIMEOUT_S = 900.0
 TIMELINE_WINDOW_SPANS = 48  # the expert ranks' spans the timeline shows (a few decode steps)
 COLOCATED = "colocated"
+MICROBATCHED = {"microbatches": 2, "microbatch_min_tokens": 2}  # every step with two tokens in a group splits
 
 
 def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser, PROG)
-    parser.add_argument("--model", help="model directory (default: the default model, made on first use)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="model directory (default: the default model, made on first use)")
+    source.add_argument("--preset", choices=("tiny", "small"),
+                        help="a generated random DeepSeek-V3 model of this size, made once in the model cache")
     parser.add_argument("--ranks", type=int, help="ranks of every layout (default: 4)")
     parser.add_argument("--attention", type=int, help="attention ranks of the disaggregated layouts (default: 2)")
     parser.add_argument("--domains", type=int, nargs="+", help="DP domain counts to run (default: 1 2)")
@@ -59,6 +63,7 @@ def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass(frozen=True)
 class DisaggBenchSettings:
     model_dir: str | None
+    preset: str | None
     ranks: int
     attention: int
     domains: tuple[int, ...]
@@ -74,7 +79,13 @@ class DisaggBenchSettings:
         layouts = {COLOCATED: f"attn=TP1+DP{n} moe=TP1+EP{n}"}
         for d in self.domains:
             layouts[f"disagg domains={d}"] = f"attn=DP{a} moe=EP{n - a} disagg domains={d}"
+        layouts[self.microbatched] = layouts[f"disagg domains={max(self.domains)}"]
         return layouts
+
+    @property
+    def microbatched(self) -> str:
+        """The label of the layout with the most domains, each running two micro-batches (and of the timeline)."""
+        return f"disagg domains={max(self.domains)} microbatches=2"
 
 
 def settings_from_args(args: argparse.Namespace) -> DisaggBenchSettings:
@@ -93,7 +104,7 @@ def settings_from_args(args: argparse.Namespace) -> DisaggBenchSettings:
             raise ValueError(f"--domains {d} must divide the {sizes['attention']} attention ranks")
     if any(ms < 0 for ms in sizes["link_ms"]):
         raise ValueError("--link-ms must be zero or more")
-    return DisaggBenchSettings(model_dir=args.model, json_path=args.json, **sizes)
+    return DisaggBenchSettings(model_dir=args.model, preset=args.preset, json_path=args.json, **sizes)
 
 
 def disagg_main(args: argparse.Namespace) -> int:
@@ -106,9 +117,11 @@ def run_disagg_benchmark(settings: DisaggBenchSettings) -> dict:
     from meshserve.bench.offline import WARMUP_SEED_OFFSET, compare_greedy
     from meshserve.bench.parallel import measure_layouts
     from meshserve.bench.workload import make_offline_workload
+    from meshserve.models.factory import ensure_default_model
     from meshserve.models.loader import load_hf_config
 
-    model = check_model_dir(settings.model_dir)
+    model = str(ensure_default_model("deepseek_v3", settings.preset)) if settings.preset \
+        else check_model_dir(settings.model_dir)
     vocab = int(load_hf_config(model)["vocab_size"])
     out_len = (settings.output_len, settings.output_len)
     workload = make_offline_workload(settings.requests, PROMPT_LEN, out_len, vocab, seed=0)
@@ -116,14 +129,16 @@ def run_disagg_benchmark(settings: DisaggBenchSettings) -> dict:
     engine = dict(max_num_seqs=settings.requests, max_num_batched_tokens=256, num_kv_blocks=1024,
                   enable_prefix_caching=False)
     layouts = settings.layouts()
+    engines = {label: dict(engine, parallel=parallel, **(MICROBATCHED if label == settings.microbatched else {}))
+               for label, parallel in layouts.items()}
     rows = []
     for link_ms in settings.link_ms:
         log(LOG_PREFIX, f"emulated link latency {link_ms:g} ms")
         with envs.MESHSERVE_EMULATED_LINK_LATENCY_MS.set_to(f"{link_ms:g}"):
-            records = measure_layouts({label: dict(engine, parallel=parallel) for label, parallel in layouts.items()},
-                                      model, workload, warmup, settings.repeats, LAYOUT_TIMEOUT_S, progress=True)
+            records = measure_layouts(engines, model, workload, warmup, settings.repeats, LAYOUT_TIMEOUT_S,
+                                      progress=True)
         rows += _rows(records, link_ms, compare_greedy)
-    timeline = _timeline(model, engine, settings, layouts, workload, warmup)
+    timeline = _timeline(model, engines[settings.microbatched], settings, workload, warmup)
     return {"config": {**{k: v for k, v in dataclasses.asdict(settings).items() if k != "json_path"},
                        "model": model, "layouts": layouts, "prompt_len": list(PROMPT_LEN)},
             "machine": report.machine_info(), "rows": rows, "timeline": timeline}
@@ -147,19 +162,19 @@ def _rows(records: dict, link_ms: float, compare_greedy) -> list[dict]:
     return rows
 
 
-def _timeline(model: str, engine: dict, settings: DisaggBenchSettings, layouts: dict, workload, warmup) -> dict:
-    """One pass of the layout with the most domains at the largest latency, each rank recording its spans."""
+def _timeline(model: str, engine: dict, settings: DisaggBenchSettings, workload, warmup) -> dict:
+    """One pass of the microbatched layout at the largest latency, each rank recording its spans."""
     from meshserve.bench.parallel import measure_pass
 
     domains = max(settings.domains)
-    label = f"disagg domains={domains}"
+    label = settings.microbatched
     link_ms = max(settings.link_ms)
     log(LOG_PREFIX, f"timeline of {label} at {link_ms:g} ms")
     with tempfile.TemporaryDirectory() as tmp:
         prefix = str(Path(tmp) / "timeline")
         with envs.MESHSERVE_EMULATED_LINK_LATENCY_MS.set_to(f"{link_ms:g}"), \
                 envs.MESHSERVE_A2E_TIMELINE.set_to(prefix):
-            result = measure_pass(model, dict(engine, parallel=layouts[label]), workload, warmup, LAYOUT_TIMEOUT_S)
+            result = measure_pass(model, engine, workload, warmup, LAYOUT_TIMEOUT_S)
         if result["status"] != "ok":
             raise RuntimeError(f"the timeline pass of {label} is {result['status']}: {result['error']}")
         ranks = {int(path.stem.rsplit("rank", 1)[1]): json.loads(path.read_text())["spans"]
@@ -169,10 +184,10 @@ def _timeline(model: str, engine: dict, settings: DisaggBenchSettings, layouts: 
 
 
 def _window(ranks: dict[int, list[dict]], num_attention: int) -> dict[str, list[dict]]:
-    """The spans of every rank within a window of the expert ranks' middle `TIMELINE_WINDOW_SPANS` spans, in ms
-    from the window's start."""
-    served = sorted((s for rank, spans in ranks.items() if rank >= num_attention for s in spans),
-                    key=lambda s: s["start"])
+    """The spans of every rank within a window of the expert ranks' middle `TIMELINE_WINDOW_SPANS` services, in
+    ms from the window's start."""
+    served = sorted((s for rank, spans in ranks.items() if rank >= num_attention for s in spans
+                     if s["kind"] == "serve"), key=lambda s: s["start"])
     if not served:
         raise RuntimeError("the expert ranks recorded no span (too few steps for a timeline: more requests or "
                            "tokens)")
@@ -222,22 +237,31 @@ def plot_disagg(result: dict, path: str | Path) -> Path:
 
 
 def _plot_timeline(ax, timeline: dict) -> None:
-    """One row per rank: attention ranks' waits on the experts, expert ranks' service, coloured by DP domain."""
+    """One row per rank, coloured by DP domain. An attention rank: a lane per micro-batch, each span the time its
+    rows are away (A2E, the experts, E2A); the gaps are its attention. An expert rank: grey while it waits for a
+    domain's rows or sends them back, solid while it computes them."""
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     num_attention = timeline["attention_ranks"]
     ranks = sorted(timeline["ranks"], key=int)
     names = []
     for row, rank in enumerate(ranks):
         spans = timeline["ranks"][rank]
-        expert = int(rank) >= num_attention
-        domain = spans[0]["domain"] if spans and not expert else None
-        names.append(f"expert rank {int(rank) - num_attention}" if expert
-                     else f"attention {rank} (domain {domain})")
-        for span in spans:
-            ax.broken_barh([(span["start"], span["end"] - span["start"])], (row - 0.35, 0.7),
-                           facecolors=colors[span["domain"] % len(colors)], alpha=1.0 if expert else 0.45)
+        if int(rank) >= num_attention:
+            names.append(f"expert rank {int(rank) - num_attention}")
+            for span in spans:
+                solid = span["kind"] == "compute"
+                ax.broken_barh([(span["start"], span["end"] - span["start"])], (row - 0.35, 0.7),
+                               facecolors=colors[span["domain"] % len(colors)] if solid else "lightgrey",
+                               zorder=2 if solid else 1)
+            continue
+        names.append(f"attention {rank} (domain {spans[0]['domain'] if spans else '?'})")
+        for span in spans:  # micro-batch 0 in the lower lane, 1 in the upper
+            lane = row - 0.4 + 0.42 * span.get("microbatch", 0)
+            ax.broken_barh([(span["start"], span["end"] - span["start"])], (lane, 0.36),
+                           facecolors=colors[span["domain"] % len(colors)],
+                           alpha=0.45 + 0.3 * span.get("microbatch", 0))
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels(names, fontsize=8)
     ax.set_xlabel("ms")
-    ax.set_title(f"{timeline['layout']}, {timeline['link_ms']:g} ms link\nfaint: an attention rank waits on the "
-                 "experts; solid: the experts serve a domain (its colour)", fontsize=9)
+    ax.set_title(f"{timeline['layout']}, {timeline['link_ms']:g} ms link\nattention lanes: micro-batch 0/1 away on "
+                 "the experts; experts: grey waiting, solid computing a domain", fontsize=9)

@@ -25,7 +25,8 @@ class ParallelConfig(ConfigStruct, frozen=True):
     microbatches: Annotated[int, Meta(
         ge=1, le=2, description="2: run each step as two micro-batches, one computing while the other's MoE "
                                 "dispatch or combine is in flight (pure EP with attention TP1, "
-                                "attn=TP1+DPn moe=TP1+EPn with n > 1, also with oproj=TPk; DeepSeek-V3 models)")] = 1
+                                "attn=TP1+DPn moe=TP1+EPn with n > 1, also with oproj=TPk, or a disaggregated "
+                                "layout's DP domains; DeepSeek-V3 models)")] = 1
     microbatch_min_tokens: Annotated[int, Meta(
         ge=2, description="with microbatches 2: split a step only when its largest DP group has this many tokens "
                           "(a smaller step gains less than the split costs)")] = 16
@@ -83,7 +84,8 @@ class ParallelConfig(ConfigStruct, frozen=True):
         strategy = self.strategy
         if strategy.disagg:
             self._check_disagg(strategy)
-        if self.microbatches == 2 and not (strategy.attn_tp == 1 and strategy.moe_tp == 1 and strategy.moe_ep > 1):
+        if self.microbatches == 2 and not strategy.disagg and not (
+                strategy.attn_tp == 1 and strategy.moe_tp == 1 and strategy.moe_ep > 1):
             raise ConfigError(f"microbatches 2 overlaps the expert-parallel dispatch and combine: it needs "
                               f"attn=TP1+DPn moe=TP1+EPn with n > 1, not {strategy}")
         if self.dp_groups == "self-contained":
@@ -100,9 +102,6 @@ class ParallelConfig(ConfigStruct, frozen=True):
             raise ConfigError(f"shared=EP{strategy.shared_ep * strategy.moe_tp}: a served disaggregated layout "
                               "computes the shared experts on its attention ranks (`meshserve plan --disagg` prices "
                               "shared-expert ranks)")
-        if self.microbatches == 2:
-            raise ConfigError("microbatches 2 overlaps a colocated layout's dispatch; a disaggregated layout "
-                              "overlaps its DP domains instead (domains=D)")
         if self.dp_groups == "self-contained":
             raise ConfigError("dp_groups self-contained: a disaggregated layout runs its attention ranks in "
                               "lockstep (the expert ranks serve every forward)")

@@ -73,7 +73,7 @@ class ExpertRankModel(CausalLM):
         return loaded
 
     @torch.inference_mode()
-    def serve_forward(self) -> int:
-        """One forward of the attention ranks, seen from here: each MoE layer's rows of every DP domain, served
-        in layer order. The rows computed."""
-        return sum(block.runtime.serve(block.experts) for block in self.blocks.values())
+    def serve_forward(self, microbatches: int = 1) -> int:
+        """One forward of the attention ranks (run as `microbatches` micro-batches), seen from here: each MoE
+        layer's rows of every DP domain, served in layer order. The rows computed."""
+        return sum(block.runtime.serve(block.experts, microbatches) for block in self.blocks.values())

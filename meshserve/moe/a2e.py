@@ -126,11 +126,13 @@ class A2ELayout:
 
 @dataclass
 class A2EHandle:
-    """What an attention rank's `e2a` needs of its `a2e`."""
+    """What an attention rank's `e2a` needs of its `a2e`: the transfers in flight."""
 
     token_of_row: torch.Tensor  # the token of each row sent, rows grouped by destination
     send_splits: list[int]  # rows sent to each rank of the group: as many come back from it
     num_tokens: int
+    back: torch.Tensor  # where the partial outputs arrive, a row per row sent
+    transfers: list  # the rows' send and the partial outputs' receive (async collectives), in issue order
 
 
 class A2EComm:
@@ -140,7 +142,7 @@ class A2EComm:
 
     def __init__(self, group, layout: A2ELayout, hidden: int, max_tokens_per_rank: int, dtype: torch.dtype,
                  two_stage: bool = False, node_groups: Sequence | None = None, int8: bool = False,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", domain: int = 0) -> None:
         self.group, self.layout = group, layout
         self.rank = dist.get_rank(group)
         if dist.get_world_size(group) != layout.world_size:
@@ -150,6 +152,7 @@ class A2EComm:
         if hidden < 1 or max_tokens_per_rank < 1:
             raise ValueError("hidden and max_tokens_per_rank must be positive")
         self.hidden, self.dtype, self.int8 = hidden, dtype, int8
+        self.domain = domain  # the DP domain whose attention ranks the group holds (logs, timelines)
         self.max_tokens = max_tokens_per_rank
         self.two_stage = two_stage
         self.device = torch.device(device)
@@ -171,11 +174,15 @@ class A2EComm:
         rows = max_tokens_per_rank * (destinations if self.is_attention else num_attention)
         forward_rows = (max_tokens_per_rank * num_attention * min(layout.destinations_per_token, layout.ranks_per_node)
                         if two_stage else 0)
-        self._send = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
+        # an attention rank has two micro-batches' rows and partial outputs in flight at once (`buffer_index`)
+        sets = 2 if self.is_attention else 1
+        self._send_sets = [torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
+                           for _ in range(sets)]
+        self._partial_sets = [torch.empty(rows, hidden, dtype=dtype, device=self.device) for _ in range(sets)]
+        self._send, self._partials = self._send_sets[0], self._partial_sets[0]
         self._recv = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._forward = torch.empty(forward_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         self._forwarded = torch.empty(forward_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
-        self._partials = torch.empty(rows, hidden, dtype=dtype, device=self.device)
         self._relay_back = torch.empty(forward_rows, hidden, dtype=dtype, device=self.device)
         # (row count, tag) to and from every rank: the tag names the layer, so ranks out of step fail at once
         self._counts_send = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
@@ -190,14 +197,16 @@ class A2EComm:
 
     def buffer_data_ptrs(self) -> list[int]:
         """data_ptr of every pre-allocated buffer (lets callers check nothing is re-allocated)."""
-        return [t.data_ptr() for t in (self._send, self._recv, self._forward, self._forwarded, self._partials,
-                                       self._relay_back)]
+        return [t.data_ptr() for t in (*self._send_sets, self._recv, self._forward, self._forwarded,
+                                       *self._partial_sets, self._relay_back)]
 
     # ------------------------------------------------------------------ attention ranks
     def a2e(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            tag: int = 0) -> A2EHandle:
+            tag: int = 0, buffer_index: int = 0) -> A2EHandle:
         """Send this attention rank's tokens to their experts' ranks (or their nodes' relays); `tag` names the layer
-        (the expert ranks serve the same one)."""
+        (the expert ranks serve the same one). Returns once the row counts are known, with the rows on their way
+        and their partial outputs' receive posted: the rank may compute meanwhile (the other micro-batch, which
+        then uses the other `buffer_index`) until `e2a`."""
         self._check_attention_inputs(hidden, topk_ids, topk_weights)
         layout = self.layout
         owner = layout.owner_indices(topk_ids)  # expert-rank index of each (token, k[, column block])
@@ -211,22 +220,25 @@ class A2EComm:
         dest_rank = ranks.index_select(0, dest)
         order = torch.argsort(dest_rank, stable=True)
         token_of_row, dest_rank = token_of_row.index_select(0, order), dest_rank.index_select(0, order)
-        send = self._pack(self._send, hidden, topk_ids, topk_weights, token_of_row)
+        send = self._pack(self._send_sets[buffer_index], hidden, topk_ids, topk_weights, token_of_row)
         if self.link_latency_s:
             time.sleep(self.link_latency_s)
         send_splits, _ = self._exchange_counts(torch.bincount(dest_rank, minlength=layout.world_size), self.group,
                                                tag)
-        dist.all_to_all_single(self._recv[:0], send, [0] * layout.world_size, send_splits, group=self.group)
-        return A2EHandle(token_of_row, send_splits, hidden.shape[0])
+        nothing = [0] * layout.world_size
+        rows = dist.all_to_all_single(self._recv[:0], send, nothing, send_splits, group=self.group, async_op=True)
+        partials = self._partial_sets[buffer_index]
+        back = partials[:token_of_row.numel()]
+        # posted now: the expert ranks send the partial outputs before they take the next rows of this group
+        returned = dist.all_to_all_single(back, partials[:0], send_splits, nothing, group=self.group, async_op=True)
+        return A2EHandle(token_of_row, send_splits, hidden.shape[0], back, [rows, returned])
 
     def e2a(self, handle: A2EHandle) -> torch.Tensor:
         """The MoE output of this attention rank's tokens: the weighted partial outputs that came back, summed."""
-        layout = self.layout
-        back = self._partials[:handle.token_of_row.numel()]
-        dist.all_to_all_single(back, self._partials[:0], handle.send_splits, [0] * layout.world_size,
-                               group=self.group)
+        for transfer in handle.transfers:
+            transfer.wait()
         out = torch.zeros(handle.num_tokens, self.hidden, dtype=self.dtype, device=self.device)
-        out.index_add_(0, handle.token_of_row, back)
+        out.index_add_(0, handle.token_of_row, handle.back)
         if self.link_latency_s:
             time.sleep(self.link_latency_s)
         return out

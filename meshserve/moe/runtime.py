@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from meshserve.layers.moe import FusedMoEWeights
-from meshserve.moe.a2e import A2EComm, A2ELayout
+from meshserve.moe.a2e import A2EComm, A2EHandle, A2ELayout
 from meshserve.moe.comm import CombineInFlight, DispatchInFlight, EPDispatcher, HybridMoEComm, group_device
 from meshserve.moe.placement import PlacementShape, engine_shape
 from meshserve.moe.recorder import add_counts
@@ -99,7 +99,8 @@ def _a2e_comm(ctx: ParallelContext, index: int, num_slots: int, top_k: int, hidd
                        num_experts=num_slots, top_k=top_k, ranks_per_node=s.relay, expert_tp=s.moe_tp)
     return _shared_comm(ctx, ("a2e", index, num_slots, top_k, hidden_size, dtype), lambda: A2EComm(
         ctx.a2e_groups[index], layout, hidden_size, ctx.max_tokens_per_step, dtype, two_stage=s.relay > 1,
-        node_groups=ctx.a2e_node_groups, int8=ctx.int8_dispatch, device=group_device(ctx.a2e_groups[index])),
+        node_groups=ctx.a2e_node_groups, int8=ctx.int8_dispatch, device=group_device(ctx.a2e_groups[index]),
+        domain=index if ctx.is_expert_rank else ctx.domain),
         lambda comm: comm.use_groups(ctx.a2e_groups[index], ctx.a2e_node_groups))
 
 
@@ -136,7 +137,7 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
 class MoEInFlight:
     """One micro-batch's MoE layer between its stages."""
 
-    dispatch: DispatchInFlight
+    dispatch: DispatchInFlight | A2EHandle  # A2EHandle: attention-expert disaggregation
     topk_weights: torch.Tensor
     combine: CombineInFlight | None = None
 
@@ -270,11 +271,13 @@ class MoERuntime:
             return slot_ids, topk_weights
         return self.shared_slots.append_columns(slot_ids, topk_weights, self.rotation_offset)
 
-    def serve(self, experts: FusedMoEWeights) -> int:
-        """An expert rank's part of the layer: every DP domain's rows in turn, through its slots. The rows run."""
+    def serve(self, experts: FusedMoEWeights, microbatches: int = 1) -> int:
+        """An expert rank's part of the layer: every DP domain's rows in turn (each domain's micro-batches in
+        order), through its slots. The rows run."""
         if not self.ctx.is_expert_rank:
             raise RuntimeError(f"rank {self.ctx.rank} is not an expert rank of a disaggregated layout")
-        return sum(self.serve_domain(domain, comm, experts) for domain, comm in enumerate(self.a2e_comms))
+        return sum(self.serve_domain(domain, comm, experts)
+                   for domain, comm in enumerate(self.a2e_comms) for _ in range(microbatches))
 
     def serve_domain(self, domain: int, comm: A2EComm, experts: FusedMoEWeights) -> int:
         """DP domain `domain`'s rows of this layer (a method of its own: the benchmarks' timeline records it)."""
@@ -286,6 +289,8 @@ class MoERuntime:
     def runs_in_stages(self) -> bool:
         """Whether `start` / `compute` / `finish` serve this layout: pure EP over more than one rank, attention TP1
         (the decode layouts of the papers; the two-microbatch schedule runs on them)."""
+        if self.a2e_comms:  # an attention rank of a disaggregated layout
+            return not self.ctx.is_expert_rank
         return self.ep_dispatcher is not None and not self.deduplicate
 
     def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -296,16 +301,24 @@ class MoERuntime:
                                f"{self.ctx.strategy}")
         self._check(hidden, topk_ids, topk_weights, experts)
         slot_ids, topk_weights = self._count_and_map(topk_ids, topk_weights)
+        if self.a2e_comms:
+            return MoEInFlight(self.a2e_comms[0].a2e(hidden, slot_ids, topk_weights, tag=self.layer,
+                                                     buffer_index=buffer_index), topk_weights)
         return MoEInFlight(self.ep_dispatcher.dispatch_start(hidden, slot_ids, buffer_index), topk_weights)
 
     def compute(self, pending: MoEInFlight, experts: FusedMoEWeights) -> None:
-        """Stage 2: once the rows are here, run them through this rank's experts and launch the combine."""
+        """Stage 2: once the rows are here, run them through this rank's experts and launch the combine (nothing
+        on an attention rank of a disaggregated layout: its experts are on the expert ranks)."""
+        if self.a2e_comms:
+            return
         rows, expert_ids, handle = self.ep_dispatcher.dispatch_finish(pending.dispatch)
         pending.combine = self.ep_dispatcher.combine_start(self._run_rows(experts, rows, expert_ids), handle,
                                                            pending.topk_weights)
 
     def finish(self, pending: MoEInFlight) -> torch.Tensor:
         """Stage 3: the weighted sum of each token's returned expert outputs."""
+        if self.a2e_comms:
+            return self.a2e_comms[0].e2a(pending.dispatch)
         return self.ep_dispatcher.combine_finish(pending.combine)
 
     def _check(self, hidden, topk_ids, topk_weights, experts: FusedMoEWeights) -> None:

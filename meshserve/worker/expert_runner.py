@@ -71,12 +71,12 @@ class ExpertRankRunner:
         if batch.eplb is not None:
             self.experts.apply(batch.eplb)
         if batch.per_dp:  # the attention ranks all run a forward, idle DP groups too
-            self._serve_rolling_back(batch.per_dp[0].step_id)
+            self._serve_rolling_back(batch.per_dp[0].step_id, batch.microbatches)
 
-    def _serve_rolling_back(self, step_id: int) -> None:
+    def _serve_rolling_back(self, step_id: int, microbatches: int) -> None:
         for attempt in itertools.count(1):
             try:
-                self.rows_served += self.model.serve_forward()
+                self.rows_served += self.model.serve_forward(microbatches)
                 return
             except Exception as exc:
                 if not is_transient(exc) or attempt == MAX_STEP_ATTEMPTS:

@@ -26,12 +26,13 @@ def test_bad_arguments_are_one_line_errors(flags, message, capsys):
 
 
 def test_the_layouts_share_the_ranks_and_the_colocated_one_comes_first():
-    args = argparse.Namespace(quick=False, model=None, json="x.json", ranks=6, attention=4, domains=[1, 4],
+    args = argparse.Namespace(quick=False, model=None, preset=None, json="x.json", ranks=6, attention=4, domains=[1, 4],
                               link_ms=None, requests=None, output_len=None, repeats=None)
     layouts = settings_from_args(args).layouts()
-    assert list(layouts) == [COLOCATED, "disagg domains=1", "disagg domains=4"]
+    assert list(layouts) == [COLOCATED, "disagg domains=1", "disagg domains=4", "disagg domains=4 microbatches=2"]
     assert layouts == {COLOCATED: "attn=TP1+DP6 moe=TP1+EP6", "disagg domains=1": "attn=DP4 moe=EP2 disagg domains=1",
-                       "disagg domains=4": "attn=DP4 moe=EP2 disagg domains=4"}
+                       "disagg domains=4": "attn=DP4 moe=EP2 disagg domains=4",
+                       "disagg domains=4 microbatches=2": "attn=DP4 moe=EP2 disagg domains=4"}
 
 
 def test_the_table_shows_each_layout_against_the_colocated_one():
@@ -51,7 +52,7 @@ def test_a_quick_run_compares_every_layout_and_draws_the_domains_taking_turns(tm
     result = json.loads(path.read_text())
     assert path.with_suffix(".png").stat().st_size > 0
     rows = {row["layout"]: row for row in result["rows"]}
-    assert list(rows) == [COLOCATED, "disagg domains=1", "disagg domains=2"]
+    assert list(rows) == [COLOCATED, "disagg domains=1", "disagg domains=2", "disagg domains=2 microbatches=2"]
     for row in rows.values():
         assert row["status"] == "ok" and row["output_tokens_per_s"] > 0 and row["step_ms"] > 0
         assert row["greedy_vs_colocated"]["mismatching_requests"] == 0
@@ -61,8 +62,12 @@ def test_a_quick_run_compares_every_layout_and_draws_the_domains_taking_turns(tm
     assert timeline["domains"] == 2 and timeline["attention_ranks"] == 2
     experts = [spans for rank, spans in timeline["ranks"].items() if int(rank) >= 2]
     assert len(experts) == 2
-    for spans in experts:  # each expert rank serves both domains, in turn
-        assert {s["domain"] for s in spans} == {0, 1} and all(s["kind"] == "serve" for s in spans)
+    for spans in experts:  # each expert rank serves both domains, in turn, and computes within each service
+        assert {s["domain"] for s in spans} == {0, 1} and {s["kind"] for s in spans} == {"serve", "compute"}
     attention = {int(rank): spans for rank, spans in timeline["ranks"].items() if int(rank) < 2}
     assert {s["domain"] for s in attention[0]} == {0} and {s["domain"] for s in attention[1]} == {1}
+    # two micro-batches per step, both away on the experts at once
+    assert {s["microbatch"] for s in attention[0]} == {0, 1}
+    assert any(a["start"] < b["end"] and b["start"] < a["end"] for a in attention[0] for b in attention[0]
+               if a["microbatch"] != b["microbatch"])
     assert "disagg domains=2" in capsys.readouterr().out

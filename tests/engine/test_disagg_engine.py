@@ -1,11 +1,14 @@
 """Attention-expert disaggregation through the whole engine (xdeepserve §5.2): attention ranks and expert ranks
 on different processes, tokens over A2E/E2A, against the single-rank engine.
 
-16 prompts of mixed lengths x 32 greedy tokens, submitted together: the tokens must be the single rank's for two
-attention + two expert ranks, four attention ranks in two DP domains taking turns on two expert ranks, MoE TP on
-the expert ranks behind a relay (two-stage routing), a Qwen3-MoE model, and redundant experts on the expert
-ranks after an expert-placement move, INT8 weights on both roles; after a kill -9 of an expert rank mid-stream every request completes with
-the same tokens.
+16 prompts of mixed lengths x 32 greedy tokens, submitted together, must give the single rank's tokens for:
+- two attention + two expert ranks;
+- four attention ranks in two DP domains taking turns on two expert ranks, also with two micro-batches each;
+- MoE TP on the expert ranks behind a relay (two-stage routing);
+- a Qwen3-MoE model;
+- redundant experts on the expert ranks after an expert-placement move, and after a kill -9 of an expert rank
+  mid-stream (every request completes);
+and INT8 weights on both roles follow the single-rank INT8 engine.
 """
 from __future__ import annotations
 
@@ -56,6 +59,16 @@ def reference(tiny_model):
 def test_disaggregated_layout_gives_the_single_rank_tokens(reference, layout):
     model_dir, prompts, expected = reference
     assert _run(model_dir, prompts, parallel=LAYOUTS[layout]) == expected
+
+
+def test_two_microbatches_in_each_of_two_domains_give_the_single_rank_tokens(reference):
+    """Each domain's step as two micro-batches: one computes its attention while the other's rows are on the
+    expert ranks; the expert ranks serve every domain's micro-batches in order."""
+    model_dir, prompts, expected = reference
+    with LLM(model=str(model_dir), parallel="attn=DP4 moe=EP2 disagg domains=2", microbatches=2,
+             microbatch_min_tokens=2, **ENGINE_ARGS) as llm:
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)] == expected
+        assert llm.get_stats().microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
 
 
 def test_a_qwen3_moe_model_on_expert_ranks_gives_the_single_rank_tokens(tiny_model):

@@ -117,7 +117,6 @@ def test_only_a_disaggregated_layout_takes_domains():
 
 @pytest.mark.parametrize(("settings", "named"), [
     (dict(parallel="attn=DP2 moe=EP2 shared=EP1 disagg"), "shared=EP1"),
-    (dict(parallel="attn=DP2 moe=EP2 disagg", microbatches=2), "microbatches 2"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", dp_groups="self-contained"), "dp_groups self-contained"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", on_rank_failure="shrink"), "on_rank_failure shrink"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", speculative="mtp"), "speculative mtp"),

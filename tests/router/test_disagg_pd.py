@@ -1,6 +1,6 @@
 """A disaggregated decode TE (attention ranks + expert ranks, xdeepserve §5.2) as the decode side of a 1P1D
-deployment, behind a colocated or a disaggregated prefill TE: its attention ranks pull the prompt KV the prefill TE computed, its expert ranks hold none, and the
-greedy tokens are the single rank's."""
+deployment, behind a colocated or a disaggregated prefill TE: its attention ranks pull the prompt KV the prefill
+TE computed, its expert ranks hold none, and the greedy tokens are the single rank's."""
 from __future__ import annotations
 
 import asyncio
