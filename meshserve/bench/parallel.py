@@ -107,6 +107,9 @@ def parse_strategy_list(text: str, world_size: int) -> list[str]:
             strategy = ParallelStrategy.parse(part)
         except StrategyError as exc:
             raise BenchArgumentError(f"--strategies: {exc}") from None
+        if strategy.disagg:
+            raise BenchArgumentError(f"--strategies: {strategy} is disaggregated; `meshserve bench disagg` measures "
+                                     "such layouts and `meshserve plan --disagg` prices them")
         if strategy.world_size != world_size:
             raise BenchArgumentError(f"--strategies: {strategy} spans {strategy.world_size} ranks, "
                                      f"not --world {world_size}")

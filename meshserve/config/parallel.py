@@ -98,10 +98,9 @@ class ParallelConfig(ConfigStruct, frozen=True):
 
     def _check_disagg(self, strategy: ParallelStrategy) -> None:
         """What a disaggregated layout does not serve, refused in one line naming the setting."""
-        if strategy.shared_ep:
-            raise ConfigError(f"shared=EP{strategy.shared_ep * strategy.moe_tp}: a served disaggregated layout "
-                              "computes the shared experts on its attention ranks (`meshserve plan --disagg` prices "
-                              "shared-expert ranks)")
+        if strategy.shared_ep and strategy.moe_tp > 1:
+            raise ConfigError(f"shared=EP{strategy.shared_ep * strategy.moe_tp} needs moe=TP1 on the expert ranks "
+                              f"(pure EP), not moe=TP{strategy.moe_tp}")
         if self.dp_groups == "self-contained":
             raise ConfigError("dp_groups self-contained: a disaggregated layout runs its attention ranks in "
                               "lockstep (the expert ranks serve every forward)")

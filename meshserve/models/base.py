@@ -23,6 +23,7 @@ class RoutedExperts:
     top_k: int
     hidden_size: int
     intermediate_size: int
+    num_shared_experts: int = 0  # column blocks of the shared experts (shared-expert ranks hold them)
 
 
 class CausalLM(torch.nn.Module):

@@ -502,7 +502,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         """The decoder layers' routed experts (what an expert rank of a disaggregated layout holds)."""
         p = DeepseekV3Params.from_hf_config(hf_config)
         return RoutedExperts(tuple(i for i in range(p.num_hidden_layers) if p.is_moe_layer(i)), p.n_routed_experts,
-                             p.num_experts_per_tok, p.hidden_size, p.moe_intermediate_size)
+                             p.num_experts_per_tok, p.hidden_size, p.moe_intermediate_size, p.n_shared_experts)
 
     def wants_weight(self, name: str) -> bool:
         """Also: with shared-expert ranks, only they read the shared experts."""

@@ -1,7 +1,8 @@
 """The model of an expert rank in a disaggregated layout (`attn=DPa moe=EPe disagg`, xdeepserve §5.2): the routed
-experts of this rank's slots in every MoE layer of the decoder and nothing else (no embedding, no attention, no
-KV cache). Each forward of the attention ranks, `serve_forward` serves their A2E rows layer by layer, every DP
-domain in turn (meshserve/moe/runtime.py `MoERuntime.serve`).
+experts of this rank's slots in every MoE layer of the decoder (on a shared-expert rank, `shared=EPs`, the shared
+experts' column blocks instead) and nothing else (no embedding, no attention, no KV cache). Each forward of the
+attention ranks, `serve_forward` serves their A2E rows layer by layer, every DP domain in turn
+(meshserve/moe/runtime.py `MoERuntime.serve`).
 
 It loads like any model (meshserve/models/loader.py builds it in place of the registered model on an expert rank):
 it wants the checkpoint's per-expert tensors of its experts only, and its `expert_balancer` moves experts between
@@ -18,9 +19,11 @@ from meshserve.layers.moe import FusedMoEWeights
 from meshserve.models.base import CausalLM, RoutedExperts
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.moe.runtime import MoERuntime, rank_expert_range
+from meshserve.moe.shared_ranks import load_shared_expert
 from meshserve.parallel.context import ParallelContext
 
 _EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_SHARED_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class ExpertRankBlock(torch.nn.Module):
@@ -29,7 +32,7 @@ class ExpertRankBlock(torch.nn.Module):
     def __init__(self, experts: RoutedExperts, layer: int, dtype: torch.dtype, parallel: ParallelContext) -> None:
         super().__init__()
         self.runtime = MoERuntime(parallel, experts.num_experts, experts.top_k, experts.hidden_size, dtype,
-                                  layer=layer)
+                                  num_shared_experts=experts.num_shared_experts, layer=layer)
         self.experts: FusedMoEWeights = self.runtime.make_weights(experts.intermediate_size)
 
 
@@ -50,7 +53,11 @@ class ExpertRankModel(CausalLM):
         self.requires_grad_(False)
 
     def wants_weight(self, name: str) -> bool:
-        """Only this rank's experts of the decoder's MoE layers (MTP layers run no forward here)."""
+        """Only this rank's experts of the decoder's MoE layers (MTP layers run no forward here): its routed ones,
+        or on a shared-expert rank the shared ones."""
+        if self.parallel.is_shared_expert_rank:
+            match = _SHARED_WEIGHT.fullmatch(name)
+            return match is not None and match.group(1) in self.blocks
         match = _EXPERT_WEIGHT.fullmatch(name)
         return match is not None and match.group(1) in self.blocks and super().wants_weight(name)
 
@@ -60,16 +67,20 @@ class ExpertRankModel(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         for name, tensor in weights:
-            match = _EXPERT_WEIGHT.fullmatch(name)
+            routed, shared = _EXPERT_WEIGHT.fullmatch(name), _SHARED_WEIGHT.fullmatch(name)
+            match = shared if self.parallel.is_shared_expert_rank else routed
             if match is None or match.group(1) not in self.blocks:
-                raise ValueError(f"unexpected weight {name!r} for an expert rank (it holds only routed experts)")
-            layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-            experts = self.blocks[layer].experts
-            expected = experts.hf_shape(proj)
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            experts.load_expert(expert, proj, tensor)
-            loaded.add(f"blocks.{layer}.experts." + ("w2" if proj == "down_proj" else "w13"))
+                raise ValueError(f"unexpected weight {name!r} for an expert rank (it holds only "
+                                 f"{'shared' if self.parallel.is_shared_expert_rank else 'routed'} experts)")
+            experts, proj = self.blocks[match.group(1)].experts, match.group(match.lastindex)
+            if shared is not None:
+                load_shared_expert(experts, proj, tensor)
+            else:
+                expected = experts.hf_shape(proj)
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+                experts.load_expert(int(match.group(2)), proj, tensor)
+            loaded.add(f"blocks.{match.group(1)}.experts." + ("w2" if proj == "down_proj" else "w13"))
         return loaded
 
     @torch.inference_mode()

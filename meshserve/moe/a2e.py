@@ -58,7 +58,9 @@ class A2ELayout:
     each expert's intermediate dimension (MoE TP): expert rank j = g * t + r holds column block r of the experts
     [g * E/G, (g + 1) * E/G) of EP group g of G. A row goes to every rank of its expert's EP group; their partial
     outputs add up to the expert's, on the attention side with the others. "Experts" are the routed slots (with
-    redundant slots, E counts the slots)."""
+    redundant slots, E counts the slots). `rank_of_slot` (MoE TP1 only) names the expert rank (an index into
+    `expert_ranks`) of each slot instead, where the ranks hold different numbers of them: shared-expert ranks
+    beside the routed ones (meshserve/moe/shared_ranks.py), whose slots every token's k counts too."""
 
     attention_ranks: tuple[int, ...]
     expert_ranks: tuple[int, ...]
@@ -66,6 +68,7 @@ class A2ELayout:
     top_k: int
     ranks_per_node: int = 1
     expert_tp: int = 1
+    rank_of_slot: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.attention_ranks or not self.expert_ranks:
@@ -77,7 +80,14 @@ class A2ELayout:
             raise ValueError(f"the roles must cover group ranks 0..{len(everyone) - 1} once each")
         if self.expert_tp < 1 or len(self.expert_ranks) % self.expert_tp:
             raise ValueError(f"{len(self.expert_ranks)} expert ranks do not form EP groups of TP{self.expert_tp}")
-        if self.num_experts % self.num_ep_groups:
+        if self.rank_of_slot is not None:
+            if self.expert_tp != 1:
+                raise ValueError("a slot table (rank_of_slot) needs MoE TP1 on the expert ranks")
+            if len(self.rank_of_slot) != self.num_experts or not all(
+                    0 <= r < len(self.expert_ranks) for r in self.rank_of_slot):
+                raise ValueError(f"rank_of_slot must name one of the {len(self.expert_ranks)} expert ranks for each "
+                                 f"of the {self.num_experts} slots")
+        elif self.num_experts % self.num_ep_groups:
             raise ValueError(f"{self.num_experts} experts do not split evenly over {self.num_ep_groups} EP groups "
                              "of expert ranks")
         if not 1 <= self.top_k <= self.num_experts:
@@ -102,8 +112,13 @@ class A2ELayout:
         """The most expert ranks one token's k experts live on."""
         return min(self.top_k * self.expert_tp, len(self.expert_ranks))
 
-    def owner_indices(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """[N, K] expert ids -> [N, K * t] indices (into `expert_ranks`) of the ranks holding each one's columns."""
+    def owner_indices(self, expert_ids: torch.Tensor, owners: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] expert ids -> [N, K * t] indices (into `expert_ranks`) of the ranks holding each one's columns
+        (`owners`: `rank_of_slot` as a tensor, where the layout has one)."""
+        if self.rank_of_slot is not None:
+            if owners is None:
+                owners = torch.tensor(self.rank_of_slot, dtype=torch.int64, device=expert_ids.device)
+            return owners.index_select(0, expert_ids.reshape(-1).to(torch.int64)).reshape(expert_ids.shape)
         group = expert_ids.to(torch.int64) // self.experts_per_group
         if self.expert_tp == 1:
             return group
@@ -188,6 +203,8 @@ class A2EComm:
         self._counts_send = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
         self._counts_recv = torch.zeros(layout.world_size, 2, dtype=torch.int64, device=self.device)
         self.link_latency_s = envs.emulated_link_latency_s()  # benchmarks only (see the module's docstring)
+        self._owners = (torch.tensor(layout.rank_of_slot, dtype=torch.int64, device=self.device)
+                        if layout.rank_of_slot is not None else None)
 
     def use_groups(self, group, node_groups: Sequence | None = None) -> None:
         """Talk over new process groups (the context rebuilt them after a transient error)."""
@@ -209,7 +226,7 @@ class A2EComm:
         then uses the other `buffer_index`) until `e2a`."""
         self._check_attention_inputs(hidden, topk_ids, topk_weights)
         layout = self.layout
-        owner = layout.owner_indices(topk_ids)  # expert-rank index of each (token, k[, column block])
+        owner = layout.owner_indices(topk_ids, self._owners)  # expert-rank index of each (token, k[, column block])
         target = owner // layout.ranks_per_node if self.two_stage else owner
         if self.two_stage:
             ranks = torch.tensor([layout.relay(node, self.attention_index) for node in range(layout.num_nodes)],
@@ -267,7 +284,7 @@ class A2EComm:
         layout = self.layout
         members = torch.tensor(layout.node_members(self.node), dtype=torch.int64, device=self.device)
         ids = self._ids_of(received)
-        local_owner = layout.owner_indices(ids) - self.node * layout.ranks_per_node
+        local_owner = layout.owner_indices(ids, self._owners) - self.node * layout.ranks_per_node
         local_owner[(local_owner < 0) | (local_owner >= layout.ranks_per_node)] = -1  # experts of other nodes
         row_of_fwd, member = _unique_destinations(local_owner)  # each row once per owner in this node
         order = torch.argsort(member, stable=True)

@@ -89,14 +89,16 @@ def _shared_comm(ctx: ParallelContext, key: tuple, make: Callable[[], object],
 
 
 def _a2e_comm(ctx: ParallelContext, index: int, num_slots: int, top_k: int, hidden_size: int,
-              dtype: torch.dtype) -> A2EComm:
-    """The context's A2E communicator over its `index`-th A2E group (an expert rank has one per DP domain)."""
+              dtype: torch.dtype, shared: SharedExpertSlots | None) -> A2EComm:
+    """The context's A2E communicator over its `index`-th A2E group (an expert rank has one per DP domain); `top_k`
+    counts the shared experts' columns too where `shared` ranks hold them."""
     s = ctx.strategy
     per_domain = s.attention_ranks // s.domains
     num_expert_ranks = ctx.world_size - s.attention_ranks
     layout = A2ELayout(attention_ranks=tuple(range(per_domain)),
                        expert_ranks=tuple(range(per_domain, per_domain + num_expert_ranks)),
-                       num_experts=num_slots, top_k=top_k, ranks_per_node=s.relay, expert_tp=s.moe_tp)
+                       num_experts=num_slots, top_k=top_k, ranks_per_node=s.relay, expert_tp=s.moe_tp,
+                       rank_of_slot=tuple(shared.rank_of_slot()) if shared else None)
     return _shared_comm(ctx, ("a2e", index, num_slots, top_k, hidden_size, dtype), lambda: A2EComm(
         ctx.a2e_groups[index], layout, hidden_size, ctx.max_tokens_per_step, dtype, two_stage=s.relay > 1,
         node_groups=ctx.a2e_node_groups, int8=ctx.int8_dispatch, device=group_device(ctx.a2e_groups[index]),
@@ -199,8 +201,9 @@ class MoERuntime:
     def _connect(self, num_shared_experts: int) -> None:
         """This layer's communicator (shared with the context's other layers of its shape)."""
         ctx, top_k, hidden_size, dtype = self.ctx, self.top_k, self.hidden_size, self.dtype
+        shared, dispatched_k = self.shared_slots, top_k + (num_shared_experts if self.shared_slots else 0)
         if ctx.is_disagg:
-            self.a2e_comms = [_a2e_comm(ctx, index, self.num_slots, top_k, hidden_size, dtype)
+            self.a2e_comms = [_a2e_comm(ctx, index, self.num_slots, dispatched_k, hidden_size, dtype, shared)
                               for index in range(len(ctx.a2e_groups))]
             return
         if ctx.moe_groups is None:
@@ -209,7 +212,6 @@ class MoERuntime:
         if self.tp_size == 1:
             per_rank = -(-ctx.max_tokens_per_step // self.attn_tp_size) if self.deduplicate \
                 else ctx.max_tokens_per_step
-            shared, dispatched_k = self.shared_slots, top_k + (num_shared_experts if self.shared_slots else 0)
             self.ep_dispatcher = _shared_comm(ctx, ("ep", *shape, shared), lambda: EPDispatcher(
                 ctx.moe_groups.inter_node, self.num_slots, dispatched_k, hidden_size, per_rank, dtype,
                 int8=ctx.int8_dispatch, rank_of_slot=shared.rank_of_slot() if shared else None),

@@ -406,6 +406,9 @@ def layer_latency(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster
 
 
 def estimate(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, workload: Workload) -> StrategyEstimate:
+    if strategy.disagg:
+        raise AnalyzerError(f"{strategy} is disaggregated: meshserve/parallel/disagg.py prices it (`meshserve plan "
+                            "--disagg`)")
     w = workload
     kv = kv_cache_bytes_eq8(math.ceil(w.batch / strategy.attn_dp), w.input_len + w.output_len,
                             model.hidden_size, model.num_layers)

@@ -108,6 +108,9 @@ def check_model_dir(layout: DisaggLayout, model_dir: str) -> None:
         raise StrategyError(f"{layout}: {config.get('model_type')!r} models have no routed experts to put on expert "
                             "ranks")
     layout.check_model(int(num_experts), int(config["moe_intermediate_size"]))
+    if layout.shared_ranks and not config.get("n_shared_experts"):
+        raise StrategyError(f"shared=EP{layout.shared_ranks}: {config.get('model_type')!r} models have no shared "
+                            "experts to put on ranks of their own")
 
 
 def parse_disagg(text: str) -> DisaggLayout:

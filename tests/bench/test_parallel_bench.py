@@ -68,6 +68,8 @@ def test_parse_strategy_list_canonicalises_and_drops_repeats():
         pb.parse_strategy_list("attn=TP2 moe=EP3", 2)
     with pytest.raises(pb.BenchArgumentError, match="no strategy"):
         pb.parse_strategy_list(" ; ", 2)
+    with pytest.raises(pb.BenchArgumentError, match="bench disagg"):
+        pb.parse_strategy_list("attn=DP1 moe=EP1 disagg", 2)
 
 
 def test_default_strategies_are_every_strategy_of_the_world():

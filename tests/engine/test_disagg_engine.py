@@ -5,9 +5,10 @@ on different processes, tokens over A2E/E2A, against the single-rank engine.
 - two attention + two expert ranks;
 - four attention ranks in two DP domains taking turns on two expert ranks, also with two micro-batches each;
 - MoE TP on the expert ranks behind a relay (two-stage routing);
+- the shared experts on an expert rank of their own (xdeepserve's 256 routed + 32 shared expert dies);
 - a Qwen3-MoE model;
 - redundant experts on the expert ranks after an expert-placement move, and after a kill -9 of an expert rank
-  mid-stream (every request completes);
+  and of an attention rank mid-stream (every request completes);
 and INT8 weights on both roles follow the single-rank INT8 engine.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from meshserve.config import EngineConfig
 from meshserve.engine.async_client import AsyncEngineClient
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.moe.placement import ExpertPlacement
+from tests.engine.test_eplb_engine import wait_until_idle
 
 NUM_PROMPTS = 16
 OUTPUT_LEN = 32
@@ -34,6 +36,7 @@ LAYOUTS = {
     "2-attention+2-expert": "attn=DP2 moe=EP2 disagg",
     "4-attention-in-2-domains+2-expert": "attn=DP4 moe=EP2 disagg domains=2",
     "moe-TP2+EP2-through-relays": "attn=DP2 moe=TP2+EP2 disagg relay=2",
+    "2-routed+1-shared-expert-ranks": "attn=DP2 moe=EP2 shared=EP1 disagg",
 }
 
 
@@ -98,21 +101,10 @@ async def _generate(client: AsyncEngineClient, prompts, tag: str) -> list[list[i
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-async def _wait_idle(client: AsyncEngineClient, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        reply = await client.admin("eplb.status")
-        assert reply.ok, reply.error
-        if reply.data.phase == "idle":
-            return reply.to_json()
-        await asyncio.sleep(0.05)
-    raise AssertionError("the reconfiguration did not finish")
-
-
-def test_expert_moves_and_a_killed_expert_rank_keep_the_single_rank_tokens(reference):
+def test_expert_moves_and_killed_ranks_keep_the_single_rank_tokens(reference):
     """Redundant slots on the expert ranks, a rebalance planned from the attention ranks' load, then a kill -9 of
-    an expert rank while 16 requests stream: the ranks restart with the moved placement and every request ends
-    with the single rank's tokens."""
+    an expert rank, later of an attention rank, while 16 requests stream: the ranks restart with the moved
+    placement and every request ends with the single rank's tokens."""
     model_dir, prompts, expected = reference
     config = EngineConfig.from_kwargs(str(model_dir), parallel="attn=DP2 moe=EP2 disagg", eplb_redundant_experts=1,
                                       eplb_slice_s=0.5, **ENGINE_ARGS)
@@ -126,7 +118,7 @@ def test_expert_moves_and_a_killed_expert_rank_keep_the_single_rank_tokens(refer
             assert sum(sum(sum(row) for row in rank) for rank in load.data.counts) > 0  # the attention ranks count
             reply = await client.admin("eplb.rebalance")
             assert reply.ok, reply.error
-            status = await _wait_idle(client)
+            status = await wait_until_idle(client)
             assert status["num_reconfigurations"] == 1 and status["last_error"] is None
             placement = ExpertPlacement.from_dict(status["placement"])
             assert any(len(r) > 1 for layer in placement.layers for r in placement.replicas(layer))
@@ -138,6 +130,11 @@ def test_expert_moves_and_a_killed_expert_rank_keep_the_single_rank_tokens(refer
             assert await _generate(client, prompts, "killed") == expected
             print(f"\n16 requests through a kill -9 of an expert rank: {time.monotonic() - started:.1f} s")
             assert (await client.admin("stats")).data.stats.num_recoveries == 1
+            # and an attention rank: its DP group's requests continue from their tokens on the restarted ranks
+            inject = await client.admin("fault.inject", {"fault": {"kind": "kill", "rank": 1, "after_steps": 4}})
+            assert inject.ok, inject.error
+            assert await _generate(client, prompts, "attention-killed") == expected
+            assert (await client.admin("stats")).data.stats.num_recoveries == 2
             kept = await client.admin("eplb.status")
             assert ExpertPlacement.from_dict(kept.to_json()["placement"]).layers == placement.layers
         finally:

@@ -62,7 +62,8 @@ async def _generate(client: AsyncEngineClient, prompts, tag: str, during=None):
     return results, max(gaps)
 
 
-async def _wait_idle(client: AsyncEngineClient, timeout_s: float = 60.0) -> dict:
+async def wait_until_idle(client: AsyncEngineClient, timeout_s: float = 60.0) -> dict:
+    """The EPLB status once no reconfiguration runs (AssertionError after `timeout_s`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         reply = await client.admin("eplb.status")
@@ -108,7 +109,7 @@ def test_outputs_are_identical_off_on_and_during_live_reconfiguration(arch, tmp_
                 assert more == off, f"outputs changed in generation {again} during the reconfiguration"
                 live_gap = max(live_gap, gap)
             finished_at = time.time()
-            status = await _wait_idle(client)
+            status = await wait_until_idle(client)
             assert status["num_reconfigurations"] == 1 and status["last_error"] is None
             assert started["at"] <= status["last_started_at"]
             assert status["last_finished_at"] <= finished_at, "the reconfiguration finished after generation"

@@ -101,6 +101,34 @@ def test_moe_tp_on_the_expert_ranks_sums_their_column_blocks(ranks_per_node, two
     spawn_local_world(_a2e_worker, 6, args=(2, ranks_per_node, two_stage, False, 2), timeout_s=WORLD_TIMEOUT_S)
 
 
+def _shared_ranks_worker(rank: int, world: int) -> None:
+    """2 attention ranks, 2 routed expert ranks (4 experts each) and 1 shared-expert rank holding the 2 column
+    blocks of a shared expert: each token's k routed columns plus 2 shared ones, routed by the slot table."""
+    from meshserve.moe.shared_ranks import SharedExpertSlots
+
+    slots = SharedExpertSlots(routed_slots=NUM_EXPERTS, routed_ranks=2, shared_ranks=1, blocks=2)
+    layout = A2ELayout(attention_ranks=(0, 1), expert_ranks=(2, 3, 4), num_experts=slots.num_slots,
+                       top_k=TOP_K + 2, rank_of_slot=tuple(slots.rank_of_slot()))
+    comm = A2EComm(dist.group.WORLD, layout, HIDDEN, max_tokens_per_rank=8, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    w13 = torch.randn(slots.num_slots, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.2
+    w2 = torch.randn(slots.num_slots, HIDDEN, INTERMEDIATE, generator=gen) * 0.2
+    if comm.is_attention:
+        hidden, ids, weights = _tokens(5 + rank, seed=rank)
+        ids, weights = slots.append_columns(ids, weights, offset=rank)
+        out = comm.e2a(comm.a2e(hidden, ids, weights))
+        torch.testing.assert_close(out, moe_layer_reference(hidden, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
+    else:
+        first = [0, 4, 8][comm.expert_index]
+        count = [4, 4, 2][comm.expert_index]
+        local_w13, local_w2 = shard_expert_weights(w13, w2, first, count)
+        comm.serve_layer(lambda h, ids, w: fused_experts(h, ids, w, local_w13, local_w2, first_expert=first))
+
+
+def test_shared_expert_ranks_take_their_columns_by_the_slot_table():
+    spawn_local_world(_shared_ranks_worker, 5, timeout_s=WORLD_TIMEOUT_S)
+
+
 def _out_of_step_worker(rank: int, world: int) -> None:
     layout = A2ELayout(attention_ranks=(0,), expert_ranks=(1,), num_experts=NUM_EXPERTS, top_k=TOP_K)
     comm = A2EComm(dist.group.WORLD, layout, HIDDEN, max_tokens_per_rank=4, dtype=torch.float32)
@@ -155,6 +183,8 @@ def test_dp_domains_take_turns_on_the_expert_ranks():
     (dict(attention_ranks=(0,), expert_ranks=(2, 3)), "cover group ranks"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2, 3)), "do not split evenly"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2, 3), expert_tp=2), "EP groups of TP2"),
+    (dict(attention_ranks=(0,), expert_ranks=(1, 2), rank_of_slot=(0,) * 7 + (2,)), "rank_of_slot must name"),
+    (dict(attention_ranks=(0,), expert_ranks=(1, 2), expert_tp=2, rank_of_slot=(0,) * 8), "needs MoE TP1"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2), ranks_per_node=4), "do not form nodes"),
     (dict(attention_ranks=(0,), expert_ranks=(1, 2), top_k=9), "top_k"),
 ])

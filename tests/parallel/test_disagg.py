@@ -10,7 +10,7 @@ import pytest
 
 from meshserve.config import ConfigError, EngineConfig
 from meshserve.entrypoints.cli import main
-from meshserve.parallel.analyzer import Workload, model_spec_from_config
+from meshserve.parallel.analyzer import AnalyzerError, Workload, estimate, model_spec_from_config
 from meshserve.parallel.cluster_file import CLUSTER_PRESETS, MODEL_PRESETS
 from meshserve.parallel.disagg import DisaggLayout, check_model_dir, compare, estimate_disagg, parse_disagg
 from meshserve.parallel.strategy import ParallelStrategy, StrategyError, parse_strategy
@@ -116,7 +116,7 @@ def test_only_a_disaggregated_layout_takes_domains():
 
 
 @pytest.mark.parametrize(("settings", "named"), [
-    (dict(parallel="attn=DP2 moe=EP2 shared=EP1 disagg"), "shared=EP1"),
+    (dict(parallel="attn=DP2 moe=TP2+EP2 shared=EP2 disagg"), "shared=EP2 needs moe=TP1"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", dp_groups="self-contained"), "dp_groups self-contained"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", on_rank_failure="shrink"), "on_rank_failure shrink"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", speculative="mtp"), "speculative mtp"),
@@ -137,4 +137,12 @@ def test_a_model_without_routed_experts_or_too_few_is_refused_naming_the_setting
         check_model_dir(parse_disagg("attn=DP2 moe=EP8 disagg"), str(tmp_path))
     with pytest.raises(StrategyError, match="moe=TP4"):
         check_model_dir(parse_disagg("attn=DP2 moe=TP4+EP1 disagg"), str(tmp_path))
+    with pytest.raises(StrategyError, match="no shared experts"):
+        check_model_dir(parse_disagg("attn=DP2 moe=EP2 shared=EP1 disagg"), str(tmp_path))
     check_model_dir(parse_disagg("attn=DP2 moe=TP2+EP2 disagg"), str(tmp_path))
+
+
+def test_the_colocated_analyzer_refuses_a_disaggregated_layout():
+    workload = Workload(batch=8, input_len=8, output_len=8, arrival_rate=1.0)
+    with pytest.raises(AnalyzerError, match="plan --disagg"):
+        estimate(R1, parse_strategy("attn=DP4 moe=EP2 disagg"), CLUSTER, workload)
