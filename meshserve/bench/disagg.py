@@ -263,5 +263,5 @@ def _plot_timeline(ax, timeline: dict) -> None:
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels(names, fontsize=8)
     ax.set_xlabel("ms")
-    ax.set_title(f"{timeline['layout']}, {timeline['link_ms']:g} ms link\nattention lanes: micro-batch 0/1 away on "
-                 "the experts; experts: grey waiting, solid computing a domain", fontsize=9)
+    ax.set_title(f"{timeline['layout']}, {timeline['link_ms']:g} ms link\nattention: micro-batch 0 / 1 away; "
+                 "experts: grey waiting, solid computing", fontsize=9)
