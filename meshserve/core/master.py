@@ -26,7 +26,7 @@ import traceback
 
 import zmq
 
-from meshserve.config import EngineConfig
+from meshserve.config import ConfigError, EngineConfig
 from meshserve.core.admin_ops import AdminOps
 from meshserve.core.admission import Admission
 from meshserve.core.client_links import ClientLink, GroupLink, RouterLinks
@@ -46,6 +46,7 @@ from meshserve.core.worker_group import DEAD_GRACE_S, SpareWorker, WeightServers
 from meshserve.core.worker_results import WorkerResults
 from meshserve.models.generation_config import max_position_embeddings
 from meshserve.parallel.disagg import check_model_dir
+from meshserve.parallel.strategy import StrategyError
 from meshserve.utils import cluster_auth, faults
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.utils.processes import STOPPED_BY_SIGNAL_EXIT_CODE
@@ -417,7 +418,9 @@ def run_master(config: dict, input_addr: str, output_addr: str, ipc_dir: str,
     try:
         core = engine_class(config)(config, ctx, ClientLink(ctx, input_addr, output_addr), ipc_dir, log_level)
     except Exception as exc:
-        logger.error("start-up failed: %s", traceback.format_exc())
+        # a setting the model or the layout refuses is the user's to fix: one line, no traceback
+        logger.error("start-up failed: %s", exc if isinstance(exc, (ConfigError, StrategyError))
+                     else traceback.format_exc())
         ctx = zmq.Context.instance()
         out = ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 2000)
