@@ -37,9 +37,6 @@ class EngineConfig(ConfigStruct, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.speculative_config.enabled and self.parallel_config.strategy.disagg:
-            raise ConfigError("speculative mtp: the expert ranks of a disaggregated layout hold the decoder's "
-                              "experts only, not the MTP layer's")
         if self.parallel_config.microbatches == 2 and self.scheduler_config.max_num_seqs < 2:
             raise ConfigError("microbatches 2 splits a step's sequences in two: it needs max_num_seqs >= 2, got "
                               f"{self.scheduler_config.max_num_seqs}")

@@ -24,6 +24,7 @@ class RoutedExperts:
     hidden_size: int
     intermediate_size: int
     num_shared_experts: int = 0  # column blocks of the shared experts (shared-expert ranks hold them)
+    mtp_layers: tuple[int, ...] = ()  # the MTP layers with routed experts (their checkpoint layer indices)
 
 
 class CausalLM(torch.nn.Module):

@@ -501,8 +501,10 @@ class DeepseekV3ForCausalLM(CausalLM):
     def routed_experts_of(hf_config: dict) -> RoutedExperts:
         """The decoder layers' routed experts (what an expert rank of a disaggregated layout holds)."""
         p = DeepseekV3Params.from_hf_config(hf_config)
+        mtp = range(p.num_hidden_layers, p.num_hidden_layers + p.num_nextn_predict_layers)
         return RoutedExperts(tuple(i for i in range(p.num_hidden_layers) if p.is_moe_layer(i)), p.n_routed_experts,
-                             p.num_experts_per_tok, p.hidden_size, p.moe_intermediate_size, p.n_shared_experts)
+                             p.num_experts_per_tok, p.hidden_size, p.moe_intermediate_size, p.n_shared_experts,
+                             tuple(i for i in mtp if p.is_moe_layer(i)))
 
     def wants_weight(self, name: str) -> bool:
         """Also: with shared-expert ranks, only they read the shared experts."""

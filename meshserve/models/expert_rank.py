@@ -2,7 +2,8 @@
 experts of this rank's slots in every MoE layer of the decoder (on a shared-expert rank, `shared=EPs`, the shared
 experts' column blocks instead) and nothing else (no embedding, no attention, no KV cache). Each forward of the
 attention ranks, `serve_forward` serves their A2E rows layer by layer, every DP domain in turn
-(meshserve/moe/runtime.py `MoERuntime.serve`).
+(meshserve/moe/runtime.py `MoERuntime.serve`); each MTP forward of theirs (speculative decoding), `serve_mtp`
+serves the MTP layer's (the first, which drafts every token).
 
 It loads like any model (meshserve/models/loader.py builds it in place of the registered model on an expert rank):
 it wants the checkpoint's per-expert tensors of its experts only, and its `expert_balancer` moves experts between
@@ -47,8 +48,9 @@ class ExpertRankModel(CausalLM):
         self.model_type = hf_config.get("model_type", "")
         self.parallel, self.dtype, self.routed = parallel, dtype, routed
         self.blocks = torch.nn.ModuleDict({str(layer): ExpertRankBlock(routed, layer, dtype, parallel)
-                                           for layer in routed.layers})
+                                           for layer in (*routed.layers, *routed.mtp_layers)})
         self._expert_range = rank_expert_range(parallel, routed.num_experts)
+        # the decoder's layers, as the attention ranks' balancer (MTP layers keep the default placement)
         self.expert_balancer = ExpertBalancer({layer: self.blocks[str(layer)] for layer in routed.layers})
         self.requires_grad_(False)
 
@@ -81,10 +83,26 @@ class ExpertRankModel(CausalLM):
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
                 experts.load_expert(int(match.group(2)), proj, tensor)
             loaded.add(f"blocks.{match.group(1)}.experts." + ("w2" if proj == "down_proj" else "w13"))
+        for layer in self.routed.mtp_layers:  # a checkpoint without MTP layers (HF's save_pretrained writes none)
+            if not any(name.startswith(f"blocks.{layer}.") for name in loaded):
+                del self.blocks[str(layer)]
         return loaded
 
     @torch.inference_mode()
     def serve_forward(self, microbatches: int = 1) -> int:
         """One forward of the attention ranks (run as `microbatches` micro-batches), seen from here: each MoE
         layer's rows of every DP domain, served in layer order. The rows computed."""
-        return sum(block.runtime.serve(block.experts, microbatches) for block in self.blocks.values())
+        return sum(self.blocks[str(layer)].runtime.serve(self.blocks[str(layer)].experts, microbatches)
+                   for layer in self.routed.layers)
+
+    @torch.inference_mode()
+    def serve_mtp(self, forwards: int) -> int:
+        """`forwards` MTP forwards of the attention ranks (one micro-batch each), seen from here. The rows
+        computed."""
+        if not forwards:
+            return 0
+        layers = [layer for layer in self.routed.mtp_layers if str(layer) in self.blocks]
+        if not layers:
+            raise RuntimeError("the attention ranks run MTP forwards, but the checkpoint holds no MTP layer")
+        block = self.blocks[str(layers[0])]
+        return sum(block.runtime.serve(block.experts) for _ in range(forwards))

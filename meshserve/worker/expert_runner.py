@@ -20,7 +20,7 @@ from meshserve.config import EngineConfig
 from meshserve.models.loader import load_hf_config, resolve_dtype
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.rollback import is_transient
-from meshserve.wire.worker import StepBatch, WorkerEventKind
+from meshserve.wire.worker import SchedulerOutput, StepBatch, WorkerEventKind
 from meshserve.worker.rank_model import RankExperts, load_rank_model, load_threads
 from meshserve.worker.sampler import describe_error
 
@@ -47,6 +47,8 @@ class ExpertRankRunner:
         if config.eplb_config.eplb_placement:
             self.experts.apply_initial_placement(config.eplb_config.eplb_placement)
         self.vocab_size = int(hf_config["vocab_size"])
+        spec = config.speculative_config
+        self.num_draft_tokens = spec.num_draft_tokens if spec.enabled else 0
         # no KV cache: the master sizes the DP groups' caches from the attention ranks alone
         self.num_blocks, self.layout, self.kv_region = 0, SimpleNamespace(bytes_per_token=0), None
         self.weights_addr = ""
@@ -71,12 +73,21 @@ class ExpertRankRunner:
         if batch.eplb is not None:
             self.experts.apply(batch.eplb)
         if batch.per_dp:  # the attention ranks all run a forward, idle DP groups too
-            self._serve_rolling_back(batch.per_dp[0].step_id, batch.microbatches)
+            self._serve_rolling_back(batch.per_dp[0], batch.microbatches)
 
-    def _serve_rolling_back(self, step_id: int, microbatches: int) -> None:
+    def _mtp_forwards(self, sched: SchedulerOutput) -> int:
+        """The MTP forwards the attention ranks run this step (`ModelRunner.mtp_forwards_of`; every DP group's
+        scheduler speculates alike): the catch-up, and the drafting ones when the step drafts."""
+        if not self.num_draft_tokens or not sched.mtp_catch_up:
+            return 0
+        return self.num_draft_tokens if sched.num_draft_tokens > 0 else 1
+
+    def _serve_rolling_back(self, sched: SchedulerOutput, microbatches: int) -> None:
+        step_id = sched.step_id
         for attempt in itertools.count(1):
             try:
                 self.rows_served += self.model.serve_forward(microbatches)
+                self.rows_served += self.model.serve_mtp(self._mtp_forwards(sched))
                 return
             except Exception as exc:
                 if not is_transient(exc) or attempt == MAX_STEP_ATTEMPTS:

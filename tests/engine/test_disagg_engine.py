@@ -3,7 +3,8 @@ on different processes, tokens over A2E/E2A, against the single-rank engine.
 
 16 prompts of mixed lengths x 32 greedy tokens, submitted together, must give the single rank's tokens for:
 - two attention + two expert ranks;
-- four attention ranks in two DP domains taking turns on two expert ranks, also with two micro-batches each;
+- four attention ranks in two DP domains taking turns on two expert ranks, also with two micro-batches each,
+  and with MTP drafts (the MTP layer's experts on the expert ranks);
 - MoE TP on the expert ranks behind a relay (two-stage routing);
 - the shared experts on an expert rank of their own (xdeepserve's 256 routed + 32 shared expert dies);
 - a Qwen3-MoE model;
@@ -72,6 +73,17 @@ def test_two_microbatches_in_each_of_two_domains_give_the_single_rank_tokens(ref
              microbatch_min_tokens=2, **ENGINE_ARGS) as llm:
         assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)] == expected
         assert llm.get_stats().microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
+
+
+def test_mtp_drafts_with_the_mtp_layers_experts_on_the_expert_ranks(reference):
+    """Speculative decoding: the attention ranks draft with the MTP layer, whose experts the expert ranks serve
+    after each forward's decoder layers (the tiny model's MTP layer is random: drafts are verified and mostly
+    rejected, and the tokens stay the single rank's without speculation)."""
+    model_dir, prompts, expected = reference
+    with LLM(model=str(model_dir), parallel="attn=DP4 moe=EP2 disagg domains=2", speculative="mtp",
+             num_speculative_tokens=2, **ENGINE_ARGS) as llm:
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)] == expected
+        assert llm.get_stats().spec_verify_steps > 0
 
 
 def test_a_qwen3_moe_model_on_expert_ranks_gives_the_single_rank_tokens(tiny_model):

@@ -119,7 +119,6 @@ def test_only_a_disaggregated_layout_takes_domains():
     (dict(parallel="attn=DP2 moe=TP2+EP2 shared=EP2 disagg"), "shared=EP2 needs moe=TP1"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", dp_groups="self-contained"), "dp_groups self-contained"),
     (dict(parallel="attn=DP2 moe=EP2 disagg", on_rank_failure="shrink"), "on_rank_failure shrink"),
-    (dict(parallel="attn=DP2 moe=EP2 disagg", speculative="mtp"), "speculative mtp"),
     (dict(parallel="attn=DP3 moe=EP2 disagg domains=2"), "domains=2"),
 ])
 def test_what_a_served_disaggregated_layout_does_not_do_is_refused_in_one_line(settings, named):
