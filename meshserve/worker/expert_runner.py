@@ -21,7 +21,7 @@ from meshserve.models.loader import load_hf_config, resolve_dtype
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.rollback import is_transient
 from meshserve.wire.worker import SchedulerOutput, StepBatch, WorkerEventKind
-from meshserve.worker.rank_model import RankExperts, load_rank_model, load_threads
+from meshserve.worker.rank_model import RankExperts, load_rank_model, load_threads, pool_client
 from meshserve.worker.sampler import describe_error
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,10 @@ class ExpertRankRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         hf_config = load_hf_config(config.model_config.model)
         dtype = resolve_dtype(config.model_config.dtype, hf_config)
+        # the pool's model cache serves the weights where the TE has a pool (no context cache here: no KV)
+        self.pool = pool_client(config, parallel)
         with load_threads(config.parallel_config.num_local_ranks):
-            self.model, self.load_info = load_rank_model(config, parallel, dtype, self.device)
+            self.model, self.load_info = load_rank_model(config, parallel, dtype, self.device, self.pool)
         self.experts = RankExperts(self.model.expert_balancer)
         if config.eplb_config.eplb_placement:
             self.experts.apply_initial_placement(config.eplb_config.eplb_placement)
@@ -109,4 +111,5 @@ class ExpertRankRunner:
         return None  # no KV cache, no connector
 
     def close(self) -> None:
-        pass
+        if self.pool is not None:
+            self.pool.close()

@@ -65,7 +65,7 @@ from meshserve.wire.worker import (
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.mtp_proposer import CatchUp, MTPProposer
-from meshserve.worker.rank_model import RankExperts, load_rank_model, load_threads
+from meshserve.worker.rank_model import RankExperts, load_rank_model, load_threads, pool_client
 from meshserve.worker.request_state import RequestState, StepSeq, StepSnapshot
 from meshserve.worker.sampler import (
     FAILED_TOKEN,
@@ -106,14 +106,8 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.hf_config = load_hf_config(config.model_config.model)
         self.dtype = resolve_dtype(config.model_config.dtype, self.hf_config)
-        self.pool = None  # this rank's client of the memory pool: model weights and context (KV) caching
-        if config.pool_config.pool_controller:
-            from meshserve.pool.sdk import PoolClient
-
-            # a generous timeout: background block stores must survive a busy host (a dead server
-            # still fails fast after its first timeout)
-            self.pool = PoolClient(config.pool_config.pool_controller, timeout_s=5.0,
-                                   name=f"worker-{self.parallel.rank}")
+        # this rank's client of the memory pool (None without one): model weights and context (KV) caching
+        self.pool = pool_client(config, self.parallel)
         with load_threads(config.parallel_config.num_local_ranks):
             self.model, self.load_info = load_rank_model(config, self.parallel, self.dtype, self.device, self.pool)
         logger.info("loaded %s from %s in %.1fs (%.1f MiB)", config.model_config.model, self.load_info.source,

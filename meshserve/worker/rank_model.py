@@ -49,6 +49,17 @@ def load_threads(ranks_on_host: int):
         torch.set_num_threads(serving)
 
 
+def pool_client(config: EngineConfig, parallel: ParallelContext):
+    """This rank's client of the memory pool, or None without one."""
+    if not config.pool_config.pool_controller:
+        return None
+    from meshserve.pool.sdk import PoolClient  # only ranks of a TE with a pool talk to one
+
+    # a generous timeout: background block stores must survive a busy host (a dead server still fails fast after
+    # its first timeout)
+    return PoolClient(config.pool_config.pool_controller, timeout_s=5.0, name=f"worker-{parallel.rank}")
+
+
 def load_rank_model(config: EngineConfig, parallel: ParallelContext, dtype: torch.dtype, device: torch.device,
                     pool=None):
     """This rank's model and how it got its weights: forked from a running TE (`fork_from`), from the memory

@@ -11,7 +11,7 @@ from meshserve.entrypoints.cli import main
 from meshserve.models.factory import make_model
 from meshserve.models.loader import load_model
 from meshserve.parallel.context import ParallelContext
-from meshserve.parallel.strategy import ParallelStrategy
+from meshserve.parallel.strategy import ParallelStrategy, parse_strategy
 from meshserve.parallel.topology import spawn_local_world
 from meshserve.pool.sdk import PoolClient
 from meshserve.worker import model_cache as mc
@@ -19,6 +19,7 @@ from tests.pool.pool_processes import free_address, pool_processes, start_pool, 
 
 CHUNK_MB = "0.25"  # 256 KiB: the tiny models' larger tensors are split into several chunks
 TP2_EP2 = ParallelStrategy(attn_tp=2, attn_dp=1, moe_tp=1, moe_ep=2)
+DISAGG = parse_strategy("attn=DP1 moe=EP1 disagg")  # rank 0 attends, rank 1 holds the experts
 
 
 def params(model) -> dict[str, torch.Tensor]:
@@ -55,6 +56,13 @@ def _shard_worker(rank: int, world_size: int, controller: str, disk_dir: str, po
             loaded = params(load_model(model_dir, parallel=ctx, read_weights=mc.pool_weights(pool, model_dir)))
             results[label] = loaded.keys() == from_disk.keys() and all(
                 torch.equal(t, from_disk[n]) for n, t in loaded.items())
+        # attention and experts on different ranks: rank 1 holds only experts, and reads them from the pool too
+        roles = ParallelContext.build(DISAGG)
+        role_from_disk = params(load_model(disk_dir, parallel=roles))
+        role_loaded = params(load_model(disk_dir, parallel=roles, read_weights=mc.pool_weights(pool, disk_dir)))
+        results["disagg_equal"] = role_loaded.keys() == role_from_disk.keys() and all(
+            torch.equal(t, role_from_disk[n]) for n, t in role_loaded.items())
+        results["disagg_expert_only"] = roles.is_expert_rank and all(".experts." in n for n in role_loaded)
     results["numel"] = sum(t.numel() for t in from_disk.values())
     torch.save(results, Path(out_dir) / f"shard-rank{rank}.pt")
 
@@ -117,6 +125,7 @@ def test_put_load_shards_versions_eviction_and_failover(models, tmp_path, capsys
             for rank in range(2):
                 result = torch.load(tmp_path / f"shard-rank{rank}.pt")
                 assert result["pool_only_equal"] and result["with_disk_equal"], result
+                assert result["disagg_equal"] and result["disagg_expert_only"] == (rank == 1), result
                 assert result["numel"] < full  # really a shard
 
             # ---- a second version of the same model id never mixes with the first
