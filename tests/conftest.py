@@ -63,6 +63,7 @@ FOLDER_TIERS = {
     "pool": "unit",
     "quant": "model",
     "router": "unit",
+    "sim": "unit",
     "train": "model",
     "transfer": "unit",
     "utils": "unit",
@@ -72,6 +73,7 @@ FOLDER_TIERS = {
 # Modules ("folder/test_x.py") and single tests ("folder/test_x.py::test_name", every parametrization) whose
 # tier is not their folder's.
 TIER_EXCEPTIONS = {
+    "sim/test_calibrate.py": "engine",  # fits a profile from the real engine's steps
     **dict.fromkeys([
         "cluster/test_autoscaler.py",
         "docs/test_blocks.py",

@@ -16,6 +16,7 @@ from meshserve.entrypoints.pool import add_pool_commands
 from meshserve.entrypoints.profile_pd import add_profile_commands
 from meshserve.entrypoints.quantize import add_quantize_parser
 from meshserve.entrypoints.serve import serve as serve_main
+from meshserve.entrypoints.simulate import add_simulate_commands
 from meshserve.entrypoints.te_server import add_te_parser
 from meshserve.entrypoints.train import add_train_parser
 from meshserve.models.factory import add_make_model_arguments, make_model_main
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_predictor_parser(sub)
 
     add_profile_commands(sub)
+
+    add_simulate_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (offline throughput, online serving)")
     register_bench_commands(bench)

@@ -1,0 +1,99 @@
+"""The simulation beside the real engine on one trace (`meshserve simulate compare`): the instrument checked on
+what this machine can run.
+
+The real TE is started as `LLM` would start it (master and ranks, same settings), warmed up, then served the
+trace: each request is submitted at its arrival time (wall clock from the first), with the prompt the simulation
+gives it (same seed, same order). TTFT and TPOT come from the engine's own request metrics. The simulation then
+serves the same trace with the profile; the two are reported side by side, with the simulation's error relative
+to the measurement.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+from meshserve.sim.profile import StepProfile
+from meshserve.sim.run import simulate
+from meshserve.sim.te import SimTE, SimTESettings, draw_prompt
+from meshserve.sim.trace import TraceRequest
+from meshserve.utils import report
+
+COMPARED = (("output_tokens_per_s", None), ("ttft_s", "p50"), ("tpot_s", "p50"))
+WARMUP_REQUESTS = 4
+
+
+def prompts_of(trace: Sequence[TraceRequest], seed: int) -> list[list[int]]:
+    """The prompts `SimTE` makes for `trace` (its generator, in admission order)."""
+    rng = random.Random(seed)
+    return [draw_prompt(rng, r.prompt_len) for r in trace]
+
+
+def measure(model: str, parallel: str, settings: SimTESettings, trace: Sequence[TraceRequest], seed: int) -> dict:
+    """The real engine serving `trace` in real time: the simulation's metrics, measured."""
+    from meshserve.config import EngineConfig
+    from meshserve.engine.async_client import AsyncEngineClient
+    from meshserve.wire.sampling_params import SamplingParams
+
+    config = EngineConfig.from_kwargs(model, parallel=parallel, max_num_seqs=settings.max_num_seqs,
+                                      max_num_batched_tokens=settings.max_num_batched_tokens,
+                                      num_kv_blocks=settings.num_kv_blocks, block_size=settings.block_size)
+    prompts = prompts_of(trace, seed)
+
+    async def serve() -> dict:
+        client = AsyncEngineClient(config, log_level=logging.WARNING)
+        try:
+            warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            await asyncio.gather(*(_drain(client.generate(None, prompts[i % len(prompts)], warm, f"warm-{i}"))
+                                   for i in range(WARMUP_REQUESTS)))
+            start = time.monotonic()
+            results = await asyncio.gather(*(_one(client, i, r, prompts[i], start) for i, r in enumerate(trace)))
+            return _summary(results, time.monotonic() - start)
+        finally:
+            client.shutdown()
+    return asyncio.run(serve())
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _one(client, index: int, request: TraceRequest, prompt: list[int], start: float) -> tuple:
+    from meshserve.wire.sampling_params import SamplingParams
+
+    await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
+    sent = time.monotonic()
+    first = last = None
+    tokens = 0
+    params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+    async for out in client.generate(None, prompt, params, f"trace-{index}"):
+        if out.outputs[0].token_ids_delta:
+            now = time.monotonic()
+            first = now if first is None else first
+            last = now
+            tokens += len(out.outputs[0].token_ids_delta)
+    return sent, first, last, tokens
+
+
+def _summary(results: list[tuple], elapsed: float) -> dict:
+    ttft = [first - sent for sent, first, _, _ in results if first is not None]
+    tpot = [(last - first) / (n - 1) for _, first, last, n in results if n > 1]
+    tokens = sum(n for *_, n in results)
+    return {"output_tokens_per_s": tokens / elapsed, "ttft_s": report.summarize(ttft),
+            "tpot_s": report.summarize(tpot), "ttfts": ttft, "tpots": tpot, "output_tokens": tokens}
+
+
+def compare(model: str, parallel: str, settings: SimTESettings, profile: StepProfile,
+            trace: Sequence[TraceRequest], seed: int) -> dict:
+    measured = measure(model, parallel, settings, trace, seed)
+    simulated = simulate(trace, SimTE(settings, profile, seed=seed))
+    rows = []
+    for metric, key in COMPARED:
+        real = measured[metric] if key is None else measured[metric][key]
+        sim = simulated[metric] if key is None else simulated[metric][key]
+        rows.append({"metric": metric if key is None else f"{metric} {key}", "measured": real, "simulated": sim,
+                     "error": (sim - real) / real if real else None})
+    return {"rows": rows, "measured": measured, "simulated": simulated}

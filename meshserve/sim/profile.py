@@ -1,0 +1,124 @@
+"""How long one engine step takes on some hardware: the simulator's model of time (a data file per profile).
+
+A step of a TE runs every DP group's part at once (lockstep), so it takes as long as its slowest group. A group's
+part costs
+
+    base_ms + per_decode_row_ms * decode rows + per_prefill_token_ms * prefill tokens
+            + per_context_kilotoken_ms * (tokens the decode rows attend to) / 1000
+
+`base_ms` is what a step costs whatever it holds: the weights read once per step, the MoE collectives, the
+control plane. A profile is fitted to one model and layout (`fit`, from steps measured on the real engine:
+`meshserve simulate calibrate`), and names where its numbers come from (`source`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot time a step (one line for the user)."""
+
+
+@dataclass(frozen=True)
+class GroupWork:
+    """One DP group's part of a step."""
+
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    context_tokens: int = 0  # the tokens the decode rows attend to
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    name: str
+    source: str  # where the numbers come from
+    base_ms: float
+    per_decode_row_ms: float
+    per_prefill_token_ms: float
+    per_context_kilotoken_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for term in TERMS:
+            value = getattr(self, term)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ProfileError(f"profile {self.name!r}: {term} must be a number >= 0, got {value!r}")
+
+    def group_seconds(self, work: GroupWork) -> float:
+        return 1e-3 * (self.base_ms + self.per_decode_row_ms * work.decode_rows
+                       + self.per_prefill_token_ms * work.prefill_tokens
+                       + self.per_context_kilotoken_ms * work.context_tokens / 1000)
+
+    def step_seconds(self, groups: Sequence[GroupWork]) -> float:
+        """A lockstep step: its slowest DP group's part."""
+        return max(self.group_seconds(work) for work in groups)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "profile") -> StepProfile:
+        missing = [key for key in ("name", "source", *TERMS) if key not in data]
+        if missing:
+            raise ProfileError(f"{where} lacks {', '.join(missing)}")
+        unknown = sorted(set(data) - {"name", "source", *TERMS})
+        if unknown:
+            raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ProfileError(f"cannot read profile {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile {path} is not a JSON object")
+        return cls.from_dict(data, where=f"profile {path}")
+
+
+def fit(name: str, source: str, samples: Sequence[tuple[GroupWork, float]]) -> StepProfile:
+    """The profile whose step times fit `samples` (one group's work, its measured seconds) best in relative least
+    squares (a 3 ms decode step counts as much as a 200 ms prefill), every term kept at zero or more."""
+    if len(samples) < len(TERMS):
+        raise ProfileError(f"fitting {len(TERMS)} terms needs at least as many measured steps, got {len(samples)}")
+    if any(not seconds > 0 for _, seconds in samples):
+        raise ProfileError("every measured step must have taken a positive time")
+    # each equation divided by its measured time: the residuals are relative errors
+    rows = [[x / (1e3 * seconds) for x in (1.0, w.decode_rows, w.prefill_tokens, w.context_tokens / 1000)]
+            for w, seconds in samples]
+    target = [1.0] * len(samples)
+    active = list(range(len(TERMS)))
+    while True:  # drop a term the data gives a negative weight (a cost is never negative), and fit again
+        coefficients = _least_squares([[row[i] for i in active] for row in rows], target)
+        worst = min(range(len(active)), key=lambda i: coefficients[i])
+        if coefficients[worst] >= 0 or len(active) == 1:
+            break
+        del active[worst]
+    values = dict.fromkeys(TERMS, 0.0)
+    for index, value in zip(active, coefficients):
+        values[TERMS[index]] = max(0.0, value)
+    return StepProfile(name=name, source=source, **values)
+
+
+def _least_squares(rows: list[list[float]], target: list[float]) -> list[float]:
+    """The x minimising |A x - b| (the normal equations, solved by Gaussian elimination with a small ridge)."""
+    n = len(rows[0])
+    normal = [[sum(r[i] * r[j] for r in rows) + (1e-9 if i == j else 0.0) for j in range(n)] for i in range(n)]
+    rhs = [sum(r[i] * t for r, t in zip(rows, target)) for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(normal[r][col]))
+        normal[col], normal[pivot], rhs[col], rhs[pivot] = normal[pivot], normal[col], rhs[pivot], rhs[col]
+        for r in range(col + 1, n):
+            factor = normal[r][col] / normal[col][col]
+            normal[r] = [a - factor * b for a, b in zip(normal[r], normal[col])]
+            rhs[r] -= factor * rhs[col]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (rhs[r] - sum(normal[r][c] * x[c] for c in range(r + 1, n))) / normal[r][r]
+    return x

@@ -1,0 +1,124 @@
+"""`meshserve simulate` (meshserve/sim/): the step-time profile and its fit, traces, and a TE's own control plane
+on virtual time — the same scheduler class that serves, results that follow its settings, bad input refused in
+one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshserve.core import scheduler as served_scheduler
+from meshserve.core import waiting_queue as served_queue
+from meshserve.entrypoints.cli import main
+from meshserve.sim.profile import GroupWork, ProfileError, StepProfile, fit
+from meshserve.sim.run import simulate
+from meshserve.sim.te import SimTE, SimTESettings
+from meshserve.sim.trace import TraceError, TraceRequest, poisson, read_jsonl
+
+PROFILE = StepProfile(name="test", source="made up for the tests", base_ms=3.0, per_decode_row_ms=0.25,
+                      per_prefill_token_ms=0.1, per_context_kilotoken_ms=0.8)
+
+
+def test_a_step_costs_its_slowest_groups_work():
+    small, large = GroupWork(decode_rows=4, context_tokens=1000), GroupWork(decode_rows=2, prefill_tokens=100)
+    assert PROFILE.group_seconds(small) == pytest.approx(1e-3 * (3.0 + 1.0 + 0.8))
+    assert PROFILE.step_seconds([small, large]) == pytest.approx(1e-3 * (3.0 + 0.5 + 10.0))
+
+
+def test_the_fit_recovers_the_terms_of_measured_steps():
+    works = [GroupWork(decode_rows=b, context_tokens=c) for b, c in ((1, 50), (4, 200), (16, 800), (4, 2000))]
+    works += [GroupWork(prefill_tokens=p) for p in (64, 256, 1024)]
+    fitted = fit("fitted", "test", [(w, PROFILE.group_seconds(w)) for w in works])
+    for term in ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms"):
+        assert getattr(fitted, term) == pytest.approx(getattr(PROFILE, term), rel=1e-6)
+    # a term the data would make negative is dropped, never negative
+    noisy = fit("noisy", "test", [(GroupWork(decode_rows=b), 1e-3 * (5.0 - 0.1 * b)) for b in (1, 2, 4, 8)])
+    assert min(noisy.base_ms, noisy.per_decode_row_ms, noisy.per_prefill_token_ms) >= 0
+    with pytest.raises(ProfileError, match="at least as many"):
+        fit("short", "test", [(GroupWork(decode_rows=1), 0.003)])
+
+
+def test_a_profile_file_missing_a_term_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "profile.json"
+    data = PROFILE.to_dict()
+    path.write_text(json.dumps(data))
+    assert StepProfile.load(path) == PROFILE
+    del data["per_decode_row_ms"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="lacks per_decode_row_ms") as err:
+        StepProfile.load(path)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ProfileError, match="base_ms must be a number >= 0"):
+        StepProfile.from_dict({**PROFILE.to_dict(), "base_ms": -1.0})
+
+
+def test_traces_are_seeded_and_bad_ones_are_refused(tmp_path):
+    trace = poisson(2.0, 50, (8, 16), (4, 8), seed=3)
+    assert trace == poisson(2.0, 50, (8, 16), (4, 8), seed=3)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace) and trace[0].arrival_s == 0
+    assert all(8 <= r.prompt_len <= 16 and 4 <= r.output_len <= 8 for r in trace)
+    with pytest.raises(TraceError, match="prompt_len must be a positive integer"):
+        TraceRequest(0.0, -3, 4)
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"arrival_s": 1.0, "prompt_len": 5, "output_len": 2}\n'
+                    '{"arrival_s": 0.5, "prompt_len": 7, "output_len": 3}\n')
+    assert [r.prompt_len for r in read_jsonl(path)] == [7, 5]  # sorted by arrival
+    path.write_text('{"arrival_s": 1.0, "prompt_len": 5}\n')
+    with pytest.raises(TraceError, match="trace.jsonl:1: missing field 'output_len'"):
+        read_jsonl(path)
+
+
+def test_the_simulated_te_runs_the_schedulers_and_queue_that_serve():
+    te = SimTE(SimTESettings(dp=2), PROFILE)
+    assert type(te.schedulers[0]) is served_scheduler.Scheduler
+    assert type(te.queue) is served_queue.DPWaitingQueue
+
+
+def _run(trace, **settings) -> dict:
+    return simulate(trace, SimTE(SimTESettings(**settings), PROFILE), progress=False)
+
+
+def test_every_request_gets_its_tokens_and_the_metrics_follow_the_settings():
+    trace = poisson(20.0, 64, (16, 128), (8, 32), seed=1)
+    result = _run(trace, max_num_seqs=16)
+    assert result["completed"] == result["requests"] == 64
+    assert result["output_tokens"] == sum(r.output_len for r in trace)
+    assert result == _run(trace, max_num_seqs=16) | {"wall_s": result["wall_s"], "events_per_s": result["events_per_s"]}
+    # the scheduler's own limits change what the clock shows: fewer sequences per step queue the others longer
+    narrow = _run(trace, max_num_seqs=2)
+    assert narrow["ttft_s"]["p50"] > result["ttft_s"]["p50"] and narrow["steps"] > result["steps"]
+    # two DP groups: the balancer spreads the requests, each group's step holds fewer
+    two_groups = _run(trace, max_num_seqs=16, dp=2)
+    assert two_groups["completed"] == 64 and two_groups["mean_step_ms"] < result["mean_step_ms"]
+
+
+def test_the_command_writes_json_and_png_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE.to_dict()))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "run", "--profile", str(profile), "--rate", "8", "--requests", "20",
+                 "--input-len", "16:64", "--output-len", "4:16", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 20 and out.with_suffix(".png").stat().st_size > 0
+    assert "TTFT ms p50" in capsys.readouterr().out
+    for flags, message in ((["--profile", str(tmp_path / "missing.json")], "cannot read profile"),
+                           (["--profile", str(profile), "--input-len", "9"], "--input-len must be LOW:HIGH"),
+                           (["--profile", str(profile), "--output-len", "5:2"], "output_len range 5:2"),
+                           (["--profile", str(profile), "--dp", "0"], "dp must be a positive integer")):
+        assert main(["simulate", "run", *flags, "--json", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_change_to_the_served_dp_balancer_changes_the_simulated_result(monkeypatch):
+    """The simulation places requests with the code the master calls (no copy): every request on group 0 in
+    place of the balancer's choice gives group 0 every token."""
+    trace = poisson(50.0, 48, (16, 64), (8, 16), seed=2)
+    balanced = _run(trace, dp=2)
+
+    def everything_on_group_0(items, block_size, loads, prefix_hits):
+        return [(item, 0) for item in items]
+    monkeypatch.setattr(served_queue, "place_batch", everything_on_group_0)
+    lopsided = _run(trace, dp=2)
+    assert lopsided["completed"] == balanced["completed"] == 48
+    assert lopsided["mean_step_ms"] > balanced["mean_step_ms"] and lopsided["virtual_s"] > balanced["virtual_s"]
