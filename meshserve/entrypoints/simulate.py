@@ -196,13 +196,14 @@ def calibrate_main(args: argparse.Namespace) -> int:
 
 def calibrate(model: str, parallel: str, dp: int):
     """The profile fitted to real steps of `model` on `parallel`: the decode workloads' time per token (a decode
-    step of that batch) and the prefill workloads' time to first token (a prefill step of that prompt)."""
+    step of that batch) and the prefill workloads' time to first token (a prefill step of that prompt and the
+    delivery)."""
     import torch  # the engine: only when calibrating
 
     from meshserve import LLM, SamplingParams
     from meshserve.sim.profile import GroupWork, fit
 
-    samples = []
+    samples, first_tokens = [], []
     max_prompt = max(PREFILL_POINTS)
     with LLM(model=model, parallel=parallel, max_num_batched_tokens=max_prompt, enable_prefix_caching=False) as llm:
         gen = torch.Generator().manual_seed(0)
@@ -228,9 +229,9 @@ def calibrate(model: str, parallel: str, dp: int):
             for _ in range(CALIBRATION_REPEATS):
                 m = run(1, prompt_len, 1)[0].metrics
                 ttfts.append(m.first_token_time - m.arrival_time)
-            samples.append((GroupWork(prefill_tokens=prompt_len), statistics.median(ttfts)))
-            print(f"[calibrate] prefill {prompt_len} tokens: {1e3 * samples[-1][1]:.1f} ms",
+            first_tokens.append((GroupWork(prefill_tokens=prompt_len), statistics.median(ttfts)))
+            print(f"[calibrate] prefill {prompt_len} tokens: {1e3 * first_tokens[-1][1]:.1f} ms to the first token",
                   file=sys.stderr, flush=True)
     return fit(f"{Path(model).name} {parallel}", f"measured on this machine ({report.machine_info()['cpu_count']} "
                f"cores): {len(DECODE_POINTS)} decode and {len(PREFILL_POINTS)} prefill workloads, medians of "
-               f"{CALIBRATION_REPEATS}", samples)
+               f"{CALIBRATION_REPEATS}", samples, first_tokens)

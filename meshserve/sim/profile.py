@@ -7,8 +7,11 @@ part costs
             + per_context_kilotoken_ms * (tokens the decode rows attend to) / 1000
 
 `base_ms` is what a step costs whatever it holds: the weights read once per step, the MoE collectives, the
-control plane. A profile is fitted to one model and layout (`fit`, from steps measured on the real engine:
-`meshserve simulate calibrate`), and names where its numbers come from (`source`).
+control plane. `delivery_ms` is the trip of a request and its tokens between the client and the steps (the
+request to the master, each token back through the output path): it delays every token a client sees, so it
+adds to the time to the first token and not to the time between tokens. A profile is fitted to one model and
+layout (`fit`, from steps measured on the real engine: `meshserve simulate calibrate`), and names where its
+numbers come from (`source`).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms")
+TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "delivery_ms")
 
 
 class ProfileError(ValueError):
@@ -42,6 +45,7 @@ class StepProfile:
     per_decode_row_ms: float
     per_prefill_token_ms: float
     per_context_kilotoken_ms: float = 0.0
+    delivery_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for term in TERMS:
@@ -82,16 +86,21 @@ class StepProfile:
         return cls.from_dict(data, where=f"profile {path}")
 
 
-def fit(name: str, source: str, samples: Sequence[tuple[GroupWork, float]]) -> StepProfile:
-    """The profile whose step times fit `samples` (one group's work, its measured seconds) best in relative least
-    squares (a 3 ms decode step counts as much as a 200 ms prefill), every term kept at zero or more."""
+def fit(name: str, source: str, steps: Sequence[tuple[GroupWork, float]],
+        first_tokens: Sequence[tuple[GroupWork, float]] = ()) -> StepProfile:
+    """The profile that fits best, in relative least squares (a 3 ms decode step counts as much as a 200 ms
+    prefill), every term kept at zero or more: `steps`, (one group's work, the seconds its step took), and
+    `first_tokens`, (a lone prompt's prefill, the seconds from its arrival to its first token: the step and the
+    delivery)."""
+    samples = [(work, seconds, 0.0) for work, seconds in steps] + [(work, seconds, 1.0) for work, seconds in
+                                                                    first_tokens]
     if len(samples) < len(TERMS):
-        raise ProfileError(f"fitting {len(TERMS)} terms needs at least as many measured steps, got {len(samples)}")
-    if any(not seconds > 0 for _, seconds in samples):
-        raise ProfileError("every measured step must have taken a positive time")
+        raise ProfileError(f"fitting {len(TERMS)} terms needs at least as many measurements, got {len(samples)}")
+    if any(not seconds > 0 for _, seconds, _ in samples):
+        raise ProfileError("every measurement must have taken a positive time")
     # each equation divided by its measured time: the residuals are relative errors
-    rows = [[x / (1e3 * seconds) for x in (1.0, w.decode_rows, w.prefill_tokens, w.context_tokens / 1000)]
-            for w, seconds in samples]
+    rows = [[x / (1e3 * seconds) for x in (1.0, w.decode_rows, w.prefill_tokens, w.context_tokens / 1000, first)]
+            for w, seconds, first in samples]
     target = [1.0] * len(samples)
     active = list(range(len(TERMS)))
     while True:  # drop a term the data gives a negative weight (a cost is never negative), and fit again

@@ -1,7 +1,9 @@
 """The simulation's loop on virtual time, and what it reports.
 
 Requests arrive at their trace times; whenever the TE has work it steps, and the virtual clock moves by the step's
-time (meshserve/sim/profile.py); when it has none the clock jumps to the next arrival. Each request's first and
+time (meshserve/sim/profile.py); when it has none the clock jumps to the next arrival. With the master's
+pipelining (`pipeline_depth` 2, its default: step n + 1 is scheduled as step n starts) a busy TE's next step holds
+only the requests that had arrived when the step before it began; an idle TE takes a request at once. Each request's first and
 last token times give TTFT and TPOT as the benchmarks report them (`meshserve bench serve`): TTFT from arrival to
 the first token, TPOT the mean gap between its later tokens. A line of progress is logged every few seconds of
 wall time.
@@ -36,8 +38,11 @@ def simulate(trace: Sequence[TraceRequest], te: SimTE, progress: bool = True) ->
     now, next_index, events = 0.0, 0, 0
     served: dict[str, _Served] = {}
     step_seconds: list[float] = []
+    delivery_s = 1e-3 * te.profile.delivery_ms  # every token reaches its client that much after its step
+    last_start = 0.0  # when the step that just ended began: a pipelined master scheduled the next one then
     while next_index < len(trace) or te.has_work():
-        while next_index < len(trace) and trace[next_index].arrival_s <= now:
+        horizon = last_start if te.settings.pipeline_depth == 2 and te.has_work() else now
+        while next_index < len(trace) and trace[next_index].arrival_s <= horizon:
             req_id = f"sim-{next_index}"
             te.admit(req_id, trace[next_index], now)
             served[req_id] = _Served(trace[next_index].arrival_s)
@@ -47,14 +52,16 @@ def simulate(trace: Sequence[TraceRequest], te: SimTE, progress: bool = True) ->
             now = trace[next_index].arrival_s
             continue
         seconds, deltas = te.step()
+        last_start = now
         now += seconds
         step_seconds.append(seconds)
         events += 1
         for delta in deltas:
             record = served[delta.req_id]
             if delta.new_token_ids:
-                record.first_token_s = now if record.first_token_s is None else record.first_token_s
-                record.last_token_s = now
+                seen = now + delivery_s
+                record.first_token_s = seen if record.first_token_s is None else record.first_token_s
+                record.last_token_s = seen
                 record.num_tokens += len(delta.new_token_ids)
             record.finished = record.finished or delta.finish_reason is not None
         if progress and time.perf_counter() - last_log > PROGRESS_EVERY_S:

@@ -4,8 +4,8 @@ are not there: a step takes the profile's time (meshserve/sim/profile.py) for th
 chose, and produces a made-up token for every request that reaches the end of its known tokens, as the
 benchmarks' null ranks do (meshserve/worker/null_runner.py, whose code it runs).
 
-The master's pipelining (scheduling step n + 1 while step n runs) is not modelled: a step is scheduled, timed and
-applied before the next is scheduled.
+A step is scheduled, timed and applied before the next; the master's pipelining (step n + 1 scheduled while step n
+runs) shows in when a new request is first seen (meshserve/sim/run.py).
 """
 from __future__ import annotations
 
@@ -41,8 +41,12 @@ class SimTESettings:
     num_kv_blocks: int = 4096  # per DP group
     block_size: int = 16
     max_waiting: int = 100_000
+    # 2: the master schedules step n + 1 while step n runs (its default, `async_scheduling`); 1: one at a time
+    pipeline_depth: int = 2
 
     def __post_init__(self) -> None:
+        if self.pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
         for name in ("dp", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "block_size",
                      "max_waiting"):
             value = getattr(self, name)

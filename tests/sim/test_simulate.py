@@ -16,7 +16,7 @@ from meshserve.sim.te import SimTE, SimTESettings
 from meshserve.sim.trace import TraceError, TraceRequest, poisson, read_jsonl
 
 PROFILE = StepProfile(name="test", source="made up for the tests", base_ms=3.0, per_decode_row_ms=0.25,
-                      per_prefill_token_ms=0.1, per_context_kilotoken_ms=0.8)
+                      per_prefill_token_ms=0.1, per_context_kilotoken_ms=0.8, delivery_ms=2.0)
 
 
 def test_a_step_costs_its_slowest_groups_work():
@@ -26,13 +26,14 @@ def test_a_step_costs_its_slowest_groups_work():
 
 
 def test_the_fit_recovers_the_terms_of_measured_steps():
-    works = [GroupWork(decode_rows=b, context_tokens=c) for b, c in ((1, 50), (4, 200), (16, 800), (4, 2000))]
-    works += [GroupWork(prefill_tokens=p) for p in (64, 256, 1024)]
-    fitted = fit("fitted", "test", [(w, PROFILE.group_seconds(w)) for w in works])
-    for term in ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms"):
+    steps = [GroupWork(decode_rows=b, context_tokens=c) for b, c in ((1, 50), (4, 200), (16, 800), (4, 2000))]
+    prompts = [GroupWork(prefill_tokens=p) for p in (64, 256, 1024)]
+    fitted = fit("fitted", "test", [(w, PROFILE.group_seconds(w)) for w in steps],
+                 [(w, PROFILE.group_seconds(w) + 1e-3 * PROFILE.delivery_ms) for w in prompts])
+    for term in ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "delivery_ms"):
         assert getattr(fitted, term) == pytest.approx(getattr(PROFILE, term), rel=1e-6)
     # a term the data would make negative is dropped, never negative
-    noisy = fit("noisy", "test", [(GroupWork(decode_rows=b), 1e-3 * (5.0 - 0.1 * b)) for b in (1, 2, 4, 8)])
+    noisy = fit("noisy", "test", [(GroupWork(decode_rows=b), 1e-3 * (5.0 - 0.1 * b)) for b in (1, 2, 4, 8, 16)])
     assert min(noisy.base_ms, noisy.per_decode_row_ms, noisy.per_prefill_token_ms) >= 0
     with pytest.raises(ProfileError, match="at least as many"):
         fit("short", "test", [(GroupWork(decode_rows=1), 0.003)])
@@ -122,3 +123,21 @@ def test_a_change_to_the_served_dp_balancer_changes_the_simulated_result(monkeyp
     lopsided = _run(trace, dp=2)
     assert lopsided["completed"] == balanced["completed"] == 48
     assert lopsided["mean_step_ms"] > balanced["mean_step_ms"] and lopsided["virtual_s"] > balanced["virtual_s"]
+
+
+def test_delivery_delays_every_token_a_client_sees_alike():
+    """The trip to the client adds to the time to the first token, not to the time between tokens."""
+    trace = poisson(10.0, 16, (16, 64), (8, 16), seed=4)
+    slow_link = StepProfile.from_dict({**PROFILE.to_dict(), "delivery_ms": 50.0})
+    fast, slow = (simulate(trace, SimTE(SimTESettings(), p), progress=False) for p in (PROFILE, slow_link))
+    assert slow["ttft_s"]["p50"] == pytest.approx(fast["ttft_s"]["p50"] + 0.048, abs=1e-9)  # 50 ms against 2
+    assert slow["tpot_s"]["p50"] == pytest.approx(fast["tpot_s"]["p50"], abs=1e-12)
+
+
+def test_a_pipelined_master_sees_a_new_request_one_step_later_when_busy():
+    trace = poisson(40.0, 48, (16, 64), (16, 32), seed=5)
+    pipelined, one_at_a_time = (_run(trace, pipeline_depth=depth) for depth in (2, 1))
+    assert pipelined["ttft_s"]["p50"] > one_at_a_time["ttft_s"]["p50"]
+    assert pipelined["completed"] == one_at_a_time["completed"] == 48
+    with pytest.raises(ValueError, match="pipeline_depth must be 1 or 2"):
+        SimTESettings(pipeline_depth=3)
