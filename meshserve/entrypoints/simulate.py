@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ def add_simulate_commands(sub) -> None:
     calibrate.add_argument("--model", help="model directory (default: the default model, made on first use)")
     calibrate.add_argument("--parallel", default="attn=TP1+DP1 moe=TP1+EP1", help="the TE's layout")
     calibrate.add_argument("--out", required=True, help="the profile file to write")
+    calibrate.add_argument("--repeats", type=int, default=3, help="runs of each workload; medians (default: 3)")
     calibrate.set_defaults(func=calibrate_main)
 
 
@@ -169,69 +169,22 @@ def plot_simulation(result: dict, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------- calibrate
-# (requests at once, prompt tokens, output tokens) of the measured workloads: decode at several batch sizes and
-# contexts, prefill of one prompt in one step
-DECODE_POINTS = ((1, 32, 48), (4, 32, 48), (16, 32, 48), (4, 512, 48))
-PREFILL_POINTS = (64, 256, 1024)
-CALIBRATION_REPEATS = 3
-
-
 def calibrate_main(args: argparse.Namespace) -> int:
     from meshserve.bench.deployment_load import check_model_dir
     from meshserve.parallel.strategy import StrategyError, parse_strategy
+    from meshserve.sim.calibrate import calibrate
 
     try:
         strategy = parse_strategy(args.parallel)
         model = check_model_dir(args.model)
-    except (StrategyError, OSError) as exc:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    except (StrategyError, ValueError, OSError) as exc:
         print(f"meshserve simulate calibrate: error: {exc}", file=sys.stderr)
         return 2
-    profile = calibrate(model, args.parallel, strategy.attn_dp)
+    profile = calibrate(model, args.parallel, strategy.attn_dp, args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     print(json.dumps(profile.to_dict(), indent=2))
     print(f"wrote {args.out}")
     return 0
-
-
-def calibrate(model: str, parallel: str, dp: int):
-    """The profile fitted to real steps of `model` on `parallel`: the decode workloads' time per token (a decode
-    step of that batch) and the prefill workloads' time to first token (a prefill step of that prompt and the
-    delivery)."""
-    import torch  # the engine: only when calibrating
-
-    from meshserve import LLM, SamplingParams
-    from meshserve.sim.profile import GroupWork, fit
-
-    samples, first_tokens = [], []
-    max_prompt = max(PREFILL_POINTS)
-    with LLM(model=model, parallel=parallel, max_num_batched_tokens=max_prompt, enable_prefix_caching=False) as llm:
-        gen = torch.Generator().manual_seed(0)
-
-        def run(batch: int, prompt_len: int, output_len: int) -> list:
-            prompts = [torch.randint(100, 30000, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
-            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-            return llm.generate(prompts, params)
-        run(2, 32, 8)  # warm-up
-        for batch, prompt_len, output_len in DECODE_POINTS:
-            tpots = []
-            for _ in range(CALIBRATION_REPEATS):
-                for out in run(batch, prompt_len, output_len):
-                    m = out.metrics
-                    tpots.append((m.last_token_time - m.first_token_time) / (output_len - 1))
-            per_group = max(1, batch // dp)
-            context = per_group * (prompt_len + output_len // 2)
-            samples.append((GroupWork(decode_rows=per_group, context_tokens=context), statistics.median(tpots)))
-            print(f"[calibrate] decode batch {batch} prompt {prompt_len}: {1e3 * samples[-1][1]:.1f} ms per step",
-                  file=sys.stderr, flush=True)
-        for prompt_len in PREFILL_POINTS:
-            ttfts = []
-            for _ in range(CALIBRATION_REPEATS):
-                m = run(1, prompt_len, 1)[0].metrics
-                ttfts.append(m.first_token_time - m.arrival_time)
-            first_tokens.append((GroupWork(prefill_tokens=prompt_len), statistics.median(ttfts)))
-            print(f"[calibrate] prefill {prompt_len} tokens: {1e3 * first_tokens[-1][1]:.1f} ms to the first token",
-                  file=sys.stderr, flush=True)
-    return fit(f"{Path(model).name} {parallel}", f"measured on this machine ({report.machine_info()['cpu_count']} "
-               f"cores): {len(DECODE_POINTS)} decode and {len(PREFILL_POINTS)} prefill workloads, medians of "
-               f"{CALIBRATION_REPEATS}", samples, first_tokens)

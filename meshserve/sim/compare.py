@@ -35,7 +35,6 @@ def measure(model: str, parallel: str, settings: SimTESettings, trace: Sequence[
     """The real engine serving `trace` in real time: the simulation's metrics, measured."""
     from meshserve.config import EngineConfig
     from meshserve.engine.async_client import AsyncEngineClient
-    from meshserve.wire.sampling_params import SamplingParams
 
     config = EngineConfig.from_kwargs(model, parallel=parallel, max_num_seqs=settings.max_num_seqs,
                                       max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -45,36 +44,37 @@ def measure(model: str, parallel: str, settings: SimTESettings, trace: Sequence[
     async def serve() -> dict:
         client = AsyncEngineClient(config, log_level=logging.WARNING)
         try:
-            warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-            await asyncio.gather(*(_drain(client.generate(None, prompts[i % len(prompts)], warm, f"warm-{i}"))
+            await asyncio.gather(*(stream(client, f"warm-{i}", prompts[i % len(prompts)], 8)
                                    for i in range(WARMUP_REQUESTS)))
             start = time.monotonic()
-            results = await asyncio.gather(*(_one(client, i, r, prompts[i], start) for i, r in enumerate(trace)))
+            results = await asyncio.gather(*(stream(client, f"trace-{i}", prompts[i], r.output_len,
+                                                    at=start + r.arrival_s) for i, r in enumerate(trace)))
             return _summary(results, time.monotonic() - start)
         finally:
             client.shutdown()
     return asyncio.run(serve())
 
 
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
-
-
-async def _one(client, index: int, request: TraceRequest, prompt: list[int], start: float) -> tuple:
+async def stream(client, req_id: str, prompt: list[int], output_len: int, at: float | None = None,
+                 arrivals: list[float] | None = None) -> tuple[float, float | None, float | None, int]:
+    """One greedy request through the engine client, sent at monotonic time `at` (None: now): when it was sent,
+    when its first and last tokens arrived, how many came (`arrivals`: every token's arrival, appended)."""
     from meshserve.wire.sampling_params import SamplingParams
 
-    await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
+    if at is not None:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
     sent = time.monotonic()
     first = last = None
     tokens = 0
-    params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
-    async for out in client.generate(None, prompt, params, f"trace-{index}"):
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    async for out in client.generate(None, prompt, params, req_id):
         if out.outputs[0].token_ids_delta:
             now = time.monotonic()
             first = now if first is None else first
             last = now
             tokens += len(out.outputs[0].token_ids_delta)
+            if arrivals is not None:
+                arrivals.append(now)
     return sent, first, last, tokens
 
 

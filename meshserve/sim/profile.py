@@ -5,6 +5,10 @@ part costs
 
     base_ms + per_decode_row_ms * decode rows + per_prefill_token_ms * prefill tokens
             + per_context_kilotoken_ms * (tokens the decode rows attend to) / 1000
+            + per_prefill_megapair_ms * (prefill (token, attended token) pairs) / 10^6
+
+(a prompt's attention grows with its square: a chunk of n tokens after c computed ones attends to
+n * (c + n / 2) pairs).
 
 `base_ms` is what a step costs whatever it holds: the weights read once per step, the MoE collectives, the
 control plane. `delivery_ms` is the trip of a request and its tokens between the client and the steps (the
@@ -21,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "delivery_ms")
+TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "per_prefill_megapair_ms",
+         "delivery_ms")
 
 
 class ProfileError(ValueError):
@@ -35,6 +40,12 @@ class GroupWork:
     decode_rows: int = 0
     prefill_tokens: int = 0
     context_tokens: int = 0  # the tokens the decode rows attend to
+    prefill_pairs: float = 0.0  # the prefill tokens' (token, attended token) pairs
+
+    @classmethod
+    def prompt(cls, tokens: int) -> GroupWork:
+        """A lone prompt's prefill in one step."""
+        return cls(prefill_tokens=tokens, prefill_pairs=tokens * tokens / 2)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class StepProfile:
     per_decode_row_ms: float
     per_prefill_token_ms: float
     per_context_kilotoken_ms: float = 0.0
+    per_prefill_megapair_ms: float = 0.0
     delivery_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -56,7 +68,8 @@ class StepProfile:
     def group_seconds(self, work: GroupWork) -> float:
         return 1e-3 * (self.base_ms + self.per_decode_row_ms * work.decode_rows
                        + self.per_prefill_token_ms * work.prefill_tokens
-                       + self.per_context_kilotoken_ms * work.context_tokens / 1000)
+                       + self.per_context_kilotoken_ms * work.context_tokens / 1000
+                       + self.per_prefill_megapair_ms * work.prefill_pairs / 1e6)
 
     def step_seconds(self, groups: Sequence[GroupWork]) -> float:
         """A lockstep step: its slowest DP group's part."""
@@ -99,7 +112,8 @@ def fit(name: str, source: str, steps: Sequence[tuple[GroupWork, float]],
     if any(not seconds > 0 for _, seconds, _ in samples):
         raise ProfileError("every measurement must have taken a positive time")
     # each equation divided by its measured time: the residuals are relative errors
-    rows = [[x / (1e3 * seconds) for x in (1.0, w.decode_rows, w.prefill_tokens, w.context_tokens / 1000, first)]
+    rows = [[x / (1e3 * seconds) for x in (1.0, w.decode_rows, w.prefill_tokens, w.context_tokens / 1000,
+                                           w.prefill_pairs / 1e6, first)]
             for w, seconds, first in samples]
     target = [1.0] * len(samples)
     active = list(range(len(TERMS)))

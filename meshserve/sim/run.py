@@ -3,10 +3,11 @@
 Requests arrive at their trace times; whenever the TE has work it steps, and the virtual clock moves by the step's
 time (meshserve/sim/profile.py); when it has none the clock jumps to the next arrival. With the master's
 pipelining (`pipeline_depth` 2, its default: step n + 1 is scheduled as step n starts) a busy TE's next step holds
-only the requests that had arrived when the step before it began; an idle TE takes a request at once. Each request's first and
-last token times give TTFT and TPOT as the benchmarks report them (`meshserve bench serve`): TTFT from arrival to
-the first token, TPOT the mean gap between its later tokens. A line of progress is logged every few seconds of
-wall time.
+only the requests that had arrived when the step before it began; an idle TE takes a request at once.
+
+Each request's first and last token times give TTFT and TPOT as the benchmarks report them (`meshserve bench
+serve`): TTFT from arrival to the first token, TPOT the mean gap between its later tokens. A line of progress is
+logged every few seconds of wall time.
 """
 from __future__ import annotations
 

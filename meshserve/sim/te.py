@@ -95,6 +95,7 @@ def _work(scheduler: Scheduler, out) -> GroupWork:
     """What a group's step computes: a decode row per request that only adds its last known token (attending to
     what came before), the rest prompt (or recomputed) tokens."""
     decode_rows = prefill_tokens = context = 0
+    pairs = 0.0
     for req_id, num_tokens in out.num_scheduled_tokens.items():
         request = scheduler.get_request(req_id)
         before = request.num_computed_tokens - num_tokens  # the scheduler booked this step's tokens already
@@ -103,4 +104,5 @@ def _work(scheduler: Scheduler, out) -> GroupWork:
             context += before
         else:
             prefill_tokens += num_tokens
-    return GroupWork(decode_rows, prefill_tokens, context)
+            pairs += num_tokens * (before + num_tokens / 2)
+    return GroupWork(decode_rows, prefill_tokens, context, pairs)

@@ -11,14 +11,16 @@ from meshserve.sim.profile import GroupWork, StepProfile
 
 def test_calibrate_fits_a_profile_of_this_machine(tiny_model, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    assert main(["simulate", "calibrate", "--model", str(tiny_model("deepseek_v3")), "--out", str(out)]) == 0
+    assert main(["simulate", "calibrate", "--model", str(tiny_model("deepseek_v3")), "--out", str(out),
+                 "--repeats", "1"]) == 0
     profile = StepProfile.load(out)
     assert profile.base_ms > 0 and "measured on this machine" in profile.source
     # a larger batch and a longer prompt never cost less
     assert profile.group_seconds(GroupWork(decode_rows=16)) >= profile.group_seconds(GroupWork(decode_rows=1))
     assert profile.group_seconds(GroupWork(prefill_tokens=1024)) > profile.group_seconds(GroupWork(prefill_tokens=64))
     assert json.loads(out.read_text())["name"].endswith("attn=TP1+DP1 moe=TP1+EP1")
-    assert "[calibrate] decode batch 16" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[calibrate] decode batch 16" in err and "8 decoding + a 128-token prompt" in err
 
 
 def test_compare_serves_one_trace_on_the_real_engine_and_the_simulation(tiny_model, tmp_path, capsys):
