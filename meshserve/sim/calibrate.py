@@ -5,8 +5,9 @@ client's token stream, as `meshserve simulate compare` measures it:
 
 - decode: batches of 1, 4, 16 and 64 requests submitted at once (and 4 with long prompts): the time between a
   request's tokens is one decode step of that batch (each DP group holding its share of the requests);
-- prefill: lone prompts of 64 to 1024 tokens: the time to the first token is one prefill step of that prompt and
-  the delivery;
+- prefill: lone prompts of 64 to 1024 tokens, each sent to an idle engine as a lone request finds it: the time
+  to the first token is one prefill step of that prompt and the delivery (an idle engine's master and ranks wait
+  in their polls, and waking them is part of it);
 - mixed: a prompt arriving while a batch decodes: the longest gap between the batch's tokens is the step that
   holds both the prompt and the decodes.
 
@@ -32,6 +33,7 @@ DECODE_POINTS = ((1, 32, 48), (4, 32, 48), (16, 32, 48), (64, 32, 48), (4, 512, 
 PREFILL_POINTS = (64, 256, 512, 1024)
 MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tokens)
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
+IDLE_S = 0.25  # how long the engine idles before each lone prompt
 REPEATS = 3
 
 
@@ -74,8 +76,11 @@ def calibrate(model: str, parallel: str, dp: int, repeats: int = REPEATS) -> Ste
                 steps.append((work, statistics.median(gaps)))
                 _log(f"decode batch {size} prompt {prompt_len}: {1e3 * steps[-1][1]:.1f} ms per step")
             for prompt_len in PREFILL_POINTS:
-                ttfts = [first - sent for _ in range(repeats) for sent, first, _, _ in await batch(client, 1,
-                                                                                                 prompt_len, 1)]
+                ttfts = []
+                for _ in range(repeats):
+                    await asyncio.sleep(IDLE_S)
+                    (sent, first, _, _), = await batch(client, 1, prompt_len, 1)
+                    ttfts.append(first - sent)
                 first_tokens.append((GroupWork.prompt(prompt_len), statistics.median(ttfts)))
                 _log(f"prefill {prompt_len} tokens: {1e3 * first_tokens[-1][1]:.1f} ms to the first token")
             for size, prompt_len in MIXED_POINTS:
