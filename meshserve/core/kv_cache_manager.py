@@ -176,6 +176,11 @@ class KVCacheManager:
                     self._free.append(block_id)
 
     # ------------------------------------------------------------ prefix tree
+    def holds_first_block(self, first_block: tuple[int, ...], cache_salt: str = "") -> bool:
+        """Whether a sequence starting with the tokens `first_block` may have a cached prefix here (one dict
+        lookup: callers that ask many managers skip the full match where this says no)."""
+        return self.enable_prefix_caching and first_block in self._roots.get(cache_salt, ())
+
     def match_by_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
                         record: bool = True, cache_salt: str = "") -> list[int]:
         """Block ids of the longest prefix of full blocks cached under `cache_salt` within the first

@@ -66,8 +66,14 @@ class DPWaitingQueue:
         def prefix_hits(item: PendingRequest) -> list[int]:
             # a named context cache's pinned blocks count as a hit in the one group holding them, so the
             # balancer prefers that group; when it is much busier the request goes elsewhere and computes
-            # the prefix there (a miss: the same output, no reuse)
-            return [len(s.match_cached_blocks(item.key)) * s.block_size for s in self.schedulers]
+            # the prefix there (a miss: the same output, no reuse). Only the groups that may hold a prefix of the
+            # request are matched: with hundreds of groups the full match of each would cost the master
+            # milliseconds per request
+            request = item.key
+            tokens = request.all_token_ids
+            first = tuple(tokens[:self.block_size]) if len(tokens) > self.block_size else None
+            return [len(s.match_cached_blocks(request)) * s.block_size if s.may_hit(request, first) else 0
+                    for s in self.schedulers]
 
         placed = place_batch(items, self.block_size, loads, prefix_hits)
         if not placed:

@@ -58,3 +58,30 @@ def test_a_full_queue_refuses_and_failing_empties_it():
     deltas = queue.fail_all("gone")
     assert [(d.req_id, d.finish_reason, d.error) for d in deltas] == [("a", "error", "gone"), ("b", "error", "gone")]
     assert queue.pending == [] and queue.unfinished() == []
+
+
+def test_placement_finds_a_cached_prefix_by_matching_only_the_groups_that_may_hold_it(monkeypatch):
+    """The request goes to the group whose cache holds its prefix. Only that group is fully matched: the others'
+    caches lead with other blocks (or hold nothing), which one lookup of the first block tells."""
+    queue = _queue(num_groups=4, max_waiting=16)
+    prompt = prompt_of(3, 4 * BS + 1)
+    holder = queue.schedulers[2].kv_manager
+    blocks = holder.alloc_blocks(4)
+    holder.insert_prefix(prompt, blocks, 4)
+    holder.free(blocks)  # cached and evictable, as a finished request leaves them
+    other = queue.schedulers[1].kv_manager
+    other_blocks = other.alloc_blocks(2)
+    other.insert_prefix(prompt_of(7, 2 * BS), other_blocks, 2)
+    other.free(other_blocks)
+    matched = []
+    for index, scheduler in enumerate(queue.schedulers):
+        full_match = scheduler.match_cached_blocks
+        monkeypatch.setattr(scheduler, "match_cached_blocks",
+                            lambda req, full_match=full_match, index=index: matched.append(index) or full_match(req))
+    queue.admit(make_request("cached", prompt))
+    queue.admit(make_request("fresh", prompt_of(11, 3 * BS)))
+    queue.place()
+    assert queue.owner["cached"] == 2
+    assert matched == [2]  # the fresh prompt's first block is no group's, the cached one's only group 2's
+    assert all(scheduler.may_hit(make_request("x", prompt), tuple(prompt[:BS])) == (index == 2)
+               for index, scheduler in enumerate(queue.schedulers))
