@@ -696,14 +696,6 @@ class Scheduler:
             hit = hit[:-1]
         return hit
 
-    def may_hit(self, req: Request, first_block: tuple[int, ...] | None) -> bool:
-        """Whether `match_cached_blocks(req)` may find anything here: its named context cache is pinned here, or
-        its first full block (`first_block`, None for a prompt without one before its last token) leads a cached
-        prefix of its namespace. Cheap, for the DP balancer, which asks every group for every request."""
-        if req.context_cache_id is not None and req.context_cache_id in self.context_caches:
-            return True
-        return first_block is not None and self.kv_manager.holds_first_block(first_block, req.tenancy.cache_salt)
-
     def _match_context_cache(self, cache_id: str | None, tokens: list[int], limit: int) -> list[int]:
         """The pinned blocks of `cache_id` that lead `tokens` (within `limit` tokens); none for an id this
         engine does not know (it restarted, or another engine made it): prefix matching alone serves it."""

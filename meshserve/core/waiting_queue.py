@@ -16,6 +16,16 @@ from meshserve.wire.client import FinishReason, RequestDelta
 from meshserve.wire.errors import QueueFullError
 
 
+def may_hit(scheduler: Scheduler, request: Request, first_block: tuple[int, ...] | None) -> bool:
+    """Whether `scheduler.match_cached_blocks(request)` may find anything: the request's named context cache is
+    pinned there, or its first full block (`first_block`, None for a prompt without one before its last token)
+    leads a cached prefix of its namespace. One lookup, for the DP balancer, which asks every group."""
+    if request.context_cache_id is not None and request.context_cache_id in scheduler.context_caches:
+        return True
+    return first_block is not None and scheduler.kv_manager.holds_first_block(first_block,
+                                                                              request.tenancy.cache_salt)
+
+
 class DPWaitingQueue:
     def __init__(self, schedulers: list[Scheduler], max_waiting: int, block_size: int) -> None:
         self.schedulers = schedulers  # one per DP group
@@ -72,7 +82,7 @@ class DPWaitingQueue:
             request = item.key
             tokens = request.all_token_ids
             first = tuple(tokens[:self.block_size]) if len(tokens) > self.block_size else None
-            return [len(s.match_cached_blocks(request)) * s.block_size if s.may_hit(request, first) else 0
+            return [len(s.match_cached_blocks(request)) * s.block_size if may_hit(s, request, first) else 0
                     for s in self.schedulers]
 
         placed = place_batch(items, self.block_size, loads, prefix_hits)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.core.waiting_queue import DPWaitingQueue
+from meshserve.core.waiting_queue import DPWaitingQueue, may_hit
 from meshserve.wire.errors import QueueFullError
 from tests.core.test_scheduler import BS, make_request, make_scheduler, prompt_of
 
@@ -83,5 +83,5 @@ def test_placement_finds_a_cached_prefix_by_matching_only_the_groups_that_may_ho
     queue.place()
     assert queue.owner["cached"] == 2
     assert matched == [2]  # the fresh prompt's first block is no group's, the cached one's only group 2's
-    assert all(scheduler.may_hit(make_request("x", prompt), tuple(prompt[:BS])) == (index == 2)
+    assert all(may_hit(scheduler, make_request("x", prompt), tuple(prompt[:BS])) == (index == 2)
                for index, scheduler in enumerate(queue.schedulers))
