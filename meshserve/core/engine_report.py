@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from meshserve.wire.client import EngineStats
@@ -12,17 +13,26 @@ from meshserve.wire.receive import dropped_frames
 
 if TYPE_CHECKING:
     from meshserve.core.master import EngineCore
+    from meshserve.core.request import Request
+    from meshserve.core.scheduler import Scheduler
+
+
+def load_stats(schedulers: Sequence[Scheduler], pending: Sequence[Request], **more) -> EngineStats:
+    """The DP groups' counters summed, with the requests still waiting for a DP group counted as waiting."""
+    parts = [s.stats() for s in schedulers]
+    return EngineStats.merge(
+        parts,
+        num_waiting=sum(p.num_waiting for p in parts) + len(pending),
+        waiting_tokens=sum(p.waiting_tokens for p in parts) + sum(r.num_tokens for r in pending),
+        **more)
 
 
 def engine_stats(core: EngineCore) -> EngineStats:
     """The TE's counters: its schedulers' summed, plus the requests still waiting for a DP group and the
     ranks' recovery state."""
-    parts = [s.stats() for s in core.schedulers]
-    pending, recovery = core.queue.pending, core.recovery.state
-    return EngineStats.merge(
-        parts,
-        num_waiting=sum(p.num_waiting for p in parts) + len(pending),
-        waiting_tokens=sum(p.waiting_tokens for p in parts) + sum(r.num_tokens for r in pending),
+    recovery = core.recovery.state
+    return load_stats(
+        core.schedulers, core.queue.pending,
         dropped_frames=dropped_frames(),
         num_rollbacks=core.recovery.health.num_rollbacks,
         num_recoveries=recovery.total,

@@ -1,6 +1,7 @@
-"""`meshserve simulate`: a TE's own control plane (DP waiting queue and balancer, schedulers, KV cache managers) on
-virtual time, with steps timed by a hardware profile (meshserve/sim/); `meshserve simulate calibrate` fits the
-profile of this machine from steps of the real engine."""
+"""`meshserve simulate`: a TE's own control plane (DP waiting queue and balancer, schedulers, KV cache managers, the
+speculation controller, a decode TE's P/D pulls) on virtual time, with steps timed by a profile fitted on this
+machine (`meshserve simulate calibrate`, from steps of the real engine) or by the op model of a hardware profile
+(`--hardware`); `meshserve simulate seeds` compares the op model with the papers' decode results."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshserve.router.routing import POLICIES
 from meshserve.utils import report
 
 DEFAULT_JSON = "bench-results/simulate.json"
@@ -19,12 +21,23 @@ def add_simulate_commands(sub) -> None:
     commands = sim.add_subparsers(dest="simulate_command", required=True)
     run = commands.add_parser("run", help="serve a trace on a simulated TE; TTFT, TPOT, tokens/s (JSON + PNG)")
     _add_run_arguments(run)
+    run.add_argument("--tes", help="several TEs behind a job executor: counts of colocated (c), prefill (p) and "
+                                   "decode (d) TEs, e.g. 1p+1d or 2c (default: one TE)")
+    run.add_argument("--routing", default="load", choices=POLICIES, help="the job executor's routing policy")
+    _add_hardware_arguments(run)
     run.set_defaults(func=run_main)
+    seeds = commands.add_parser("seeds", help="the papers' decode results (CloudMatrix-Infer Table 5, xDeepServe "
+                                              "section 7) beside the op model's simulation of them")
+    seeds.add_argument("--groups", type=int, default=16, help="DP groups simulated per point, each standing for "
+                                                              "dp/groups of them (default: 16)")
+    seeds.add_argument("--points", help="comma-separated point names (default: every point)")
+    seeds.add_argument("--json", default="bench-results/simulate-seeds.json", help="result file, a PNG beside it")
+    seeds.set_defaults(func=seeds_main)
     compare = commands.add_parser("compare", help="the real engine and the simulation on one trace, side by side")
     compare.add_argument("--model", help="model directory (default: the default model, made on first use)")
     compare.add_argument("--parallel", default="attn=TP1+DP1 moe=TP1+EP1", help="the TE's layout (its DP degree "
                                                                                  "is the simulation's --dp)")
-    _add_run_arguments(compare, requests=48, rate=2.0, output_len="16:64")
+    _add_run_arguments(compare, requests=48, rate=2.0, output_len="16:64", profile_required=True)
     compare.set_defaults(func=compare_main)
     calibrate = commands.add_parser("calibrate", help="fit this machine's step-time profile from real engine steps")
     calibrate.add_argument("--model", help="model directory (default: the default model, made on first use)")
@@ -34,10 +47,12 @@ def add_simulate_commands(sub) -> None:
     calibrate.set_defaults(func=calibrate_main)
 
 
-def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_len: str = "16:128") -> None:
-    parser.add_argument("--profile", required=True, help="the step-time profile (JSON; `meshserve simulate "
-                                                         "calibrate`)")
-    parser.add_argument("--dp", type=int, default=1, help="DP groups in lockstep (default: 1)")
+def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_len: str = "16:128",
+                       profile_required: bool = False) -> None:
+    parser.add_argument("--profile", required=profile_required,
+                        help="the step-time profile fitted on this machine (JSON; `meshserve simulate calibrate`)")
+    parser.add_argument("--dp", type=int, help="DP groups in lockstep (default: 1; with --hardware: "
+                                                          "the DP groups simulated, default every one)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per group per step (default: 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per group per step")
     parser.add_argument("--num-kv-blocks", type=int, default=4096, help="KV blocks per group (default: 4096)")
@@ -50,8 +65,32 @@ def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_le
     parser.add_argument("--input-len", default="32:256", help="prompt lengths, uniform LOW:HIGH (default: 32:256)")
     parser.add_argument("--output-len", default=output_len,
                         help=f"output lengths, uniform LOW:HIGH (default: {output_len})")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=DEFAULT_JSON, help=f"result file, a PNG beside it (default: {DEFAULT_JSON})")
+
+
+def _add_hardware_arguments(parser) -> None:
+    op = parser.add_argument_group("op model (instead of --profile)")
+    op.add_argument("--hardware", help="a hardware profile of op-level figures: a name (ascend910c-cm384, h800) or "
+                                       "a JSON file")
+    op.add_argument("--model-config", default="deepseek-r1", help="the model's shape: a preset name or a config.json "
+                                                                 "(default: deepseek-r1)")
+    op.add_argument("--parallel", default="attn=DP1 moe=EP1", help="the TE's layout, meshserve's grammar "
+                                                                  "(e.g. 'attn=DP480 moe=EP256 shared=EP32 disagg "
+                                                                  "domains=3')")
+    op.add_argument("--redundant", type=int, default=0, help="redundant routed-expert replicas (EPLB)")
+    op.add_argument("--microbatches", type=int, default=1, choices=(1, 2))
+    op.add_argument("--weights", default="int8", choices=("int8", "bf16"), help="weight format (default: int8)")
+    op.add_argument("--expert-imbalance", type=float, default=1.0,
+                    help="busiest expert device's tokens / the mean (default: 1, perfect EPLB)")
+    op.add_argument("--expert-load", help="zipf:H: the imbalance meshserve's EPLB planner leaves with --redundant "
+                                          "replicas on a Zipf expert load whose hottest expert takes H x the mean "
+                                          "(xDeepServe Fig. 11a: 30); instead of --expert-imbalance")
+    op.add_argument("--draft-tokens", type=int, default=0, help="MTP drafts per decode step (default: 0)")
+    op.add_argument("--mtp-acceptance", type=float, default=0.0, help="the chance a draft is accepted")
+    op.add_argument("--decode-only", action="store_true", help="a decode TE of P/D: prompts' KV is pulled")
+    op.add_argument("--no-prefix-caching", action="store_true", help="hash no KV block (faster at scale)")
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
@@ -63,15 +102,21 @@ def _range(text: str, flag: str) -> tuple[int, int]:
 
 
 def _inputs(args: argparse.Namespace, dp: int | None = None):
-    """The profile, the TE's settings and the trace the flags name (ValueError and the like: the user's to fix)."""
-    from meshserve.sim.profile import StepProfile
+    """The step timer, the TE's settings and the trace the flags name (ValueError and the like: the user's to fix)."""
     from meshserve.sim.te import SimTESettings
     from meshserve.sim.trace import TraceError, poisson, read_jsonl
 
-    profile = StepProfile.load(args.profile)
-    settings = SimTESettings(dp=args.dp if dp is None else dp, max_num_seqs=args.max_num_seqs,
+    timer, groups = _step_timer(args)
+    if dp is not None:
+        groups = dp
+    op_model = getattr(args, "hardware", None) is not None
+    settings = SimTESettings(dp=groups, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                             block_size=args.block_size)
+                             block_size=args.block_size, max_model_len=args.max_model_len,
+                             num_draft_tokens=args.draft_tokens if op_model else 0,
+                             mtp_acceptance=args.mtp_acceptance if op_model else 0.0,
+                             kv_transfer="consumer" if op_model and args.decode_only else "none",
+                             prefix_caching=not (op_model and args.no_prefix_caching))
     trace = read_jsonl(args.trace) if args.trace else poisson(
         args.rate, args.requests, _range(args.input_len, "--input-len"), _range(args.output_len, "--output-len"),
         args.seed)
@@ -79,26 +124,87 @@ def _inputs(args: argparse.Namespace, dp: int | None = None):
     if too_long:
         raise TraceError(f"a request of {too_long[0].prompt_len} + {too_long[0].output_len} tokens exceeds "
                          f"max_model_len {settings.max_model_len}")
-    return profile, settings, trace
+    return timer, settings, trace
+
+
+def _step_timer(args: argparse.Namespace):
+    """A fitted profile (`--profile`) and the --dp groups, or the op model of `--hardware` and the groups simulated."""
+    from meshserve.sim.profile import StepProfile
+
+    hardware = getattr(args, "hardware", None)
+    if (args.profile is None) == (hardware is None):
+        raise ValueError("give one of --profile (fitted on this machine) and --hardware (op-level figures)")
+    if hardware is None:
+        return StepProfile.load(args.profile), 1 if args.dp is None else args.dp
+    from meshserve.parallel.strategy import parse_strategy
+    from meshserve.sim.hardware import Hardware
+    from meshserve.sim.op_model import MLAShape, OpStepModel, deployment_of, expert_imbalance
+
+    config = _model_config(args.model_config)
+    shape = MLAShape.from_config(config)
+    deployment = deployment_of(parse_strategy(args.parallel), shape.experts, redundant=args.redundant,
+                               microbatches=args.microbatches, weight_format=args.weights,
+                               expert_imbalance=args.expert_imbalance)
+    if args.expert_load is not None:
+        kind, _, hot = args.expert_load.partition(":")
+        try:
+            hot_ratio = float(hot)
+        except ValueError:
+            hot_ratio = 0.0
+        if kind != "zipf" or not hot_ratio > 1:
+            raise ValueError(f"--expert-load must be zipf:H with H > 1, got {args.expert_load!r}")
+        imbalance = expert_imbalance(shape.experts, deployment.expert_dies, args.redundant, shape.top_k,
+                                     hot_ratio=hot_ratio)
+        deployment = dataclasses.replace(deployment, expert_imbalance=imbalance)
+    model = OpStepModel(config, Hardware.load(hardware), deployment)
+    groups = deployment.dp if args.dp is None else args.dp
+    if not 1 <= groups <= deployment.dp:
+        raise ValueError(f"--dp {groups}: simulate 1 to {deployment.dp} of the layout's DP groups")
+    return model, groups
+
+
+def _model_config(name_or_path: str) -> dict:
+    from meshserve.parallel.cluster_file import MODEL_PRESETS
+
+    if name_or_path in MODEL_PRESETS:
+        return dict(MODEL_PRESETS[name_or_path])
+    try:
+        config = json.loads(Path(name_or_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model-config {name_or_path}: not a preset ({', '.join(MODEL_PRESETS)}) nor a readable "
+                         f"config.json ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model-config {name_or_path} is not a JSON object")
+    return config
 
 
 def _describe(args: argparse.Namespace, profile, settings) -> dict:
-    return {"profile": profile.to_dict(), "te": dataclasses.asdict(settings),
+    described = profile.to_dict() if hasattr(profile, "to_dict") else {
+        "name": profile.name, "hardware": args.hardware, "model": args.model_config, "parallel": args.parallel,
+        "deployment": dataclasses.asdict(profile.deployment)}
+    return {"profile": described, "te": dataclasses.asdict(settings),
             "trace": args.trace or f"poisson rate {args.rate:g}/s, {args.requests} requests, input {args.input_len}, "
                                    f"output {args.output_len}, seed {args.seed}"}
 
 
 def run_main(args: argparse.Namespace) -> int:
+    from meshserve.sim.cluster import SimCluster, deployment_specs
     from meshserve.sim.run import simulate
     from meshserve.sim.te import SimTE
 
     try:
         profile, settings, trace = _inputs(args)
+        if args.tes is not None and getattr(args, "decode_only", False):
+            raise ValueError("--decode-only simulates a lone decode TE; with --tes the roles come from --tes")
+        specs = deployment_specs(args.tes, settings, profile) if args.tes is not None else None
     except (ValueError, OSError) as exc:  # ProfileError and TraceError are ValueErrors
         print(f"meshserve simulate: error: {exc}", file=sys.stderr)
         return 2
-    result = simulate(trace, SimTE(settings, profile, seed=args.seed))
-    result["config"] = _describe(args, profile, settings)
+    if specs is None:
+        result = simulate(trace, SimTE(settings, profile, seed=args.seed))
+    else:
+        result = SimCluster(specs, policy=args.routing, seed=args.seed).run(trace)
+    result["config"] = _describe(args, profile, settings) | {"tes": args.tes, "routing": args.routing}
     report.publish(args.json, result, plot_simulation, summary_lines(result))
     return 0
 
@@ -155,7 +261,14 @@ def summary_lines(result: dict) -> list[str]:
             f"TTFT ms p50 {ms(ttft, 'p50')} p90 {ms(ttft, 'p90')} p99 {ms(ttft, 'p99')}; "
             f"TPOT ms p50 {ms(tpot, 'p50')} p90 {ms(tpot, 'p90')} p99 {ms(tpot, 'p99')}",
             f"{result['steps']} steps (mean {result['mean_step_ms']:.1f} ms); {result['events']} events in "
-            f"{result['wall_s']:.2f} s wall ({result['events_per_s']:.0f} events/s)"]
+            f"{result['wall_s']:.2f} s wall ({result['events_per_s']:.0f} events/s)"] + _breakdown_lines(result)
+
+
+def _breakdown_lines(result: dict) -> list[str]:
+    parts = result.get("step_breakdown_ms")
+    if not parts:
+        return []
+    return ["mean step by part (ms): " + ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items())]
 
 
 def plot_simulation(result: dict, path: Path) -> Path:
@@ -165,6 +278,65 @@ def plot_simulation(result: dict, path: Path) -> Path:
     report.plot_cdf(tpot_ax, [1e3 * v for v in result["tpots"]], "simulated", "TPOT (ms)")
     ttft_ax.set_title(f"{result['completed']} requests, {result['output_tokens_per_s']:.0f} tok/s")
     tpot_ax.set_title(f"profile {result['config']['profile']['name']}")
+    return report.save_figure(fig, path)
+
+
+# ---------------------------------------------------------------- seeds
+def seeds_main(args: argparse.Namespace) -> int:
+    from meshserve.sim.hardware import HardwareError
+    from meshserve.sim.seeds import SEED_POINTS, hardware_sources, run_point
+
+    points = SEED_POINTS
+    if args.points:
+        wanted = args.points.split(",")
+        unknown = sorted(set(wanted) - {p.name for p in SEED_POINTS})
+        if unknown:
+            print(f"meshserve simulate seeds: error: unknown point(s) {', '.join(unknown)} (points: "
+                  f"{', '.join(p.name for p in SEED_POINTS)})", file=sys.stderr)
+            return 2
+        points = [p for p in SEED_POINTS if p.name in wanted]
+    if args.groups < 1:
+        print(f"meshserve simulate seeds: error: --groups must be at least 1, got {args.groups}", file=sys.stderr)
+        return 2
+    try:
+        rows = []
+        for point in points:
+            print(f"[simulate seeds] {point.name}: {point.source}", file=sys.stderr, flush=True)
+            rows.append(run_point(point, groups=args.groups))
+        sources = {name: hardware_sources(name) for name in sorted({p.hardware for p in points})}
+    except HardwareError as exc:
+        print(f"meshserve simulate seeds: error: {exc}", file=sys.stderr)
+        return 2
+    result = {"rows": rows, "hardware_sources": sources, "groups": args.groups}
+    report.publish(args.json, result, plot_seeds, seeds_lines(result))
+    return 0
+
+
+def seeds_lines(result: dict) -> list[str]:
+    lines = [f"{'point':<15} {'dies':>5} {'batch':>5} {'TPOT ms paper':>13} {'simulated':>9} {'error':>7} "
+             f"{'tok/s/die paper':>15} {'simulated':>9} {'error':>7}"]
+    for row in result["rows"]:
+        lines.append(f"{row['name']:<15} {row['devices']:>5} {row['batch_per_die']:>5} {row['paper_tpot_ms']:>13.1f} "
+                     f"{row['tpot_ms']:>9.1f} {100 * row['tpot_error']:>+6.0f}% "
+                     f"{row['paper_tokens_per_s_per_die']:>15.0f} {row['tokens_per_s_per_die']:>9.0f} "
+                     f"{100 * row['throughput_error']:>+6.0f}%")
+    return lines
+
+
+def plot_seeds(result: dict, path: Path) -> Path:
+    fig, axes = report.new_figure(ncols=2)
+    tpot_ax, rate_ax = axes[0]
+    names = [row["name"] for row in result["rows"]]
+    x = range(len(names))
+    for ax, paper, simulated, label in ((tpot_ax, "paper_tpot_ms", "tpot_ms", "TPOT (ms)"),
+                                        (rate_ax, "paper_tokens_per_s_per_die", "tokens_per_s_per_die",
+                                         "output tokens/s per die")):
+        ax.bar([i - 0.2 for i in x], [row[paper] for row in result["rows"]], width=0.4, label="paper")
+        ax.bar([i + 0.2 for i in x], [row[simulated] for row in result["rows"]], width=0.4, label="simulated")
+        ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend()
+    tpot_ax.set_title("op model vs the papers' decode results")
     return report.save_figure(fig, path)
 
 

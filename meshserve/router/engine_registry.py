@@ -57,9 +57,7 @@ class EngineRecord:
 
     @property
     def view_load(self) -> TELoad:
-        s = self.heartbeat.stats
-        return TELoad(num_running=s.num_running, num_waiting=s.num_waiting, waiting_tokens=s.waiting_tokens,
-                      running_tokens=s.running_tokens, kv_usage=s.kv_usage)
+        return TELoad.from_stats(self.heartbeat.stats)
 
 
 class EngineRegistry:

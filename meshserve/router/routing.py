@@ -41,6 +41,7 @@ from typing import Literal, Protocol, get_args
 
 from meshserve.config.router import RoutingPolicyName
 from meshserve.router.prompt_tree import GlobalPromptTree
+from meshserve.wire.client import EngineStats
 
 POLICIES: tuple[str, ...] = get_args(RoutingPolicyName)  # one list of names for the settings and the router
 ROLES = ("colocated", "prefill", "decode")
@@ -77,6 +78,12 @@ class TELoad:
     waiting_tokens: int = 0  # prompt tokens queued and not yet prefilled
     running_tokens: int = 0  # context tokens of the running requests
     kv_usage: float = 0.0  # fraction of the KV cache in use
+
+    @classmethod
+    def from_stats(cls, stats: EngineStats) -> TELoad:
+        """The load a TE's heartbeat stats show."""
+        return cls(num_running=stats.num_running, num_waiting=stats.num_waiting, waiting_tokens=stats.waiting_tokens,
+                   running_tokens=stats.running_tokens, kv_usage=stats.kv_usage)
 
 
 @dataclass

@@ -37,10 +37,20 @@ class ProfileError(ValueError):
 class GroupWork:
     """One DP group's part of a step."""
 
-    decode_rows: int = 0
+    decode_rows: int = 0  # requests adding their next token (one row each)
     prefill_tokens: int = 0
     context_tokens: int = 0  # the tokens the decode rows attend to
     prefill_pairs: float = 0.0  # the prefill tokens' (token, attended token) pairs
+    draft_rows: int = 0  # drafts the decode rows verify (speculative decoding: one more row each)
+
+    @property
+    def rows(self) -> int:
+        """Tokens through the step's GEMMs."""
+        return self.decode_rows + self.draft_rows + self.prefill_tokens
+
+    @property
+    def rows_per_decode_request(self) -> float:
+        return 1.0 + self.draft_rows / self.decode_rows if self.decode_rows else 1.0
 
     @classmethod
     def prompt(cls, tokens: int) -> GroupWork:
@@ -66,7 +76,7 @@ class StepProfile:
                 raise ProfileError(f"profile {self.name!r}: {term} must be a number >= 0, got {value!r}")
 
     def group_seconds(self, work: GroupWork) -> float:
-        return 1e-3 * (self.base_ms + self.per_decode_row_ms * work.decode_rows
+        return 1e-3 * (self.base_ms + self.per_decode_row_ms * (work.decode_rows + work.draft_rows)
                        + self.per_prefill_token_ms * work.prefill_tokens
                        + self.per_context_kilotoken_ms * work.context_tokens / 1000
                        + self.per_prefill_megapair_ms * work.prefill_pairs / 1e6)
@@ -74,6 +84,10 @@ class StepProfile:
     def step_seconds(self, groups: Sequence[GroupWork]) -> float:
         """A lockstep step: its slowest DP group's part."""
         return max(self.group_seconds(work) for work in groups)
+
+    def kv_pull_seconds(self, tokens: int) -> float:
+        """A P/D pull of `tokens` tokens' KV: not calibrated on this machine (it lands by the next step)."""
+        return 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -54,7 +54,7 @@ class PDEndpoint:
 @dataclass
 class _Hold:
     block_ids: list[int]
-    deadline: float  # time.monotonic()
+    deadline: float  # the connector's clock
 
 
 @dataclass
@@ -110,8 +110,12 @@ class PDConnector(KVConnectorScheduler):
     may_preempt = False  # a pull waits for free blocks (backpressure on the prefill TE), nothing is dropped
 
     def __init__(self, config: KVTransferConfig, kv_manager: KVCacheManager, endpoint: PDEndpoint,
-                 send_release: Callable[[str, list[str]], None]) -> None:
+                 send_release: Callable[[str, list[str]], None], clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        """`clock` times holds and pulls here; `wall_clock` stamps a hand-off's expiry, which the decode TE reads
+        on another host (a simulation hands both its virtual clock)."""
         self.config = config
+        self.clock, self.wall_clock = clock, wall_clock
         self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
         self.endpoint = endpoint
@@ -123,7 +127,7 @@ class PDConnector(KVConnectorScheduler):
         self.num_recomputed = 0  # ... of which the pull failed (or could not start in time): computed here
         # link probing: the links from the prefill TEs pulled from, each rank's transfer peers' TE, and the
         # requests waiting for blocks to pull into (since when, from which prefill TE)
-        self.links = LinkMonitor(endpoint.engine)
+        self.links = LinkMonitor(endpoint.engine, clock=clock)
         self._peer_te: dict[str, str] = {}
         self._waiting: dict[str, tuple[str, float]] = {}
 
@@ -137,14 +141,14 @@ class PDConnector(KVConnectorScheduler):
         num_blocks = _cdiv(req.num_prompt_tokens, self.block_size)
         held, extra = req.block_ids[:num_blocks], req.block_ids[num_blocks:]
         self.kv_manager.free(extra)
-        self.holds[req.req_id] = _Hold(held, time.monotonic() + timeout)
+        self.holds[req.req_id] = _Hold(held, self.clock() + timeout)
         ep = self.endpoint
         # the decode TE must pull before the hold expires (wall clock: it is compared on another host)
         return KVTransferParams(role=KVTransferRole.CONSUMER, engine=ep.engine, engine_addr=ep.engine_addr,
                                 dp_rank=ep.dp_rank, attn_tp=ep.attn_tp, attn_dp=ep.attn_dp, regions=ep.regions,
                                 block_ids=held, num_tokens=req.num_prompt_tokens,
                                 num_cached_tokens=req.num_cached_tokens, hold_s=timeout,
-                                hold_expires_at=time.time() + timeout)
+                                hold_expires_at=self.wall_clock() + timeout)
 
     def release(self, req_id: str) -> bool:
         self._waiting.pop(req_id, None)  # a consumer request aborted while it waited for blocks
@@ -156,7 +160,7 @@ class PDConnector(KVConnectorScheduler):
 
     def expire(self, now: float | None = None) -> list[str]:
         """Free holds no decode TE pulled within the timeout (it died, or the job was dropped)."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         expired = [req_id for req_id, hold in self.holds.items() if hold.deadline <= now]
         for req_id in expired:
             self.release(req_id)
@@ -169,7 +173,7 @@ class PDConnector(KVConnectorScheduler):
         source = req.kv_transfer
         if source is None or source.role is not KVTransferRole.CONSUMER:
             return 0
-        if hold_expiring(source):
+        if hold_expiring(source, self.wall_clock()):
             # it waited for blocks (backpressure) until the prefill TE is about to free its KV: a pull
             # could read blocks already reused by another request, so the prompt is computed here
             logger.warning("request %s: the prefill TE's hold on its KV expires; computing the prompt here",

@@ -1,0 +1,288 @@
+"""A deployment on virtual time: TEs (colocated, prefill, decode; meshserve/sim/te.py) behind a job executor that
+routes with the JE's own policy and load view (meshserve/router/routing.py: `RoutingPolicy`, `LoadTracker`), hands
+each prefilled request to the decode TE its route named, and passes the decode TE's ReleaseKV back to the prefill
+TE (the P/D connector's hold and pull, xdeepserve §5.1).
+
+Events, in time order:
+- an arrival is routed at once, on the JE's view of the loads: each TE's heartbeat every `HEARTBEAT_INTERVAL_S`
+  (the master's) plus what the JE sent it since;
+- a TE with work steps back to back, each step taking its profile's time; what a step produced is seen when it
+  ends (and reaches the client `delivery_ms` later);
+- with the master's pipelining (`pipeline_depth` 2, its default: step n + 1 is scheduled as step n starts) a busy
+  TE's next step holds only the requests that had reached it when the step before began; an idle TE takes a
+  request at once.
+
+Each request's first and last token times give TTFT and TPOT as the benchmarks report them (`meshserve bench
+serve`): TTFT from arrival to the first token, TPOT the mean gap between its later tokens. Garbage is collected on
+the master's schedule, and a line of progress is logged every few seconds of wall time.
+"""
+from __future__ import annotations
+
+import heapq
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from meshserve.core.client_links import HEARTBEAT_INTERVAL_S
+from meshserve.core.engine_report import load_stats
+from meshserve.router.routing import LoadTracker, RoutingPolicy, TELoad, TEView
+from meshserve.sim.te import SimTE, SimTESettings
+from meshserve.sim.trace import TraceRequest
+from meshserve.utils import report
+from meshserve.utils.gc_pauses import StepCollector
+from meshserve.wire.client import RequestDelta
+
+PROGRESS_EVERY_S = 5.0
+GC_EVERY_STEPS = 200  # the master's garbage-collection schedule (`gc_collect_every_steps`' default)
+ROLE_KV_TRANSFER = {"colocated": "none", "prefill": "producer", "decode": "consumer"}
+# what happens first at one instant: a step's outputs, the loads heard, arrivals routed, then steps start
+_STEP_END, _HEARTBEAT, _ARRIVAL, _START = range(4)
+
+
+@dataclass(frozen=True)
+class TESpec:
+    name: str
+    role: str  # colocated | prefill | decode
+    settings: SimTESettings
+    profile: object  # a StepProfile or an OpStepModel
+    group: str = "group-0"  # prefill and decode TEs pair within a group
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLE_KV_TRANSFER:
+            raise ValueError(f"TE {self.name}: role must be one of {', '.join(ROLE_KV_TRANSFER)}, got {self.role!r}")
+
+
+_ROLE_LETTERS = {"c": "colocated", "p": "prefill", "d": "decode"}
+
+
+def deployment_specs(text: str, settings: SimTESettings, profile) -> list[TESpec]:
+    """The TEs `text` names, every one with `settings` and `profile`: counts of colocated (c), prefill (p) and
+    decode (d) TEs joined by '+', e.g. "2c", "1p+1d", "2p+1d+1c" (named c0, c1, p0, d0, ...; one TE group)."""
+    specs = []
+    for part in text.split("+"):
+        count, letter = part.strip()[:-1], part.strip()[-1:]
+        if letter not in _ROLE_LETTERS or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--tes {text!r}: each part is a count and c (colocated), p (prefill) or d (decode), "
+                             f"e.g. 1p+1d")
+        role = _ROLE_LETTERS[letter]
+        start = sum(spec.role == role for spec in specs)
+        specs += [TESpec(f"{letter}{start + i}", role, settings, profile) for i in range(int(count))]
+    roles = {spec.role for spec in specs}
+    if ("prefill" in roles) != ("decode" in roles):
+        raise ValueError(f"--tes {text!r}: prefill TEs need decode TEs to hand their requests to, and the reverse")
+    return specs
+
+
+@dataclass
+class _Served:
+    arrival_s: float
+    prompt: list[int] | None = None  # kept until the decode TE took it (P/D)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+    decode_te: str | None = None  # P/D: where its hand-off goes
+
+
+@dataclass
+class _Member:
+    spec: TESpec
+    te: SimTE
+    inbox: list[tuple[float, Callable[[float], None]]] = field(default_factory=list)  # (reached it at, admit)
+    stepping: bool = False  # a step (or its start) is scheduled
+    last_start: float = 0.0
+    steps: list[float] = field(default_factory=list)
+
+
+class SimCluster:
+    def __init__(self, specs: Sequence[TESpec], policy: str = "load", seed: int = 0,
+                 built: dict[str, SimTE] | None = None) -> None:
+        """`built`: TEs made by the caller, by name (the others are made from their specs)."""
+        names = [spec.name for spec in specs]
+        if not specs or len(set(names)) != len(names):
+            raise ValueError("a simulated deployment needs at least one TE, each with its own name")
+        self.now = 0.0
+        self.members: dict[str, _Member] = {}
+        for index, spec in enumerate(specs):
+            te = (built or {}).get(spec.name) or SimTE(replace(spec.settings, kv_transfer=ROLE_KV_TRANSFER[spec.role]),
+                                                       spec.profile, seed=seed + index, name=spec.name,
+                                                       send_release=self._release)
+            self.members[spec.name] = _Member(spec, te)
+        self.routing = RoutingPolicy(policy)
+        self.loads = LoadTracker(clock=lambda: self.now)
+        self.routes: Counter[str] = Counter()  # decision kind -> requests
+        self._events: list[tuple] = []
+        self._seq = 0
+        self.served: dict[str, _Served] = {}
+        self.breakdown: dict[str, float] = {}  # seconds by part of a step, summed over steps (an op model's)
+
+    # ------------------------------------------------------------ the run
+    def run(self, trace: Sequence[TraceRequest], progress: bool = True) -> dict:
+        started = time.perf_counter()
+        self._trace = trace
+        for index, request in enumerate(trace):
+            self._push(request.arrival_s, _ARRIVAL, index)
+        self._push(0.0, _HEARTBEAT, None)
+        collector = StepCollector(GC_EVERY_STEPS)  # automatic passes would walk every simulated request's objects
+        collector.start()
+        try:
+            events = self._loop(collector, progress)
+        finally:
+            collector.stop()
+        steps = [s for member in self.members.values() for s in member.steps]
+        metrics = _metrics(list(self.served.values()), steps, self.now, events, time.perf_counter() - started)
+        metrics["routes"] = dict(self.routes)
+        metrics["tes"] = {name: {"role": m.spec.role, "steps": len(m.steps),
+                                 "mean_step_ms": 1e3 * statistics.fmean(m.steps) if m.steps else 0.0}
+                          for name, m in self.members.items()}
+        if self.breakdown:
+            metrics["step_breakdown_ms"] = {part: 1e3 * total / len(steps) for part, total in self.breakdown.items()}
+        return metrics
+
+    def _loop(self, collector: StepCollector, progress: bool) -> int:
+        events, last_log = 0, time.perf_counter()
+        while self._events:
+            at, kind, _, payload = heapq.heappop(self._events)
+            if kind == _HEARTBEAT:
+                if self._events:  # the TEs beat while anything is left to happen
+                    self.now = at
+                    self._heartbeat()
+                continue
+            self.now = at
+            if kind == _ARRIVAL:
+                events += 1
+                self._arrive(payload)
+            elif kind == _START:
+                self._start(self.members[payload])
+            else:
+                events += 1
+                self._step_end(*payload)
+                if collector.due():
+                    collector.collect()
+            if progress and time.perf_counter() - last_log > PROGRESS_EVERY_S:
+                last_log = time.perf_counter()
+                done = sum(r.finished for r in self.served.values())
+                steps = sum(m.te.num_steps for m in self.members.values())
+                print(f"[simulate] {done}/{len(self._trace)} requests done, {steps} steps, virtual {self.now:.1f} s",
+                      file=sys.stderr, flush=True)
+        return events
+
+    def _push(self, at: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, kind, self._seq, payload))
+
+    # ------------------------------------------------------------ the job executor
+    def _views(self) -> list[TEView]:
+        return [TEView(name, m.spec.role, m.spec.group, self.loads.load_of(name)) for name, m in self.members.items()]
+
+    def _heartbeat(self) -> None:
+        for name, member in self.members.items():
+            self.loads.report(name, TELoad.from_stats(load_stats(member.te.schedulers, member.te.queue.pending)))
+        self._push(self.now + HEARTBEAT_INTERVAL_S, _HEARTBEAT, None)
+
+    def _arrive(self, index: int) -> None:
+        request, req_id = self._trace[index], f"sim-{index}"
+        # the prompt's token ids, drawn by the first TE (a lone TE draws the prompts it would draw itself)
+        prompt = next(iter(self.members.values())).te.draw_prompt(request.prompt_len)
+        if len(self.members) == 1:  # a lone TE takes every request (a lone decode TE: from unsimulated prefill)
+            entry, decode, kind = next(iter(self.members)), None, "direct"
+        else:
+            decision = self.routing.route(prompt, self._views(), max_tokens=request.output_len)
+            entry = decision.te if decision.kind == "colocated" else decision.prefill
+            decode, kind = decision.decode, decision.kind
+        self.routes[kind] += 1
+        served = self.served[req_id] = _Served(request.arrival_s, prompt=prompt if decode else None)
+        served.decode_te = decode
+        self.loads.on_dispatch(entry, request.prompt_len, req_id)
+        self._deliver(self.members[entry], lambda now: self.members[entry].te.admit(req_id, request, now, prompt))
+
+    def _hand_off(self, delta: RequestDelta) -> None:
+        """A prefill TE sampled a request's first token and holds its KV: send it to its decode TE."""
+        served = self.served[delta.req_id]
+        request = self._trace[int(delta.req_id.removeprefix("sim-"))]
+        decode = self.members[served.decode_te]
+        self.loads.on_dispatch(served.decode_te, 0, delta.req_id)
+
+        def admit(now: float) -> None:
+            decode.te.admit(delta.req_id, request, now, served.prompt, handoff=delta.kv_transfer_params,
+                            first_token=delta.new_token_ids[-1])
+            served.prompt = None
+        self._deliver(decode, admit)
+
+    def _release(self, engine_addr: str, req_ids: list[str]) -> None:
+        """A decode TE's ReleaseKV to the prefill TE it pulled from."""
+        self.members[engine_addr].te.release(req_ids)
+
+    # ------------------------------------------------------------ the TEs
+    def _deliver(self, member: _Member, admit: Callable[[float], None]) -> None:
+        member.inbox.append((self.now, admit))
+        if not member.stepping:
+            member.stepping = True
+            self._push(self.now, _START, member.spec.name)
+
+    def _start(self, member: _Member) -> None:
+        te = member.te
+        pipelined = te.settings.pipeline_depth == 2 and te.has_work()
+        horizon = member.last_start if pipelined else self.now
+        waiting = []
+        for reached, admit in member.inbox:
+            if reached <= horizon:
+                admit(self.now)
+            else:
+                waiting.append((reached, admit))
+        member.inbox = waiting
+        if not te.has_work():
+            member.stepping = bool(waiting)
+            if waiting:  # they reached it during the step that just ended: the next step takes them
+                self._push(self.now, _START, member.spec.name)
+            return
+        seconds, deltas = te.step(self.now)
+        member.last_start = self.now
+        member.steps.append(seconds)
+        timed_parts = getattr(te.profile, "breakdown", None)
+        if timed_parts is not None and te.last_work:
+            for part, part_seconds in timed_parts(te.last_work).items():
+                self.breakdown[part] = self.breakdown.get(part, 0.0) + part_seconds
+        self._push(self.now + seconds, _STEP_END, (member.spec.name, deltas))
+
+    def _step_end(self, name: str, deltas: list[RequestDelta]) -> None:
+        member = self.members[name]
+        seen = self.now + 1e-3 * member.te.profile.delivery_ms
+        for delta in deltas:
+            served = self.served[delta.req_id]
+            if delta.new_token_ids:
+                served.first_token_s = seen if served.first_token_s is None else served.first_token_s
+                served.last_token_s = seen
+                served.num_tokens += len(delta.new_token_ids)
+            if delta.kv_transfer_params is not None and member.spec.role == "prefill":
+                self._hand_off(delta)
+            elif delta.finish_reason is not None:
+                served.finished = True
+                self.loads.on_finished(name, delta.req_id)
+        self._push(self.now, _START, name)
+
+
+def _metrics(served: list[_Served], step_seconds: list[float], end_s: float, events: int, wall_s: float) -> dict:
+    ttft = [r.first_token_s - r.arrival_s for r in served if r.first_token_s is not None]
+    tpot = [(r.last_token_s - r.first_token_s) / (r.num_tokens - 1) for r in served if r.num_tokens > 1]
+    tokens = sum(r.num_tokens for r in served)
+    span = end_s - min(r.arrival_s for r in served) if served else 0.0
+    return {
+        "requests": len(served),
+        "completed": sum(r.finished for r in served),
+        "output_tokens": tokens,
+        "virtual_s": end_s,
+        "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+        "ttft_s": report.summarize(ttft) if ttft else None,
+        "tpot_s": report.summarize(tpot) if tpot else None,
+        "steps": len(step_seconds),
+        "mean_step_ms": 1e3 * statistics.fmean(step_seconds) if step_seconds else 0.0,
+        "ttfts": ttft,
+        "tpots": tpot,
+        "events": events,
+        "wall_s": wall_s,
+        "events_per_s": events / wall_s if wall_s > 0 else 0.0,
+    }
