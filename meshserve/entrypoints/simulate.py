@@ -24,6 +24,13 @@ def add_simulate_commands(sub) -> None:
     run.add_argument("--tes", help="several TEs behind a job executor: counts of colocated (c), prefill (p) and "
                                    "decode (d) TEs, e.g. 1p+1d or 2c (default: one TE)")
     run.add_argument("--routing", default="load", choices=POLICIES, help="the job executor's routing policy")
+    scaling = run.add_argument_group("autoscaling (with --tes)")
+    scaling.add_argument("--autoscale", help="the pools the cluster manager's autoscaler sizes, ROLE=MIN:MAX by "
+                                             "role letter, e.g. c=1:6 or p=1:4,d=1:4")
+    scaling.add_argument("--autoscaler-settings", default="{}", help="the deployment file's `autoscaler:` mapping "
+                                                                     "as JSON, e.g. '{\"interval_s\": 2}'")
+    scaling.add_argument("--te-start-s", type=float, default=30.0, help="from a scale-up to the TE serving "
+                                                                        "(default: 30)")
     _add_hardware_arguments(run)
     run.set_defaults(func=run_main)
     seeds = commands.add_parser("seeds", help="the papers' decode results (CloudMatrix-Infer Table 5, xDeepServe "
@@ -91,6 +98,28 @@ def _add_hardware_arguments(parser) -> None:
     op.add_argument("--mtp-acceptance", type=float, default=0.0, help="the chance a draft is accepted")
     op.add_argument("--decode-only", action="store_true", help="a decode TE of P/D: prompts' KV is pulled")
     op.add_argument("--no-prefix-caching", action="store_true", help="hash no KV block (faster at scale)")
+
+
+def _scaler(args: argparse.Namespace):
+    """The autoscaler of `--autoscale` (bounds per pool) and `--autoscaler-settings`."""
+    from meshserve.cluster.autoscaler import Autoscaler, AutoscalerSettings
+    from meshserve.sim.cluster import ROLE_LETTERS
+    from meshserve.sim.scaling import SimScaler
+
+    bounds = {}
+    for part in args.autoscale.split(","):
+        letter, _, span = part.strip().partition("=")
+        low, _, high = span.partition(":")
+        if letter not in ROLE_LETTERS or not (low.isdigit() and high.isdigit()) or int(low) > int(high):
+            raise ValueError(f"--autoscale {args.autoscale!r}: each pool is ROLE=MIN:MAX with ROLE c, p or d, e.g. "
+                             f"p=1:4,d=1:4")
+        bounds[f"group-0/{ROLE_LETTERS[letter]}"] = (int(low), int(high))
+    try:
+        mapping = json.loads(args.autoscaler_settings)
+    except ValueError:
+        raise ValueError(f"--autoscaler-settings is not JSON: {args.autoscaler_settings!r}") from None
+    return SimScaler(Autoscaler(AutoscalerSettings.from_dict(mapping, "--autoscaler-settings"), bounds),
+                     start_s=args.te_start_s)
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
@@ -197,14 +226,21 @@ def run_main(args: argparse.Namespace) -> int:
         if args.tes is not None and getattr(args, "decode_only", False):
             raise ValueError("--decode-only simulates a lone decode TE; with --tes the roles come from --tes")
         specs = deployment_specs(args.tes, settings, profile) if args.tes is not None else None
-    except (ValueError, OSError) as exc:  # ProfileError and TraceError are ValueErrors
+        scaler = _scaler(args) if args.autoscale is not None else None
+        if scaler is not None:
+            pools = {f"{spec.group}/{spec.role}" for spec in specs or ()}
+            unknown = sorted(set(scaler.autoscaler.bounds) - pools)
+            if unknown:
+                raise ValueError(f"--autoscale names pool(s) {', '.join(unknown)} that --tes does not have")
+    except (ValueError, OSError) as exc:  # ProfileError, TraceError and ConfigError are ValueErrors
         print(f"meshserve simulate: error: {exc}", file=sys.stderr)
         return 2
     if specs is None:
         result = simulate(trace, SimTE(settings, profile, seed=args.seed))
     else:
-        result = SimCluster(specs, policy=args.routing, seed=args.seed).run(trace)
-    result["config"] = _describe(args, profile, settings) | {"tes": args.tes, "routing": args.routing}
+        result = SimCluster(specs, policy=args.routing, seed=args.seed, scaler=scaler).run(trace)
+    result["config"] = _describe(args, profile, settings) | {"tes": args.tes, "routing": args.routing,
+                                                             "autoscale": args.autoscale}
     report.publish(args.json, result, plot_simulation, summary_lines(result))
     return 0
 
@@ -265,19 +301,32 @@ def summary_lines(result: dict) -> list[str]:
 
 
 def _breakdown_lines(result: dict) -> list[str]:
+    lines = []
     parts = result.get("step_breakdown_ms")
-    if not parts:
-        return []
-    return ["mean step by part (ms): " + ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items())]
+    if parts:
+        lines.append("mean step by part (ms): " + ", ".join(f"{part} {ms:.2f}" for part, ms in parts.items()))
+    if len(result.get("tes", {})) > 1:
+        lines.append("routes: " + ", ".join(f"{kind} {n}" for kind, n in result["routes"].items()) + "; TE-seconds: "
+                     + ", ".join(f"{pool} {seconds:.0f}" for pool, seconds in result["te_seconds"].items()))
+    return lines
 
 
 def plot_simulation(result: dict, path: Path) -> Path:
-    fig, axes = report.new_figure(ncols=2)
-    ttft_ax, tpot_ax = axes[0]
+    scaling = result.get("scaling")
+    fig, axes = report.new_figure(ncols=3 if scaling else 2)
+    ttft_ax, tpot_ax = axes[0][:2]
     report.plot_cdf(ttft_ax, [1e3 * v for v in result["ttfts"]], "simulated", "TTFT (ms)")
     report.plot_cdf(tpot_ax, [1e3 * v for v in result["tpots"]], "simulated", "TPOT (ms)")
     ttft_ax.set_title(f"{result['completed']} requests, {result['output_tokens_per_s']:.0f} tok/s")
     tpot_ax.set_title(f"profile {result['config']['profile']['name']}")
+    if scaling:  # the TEs each pool served with over time
+        scale_ax = axes[0][2]
+        for pool in sorted({pool for tick in scaling for pool in tick["serving"]}):
+            scale_ax.step([tick["at_s"] for tick in scaling], [tick["serving"].get(pool, 0) for tick in scaling],
+                          where="post", label=pool)
+        scale_ax.set_xlabel("virtual time (s)")
+        scale_ax.set_ylabel("TEs serving")
+        scale_ax.legend()
     return report.save_figure(fig, path)
 
 

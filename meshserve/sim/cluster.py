@@ -25,21 +25,26 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from meshserve.core.client_links import HEARTBEAT_INTERVAL_S
 from meshserve.core.engine_report import load_stats
-from meshserve.router.routing import LoadTracker, RoutingPolicy, TELoad, TEView
+from meshserve.router.routing import LoadTracker, RoutingPolicy, TELoad, TEView, pool_key
 from meshserve.sim.te import SimTE, SimTESettings
 from meshserve.sim.trace import TraceRequest
 from meshserve.utils import report
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.wire.client import RequestDelta
 
+if TYPE_CHECKING:
+    from meshserve.sim.scaling import SimScaler
+
 PROGRESS_EVERY_S = 5.0
 GC_EVERY_STEPS = 200  # the master's garbage-collection schedule (`gc_collect_every_steps`' default)
 ROLE_KV_TRANSFER = {"colocated": "none", "prefill": "producer", "decode": "consumer"}
-# what happens first at one instant: a step's outputs, the loads heard, arrivals routed, then steps start
-_STEP_END, _HEARTBEAT, _ARRIVAL, _START = range(4)
+# what happens first at one instant: a step's outputs, TEs ready, the loads heard, the autoscaler's tick, arrivals
+# routed, then steps start
+_STEP_END, _READY, _HEARTBEAT, _SCALE, _ARRIVAL, _START = range(6)
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class TESpec:
             raise ValueError(f"TE {self.name}: role must be one of {', '.join(ROLE_KV_TRANSFER)}, got {self.role!r}")
 
 
-_ROLE_LETTERS = {"c": "colocated", "p": "prefill", "d": "decode"}
+ROLE_LETTERS = {"c": "colocated", "p": "prefill", "d": "decode"}
 
 
 def deployment_specs(text: str, settings: SimTESettings, profile) -> list[TESpec]:
@@ -64,10 +69,10 @@ def deployment_specs(text: str, settings: SimTESettings, profile) -> list[TESpec
     specs = []
     for part in text.split("+"):
         count, letter = part.strip()[:-1], part.strip()[-1:]
-        if letter not in _ROLE_LETTERS or not count.isdigit() or int(count) < 1:
+        if letter not in ROLE_LETTERS or not count.isdigit() or int(count) < 1:
             raise ValueError(f"--tes {text!r}: each part is a count and c (colocated), p (prefill) or d (decode), "
                              f"e.g. 1p+1d")
-        role = _ROLE_LETTERS[letter]
+        role = ROLE_LETTERS[letter]
         start = sum(spec.role == role for spec in specs)
         specs += [TESpec(f"{letter}{start + i}", role, settings, profile) for i in range(int(count))]
     roles = {spec.role for spec in specs}
@@ -80,6 +85,7 @@ def deployment_specs(text: str, settings: SimTESettings, profile) -> list[TESpec
 class _Served:
     arrival_s: float
     prompt: list[int] | None = None  # kept until the decode TE took it (P/D)
+    entry_te: str = ""
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_tokens: int = 0
@@ -95,22 +101,33 @@ class _Member:
     stepping: bool = False  # a step (or its start) is scheduled
     last_start: float = 0.0
     steps: list[float] = field(default_factory=list)
+    state: str = "serving"  # starting (not routable yet) | serving | draining (finishes its requests) | gone
+    since: float = 0.0  # when it entered its state
+    joined: float = 0.0
+
+    @property
+    def pool(self) -> str:
+        return pool_key(self.spec.group, self.spec.role)
+
+    @property
+    def drained(self) -> bool:
+        return not (self.te.has_work() or self.inbox or self.stepping or self.te.num_holds())
 
 
 class SimCluster:
     def __init__(self, specs: Sequence[TESpec], policy: str = "load", seed: int = 0,
-                 built: dict[str, SimTE] | None = None) -> None:
-        """`built`: TEs made by the caller, by name (the others are made from their specs)."""
+                 built: dict[str, SimTE] | None = None, scaler: SimScaler | None = None) -> None:
+        """`built`: TEs made by the caller, by name (the others are made from their specs). `scaler`: the cluster
+        manager's autoscaling (meshserve/sim/scaling.py); without one the TEs stay as they are."""
         names = [spec.name for spec in specs]
         if not specs or len(set(names)) != len(names):
             raise ValueError("a simulated deployment needs at least one TE, each with its own name")
         self.now = 0.0
+        self.seed = seed
         self.members: dict[str, _Member] = {}
-        for index, spec in enumerate(specs):
-            te = (built or {}).get(spec.name) or SimTE(replace(spec.settings, kv_transfer=ROLE_KV_TRANSFER[spec.role]),
-                                                       spec.profile, seed=seed + index, name=spec.name,
-                                                       send_release=self._release)
-            self.members[spec.name] = _Member(spec, te)
+        for spec in specs:
+            self.add(spec, (built or {}).get(spec.name))
+        self.scaler = scaler
         self.routing = RoutingPolicy(policy)
         self.loads = LoadTracker(clock=lambda: self.now)
         self.routes: Counter[str] = Counter()  # decision kind -> requests
@@ -119,6 +136,31 @@ class SimCluster:
         self.served: dict[str, _Served] = {}
         self.breakdown: dict[str, float] = {}  # seconds by part of a step, summed over steps (an op model's)
 
+    # ------------------------------------------------------------ membership (the cluster manager's part)
+    def add(self, spec: TESpec, te: SimTE | None = None, ready_in: float | None = None) -> _Member:
+        """A TE joins: serving at once, or (`ready_in` seconds) once it has started."""
+        te = te or SimTE(replace(spec.settings, kv_transfer=ROLE_KV_TRANSFER[spec.role]), spec.profile,
+                         seed=self.seed + len(self.members), name=spec.name, send_release=self._release)
+        member = self.members[spec.name] = _Member(spec, te, since=self.now, joined=self.now)
+        if ready_in is not None:
+            member.state = "starting"
+            self._push(self.now + ready_in, _READY, spec.name)
+        return member
+
+    def drain(self, name: str) -> None:
+        """A TE takes no new request, finishes its own and leaves (a starting one leaves at once)."""
+        member = self.members[name]
+        member.state, member.since = ("gone" if member.state == "starting" else "draining"), self.now
+        self._leave_if_drained(member)
+
+    def _leave_if_drained(self, member: _Member) -> None:
+        if member.state == "draining" and member.drained:
+            member.state, member.since = "gone", self.now
+            self.loads.forget(member.spec.name)
+
+    def serving(self) -> list[_Member]:
+        return [m for m in self.members.values() if m.state == "serving"]
+
     # ------------------------------------------------------------ the run
     def run(self, trace: Sequence[TraceRequest], progress: bool = True) -> dict:
         started = time.perf_counter()
@@ -126,6 +168,8 @@ class SimCluster:
         for index, request in enumerate(trace):
             self._push(request.arrival_s, _ARRIVAL, index)
         self._push(0.0, _HEARTBEAT, None)
+        if self.scaler is not None:
+            self._push(self.scaler.interval_s, _SCALE, None)
         collector = StepCollector(GC_EVERY_STEPS)  # automatic passes would walk every simulated request's objects
         collector.start()
         try:
@@ -135,9 +179,16 @@ class SimCluster:
         steps = [s for member in self.members.values() for s in member.steps]
         metrics = _metrics(list(self.served.values()), steps, self.now, events, time.perf_counter() - started)
         metrics["routes"] = dict(self.routes)
-        metrics["tes"] = {name: {"role": m.spec.role, "steps": len(m.steps),
-                                 "mean_step_ms": 1e3 * statistics.fmean(m.steps) if m.steps else 0.0}
+        metrics["tes"] = {name: {"role": m.spec.role, "steps": len(m.steps), "state": m.state,
+                                 "mean_step_ms": 1e3 * statistics.fmean(m.steps) if m.steps else 0.0,
+                                 "seconds": (m.since if m.state == "gone" else self.now) - m.joined}
                           for name, m in self.members.items()}
+        te_seconds: Counter[str] = Counter()
+        for m in self.members.values():
+            te_seconds[m.pool] += metrics["tes"][m.spec.name]["seconds"]
+        metrics["te_seconds"] = dict(te_seconds)  # per pool: TEs held (starting, serving, draining) x seconds
+        if self.scaler is not None:
+            metrics["scaling"] = [{"at_s": at, "serving": pools} for at, pools in self.scaler.timeline]
         if self.breakdown:
             metrics["step_breakdown_ms"] = {part: 1e3 * total / len(steps) for part, total in self.breakdown.items()}
         return metrics
@@ -146,13 +197,18 @@ class SimCluster:
         events, last_log = 0, time.perf_counter()
         while self._events:
             at, kind, _, payload = heapq.heappop(self._events)
-            if kind == _HEARTBEAT:
-                if self._events:  # the TEs beat while anything is left to happen
+            if kind in (_HEARTBEAT, _SCALE):
+                if any(event[1] not in (_HEARTBEAT, _SCALE) for event in self._events):  # while anything is left
                     self.now = at
-                    self._heartbeat()
+                    if kind == _HEARTBEAT:
+                        self._heartbeat()
+                    else:
+                        self._scale()
                 continue
             self.now = at
-            if kind == _ARRIVAL:
+            if kind == _READY:
+                self._ready(self.members[payload])
+            elif kind == _ARRIVAL:
                 events += 1
                 self._arrive(payload)
             elif kind == _START:
@@ -176,12 +232,28 @@ class SimCluster:
 
     # ------------------------------------------------------------ the job executor
     def _views(self) -> list[TEView]:
-        return [TEView(name, m.spec.role, m.spec.group, self.loads.load_of(name)) for name, m in self.members.items()]
+        return [TEView(m.spec.name, m.spec.role, m.spec.group, self.loads.load_of(m.spec.name))
+                for m in self.serving()]
 
     def _heartbeat(self) -> None:
-        for name, member in self.members.items():
-            self.loads.report(name, TELoad.from_stats(load_stats(member.te.schedulers, member.te.queue.pending)))
+        for member in self.members.values():
+            if member.state in ("serving", "draining"):
+                self.loads.report(member.spec.name, self.load_of(member))
         self._push(self.now + HEARTBEAT_INTERVAL_S, _HEARTBEAT, None)
+
+    @staticmethod
+    def load_of(member: _Member) -> TELoad:
+        """What the TE's heartbeat says of its load."""
+        return TELoad.from_stats(load_stats(member.te.schedulers, member.te.queue.pending))
+
+    def _scale(self) -> None:
+        self.scaler.tick(self)
+        self._push(self.now + self.scaler.interval_s, _SCALE, None)
+
+    def _ready(self, member: _Member) -> None:
+        if member.state == "starting":
+            member.state, member.since = "serving", self.now
+            self.loads.report(member.spec.name, self.load_of(member))
 
     def _arrive(self, index: int) -> None:
         request, req_id = self._trace[index], f"sim-{index}"
@@ -195,7 +267,9 @@ class SimCluster:
             decode, kind = decision.decode, decision.kind
         self.routes[kind] += 1
         served = self.served[req_id] = _Served(request.arrival_s, prompt=prompt if decode else None)
-        served.decode_te = decode
+        served.entry_te, served.decode_te = entry, decode
+        if self.scaler is not None:
+            self.scaler.on_route([entry] + ([decode] if decode else []), self)
         self.loads.on_dispatch(entry, request.prompt_len, req_id)
         self._deliver(self.members[entry], lambda now: self.members[entry].te.admit(req_id, request, now, prompt))
 
@@ -204,6 +278,10 @@ class SimCluster:
         served = self.served[delta.req_id]
         request = self._trace[int(delta.req_id.removeprefix("sim-"))]
         decode = self.members[served.decode_te]
+        if decode.state != "serving":  # it left since the route: the group's least loaded decode TE takes it
+            decode = min((m for m in self.serving() if m.spec.role == "decode" and m.spec.group == decode.spec.group),
+                         key=lambda m: (self.load_of(m).kv_usage, self.load_of(m).num_running), default=decode)
+            served.decode_te = decode.spec.name
         self.loads.on_dispatch(served.decode_te, 0, delta.req_id)
 
         def admit(now: float) -> None:
@@ -214,7 +292,9 @@ class SimCluster:
 
     def _release(self, engine_addr: str, req_ids: list[str]) -> None:
         """A decode TE's ReleaseKV to the prefill TE it pulled from."""
-        self.members[engine_addr].te.release(req_ids)
+        member = self.members[engine_addr]
+        member.te.release(req_ids)
+        self._leave_if_drained(member)
 
     # ------------------------------------------------------------ the TEs
     def _deliver(self, member: _Member, admit: Callable[[float], None]) -> None:
@@ -238,6 +318,7 @@ class SimCluster:
             member.stepping = bool(waiting)
             if waiting:  # they reached it during the step that just ended: the next step takes them
                 self._push(self.now, _START, member.spec.name)
+            self._leave_if_drained(member)
             return
         seconds, deltas = te.step(self.now)
         member.last_start = self.now
@@ -254,6 +335,8 @@ class SimCluster:
         for delta in deltas:
             served = self.served[delta.req_id]
             if delta.new_token_ids:
+                if served.first_token_s is None and self.scaler is not None:
+                    self.scaler.on_first_token(served.entry_te, seen - served.arrival_s, self)
                 served.first_token_s = seen if served.first_token_s is None else served.first_token_s
                 served.last_token_s = seen
                 served.num_tokens += len(delta.new_token_ids)
@@ -262,6 +345,9 @@ class SimCluster:
             elif delta.finish_reason is not None:
                 served.finished = True
                 self.loads.on_finished(name, delta.req_id)
+                if self.scaler is not None and served.num_tokens > 1:
+                    tpot = (served.last_token_s - served.first_token_s) / (served.num_tokens - 1)
+                    self.scaler.on_finished(name, tpot, self)
         self._push(self.now, _START, name)
 
 

@@ -2,14 +2,18 @@
 view, the P/D hand-off with the P/D connector's hold, pull and release, and routes that follow the policy."""
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import replace
 
 import pytest
 
+from meshserve.cluster.autoscaler import Autoscaler, AutoscalerSettings, ScaleDecision
 from meshserve.entrypoints.cli import main
 from meshserve.router import routing as served_routing
 from meshserve.sim.cluster import SimCluster, TESpec, deployment_specs
 from meshserve.sim.profile import StepProfile
+from meshserve.sim.scaling import SimScaler
 from meshserve.sim.te import SimTESettings
 from meshserve.sim.trace import poisson
 
@@ -81,3 +85,78 @@ def test_bad_deployments_are_refused(tmp_path, capsys):
     assert main(["simulate", "run", "--profile", str(profile), "--tes", "1d", "--json", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prefill TEs need decode TEs" in err[0]
+
+
+def _burst(peak: float = 24.0, seed: int = 0) -> list:
+    """Quiet, then `peak` requests/s for half a minute, then quiet again."""
+    trace, now = [], 0.0
+    for rate, until in ((4.0, 20.0), (peak, 50.0), (2.0, 120.0)):
+        part = poisson(rate, int(rate * (until - now)) + 1, (64, 256), (16, 64), seed=seed + int(until))
+        trace += [replace(r, arrival_s=now + r.arrival_s) for r in part if now + r.arrival_s < until]
+        now = until
+    return trace
+
+
+SCALING = AutoscalerSettings(interval_s=2.0, window_s=10.0, scale_up_cooldown_s=4.0, scale_down_cooldown_s=20.0,
+                             down_stable_s=20.0, running_per_te=8.0)
+
+
+@functools.cache
+def _scaled(text: str, pools: tuple, autoscaler_class=Autoscaler, peak: float = 24.0) -> dict:
+    scaler = SimScaler(autoscaler_class(SCALING, dict(pools)), start_s=5.0)
+    return SimCluster(deployment_specs(text, SETTINGS, PROFILE), scaler=scaler).run(_burst(peak), progress=False)
+
+
+def test_the_served_autoscaler_grows_a_pool_for_a_burst_and_shrinks_it_after():
+    result = _scaled("1c", (("group-0/colocated", (1, 5)),))
+    serving = [tick["serving"]["group-0/colocated"] for tick in result["scaling"]]
+    assert result["completed"] == result["requests"]
+    assert max(serving) > 1 and serving[-1] < max(serving)  # up for the burst, down after it
+    # fewer TE-seconds than holding the peak the whole run
+    assert result["te_seconds"]["group-0/colocated"] < max(serving) * result["virtual_s"]
+    fixed = SimCluster(deployment_specs("1c", SETTINGS, PROFILE)).run(_burst(), progress=False)
+    assert result["ttft_s"]["p90"] < fixed["ttft_s"]["p90"]
+
+
+def test_prefill_and_decode_pools_scale_on_their_own_and_a_drained_te_leaves_only_when_empty():
+    result = _scaled("1p+1d", (("group-0/prefill", (1, 3)), ("group-0/decode", (1, 3))), peak=64.0)
+    assert result["completed"] == result["requests"]
+    gone = [te for te in result["tes"].values() if te["state"] == "gone"]
+    assert gone and all(te["seconds"] > 0 for te in gone)
+    peaks = {pool: max(tick["serving"].get(pool, 0) for tick in result["scaling"])
+             for pool in ("group-0/prefill", "group-0/decode")}
+    assert max(peaks.values()) > 1
+
+
+def test_a_change_to_the_served_autoscaler_changes_the_simulated_deployment():
+    class Frozen(Autoscaler):  # a policy that never changes a target
+        def decide(self, now, signals):
+            return [ScaleDecision(key, len(sig.loads) + sig.starting, len(sig.loads) + sig.starting, "frozen")
+                    for key, sig in signals.items()]
+    scaled = _scaled("1c", (("group-0/colocated", (1, 5)),))
+    frozen = _scaled("1c", (("group-0/colocated", (1, 5)),), Frozen)
+    assert {tick["serving"]["group-0/colocated"] for tick in frozen["scaling"]} == {1}
+    assert frozen["ttft_s"]["p90"] > scaled["ttft_s"]["p90"]
+
+
+def test_the_command_autoscales_and_refuses_a_pool_it_does_not_have(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE.to_dict()))
+    trace = tmp_path / "burst.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": r.arrival_s, "prompt_len": r.prompt_len,
+                                         "output_len": r.output_len}) + "\n" for r in _burst()))
+    out = tmp_path / "sim.json"
+    flags = ["simulate", "run", "--profile", str(profile), "--trace", str(trace), "--tes", "1c", "--max-num-seqs",
+             "16", "--te-start-s", "5", "--autoscaler-settings",
+             json.dumps({"interval_s": 2, "window_s": 10, "scale_up_cooldown_s": 4, "running_per_te": 8}),
+             "--json", str(out)]
+    assert main([*flags, "--autoscale", "c=1:4"]) == 0
+    result = json.loads(out.read_text())
+    assert max(tick["serving"]["group-0/colocated"] for tick in result["scaling"]) > 1
+    assert "TE-seconds" in capsys.readouterr().out and out.with_suffix(".png").stat().st_size > 0
+    for bad, message in ((["--autoscale", "p=1:2"], "names pool(s) group-0/prefill that --tes does not have"),
+                         (["--autoscale", "c=3:1"], "each pool is ROLE=MIN:MAX"),
+                         (["--autoscale", "c=1:2", "--autoscaler-settings", '{"interval_s": -1}'], "interval_s")):
+        assert main([*flags, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]
