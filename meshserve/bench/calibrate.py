@@ -3,7 +3,9 @@
 A local gloo world of nodes x ranks-per-node processes (the same grouping the MoE
 collectives use) times, per link:
 - intra-node: all_gather, reduce_scatter and all_reduce over each node's group;
-- inter-node: all_to_all_single over each local rank's cross-node group.
+- inter-node: all_to_all_single over each local rank's cross-node group;
+- the world: all_to_all_single over every rank, as EP's dispatch and combine run (the cluster file's `a2a_*`:
+  one call of the collective library, which Eq. 3's d - 1 rounds of another collective's latency misprice).
 Each time is the slowest rank's, median of the repeats. The analyzer prices every
 collective as (rounds) x (latency + bytes per round / bandwidth) (Eq. 1-3), so each
 sample is divided into those units before fitting: the latency comes from a small
@@ -49,6 +51,7 @@ DEFAULT_MATMUL_SHAPES = ((32, 4096, 1536), (512, 4096, 1536))
 MATMUL_SAMPLE_S = 0.2  # the shortest timed matmul sample
 INTRA_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 INTER_OPS = ("all_to_all",)
+WORLD_OPS = ("all_to_all",)
 LINKS = {"intra_node": INTRA_OPS, "inter_node": INTER_OPS}
 
 # The analyzer's price of each collective, as a function of (size, degree, link).
@@ -368,6 +371,8 @@ def _calibration_worker(rank: int, world_size: int, config: CalibrationConfig, r
     if topology.num_nodes > 1:
         raw["inter_node"] = _time_link("inter-node", INTER_OPS, groups.inter_node, topology.num_nodes,
                                        config, log)
+    if world_size > 1:
+        raw["world"] = _time_link("world", WORLD_OPS, dist.group.WORLD, world_size, config, log)
     # Every rank multiplies at once, as SPMD workers do: cores and memory bandwidth are shared.
     raw["per_rank_gflops"] = _measure_matmul(config, f"per rank ({_threads(threads)}, {world_size} ranks at once)",
                                              log, in_world=True)
@@ -449,6 +454,8 @@ def build_cluster_document(raw: dict[str, Any], config: CalibrationConfig, total
         else:
             measured[link] = {"ranks": 1, "same_as": other,
                               "why": "a group of one rank has no link; the cluster file repeats the other link"}
+    if "world" in raw:
+        measured["world_all_to_all"] = _link_record(raw["world"], fit_link(raw["world"]))
     measured["compute"] = {
         "dtype": "float32",
         "per_rank_gflops": _sig(per_rank, 4),
@@ -472,8 +479,17 @@ def build_cluster_document(raw: dict[str, Any], config: CalibrationConfig, total
         "inter_bandwidth_gb_s": _sig(inter["bandwidth_bytes_s"] / 1e9),
         "intra_latency_us": _sig(intra["latency_s"] * 1e6),
         "inter_latency_us": _sig(inter["latency_s"] * 1e6),
+        **_a2a_keys(raw),
         "measured": measured,
     }
+
+
+def _a2a_keys(raw: dict[str, Any]) -> dict[str, float]:
+    """The world's measured all-to-all, in the units Eq. 3 prices it (a latency per round, a bandwidth)."""
+    if "world" not in raw:
+        return {}
+    fit = fit_link(raw["world"])
+    return {"a2a_latency_us": _sig(fit["latency_s"] * 1e6), "a2a_bandwidth_gb_s": _sig(fit["bandwidth_bytes_s"] / 1e9)}
 
 
 def format_summary(doc: dict) -> str:
@@ -488,10 +504,14 @@ def format_summary(doc: dict) -> str:
         for op, op_record in record["ops"].items():
             rows.append((label, op, str(record["ranks"]), f"{op_record['latency_us']:.1f}",
                          f"{op_record['bandwidth_gb_s']:.3g}"))
-    prefix = {"intra_node": "intra", "inter_node": "inter"}
-    for short in prefix.values():
-        rows.append((f"{short} (file)", "", "", f"{doc[f'{short}_latency_us']:.1f}",
-                     f"{doc[f'{short}_bandwidth_gb_s']:.3g}"))
+    if "world_all_to_all" in measured:
+        record = measured["world_all_to_all"]
+        rows.append(("world", "all_to_all", str(record["ranks"]), f"{record['latency_us']:.1f}",
+                     f"{record['bandwidth_gb_s']:.3g}"))
+    for short in ("intra", "inter", "a2a"):
+        if f"{short}_latency_us" in doc:
+            rows.append((f"{short} (file)", "", "", f"{doc[f'{short}_latency_us']:.1f}",
+                         f"{doc[f'{short}_bandwidth_gb_s']:.3g}"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     compute = measured["compute"]

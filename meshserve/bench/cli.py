@@ -57,6 +57,8 @@ def add_serve_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, help="TTFT objective for goodput")
     parser.add_argument("--slo-tpot-ms", type=float, help="TPOT objective for goodput")
     parser.add_argument("--timeout", type=float, default=600.0, help="limit on the whole run, seconds (default: 600)")
+    parser.add_argument("--record-trace", help="also write the requests sent as a JSONL trace (arrival_s, prompt_len, "
+                                               "output_len) that `meshserve simulate run --trace` replays")
     vocab = parser.add_mutually_exclusive_group()
     vocab.add_argument("--model-dir", help="the served checkpoint: prompt ids use its vocabulary, minus special tokens")
     vocab.add_argument("--vocab-size", type=int, default=1000,
@@ -148,6 +150,13 @@ def serve_command(args: argparse.Namespace) -> int:
     for line in summary_lines(result):
         print(line)
     print(f"wrote {json_path} and {png_path}")
+    if args.record_trace:
+        from meshserve.sim.trace import TraceRequest, write_jsonl
+
+        sent = [r for r in result["requests"] if r["send_time_s"] is not None]
+        write_jsonl([TraceRequest(r["send_time_s"], r["prompt_tokens"], r["requested_output_tokens"]) for r in sent],
+                    args.record_trace)
+        print(f"wrote the trace of {len(sent)} requests to {args.record_trace}")
     return 0
 
 

@@ -317,7 +317,9 @@ def cluster_record(cluster) -> dict[str, Any]:
             "device_memory_gb": cluster.device_memory_bytes / 1e9, "tflops": cluster.flops / 1e12,
             "intra_bandwidth_gb_s": cluster.intra_bandwidth / 1e9,
             "inter_bandwidth_gb_s": cluster.inter_bandwidth / 1e9,
-            "intra_latency_us": cluster.intra_latency * 1e6, "inter_latency_us": cluster.inter_latency * 1e6}
+            "intra_latency_us": cluster.intra_latency * 1e6, "inter_latency_us": cluster.inter_latency * 1e6,
+            **({"a2a_latency_us": cluster.a2a_latency * 1e6, "a2a_bandwidth_gb_s": cluster.a2a_bandwidth / 1e9}
+               if cluster.a2a_bandwidth is not None else {})}
 
 
 # ---------------------------------------------------------------- assembling the report

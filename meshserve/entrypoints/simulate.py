@@ -31,7 +31,7 @@ def add_simulate_commands(sub) -> None:
                                                                      "as JSON, e.g. '{\"interval_s\": 2}'")
     scaling.add_argument("--te-start-s", type=float, default=30.0, help="from a scale-up to the TE serving "
                                                                         "(default: 30)")
-    _add_hardware_arguments(run)
+    _add_op_model_and_te_arguments(run)
     run.set_defaults(func=run_main)
     seeds = commands.add_parser("seeds", help="the papers' decode results (CloudMatrix-Infer Table 5, xDeepServe "
                                               "section 7) beside the op model's simulation of them")
@@ -73,11 +73,14 @@ def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_le
     parser.add_argument("--output-len", default=output_len,
                         help=f"output lengths, uniform LOW:HIGH (default: {output_len})")
     parser.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    parser.add_argument("--slo-ttft-ms", type=float, help="TTFT objective: the share of requests that meet it (and "
+                                                          "--slo-tpot-ms) is reported")
+    parser.add_argument("--slo-tpot-ms", type=float, help="TPOT objective")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=DEFAULT_JSON, help=f"result file, a PNG beside it (default: {DEFAULT_JSON})")
 
 
-def _add_hardware_arguments(parser) -> None:
+def _add_op_model_and_te_arguments(parser) -> None:
     op = parser.add_argument_group("op model (instead of --profile)")
     op.add_argument("--hardware", help="a hardware profile of op-level figures: a name (ascend910c-cm384, h800) or "
                                        "a JSON file")
@@ -94,10 +97,11 @@ def _add_hardware_arguments(parser) -> None:
     op.add_argument("--expert-load", help="zipf:H: the imbalance meshserve's EPLB planner leaves with --redundant "
                                           "replicas on a Zipf expert load whose hottest expert takes H x the mean "
                                           "(xDeepServe Fig. 11a: 30); instead of --expert-imbalance")
-    op.add_argument("--draft-tokens", type=int, default=0, help="MTP drafts per decode step (default: 0)")
-    op.add_argument("--mtp-acceptance", type=float, default=0.0, help="the chance a draft is accepted")
-    op.add_argument("--decode-only", action="store_true", help="a decode TE of P/D: prompts' KV is pulled")
-    op.add_argument("--no-prefix-caching", action="store_true", help="hash no KV block (faster at scale)")
+    te = parser.add_argument_group("the simulated TEs")
+    te.add_argument("--draft-tokens", type=int, default=0, help="MTP drafts per decode step (default: 0)")
+    te.add_argument("--mtp-acceptance", type=float, default=0.0, help="the chance a draft is accepted")
+    te.add_argument("--decode-only", action="store_true", help="a lone decode TE of P/D: prompts' KV is pulled")
+    te.add_argument("--no-prefix-caching", action="store_true", help="hash no KV block (faster at scale)")
 
 
 def _scaler(args: argparse.Namespace):
@@ -110,9 +114,9 @@ def _scaler(args: argparse.Namespace):
     for part in args.autoscale.split(","):
         letter, _, span = part.strip().partition("=")
         low, _, high = span.partition(":")
-        if letter not in ROLE_LETTERS or not (low.isdigit() and high.isdigit()) or int(low) > int(high):
-            raise ValueError(f"--autoscale {args.autoscale!r}: each pool is ROLE=MIN:MAX with ROLE c, p or d, e.g. "
-                             f"p=1:4,d=1:4")
+        if letter not in ROLE_LETTERS or not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+            raise ValueError(f"--autoscale {args.autoscale!r}: each pool is ROLE=MIN:MAX with ROLE c, p or d and "
+                             f"1 <= MIN <= MAX (scaling to zero is not simulated), e.g. p=1:4,d=1:4")
         bounds[f"group-0/{ROLE_LETTERS[letter]}"] = (int(low), int(high))
     try:
         mapping = json.loads(args.autoscaler_settings)
@@ -138,14 +142,13 @@ def _inputs(args: argparse.Namespace, dp: int | None = None):
     timer, groups = _step_timer(args)
     if dp is not None:
         groups = dp
-    op_model = getattr(args, "hardware", None) is not None
     settings = SimTESettings(dp=groups, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                              block_size=args.block_size, max_model_len=args.max_model_len,
-                             num_draft_tokens=args.draft_tokens if op_model else 0,
-                             mtp_acceptance=args.mtp_acceptance if op_model else 0.0,
-                             kv_transfer="consumer" if op_model and args.decode_only else "none",
-                             prefix_caching=not (op_model and args.no_prefix_caching))
+                             num_draft_tokens=getattr(args, "draft_tokens", 0),
+                             mtp_acceptance=getattr(args, "mtp_acceptance", 0.0),
+                             kv_transfer="consumer" if getattr(args, "decode_only", False) else "none",
+                             prefix_caching=not getattr(args, "no_prefix_caching", False))
     trace = read_jsonl(args.trace) if args.trace else poisson(
         args.rate, args.requests, _range(args.input_len, "--input-len"), _range(args.output_len, "--output-len"),
         args.seed)
@@ -235,10 +238,11 @@ def run_main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # ProfileError, TraceError and ConfigError are ValueErrors
         print(f"meshserve simulate: error: {exc}", file=sys.stderr)
         return 2
+    slo = tuple(None if ms is None else ms / 1e3 for ms in (args.slo_ttft_ms, args.slo_tpot_ms))
     if specs is None:
-        result = simulate(trace, SimTE(settings, profile, seed=args.seed))
+        result = simulate(trace, SimTE(settings, profile, seed=args.seed), slo=slo)
     else:
-        result = SimCluster(specs, policy=args.routing, seed=args.seed, scaler=scaler).run(trace)
+        result = SimCluster(specs, policy=args.routing, seed=args.seed, scaler=scaler).run(trace, slo=slo)
     result["config"] = _describe(args, profile, settings) | {"tes": args.tes, "routing": args.routing,
                                                              "autoscale": args.autoscale}
     report.publish(args.json, result, plot_simulation, summary_lines(result))
@@ -297,7 +301,8 @@ def summary_lines(result: dict) -> list[str]:
             f"TTFT ms p50 {ms(ttft, 'p50')} p90 {ms(ttft, 'p90')} p99 {ms(ttft, 'p99')}; "
             f"TPOT ms p50 {ms(tpot, 'p50')} p90 {ms(tpot, 'p90')} p99 {ms(tpot, 'p99')}",
             f"{result['steps']} steps (mean {result['mean_step_ms']:.1f} ms); {result['events']} events in "
-            f"{result['wall_s']:.2f} s wall ({result['events_per_s']:.0f} events/s)"] + _breakdown_lines(result)
+            f"{result['wall_s']:.2f} s wall ({result['events_per_s']:.0f} events/s)"] + _breakdown_lines(result) + (
+        [f"SLO attainment {100 * result['slo_attainment']:.1f}%"] if result.get("slo_attainment") is not None else [])
 
 
 def _breakdown_lines(result: dict) -> list[str]:

@@ -65,6 +65,10 @@ class Cluster:
     inter_bandwidth: float  # bytes/s per device
     intra_latency: float = 5e-6
     inter_latency: float = 15e-6
+    # the all-to-all of EP dispatch and combine, measured on the whole world where a calibration did (`meshserve
+    # plan calibrate`); None: priced on the link its span crosses, like the other collectives
+    a2a_latency: float | None = None
+    a2a_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node", "device_memory_bytes", "flops",
@@ -74,6 +78,10 @@ class Cluster:
         for name in ("intra_latency", "inter_latency"):
             if getattr(self, name) < 0:
                 raise AnalyzerError(f"cluster {name} must be non-negative, got {getattr(self, name)!r}")
+        if (self.a2a_latency is None) != (self.a2a_bandwidth is None):
+            raise AnalyzerError("cluster a2a_latency and a2a_bandwidth come together (a measured all-to-all)")
+        if self.a2a_bandwidth is not None and not (self.a2a_bandwidth > 0 and self.a2a_latency >= 0):
+            raise AnalyzerError("cluster a2a_bandwidth must be positive and a2a_latency non-negative")
 
     @property
     def world_size(self) -> int:
@@ -84,6 +92,13 @@ class Cluster:
         if span <= self.devices_per_node:
             return Link(self.intra_bandwidth, self.intra_latency)
         return Link(self.inter_bandwidth, self.inter_latency)
+
+    def a2a_link(self, span: int) -> Link:
+        """The link EP's all-to-all over `span` devices is priced on: the measured all-to-all where there is one
+        (a dispatch is one call, not d - 1 exchanges of the other collectives' latency), else `link_for_span`."""
+        if self.a2a_bandwidth is not None:
+            return Link(self.a2a_bandwidth, self.a2a_latency)
+        return self.link_for_span(span)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,10 +262,10 @@ def communication_latency_eq5(strategy: ParallelStrategy, tokens: int, hidden: i
     ar = (allreduce_time(hidden_bytes, strategy.attn_tp, cluster.link_for_span(strategy.attn_tp))
           + allreduce_time(moe_group_bytes, strategy.moe_tp, cluster.link_for_span(strategy.moe_tp)))
     if dp >= ep:
-        a2a = all_to_all_time(hidden_bytes * top_k, ep, cluster.link_for_span(strategy.world_size))
+        a2a = all_to_all_time(hidden_bytes * top_k, ep, cluster.a2a_link(strategy.world_size))
     else:
         routed_bytes = math.ceil(tokens / ep) * hidden * ACTIVATION_BYTES * top_k
-        a2a = all_to_all_time(routed_bytes, dp, cluster.link_for_span(strategy.world_size))
+        a2a = all_to_all_time(routed_bytes, dp, cluster.a2a_link(strategy.world_size))
         # Not in Eq. 5: the ep/dp ranks that hold the same tokens each computed only their own
         # experts, so their partial MoE outputs must still be summed (with d_DP = 1 Eq. 5 alone
         # would price a 16-way EP layer at zero communication).

@@ -326,7 +326,9 @@ class RoutingPolicy:
         return score
 
     def _least_load(self, cands: _Candidates, entries: list[TEView], policy: str, why: str) -> RouteDecision:
-        best = min(entries, key=lambda t: self._unit_score(cands, t))
+        # ties (prefill TEs whose shared decode TE is the busier half of every pair) go to the least loaded entry,
+        # not always to the first
+        best = min(entries, key=lambda t: (self._unit_score(cands, t), self.score(t.load)))
         return self._decide(cands, best, policy, _join(why, f"least load ({self._unit_score(cands, best):.0f})"))
 
     def _locality(self, cands: _Candidates, entries: list[TEView], prompt: Sequence[int], policy: str,

@@ -124,17 +124,17 @@ class SimCluster:
             raise ValueError("a simulated deployment needs at least one TE, each with its own name")
         self.now = 0.0
         self.seed = seed
-        self.members: dict[str, _Member] = {}
-        for spec in specs:
-            self.add(spec, (built or {}).get(spec.name))
+        self._events: list[tuple] = []  # (at, kind, sequence, payload), a heap
+        self._seq = 0
         self.scaler = scaler
         self.routing = RoutingPolicy(policy)
         self.loads = LoadTracker(clock=lambda: self.now)
         self.routes: Counter[str] = Counter()  # decision kind -> requests
-        self._events: list[tuple] = []
-        self._seq = 0
         self.served: dict[str, _Served] = {}
         self.breakdown: dict[str, float] = {}  # seconds by part of a step, summed over steps (an op model's)
+        self.members: dict[str, _Member] = {}
+        for spec in specs:
+            self.add(spec, (built or {}).get(spec.name))
 
     # ------------------------------------------------------------ membership (the cluster manager's part)
     def add(self, spec: TESpec, te: SimTE | None = None, ready_in: float | None = None) -> _Member:
@@ -162,7 +162,9 @@ class SimCluster:
         return [m for m in self.members.values() if m.state == "serving"]
 
     # ------------------------------------------------------------ the run
-    def run(self, trace: Sequence[TraceRequest], progress: bool = True) -> dict:
+    def run(self, trace: Sequence[TraceRequest], progress: bool = True,
+            slo: tuple[float | None, float | None] = (None, None)) -> dict:
+        """Serve `trace`; `slo`: a (TTFT, TPOT) objective in seconds, either None, whose attainment is reported."""
         started = time.perf_counter()
         self._trace = trace
         for index, request in enumerate(trace):
@@ -177,7 +179,7 @@ class SimCluster:
         finally:
             collector.stop()
         steps = [s for member in self.members.values() for s in member.steps]
-        metrics = _metrics(list(self.served.values()), steps, self.now, events, time.perf_counter() - started)
+        metrics = _metrics(list(self.served.values()), steps, self.now, events, time.perf_counter() - started, slo)
         metrics["routes"] = dict(self.routes)
         metrics["tes"] = {name: {"role": m.spec.role, "steps": len(m.steps), "state": m.state,
                                  "mean_step_ms": 1e3 * statistics.fmean(m.steps) if m.steps else 0.0,
@@ -314,10 +316,8 @@ class SimCluster:
             else:
                 waiting.append((reached, admit))
         member.inbox = waiting
-        if not te.has_work():
-            member.stepping = bool(waiting)
-            if waiting:  # they reached it during the step that just ended: the next step takes them
-                self._push(self.now, _START, member.spec.name)
+        if not te.has_work():  # (an idle TE took everything that reached it)
+            member.stepping = False
             self._leave_if_drained(member)
             return
         seconds, deltas = te.step(self.now)
@@ -351,12 +351,19 @@ class SimCluster:
         self._push(self.now, _START, name)
 
 
-def _metrics(served: list[_Served], step_seconds: list[float], end_s: float, events: int, wall_s: float) -> dict:
+def _metrics(served: list[_Served], step_seconds: list[float], end_s: float, events: int, wall_s: float,
+             slo: tuple[float | None, float | None] = (None, None)) -> dict:
     ttft = [r.first_token_s - r.arrival_s for r in served if r.first_token_s is not None]
     tpot = [(r.last_token_s - r.first_token_s) / (r.num_tokens - 1) for r in served if r.num_tokens > 1]
     tokens = sum(r.num_tokens for r in served)
     span = end_s - min(r.arrival_s for r in served) if served else 0.0
+    slo_ttft, slo_tpot = slo
+    met = sum(r.finished and r.first_token_s is not None
+              and (slo_ttft is None or r.first_token_s - r.arrival_s <= slo_ttft)
+              and (slo_tpot is None or r.num_tokens < 2
+                   or (r.last_token_s - r.first_token_s) / (r.num_tokens - 1) <= slo_tpot) for r in served)
     return {
+        "slo_attainment": met / len(served) if served and slo != (None, None) else None,
         "requests": len(served),
         "completed": sum(r.finished for r in served),
         "output_tokens": tokens,

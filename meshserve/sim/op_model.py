@@ -168,7 +168,8 @@ class OpStepModel:
         return sum(self.breakdown(groups).values())
 
     def breakdown(self, groups: Sequence[GroupWork]) -> dict[str, float]:
-        """Seconds of the step by part: attention, MoE (or dense FFN), MTP, LM head, host."""
+        """Seconds of the step by part: attention and MoE one after the other, the MoE layers whose two
+        microbatches overlap them, the dense FFN layers, MTP, LM head, host."""
         s, d = self.shape, self.deployment
         busiest = max(groups, key=lambda w: (self._attention(w, 1.0), w.rows))
         rows = max(w.rows for w in groups)
@@ -177,26 +178,21 @@ class OpStepModel:
         # colocated microbatches split a device's compute between the streams; disaggregated, attention and
         # experts run on devices of their own
         attn_share, moe_share = self.mb_share if mbs == 2 and not d.disagg else (1.0, 1.0)
+        dense_attention = self._attention(busiest, 1.0)
         attention = self._attention(busiest, attn_share)
-        moe_comm = self._moe_comm(rows)
-        experts = self._experts(global_rows, moe_share)
-        dense = self._gemm(s.hidden * s.dense_inter * 3, rows, 1.0)
+        moe = self._moe_comm(rows) + self._experts(global_rows, moe_share)
         moe_layers = s.layers - s.dense_layers
+        parts = dict.fromkeys(("attention", "moe", "overlapped_layers"), 0.0)
+        parts["attention"] = s.dense_layers * dense_attention
         if mbs == 2:  # each stream runs both microbatches: the slower stream sets the layer
-            overlapped = max(attention, moe_comm + experts)
-            moe_part = moe_layers * overlapped + (moe_comm + experts) / 2  # the last layer's second microbatch
-            attention_part = 0.0
+            parts["overlapped_layers"] = moe_layers * max(attention, moe) + moe / 2  # + the last layer's second MoE
         else:
-            moe_part = moe_layers * (moe_comm + experts)
-            attention_part = moe_layers * attention
-        parts = {
-            "attention": attention_part + s.dense_layers * attention,
-            "moe": moe_part,
-            "dense_ffn": s.dense_layers * dense,
-            "mtp": self._mtp(busiest, groups),
-            "lm_head": self._head(rows),
-            "host": 1e-3 * self.hw.value("step_overhead_ms"),
-        }
+            parts["attention"] += moe_layers * attention
+            parts["moe"] = moe_layers * moe
+        parts["dense_ffn"] = s.dense_layers * self._gemm(s.hidden * s.dense_inter * 3, rows, 1.0)
+        parts["mtp"] = self._mtp(busiest, groups)
+        parts["lm_head"] = self._head(rows)
+        parts["host"] = 1e-3 * self.hw.value("step_overhead_ms")
         return parts
 
     def kv_pull_seconds(self, tokens: int) -> float:

@@ -9,7 +9,9 @@ from meshserve.sim.te import SimTE
 from meshserve.sim.trace import TraceRequest
 
 
-def simulate(trace: Sequence[TraceRequest], te: SimTE, progress: bool = True) -> dict:
-    """Serve `trace` on `te`; the metrics of the run (virtual seconds) and what the run itself cost (wall)."""
+def simulate(trace: Sequence[TraceRequest], te: SimTE, progress: bool = True,
+             slo: tuple[float | None, float | None] = (None, None)) -> dict:
+    """Serve `trace` on `te`; the metrics of the run (virtual seconds) and what the run itself cost (wall);
+    `slo`: a (TTFT, TPOT) objective in seconds whose attainment is reported."""
     role = {"none": "colocated", "producer": "prefill", "consumer": "decode"}[te.settings.kv_transfer]
-    return SimCluster([TESpec(te.name, role, te.settings, te.profile)], built={te.name: te}).run(trace, progress)
+    return SimCluster([TESpec(te.name, role, te.settings, te.profile)], built={te.name: te}).run(trace, progress, slo)

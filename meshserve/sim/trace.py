@@ -64,3 +64,12 @@ def read_jsonl(path: str | Path) -> list[TraceRequest]:
     if not trace:
         raise TraceError(f"{path} holds no request")
     return sorted(trace, key=lambda r: r.arrival_s)
+
+
+def write_jsonl(trace: list[TraceRequest], path: str | Path) -> None:
+    """`trace` as the JSONL `read_jsonl` reads (`meshserve bench serve --record-trace` writes the requests it sent)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in trace:
+            line = {"arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": r.output_len}
+            f.write(json.dumps(line) + "\n")

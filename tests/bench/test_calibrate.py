@@ -160,6 +160,12 @@ def test_calibrate_writes_a_cluster_file_that_plan_reads(nodes, ranks_per_node, 
         assert record["sizes_bytes"][0] < record["sizes_bytes"][1] < record["sizes_bytes"][2]
         assert [len(s) for s in record["samples_s"]] == [2, 2, 2]
         assert all(t > 0 for s in record["samples_s"] for t in s)
+    # EP's all-to-all, timed over the whole world: the analyzer prices dispatch and combine with it
+    world = measured["world_all_to_all"]
+    assert world["ranks"] == 2 and set(world["ops"]) == {"all_to_all"}
+    assert cluster.a2a_latency == pytest.approx(doc["a2a_latency_us"] * 1e-6)
+    assert cluster.a2a_link(2) == Link(cluster.a2a_bandwidth, cluster.a2a_latency)
+    assert cluster.a2a_bandwidth > 0 and cluster.a2a_latency >= 0
     compute = measured["compute"]
     assert set(compute["per_rank_by_shape"]) == {"8x32x16", "32x64x32"}
     assert compute["one_process_gflops"] > 0 and compute["one_process_threads"] >= 1

@@ -13,6 +13,7 @@ from meshserve.bench.serve import (
     poisson_offsets,
     summarize_run,
 )
+from meshserve.sim.trace import read_jsonl
 from tests.bench import fake_openai_server as fake
 
 
@@ -89,10 +90,15 @@ def _run(tmp_path, url, *extra, name="out/serve.json"):
 def test_bench_serve_concurrency_measures_latency_and_writes_reports(server, tmp_path, capsys):
     url, received = server
     received.clear()
+    trace = tmp_path / "trace.jsonl"
     rc, path = _run(tmp_path, url, "--concurrency", "4", "--requests", "12", "--input-len", "4:8",
-                    "--output-len", "3:6", "--slo-ttft-ms", "5000", "--seed", "3")
+                    "--output-len", "3:6", "--slo-ttft-ms", "5000", "--seed", "3", "--record-trace", str(trace))
     assert rc == 0
     result = json.loads(path.read_text())
+    # the requests sent, as a trace `meshserve simulate run --trace` replays
+    replay = read_jsonl(trace)
+    assert sorted((r.arrival_s, r.prompt_len, r.output_len) for r in replay) == sorted(
+        (r["send_time_s"], r["prompt_tokens"], r["requested_output_tokens"]) for r in result["requests"])
     assert result["model"] == "fake-model"  # discovered from /v1/models
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["load"]["concurrency"] == 4

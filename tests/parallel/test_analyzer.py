@@ -42,6 +42,19 @@ def test_all_to_all_eq3():
     assert az.all_to_all_time(800, 1, INTER) == 0.0
 
 
+def test_a_measured_all_to_all_prices_eps_dispatch_and_combine():
+    """A calibrated cluster's all-to-all (one call of the collective library) replaces d - 1 rounds of the link's
+    latency; the other collectives keep their link."""
+    measured = dataclasses.replace(TOY_CLUSTER, a2a_latency=0.5, a2a_bandwidth=200.0)
+    assert measured.a2a_link(4) == Link(bandwidth=200.0, latency=0.5)
+    assert TOY_CLUSTER.a2a_link(4) == INTER  # no measurement: the link its span crosses
+    s = ParallelStrategy(2, 2, 2, 2)
+    # as test_communication_latency_eq5_dp_at_least_ep, with each A2A 1 * (0.5 + 20/200) = 0.6 instead of 4
+    assert az.communication_latency_eq5(s, 8, 5, 1, measured) == pytest.approx(2.4 + 2.4 + 2 * 0.6)
+    with pytest.raises(AnalyzerError, match="come together"):
+        dataclasses.replace(TOY_CLUSTER, a2a_latency=0.5)
+
+
 def test_compute_latency_eq4():
     # 2 FLOPs * 10 params * 3 tokens / (2-way shard * 5 FLOP/s) = 6 s.
     assert az.compute_latency_eq4(10, 3, 2, 5.0) == pytest.approx(6.0)
@@ -292,6 +305,15 @@ def test_cli_missing_model_or_cluster_is_one_line_error(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cluster_file_reads_a_measured_all_to_all(tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    doc = {"nodes": 1, "devices_per_node": 4, "device_memory_gb": 8, "tflops": 0.1, "intra_bandwidth_gb_s": 2,
+           "inter_bandwidth_gb_s": 1, "a2a_latency_us": 600, "a2a_bandwidth_gb_s": 0.8}
+    cluster.write_text(yaml.safe_dump(doc))
+    c = load_cluster_file(str(cluster))
+    assert (c.a2a_latency, c.a2a_bandwidth) == (pytest.approx(600e-6), pytest.approx(0.8e9))
 
 
 def test_cluster_file_measured_section_is_ignored(tmp_path):

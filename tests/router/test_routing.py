@@ -98,6 +98,17 @@ def test_load_counts_a_pairs_busy_decode_te():
     assert (d.kind, d.prefill, d.decode) == ("disaggregated", "p1", "d1")
 
 
+def test_prefill_tes_sharing_a_busy_decode_te_take_turns_by_their_own_load():
+    """Every pair's score is its decode TE's when that is the busier half: the tie goes to the least loaded prefill
+    TE, not always to the first (a second prefill TE would sit idle; found by `meshserve simulate`)."""
+    busy_decode = te("d1", "decode", num_running=400, running_tokens=900_000, kv_usage=0.8)
+    tes = [te("p1", "prefill", waiting_tokens=3000, num_waiting=1), te("p2", "prefill"), busy_decode]
+    d = RoutingPolicy("load").route(PROMPT, tes)
+    assert (d.prefill, d.decode) == ("p2", "d1")
+    tes[0], tes[1] = te("p1", "prefill"), te("p2", "prefill", waiting_tokens=3000, num_waiting=1)
+    assert RoutingPolicy("load").route(PROMPT, tes).prefill == "p1"
+
+
 def test_heatmap_without_predictor_uses_max_tokens():
     class Heatmap:
         def value(self, prefill_tokens, decode_tokens):

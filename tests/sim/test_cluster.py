@@ -160,3 +160,12 @@ def test_the_command_autoscales_and_refuses_a_pool_it_does_not_have(tmp_path, ca
         assert main([*flags, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+
+
+def test_slo_attainment_counts_the_requests_that_met_both_objectives():
+    result = _cluster("2c").run(TRACE, progress=False, slo=(0.05, None))
+    assert result["slo_attainment"] == pytest.approx(sum(t <= 0.05 for t in result["ttfts"]) / 96)
+    assert 0 < result["slo_attainment"] < 1
+    both = _cluster("2c").run(TRACE, progress=False, slo=(0.05, 0.001))
+    assert both["slo_attainment"] < result["slo_attainment"]
+    assert _cluster("2c").run(TRACE, progress=False)["slo_attainment"] is None
