@@ -7,7 +7,7 @@ a made-up token for every request that reaches the end of its known tokens, as t
 MTP acceptance (given the drafts before it were accepted), and a KV pull lands after the profile's transfer time.
 
 A step is scheduled, timed and applied before the next; the master's pipelining (step n + 1 scheduled while step n
-runs) shows in when a new request is first seen (meshserve/sim/run.py).
+runs) shows in when a new request is first seen (meshserve/sim/cluster.py).
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ from meshserve.wire.worker import ModelRunnerOutput, SchedulerOutput
 from meshserve.worker.null_runner import NullRunner
 
 PROMPT_VOCAB = 32_000  # the made-up prompts' token ids (distinct prompts: no prefix shared by chance)
+PROMPT_HEAD = 16  # tokens drawn per prompt: a whole KV block at the default block size
+_FILLER: list[int] = []  # the rest of every prompt, drawn once (seeded)
 
 
 def draw_prompt(rng: random.Random, length: int) -> list[int]:
@@ -42,16 +44,10 @@ def draw_prompt(rng: random.Random, length: int) -> list[int]:
     return head + _filler(length - len(head))
 
 
-PROMPT_HEAD = 16  # tokens drawn per prompt: a whole KV block at the default block size
-
-
 def _filler(length: int) -> list[int]:
     while len(_FILLER) < length:
         _FILLER.extend(random.Random(len(_FILLER)).randrange(100, PROMPT_VOCAB) for _ in range(4096))
     return _FILLER[:length]
-
-
-_FILLER: list[int] = []
 
 
 @dataclass(frozen=True)
@@ -174,6 +170,7 @@ class SimTE:
         self.last_work = [_work(plan) for plan in plans]
         if self._pulls and all(out.is_empty for out in scheduled):  # nothing to run until a pull lands
             seconds = max(0.0, min(pull[0] for pull in self._pulls) - now)
+            self.last_work = []  # a wait, not a step the profile prices
         else:
             seconds = self.profile.step_seconds(self.last_work)
         deltas: list[RequestDelta] = []
