@@ -51,6 +51,10 @@ def add_simulate_commands(sub) -> None:
     calibrate.add_argument("--parallel", default="attn=TP1+DP1 moe=TP1+EP1", help="the TE's layout")
     calibrate.add_argument("--out", required=True, help="the profile file to write")
     calibrate.add_argument("--repeats", type=int, default=3, help="runs of each workload; medians (default: 3)")
+    calibrate.add_argument("--url", help="measure a running server instead (`meshserve serve`, any deployment), "
+                                         "through its HTTP API as `meshserve bench serve` loads it")
+    calibrate.add_argument("--pd", action="store_true", help="with --url: the deployment hands prompts to other TEs "
+                                                             "(P/D): no mixed workloads")
     calibrate.set_defaults(func=calibrate_main)
 
 
@@ -398,19 +402,37 @@ def plot_seeds(result: dict, path: Path) -> Path:
 def calibrate_main(args: argparse.Namespace) -> int:
     from meshserve.bench.deployment_load import check_model_dir
     from meshserve.parallel.strategy import StrategyError, parse_strategy
-    from meshserve.sim.calibrate import calibrate
+    from meshserve.sim.calibrate import EngineStreamer, HTTPStreamer, calibrate
 
     try:
         strategy = parse_strategy(args.parallel)
-        model = check_model_dir(args.model)
         if args.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+        if args.pd and args.url is None:
+            raise ValueError("--pd describes the deployment behind --url")
+        if args.url is not None:
+            streamer = HTTPStreamer(args.url, _served_model(args.url), "P/D deployment" if args.pd else "deployment")
+        else:
+            streamer = EngineStreamer(check_model_dir(args.model), args.parallel)
     except (StrategyError, ValueError, OSError) as exc:
         print(f"meshserve simulate calibrate: error: {exc}", file=sys.stderr)
         return 2
-    profile = calibrate(model, args.parallel, strategy.attn_dp, args.repeats)
+    profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     print(json.dumps(profile.to_dict(), indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def _served_model(url: str) -> str:
+    """The first model a server lists (OSError when it cannot be asked)."""
+    import httpx
+
+    try:
+        models = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10.0).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise OSError(f"cannot list the models of {url}: {type(exc).__name__}: {exc}") from None
+    if not models:
+        raise OSError(f"{url} serves no model")
+    return models[0]["id"]

@@ -1,7 +1,9 @@
 """A profile of this machine fitted from the real engine (`meshserve simulate calibrate`).
 
-The engine is started as `LLM` would start it, for the model and layout, and measured through the engine
-client's token stream, as `meshserve simulate compare` measures it:
+The engine is measured through a token stream, as `meshserve simulate compare` and `meshserve bench serve` measure
+it: the engine client of a TE started as `LLM` would start it, for the model and layout, or (`--url`) a running
+server, whatever its deployment, through its HTTP API (then the delivery term holds the frontend and the job
+executor's hops too). Workloads:
 
 - decode: batches of 1, 4, 16 and 64 requests submitted at once (and 4 with long prompts): the time between a
   request's tokens is one decode step of that batch (each DP group holding its share of the requests);
@@ -9,7 +11,7 @@ client's token stream, as `meshserve simulate compare` measures it:
   to the first token is one prefill step of that prompt and the delivery (an idle engine's master and ranks wait
   in their polls, and waking them is part of it);
 - mixed: a prompt arriving while a batch decodes: the longest gap between the batch's tokens is the step that
-  holds both the prompt and the decodes.
+  holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE).
 
 Medians of `REPEATS` runs each, fitted by `meshserve.sim.profile.fit`; progress is logged per workload.
 """
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshserve.sim.compare import stream
+from meshserve.sim.compare import stream, stream_http
 from meshserve.sim.profile import GroupWork, StepProfile, fit
 from meshserve.sim.te import draw_prompt
 from meshserve.utils import report
@@ -37,40 +39,78 @@ IDLE_S = 0.25  # how long the engine idles before each lone prompt
 REPEATS = 3
 
 
-def calibrate(model: str, parallel: str, dp: int, repeats: int = REPEATS) -> StepProfile:
-    from meshserve.config import EngineConfig
-    from meshserve.engine.async_client import AsyncEngineClient
+class EngineStreamer:
+    """Requests through the engine client of a TE started for `model` and `parallel`."""
 
-    config = EngineConfig.from_kwargs(model, parallel=parallel, max_num_batched_tokens=max(PREFILL_POINTS),
-                                      enable_prefix_caching=False)
+    def __init__(self, model: str, parallel: str) -> None:
+        from meshserve.config import EngineConfig
+
+        self.config = EngineConfig.from_kwargs(model, parallel=parallel, max_num_batched_tokens=max(PREFILL_POINTS),
+                                               enable_prefix_caching=False)
+        self.name, self.path = f"{Path(model).name} {parallel}", "the engine client"
+
+    async def open(self) -> None:
+        from meshserve.engine.async_client import AsyncEngineClient
+
+        self.client = AsyncEngineClient(self.config, log_level=logging.WARNING)
+
+    async def __call__(self, prompt: list[int], output_len: int, arrivals: list[float] | None = None) -> tuple:
+        return await stream(self.client, f"cal-{random.random()}", prompt, output_len, arrivals=arrivals)
+
+    async def close(self) -> None:
+        self.client.shutdown()
+
+
+class HTTPStreamer:
+    """Requests through a running OpenAI-compatible server (`meshserve serve`, any deployment)."""
+
+    def __init__(self, url: str, model: str, deployment: str) -> None:
+        self.url, self.model = url, model
+        self.name, self.path = f"{model} ({deployment} behind {url})", f"the HTTP server at {url}"
+
+    async def open(self) -> None:
+        import httpx
+
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(60.0))
+
+    async def __call__(self, prompt: list[int], output_len: int, arrivals: list[float] | None = None) -> tuple:
+        return await stream_http(self.client, self.model, prompt, output_len, arrivals=arrivals)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True) -> StepProfile:
+    """The profile fitted from `streamer`'s requests (an `EngineStreamer` or an `HTTPStreamer`, opened and closed
+    here) to a
+    deployment of `dp` DP groups per TE; `mixed`: a prompt joins a decoding batch on the same TE (not with P/D)."""
     rng = random.Random(0)
 
-    async def batch(client, size: int, prompt_len: int, output_len: int) -> list[tuple]:
-        return await asyncio.gather(*(stream(client, f"cal-{rng.random()}", draw_prompt(rng, prompt_len), output_len)
-                                      for _ in range(size)))
+    async def batch(size: int, prompt_len: int, output_len: int) -> list[tuple]:
+        return await asyncio.gather(*(streamer(draw_prompt(rng, prompt_len), output_len) for _ in range(size)))
 
-    async def mixed_step(client, size: int, prompt_len: int) -> float:
+    async def mixed_step(size: int, prompt_len: int) -> float:
         """The longest gap between a decoding batch's tokens while a prompt joins it (the mixed step)."""
         arrivals: list[list[float]] = [[] for _ in range(size)]
-        decoding = [asyncio.ensure_future(stream(client, f"cal-{rng.random()}", draw_prompt(rng, 32), MIXED_OUTPUT,
-                                                 arrivals=arrivals[i])) for i in range(size)]
+        decoding = [asyncio.ensure_future(streamer(draw_prompt(rng, 32), MIXED_OUTPUT, arrivals=arrivals[i]))
+                    for i in range(size)]
         while min(len(a) for a in arrivals) < MIXED_OUTPUT // 4:  # the batch is decoding
             await asyncio.sleep(0.001)
         joined = time.monotonic()
-        await stream(client, f"cal-{rng.random()}", draw_prompt(rng, prompt_len), 1)
+        await streamer(draw_prompt(rng, prompt_len), 1)
         await asyncio.gather(*decoding)
         # the gap of the first request's tokens that spans the prompt's arrival and prefill
         times = arrivals[0]
         return max(b - a for a, b in zip(times, times[1:]) if b >= joined)
 
     async def measure() -> tuple[list, list]:
-        client = AsyncEngineClient(config, log_level=logging.WARNING)
+        await streamer.open()
         try:
-            await batch(client, 2, 32, 8)  # warm-up
+            await batch(2, 32, 8)  # warm-up
             steps, first_tokens = [], []
             for size, prompt_len, output_len in DECODE_POINTS:
                 gaps = [(last - first) / (n - 1) for _ in range(repeats)
-                        for _, first, last, n in await batch(client, size, prompt_len, output_len)]
+                        for _, first, last, n in await batch(size, prompt_len, output_len)]
                 per_group = max(1, size // dp)
                 work = GroupWork(decode_rows=per_group, context_tokens=per_group * (prompt_len + output_len // 2))
                 steps.append((work, statistics.median(gaps)))
@@ -79,12 +119,12 @@ def calibrate(model: str, parallel: str, dp: int, repeats: int = REPEATS) -> Ste
                 ttfts = []
                 for _ in range(repeats):
                     await asyncio.sleep(IDLE_S)
-                    (sent, first, _, _), = await batch(client, 1, prompt_len, 1)
+                    (sent, first, _, _), = await batch(1, prompt_len, 1)
                     ttfts.append(first - sent)
                 first_tokens.append((GroupWork.prompt(prompt_len), statistics.median(ttfts)))
                 _log(f"prefill {prompt_len} tokens: {1e3 * first_tokens[-1][1]:.1f} ms to the first token")
-            for size, prompt_len in MIXED_POINTS:
-                gaps = [await mixed_step(client, size, prompt_len) for _ in range(repeats)]
+            for size, prompt_len in MIXED_POINTS if mixed else ():
+                gaps = [await mixed_step(size, prompt_len) for _ in range(repeats)]
                 per_group = max(1, size // dp)
                 work = GroupWork(decode_rows=per_group, context_tokens=per_group * (32 + MIXED_OUTPUT // 2),
                                  prefill_tokens=prompt_len, prefill_pairs=prompt_len * prompt_len / 2)
@@ -92,11 +132,12 @@ def calibrate(model: str, parallel: str, dp: int, repeats: int = REPEATS) -> Ste
                 _log(f"{size} decoding + a {prompt_len}-token prompt: {1e3 * steps[-1][1]:.1f} ms for that step")
             return steps, first_tokens
         finally:
-            client.shutdown()
+            await streamer.close()
     steps, first_tokens = asyncio.run(measure())
-    return fit(f"{Path(model).name} {parallel}", f"measured on this machine ({report.machine_info()['cpu_count']} "
-               f"cores) through the engine client: {len(DECODE_POINTS)} decode, {len(PREFILL_POINTS)} prefill and "
-               f"{len(MIXED_POINTS)} mixed workloads, medians of {repeats}", steps, first_tokens)
+    workloads = f"{len(DECODE_POINTS)} decode, {len(PREFILL_POINTS)} prefill" + (
+        f" and {len(MIXED_POINTS)} mixed" if mixed else "")
+    return fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
+               f"{streamer.path}: {workloads} workloads, medians of {repeats}", steps, first_tokens)
 
 
 def _log(message: str) -> None:

@@ -78,6 +78,39 @@ async def stream(client, req_id: str, prompt: list[int], output_len: int, at: fl
     return sent, first, last, tokens
 
 
+async def stream_http(client, model: str, prompt: list[int], output_len: int, at: float | None = None,
+                      arrivals: list[float] | None = None) -> tuple[float, float | None, float | None, int]:
+    """`stream`'s request through an OpenAI-compatible server (`client`: an httpx.AsyncClient on its root), as
+    `meshserve bench serve` sends it: token ids, greedy, `ignore_eos`, streamed; each chunk's tokens arrive
+    together, and the count is the server's `usage`. A refused request raises RuntimeError."""
+    import json
+
+    if at is not None:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+    payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}, "ignore_eos": True}
+    sent = time.monotonic()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            data = line.removeprefix("data:").strip()
+            if not line.startswith("data:") or data == "[DONE]":
+                continue
+            event = json.loads(data)
+            if event.get("choices"):
+                now = time.monotonic()
+                first = now if first is None else first
+                last = now
+                if arrivals is not None:
+                    arrivals.append(now)
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    return sent, first, last, tokens
+
+
 def _summary(results: list[tuple], elapsed: float) -> dict:
     ttft = [first - sent for sent, first, _, _ in results if first is not None]
     tpot = [(last - first) / (n - 1) for _, first, last, n in results if n > 1]

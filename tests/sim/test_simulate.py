@@ -142,3 +142,38 @@ def test_a_pipelined_master_sees_a_new_request_one_step_later_when_busy():
     assert pipelined["completed"] == one_at_a_time["completed"] == 48
     with pytest.raises(ValueError, match="pipeline_depth must be 1 or 2"):
         SimTESettings(pipeline_depth=3)
+
+
+def test_requests_stream_through_an_http_server_as_bench_serve_sends_them():
+    """`simulate calibrate --url` measures a running server (any deployment) through its API."""
+    import asyncio
+
+    import httpx
+
+    from meshserve.sim.compare import stream_http
+    from tests.bench import fake_openai_server as fake
+
+    async def one(url: str, output_len: int):
+        async with httpx.AsyncClient(base_url=url) as client:
+            arrivals: list[float] = []
+            sent, first, last, tokens = await stream_http(client, "fake-model", [5, 6, 7], output_len,
+                                                          arrivals=arrivals)
+            return sent, first, last, tokens, arrivals
+
+    with fake.running_server() as (url, received):
+        sent, first, last, tokens, arrivals = asyncio.run(one(url, 5))
+        assert tokens == 5 and len(arrivals) == 5 and arrivals[0] == first and arrivals[-1] == last
+        assert first - sent >= fake.FIRST_TOKEN_S and (last - first) / 4 >= fake.TOKEN_S
+        assert received[-1]["prompt"] == [5, 6, 7] and received[-1]["ignore_eos"] is True
+        with pytest.raises(RuntimeError, match="answered 400"):
+            asyncio.run(one(url, fake.MAX_TOKENS + 1))
+
+
+def test_calibrate_refuses_bad_input_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "profile.json")
+    for flags, message in ((["--pd"], "--pd describes the deployment behind --url"),
+                           (["--url", "http://127.0.0.1:9"], "cannot list the models of http://127.0.0.1:9"),
+                           (["--repeats", "0"], "--repeats must be at least 1")):
+        assert main(["simulate", "calibrate", "--out", out, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]
