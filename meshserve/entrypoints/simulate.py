@@ -54,7 +54,8 @@ def add_simulate_commands(sub) -> None:
     calibrate.add_argument("--url", help="measure a running server instead (`meshserve serve`, any deployment), "
                                          "through its HTTP API as `meshserve bench serve` loads it")
     calibrate.add_argument("--pd", action="store_true", help="with --url: the deployment hands prompts to other TEs "
-                                                             "(P/D): no mixed workloads")
+                                                             "(P/D): no mixed workloads, and the TE not measured "
+                                                             "works meanwhile (its host's cores are shared)")
     calibrate.set_defaults(func=calibrate_main)
 
 
@@ -417,7 +418,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     except (StrategyError, ValueError, OSError) as exc:
         print(f"meshserve simulate calibrate: error: {exc}", file=sys.stderr)
         return 2
-    profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd)
+    profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd, keep_other_busy=args.pd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     print(json.dumps(profile.to_dict(), indent=2))

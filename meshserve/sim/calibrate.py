@@ -18,6 +18,7 @@ Medians of `REPEATS` runs each, fitted by `meshserve.sim.profile.fit`; progress 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import statistics
@@ -36,6 +37,7 @@ PREFILL_POINTS = (64, 256, 512, 1024)
 MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tokens)
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
+BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
 REPEATS = 3
 
 
@@ -80,10 +82,12 @@ class HTTPStreamer:
         await self.client.aclose()
 
 
-def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True) -> StepProfile:
+def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
+              keep_other_busy: bool = False) -> StepProfile:
     """The profile fitted from `streamer`'s requests (an `EngineStreamer` or an `HTTPStreamer`, opened and closed
-    here) to a
-    deployment of `dp` DP groups per TE; `mixed`: a prompt joins a decoding batch on the same TE (not with P/D)."""
+    here) to a deployment of `dp` DP groups per TE; `mixed`: a prompt joins a decoding batch on the same TE (not
+    with P/D); `keep_other_busy` (P/D on shared hosts): the TE not measured works meanwhile, as it does in a
+    loaded deployment, so the steps are timed with the host's cores shared as they are then."""
     rng = random.Random(0)
 
     async def batch(size: int, prompt_len: int, output_len: int) -> list[tuple]:
@@ -103,14 +107,25 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True) -> 
         times = arrivals[0]
         return max(b - a for a, b in zip(times, times[1:]) if b >= joined)
 
+    async def prompts_elsewhere() -> None:
+        """Prompts of one token each: only a P/D deployment's prefill TE runs them."""
+        while True:
+            await streamer(draw_prompt(rng, BUSY_PROMPT), 1)
+
+    async def decodes_elsewhere() -> None:
+        """Long outputs of short prompts: a P/D deployment's decode TE runs them."""
+        while True:
+            await batch(BUSY_DECODES, 32, BUSY_OUTPUT)
+
     async def measure() -> tuple[list, list]:
         await streamer.open()
         try:
             await batch(2, 32, 8)  # warm-up
             steps, first_tokens = [], []
             for size, prompt_len, output_len in DECODE_POINTS:
-                gaps = [(last - first) / (n - 1) for _ in range(repeats)
-                        for _, first, last, n in await batch(size, prompt_len, output_len)]
+                async with _busy(keep_other_busy and prompts_elsewhere):  # P/D: the prefill TE works meanwhile
+                    gaps = [(last - first) / (n - 1) for _ in range(repeats)
+                            for _, first, last, n in await batch(size, prompt_len, output_len)]
                 per_group = max(1, size // dp)
                 work = GroupWork(decode_rows=per_group, context_tokens=per_group * (prompt_len + output_len // 2))
                 steps.append((work, statistics.median(gaps)))
@@ -119,7 +134,8 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True) -> 
                 ttfts = []
                 for _ in range(repeats):
                     await asyncio.sleep(IDLE_S)
-                    (sent, first, _, _), = await batch(1, prompt_len, 1)
+                    async with _busy(keep_other_busy and decodes_elsewhere):  # P/D: the decode TE works meanwhile
+                        (sent, first, _, _), = await batch(1, prompt_len, 1)
                     ttfts.append(first - sent)
                 first_tokens.append((GroupWork.prompt(prompt_len), statistics.median(ttfts)))
                 _log(f"prefill {prompt_len} tokens: {1e3 * first_tokens[-1][1]:.1f} ms to the first token")
@@ -138,6 +154,21 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True) -> 
         f" and {len(MIXED_POINTS)} mixed" if mixed else "")
     return fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
                f"{streamer.path}: {workloads} workloads, medians of {repeats}", steps, first_tokens)
+
+
+@contextlib.asynccontextmanager
+async def _busy(load):
+    """Run `load()` (a coroutine function that never returns) in the background for the block; a falsy `load`:
+    nothing."""
+    task = asyncio.ensure_future(load()) if load else None
+    try:
+        await asyncio.sleep(0.05 if task else 0)  # the load reaches its TE before the measurement starts
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def _log(message: str) -> None:

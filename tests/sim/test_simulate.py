@@ -177,3 +177,28 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path, capsys):
         assert main(["simulate", "calibrate", "--out", out, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+
+
+def test_the_other_tes_load_runs_only_while_a_measurement_does():
+    """`calibrate --pd` keeps the TE not measured working through each measurement, and only then."""
+    import asyncio
+
+    from meshserve.sim.calibrate import _busy
+
+    ticks: list[int] = []
+
+    async def load() -> None:
+        while True:
+            ticks.append(1)
+            await asyncio.sleep(0.001)
+
+    async def measure() -> tuple[int, int]:
+        async with _busy(load):
+            await asyncio.sleep(0.02)
+            during = len(ticks)
+        await asyncio.sleep(0.02)
+        async with _busy(None):  # no load: nothing runs
+            await asyncio.sleep(0.01)
+        return during, len(ticks)
+    during, after = asyncio.run(measure())
+    assert during > 0 and after == during  # cancelled with the block
