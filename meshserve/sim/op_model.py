@@ -11,7 +11,6 @@ Per decoder layer of an MLA model (DeepSeek-V3/R1, Kimi-K2), every DP group (one
   top-k plus the shared experts, over the expert devices, times the EPLB imbalance), or A2E / E2A when attention
   and experts are disaggregated.
 
-Disaggregated, each kind of device runs one stream at its whole compute.
 A step waits for its slowest DP group at every dispatch (lockstep). With two microbatches the attention stream of
 one overlaps the MoE stream of the other; colocated, each stream has its share of a device's compute
 (`microbatch_compute_share`), disaggregated each kind of device runs its own stream. The second microbatch's MoE of
@@ -29,12 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshserve.moe.balance import device_loads
+from meshserve.moe.eplb import plan_all_slots
+from meshserve.moe.synthetic_load import synthetic_load
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.sim.hardware import Hardware, HardwareError
 from meshserve.sim.profile import GroupWork
 
 WEIGHT_FORMATS = {"int8": (1.0, "gemm_int8_tflops"), "bf16": (2.0, "gemm_bf16_tflops")}
-HEAD_BYTES = 2.0  # the LM head stays BF16 in the INT8 deployments (cloudmatrix-infer §4.5)
+HEAD_BYTES = 2.0  # the LM head is priced in BF16: the INT8 figures are the decoder's linear layers
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,8 @@ class OpStepModel:
         self.shape = MLAShape.from_config(config)
         self.hw, self.deployment = hardware, deployment
         hardware.check_devices(deployment.devices)
-        if deployment.disagg:
-            hardware.value("a2e_us"), hardware.value("e2a_us")
+        for op in ("a2e_us", "e2a_us") if deployment.disagg else ():
+            hardware.value(op)  # a profile without them is refused now, not at the first step
         self.name = f"{hardware.name} op model"
         self.delivery_ms = delivery_ms
         self.weight_bytes, rate_op = WEIGHT_FORMATS[deployment.weight_format]
@@ -278,10 +280,6 @@ def expert_imbalance(num_experts: int, expert_dies: int, redundant: int, top_k: 
 @functools.lru_cache(maxsize=64)
 def _imbalance(num_experts: int, expert_dies: int, redundant: int, top_k: int, hot_ratio: float, tokens: int,
                seed: int) -> float:
-    from meshserve.moe.balance import device_loads
-    from meshserve.moe.eplb import plan_all_slots
-    from meshserve.moe.synthetic_load import synthetic_load
-
     if redundant < 0:
         raise HardwareError(f"redundant experts must be zero or more, got {redundant}")
     slots_per_die = -(-(num_experts + redundant) // expert_dies)
