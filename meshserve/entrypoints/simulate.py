@@ -63,8 +63,8 @@ def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_le
                        profile_required: bool = False) -> None:
     parser.add_argument("--profile", required=profile_required,
                         help="the step-time profile fitted on this machine (JSON; `meshserve simulate calibrate`)")
-    parser.add_argument("--dp", type=int, help="DP groups in lockstep (default: 1; with --hardware: "
-                                                          "the DP groups simulated, default every one)")
+    parser.add_argument("--dp", type=int, help="DP groups in lockstep (default: 1; with --hardware: the DP groups "
+                                               "simulated, default every one)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per group per step (default: 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per group per step")
     parser.add_argument("--num-kv-blocks", type=int, default=4096, help="KV blocks per group (default: 4096)")
