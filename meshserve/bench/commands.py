@@ -59,6 +59,9 @@ BENCH_COMMANDS = (
     ("disagg", "attention-expert disaggregation against colocated DP/EP on the same ranks: tokens/s and step time "
                "per DP domain count and emulated link latency, and a timeline of the domains taking turns",
      "meshserve.bench.disagg:add_disagg_arguments"),
+    ("structured", "decoding under a JSON schema against free decoding at each batch size (tokens/s and their "
+                   "ratio), and the first-token latency of a new schema, a cached one and a free request",
+     "meshserve.bench.structured:add_structured_arguments"),
     ("tenants", "a noisy tenant at 10x its token budget beside a polite one: the polite tenant's TTFT alone and "
                 "beside it, with per-tenant limits on",
      "meshserve.bench.tenants:add_tenants_arguments"),

@@ -6,7 +6,8 @@ decode attention through library ops must first gather the paged latent into a
 contiguous copy; and norms, RoPE and routing are each a handful of tiny ops. Here a
 MoE layer's routed experts (grouping, matmuls, weighted combine) are one op, MLA
 decode attention reads the paged cache directly with an online softmax, and the
-absorption products, RMSNorm, RoPE and DeepSeek-V3 routing are one op each.
+absorption products, RMSNorm, RoPE and DeepSeek-V3 routing are one op each. A grammar's token mask
+(structured outputs) is applied to the logits by one op too, a store per refused token.
 
 They are compiled on first use with the machine's C++ compiler through
 `torch.utils.cpp_extension` (for this CPU: `-march=native`) and cached in
@@ -143,6 +144,13 @@ def moe_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     ([first_slot, first_slot + E)); grouping by expert, the expert matmuls and the weighted combine in one op."""
     _require()
     return torch.ops.meshserve_cpu.moe_forward(hidden, topk_ids, topk_weights, first_slot, w13_packed, w2_packed)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: logits[rows[i], t] = -inf wherever bit t of bitmask row i (int32 words, llguidance's
+    layout) is 0; in place, any float dtype."""
+    _require()
+    torch.ops.meshserve_cpu.apply_token_bitmask_(logits, bitmask, rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

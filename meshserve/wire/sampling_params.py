@@ -31,6 +31,49 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """The constraint a request's output must satisfy (exactly one kind), as vLLM's `structured_outputs`:
+    a JSON schema (as JSON text), any JSON object, a regular expression, one of a list of strings, or a Lark
+    grammar. The grammar engine (meshserve/structured_output) compiles it and masks every sampled token."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # json: skip the schema keywords the engine does not implement (OpenAI's non-strict schemas), rather than refuse
+    lenient: bool = False
+    # the constraint starts after these tokens in the output (a reasoning model's end of thinking); empty: at once
+    starts_after: list[int] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                f"structured outputs take exactly one of {', '.join(_STRUCTURED_KINDS)}; got "
+                f"{', '.join(given) or 'none'}", param="structured_outputs")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty string",
+                                          param=f"structured_outputs.{name}")
+        if not isinstance(self.starts_after, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in self.starts_after):
+            raise SamplingParamsError("structured_outputs.starts_after must be a list of token ids",
+                                      param="structured_outputs.starts_after")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                      param="structured_outputs.choice")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     n: int = 1
     temperature: float = 1.0
@@ -49,8 +92,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: int | None = None  # number of top alternatives besides the chosen token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    # token id -> a bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # from_dict: a peer's plain mapping
+            self.structured_outputs = _structured_from(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k is None:
@@ -71,6 +119,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
                 raise SamplingParamsError(
                     f"stop_token_ids[{index}] = {token_id} is outside the vocabulary [0, {vocab_size}).",
                     param=f"stop_token_ids[{index}]")
+        for token_id in self.logit_bias or {}:
+            if not 0 <= token_id < vocab_size:
+                raise SamplingParamsError(f"logit_bias: token id {token_id} is outside the vocabulary "
+                                          f"[0, {vocab_size}).", param="logit_bias")
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +146,28 @@ _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+
+
+def _structured_from(data: dict) -> StructuredOutputs:
+    try:
+        return msgspec.convert(data, StructuredOutputs)
+    except msgspec.ValidationError as exc:
+        raise SamplingParamsError(f"structured_outputs: {exc}", param="structured_outputs") from exc
+
+
+def _check_logit_bias(bias: Any) -> None:
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias must be a mapping of token ids to numbers", param="logit_bias")
+    for token_id, value in bias.items():
+        _check_int64("logit_bias", token_id)
+        if token_id < 0:
+            raise SamplingParamsError(f"logit_bias: token id {token_id} is negative", param="logit_bias")
+        if not (_is_int(value) or isinstance(value, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise SamplingParamsError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
+                                      f"token {token_id}", param="logit_bias")
 
 
 def _as_list(value: Any, name: str) -> list:
@@ -128,6 +202,10 @@ def _check_types(params: SamplingParams) -> None:
             raise SamplingParamsError(f"{name} must be a boolean", param=name)
     if not all(isinstance(s, str) for s in params.stop):
         raise SamplingParamsError("stop must be a list of strings", param="stop")
+    if params.structured_outputs is not None and not isinstance(params.structured_outputs, StructuredOutputs):
+        raise SamplingParamsError("structured_outputs must be a StructuredOutputs", param="structured_outputs")
+    if params.logit_bias is not None:
+        _check_logit_bias(params.logit_bias)
     for index, token_id in enumerate(params.stop_token_ids):
         _check_int64(f"stop_token_ids[{index}]", token_id)
         if token_id < 0:

@@ -62,6 +62,7 @@ from meshserve.wire.worker import (
     StepBatch,
     WorkerEventKind,
 )
+from meshserve.worker.grammar_masks import GrammarMasks, StepMasks
 from meshserve.worker.kv_connector.base import KVConnectorWorker
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from meshserve.worker.mtp_proposer import CatchUp, MTPProposer
@@ -135,6 +136,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(config.model_config.model)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.sampler = Sampler()
+        # structured outputs: the rank that samples keeps each constrained request's grammar
+        self.grammar = (GrammarMasks(config.model_config.model, self.vocab_size, self.eos_token_ids)
+                        if self.parallel.is_driver else None)
         self.requests: dict[str, RequestState] = {}
         # requests that failed on this rank; steps skip them until the master says to drop them
         self.failed_ids: set[str] = set()
@@ -242,6 +246,8 @@ class ModelRunner:
         return self.pd_connector.region if self.pd_connector is not None else None
 
     def close(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
         for connector in self.kv_connectors:
             connector.close()  # the P/D one unlinks the shared-memory KV cache
         if self.weight_server is not None:
@@ -278,6 +284,9 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
+            # the outputs a resumed request already has reach its matcher with its first step's masks
+            matcher=None if self.grammar is None else self.grammar.matcher_for(params),
+            num_matched=None if params.structured_outputs and params.structured_outputs.starts_after else 0,
         )
         if generator is not None and len(new.token_ids) > new.num_prompt_tokens:
             # resumed after preemption: advance the generator past the tokens already sampled
@@ -399,9 +408,16 @@ class ModelRunner:
         attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, attn, self.model_kv_caches, **overlap)
+        sampling = [seq for seq in seqs if seq.samples]
+        # structured outputs: the grammar masks are filled while the forward pass runs
+        masks = self.grammar.start(sampling) if self.grammar is not None else None
+        try:
+            hidden = self.model(ids, pos, attn, self.model_kv_caches, **overlap)
+        finally:
+            if masks is not None:
+                masks.wait()  # the fill walks the matchers through drafts: it ends before anything else
         out = ModelRunnerOutput(step_id=sched.step_id, failed=failed)
-        produced = self._produce_tokens(hidden, [seq for seq in seqs if seq.samples], out)
+        produced = self._produce_tokens(hidden, sampling, out, masks)
         if self.proposer is not None and sched.mtp_catch_up:
             self._propose(hidden, seqs, produced, drafting=sched.num_draft_tokens > 0)
         missing = 0 if mtp_forwards is None else mtp_forwards - self.mtp_forwards_of(sched)
@@ -434,14 +450,16 @@ class ModelRunner:
             row += seq.num_rows
         return seqs
 
-    def _produce_tokens(self, hidden: torch.Tensor, sampling: list[StepSeq],
-                        out: ModelRunnerOutput) -> dict[str, list[int]]:
-        """Sample (or verify the drafts of) each sequence that reached its end; the tokens each produced."""
+    def _produce_tokens(self, hidden: torch.Tensor, sampling: list[StepSeq], out: ModelRunnerOutput,
+                        masks: StepMasks | None = None) -> dict[str, list[int]]:
+        """Sample (or verify the drafts of) each sequence that reached its end; the tokens each produced.
+        `masks`: the grammar masks of its constrained sequences."""
         if not sampling:
             return {}
         rows = [row for seq in sampling
                 for row in (range(seq.row, seq.row + seq.num_rows) if seq.is_decode else [seq.row + seq.num_rows - 1])]
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        mask_failures = masks.apply(logits) if masks is not None else {}
         sampling_rows = [
             SamplingRow(params=seq.state.params, prompt_token_ids=seq.state.prompt_token_ids,
                         output_token_ids=seq.state.output_token_ids, generator=seq.state.generator,
@@ -458,8 +476,8 @@ class ModelRunner:
         produced = {}
         for i, seq in enumerate(sampling):
             state = seq.state
-            if i in failures:
-                self._fail_request(state.req_id, failures[i], out)
+            if i in failures or state.req_id in mask_failures:
+                self._fail_request(state.req_id, failures.get(i) or mask_failures[state.req_id], out)
                 continue
             state.token_ids.extend(tokens[i])
             if seq.is_decode:

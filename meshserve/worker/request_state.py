@@ -4,11 +4,15 @@ bookkeeping, apart from its tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import SchedulerOutput
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 @dataclass
@@ -22,6 +26,12 @@ class RequestState:
     generator: torch.Generator | None
     prompt_token_ids: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts to verify next step
+    # structured outputs (the sampling rank's constrained requests): the grammar's state, and the outputs it has
+    # taken up to (the step after a token was sampled hands it to the matcher, on the mask thread); None while
+    # the constraint waits for its start (`StructuredOutputs.starts_after`: the end of a reasoning part)
+    matcher: llguidance.LLMatcher | None = None
+    num_matched: int | None = 0
+    num_searched: int = 0  # while it waits: the outputs already searched for its start
 
     @property
     def output_token_ids(self) -> list[int]:

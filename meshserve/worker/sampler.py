@@ -1,7 +1,7 @@
 """Batched token sampling over the last-position logits of one engine step.
 
-Order of processing (as vLLM): min_tokens masking, repetition penalty,
-frequency/presence penalties; then greedy rows take the argmax and the other
+Order of processing (as vLLM): min_tokens masking, logit bias, repetition
+penalty, frequency/presence penalties; then greedy rows take the argmax and the other
 rows go through temperature, top-k, top-p and min-p before drawing a token.
 Every step is a tensor operation over the whole batch (or over the rows that
 need it); Python loops run over rows only, never over the vocabulary.
@@ -171,6 +171,7 @@ def _needs_processing(row: SamplingRow) -> bool:
         p.repetition_penalty != 1.0
         or p.frequency_penalty != 0.0
         or p.presence_penalty != 0.0
+        or bool(p.logit_bias)
         or _min_tokens_active(row)
     )
 
@@ -187,10 +188,12 @@ def _index(positions: list[int], device: torch.device) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """A float32 copy of logits with min_tokens masking and the penalties applied (greedy and random rows alike)."""
+    """A float32 copy of logits with min_tokens masking, logit bias and the penalties applied (greedy and random
+    rows alike)."""
     _check_inputs(logits, rows)
     work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     _mask_stop_tokens_below_min_tokens(work, rows)
+    _apply_logit_bias(work, rows)
     _apply_repetition_penalty(work, rows)
     _apply_frequency_presence_penalties(work, rows)
     return work
@@ -211,6 +214,22 @@ def _mask_stop_tokens_below_min_tokens(logits: torch.Tensor, rows: list[Sampling
     if row_index:
         _check_token_range(token_index, logits.shape[1], "stop/eos token id")
         logits[_index(row_index, logits.device), _index(token_index, logits.device)] = _NEG_INF
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """OpenAI's logit_bias: each listed token's logit plus its bias."""
+    row_index: list[int] = []
+    token_index: list[int] = []
+    bias: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, value in (row.params.logit_bias or {}).items():
+            row_index.append(i)
+            token_index.append(token_id)
+            bias.append(value)
+    if row_index:
+        _check_token_range(token_index, logits.shape[1], "logit_bias token id")
+        device = logits.device
+        logits[_index(row_index, device), _index(token_index, device)] += torch.tensor(bias, device=device)
 
 
 def _sparse_token_counts(

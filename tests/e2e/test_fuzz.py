@@ -155,7 +155,8 @@ def test_fuzzing_the_schema_gets_no_5xx_and_the_server_lives(server):
     schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {op.label for op in operations}
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/context_caches"} <= labels
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/context_caches", "POST /tokenize",
+            "POST /detokenize"} <= labels
     per_batch = cases_per_batch(operations)
     tally = FuzzTally()
     for operation in operations:
@@ -179,6 +180,21 @@ HOSTILE = {
     "top_k 2**64": {"prompt": "hi", "max_tokens": 4, "top_k": 2**64},
     "repetition_penalty NaN": {"prompt": "hi", "max_tokens": 4, "repetition_penalty": float("nan")},
     "temperature Infinity": {"prompt": "hi", "max_tokens": 4, "temperature": float("inf")},
+    "a regex the grammar engine rejects": {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "(a"}},
+    "an invalid JSON schema": {"prompt": "hi", "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": -1}}}},
+    "a grammar with an undefined rule": {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"grammar": "start: x"}},
+    "logit_bias beyond 100": {"prompt": "hi", "max_tokens": 4, "logit_bias": {"5": 1e308}},
+}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+HOSTILE_CHAT = {
+    "tool_choice names no tool": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                                  "tool_choice"),
+    "tools with an invalid schema": ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}}]},
+        "tools[0].function.parameters.properties.a.type"),
+    "required tools beside a response format": ({"tools": TOOLS, "tool_choice": "required", "n": 2,
+                                                 "response_format": {"type": "json_object"}}, "response_format"),
 }
 
 
@@ -196,6 +212,15 @@ def test_hostile_request_is_400_and_the_engine_serves_on(server, model_name, bod
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert_alive(server, f"after {raw}")
+
+
+@pytest.mark.parametrize("body, param", HOSTILE_CHAT.values(), ids=HOSTILE_CHAT.keys())
+def test_hostile_tool_request_is_400_naming_the_field_and_the_engine_serves_on(server, model_name, body, param):
+    response = httpx.post(f"{server}/v1/chat/completions", timeout=CALL_TIMEOUT_S, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert_alive(server, f"after {body}")
 
 
 def test_completion_without_max_tokens_stops_at_16(server, model_name):

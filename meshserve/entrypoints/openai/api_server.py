@@ -18,12 +18,12 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from meshserve.engine.protocol import EngineClientProtocol
 from meshserve.entrypoints.openai.errors import install_error_handlers
@@ -44,6 +44,7 @@ from meshserve.entrypoints.openai.serving_caches import ContextCacheServing
 from meshserve.entrypoints.openai.serving_chat import ChatServing
 from meshserve.entrypoints.openai.serving_completions import CompletionServing
 from meshserve.entrypoints.openai.serving_status import StatusServing
+from meshserve.entrypoints.openai.serving_tokens import DetokenizeRequest, TokenizeRequest, TokenServing
 from meshserve.entrypoints.openai.tenant_limits import TenantGate, connection_limiter
 from meshserve.utils.gc_pauses import freeze_startup_heap
 
@@ -67,6 +68,7 @@ def build_app(engine: EngineClientProtocol, *, served_model_name: str | None = N
                        tenant_gate=TenantGate(limits, engine.max_model_len, metrics.tenants))
     caches = ContextCacheServing(context)
     _add_generation_routes(app, CompletionServing(context, caches), ChatServing(context, caches))
+    _add_token_routes(app, TokenServing(context))
     _add_context_cache_routes(app, caches)
     _add_status_routes(app, StatusServing(context))
     _add_admin_routes(app, AdminServing(context))
@@ -83,6 +85,22 @@ def _add_generation_routes(app: FastAPI, completions: CompletionServing, chat: C
     @app.post("/v1/chat/completions", openapi_extra=openapi_request_body(ChatCompletionRequest, context.model_name))
     async def create_chat_completion(raw: Request) -> Response:
         return await context.answer(chat.create(raw))
+
+
+def _add_token_routes(app: FastAPI, tokens: TokenServing) -> None:
+    context = tokens.context
+
+    @app.post("/tokenize", openapi_extra=openapi_request_body(TokenizeRequest, context.model_name))
+    async def tokenize(raw: Request) -> Response:
+        return await context.answer(_json(tokens.tokenize(raw)))
+
+    @app.post("/detokenize", openapi_extra=openapi_request_body(DetokenizeRequest, context.model_name))
+    async def detokenize(raw: Request) -> Response:
+        return await context.answer(_json(tokens.detokenize(raw)))
+
+
+async def _json(body: Awaitable[dict[str, Any]]) -> Response:
+    return JSONResponse(await body)
 
 
 def _add_context_cache_routes(app: FastAPI, caches: ContextCacheServing) -> None:

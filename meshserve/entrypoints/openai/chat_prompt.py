@@ -12,6 +12,7 @@ whole rendered string, exactly as the model's tokenizer would.
 """
 from __future__ import annotations
 
+import json
 import re
 import uuid
 import weakref
@@ -33,13 +34,26 @@ class ChatPrompt:
     token_ids: list[int]
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> ChatPrompt:
-    """The rendered conversation and its token ids; special-token text in any content stays text."""
-    text = _render(tokenizer, messages, add_generation_prompt)
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+    """The rendered conversation (and the tools it may call) and its token ids; special-token text in any
+    content stays text. Tools and earlier tool calls are rendered by the template as they are, so special-token
+    text in them is refused (ChatTemplateError)."""
     specials = special_token_texts(tokenizer)
+    _refuse_special_text(tools, [m.get("tool_calls") for m in messages], specials)
+    text = _render(tokenizer, messages, add_generation_prompt, tools)
     if not any(token in m["content"] for m in messages for token in specials):
         return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
-    return _encode_with_plain_content(tokenizer, messages, add_generation_prompt, text)
+    return _encode_with_plain_content(tokenizer, messages, add_generation_prompt, text, tools)
+
+
+def _refuse_special_text(tools: Any, tool_calls: Any, specials: tuple[str, ...]) -> None:
+    """Tools and tool calls reach the prompt through the template, not as content: a control token written in
+    them would be one (a caller posing as the system)."""
+    text = json.dumps([tools, tool_calls], ensure_ascii=False)
+    found = next((token for token in specials if token in text), None)
+    if found is not None:
+        raise ChatTemplateError(f"The tools or tool calls contain the model's control token {found!r}.")
 
 
 def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
@@ -53,19 +67,21 @@ def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
     return texts
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
     except Exception as exc:  # no template, or the template rejects the conversation
         raise ChatTemplateError(f"The messages cannot be rendered with the model's chat template: {exc}") from exc
 
 
-def _encode_with_plain_content(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool,
-                               text: str) -> ChatPrompt:
+def _encode_with_plain_content(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                               text: str, tools: list[dict[str, Any]] | None) -> ChatPrompt:
     """Template parts tokenized with control tokens, contents as plain text, in the template's order."""
     nonce = uuid.uuid4().hex
     marked = [{**m, "content": f"\x00{nonce}:{i}\x00"} for i, m in enumerate(messages)]
-    skeleton = _render(tokenizer, marked, add_generation_prompt)
+    skeleton = _render(tokenizer, marked, add_generation_prompt, tools)
     contents = _contents_as_rendered(messages, skeleton, nonce, text)
     pieces = re.split(f"\x00{nonce}:(\\d+)\x00", skeleton)
     token_ids: list[int] = []

@@ -1,7 +1,8 @@
 """What every HTTP request passes before a handler sees it, and the connection-level timeouts.
 
 `RequestGuard` (ASGI middleware), in order:
-1. authentication: `/v1/*` needs `Authorization: Bearer <API key>` when keys are set; `/admin/*` and the
+1. authentication: `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <API key>` when keys
+   are set; `/admin/*` and the
    context-cache listing need the admin key, or, without one, a loopback peer; `/health`, `/metrics` and
    the OpenAPI schema stay open;
 2. a body-carrying method must send `Content-Type: application/json` (415 otherwise: a web page's
@@ -85,7 +86,7 @@ class Authenticator:
         is_admin = bearer is not None and self._admin_key is not None and _matches(bearer, self._admin_key)
         if is_admin:
             return Principal("admin", is_admin=True)
-        if not path.startswith("/v1/") or not self._api_keys:
+        if not (path.startswith("/v1/") or path in KEYED_ROOT_PATHS) or not self._api_keys:
             return Principal(f"client:{peer}")
         key = self._api_key(bearer)
         if key is None:
@@ -113,6 +114,10 @@ class Authenticator:
             if _matches(bearer, key):
                 found = key
         return found
+
+
+# routes outside /v1 the API keys guard as they guard /v1 (they use the model's tokenizer on request)
+KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def is_admin_route(path: str, method: str) -> bool:

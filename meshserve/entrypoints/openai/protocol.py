@@ -5,7 +5,7 @@ types and out-of-range values are rejected (the server answers 400), never
 silently coerced. Integers must fit in 64 bits, numbers must be finite, and
 token ids must be in the model's vocabulary (given as the validation context
 `{"vocab_size": N}`). Fields with OpenAI semantics the server does not implement
-(tools, logit_bias, suffix, ...) are accepted only at their neutral value, so a
+(suffix, ...) are accepted only at their neutral value, so a
 client never gets a different behaviour from the one it asked for.
 
 Each request model also describes itself for the OpenAPI schema
@@ -30,10 +30,24 @@ from pydantic import (
 
 from meshserve.engine.outputs import PositionLogprobs
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
+from meshserve.entrypoints.openai.structured_request import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    structured_outputs_of,
+)
+from meshserve.entrypoints.openai.tool_request import NamedToolChoice, Tool, ToolCallInMessage
 from meshserve.utils.faults import Fault
-from meshserve.wire.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from meshserve.wire.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 MAX_N = 128
+MAX_TOOLS = 128  # tools one request may offer
 # OpenAI's default for /v1/completions; chat generates until the context ends
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -69,21 +83,23 @@ _TEXT_PART_SCHEMA = {"type": "object", "required": ["type", "text"], "additional
                      "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]}
 # fields accepted only at their neutral value
-_EMPTY_OBJECT_SCHEMA = {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}
-_EMPTY_ARRAY_SCHEMA = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+_LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                                  "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                           "maximum": MAX_LOGIT_BIAS}},
+                                 {"type": "null"}]}
 _NULL_SCHEMA = {"type": "null"}
 
 
-class _StrictModel(BaseModel):
+class StrictModel(BaseModel):
     # NaN and Infinity (JSON literals a careless client may send) are no numbers here
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_StrictModel):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
 
 
-class _SamplingRequest(_StrictModel):
+class _SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
@@ -98,7 +114,11 @@ class _SamplingRequest(_StrictModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(_EMPTY_OBJECT_SCHEMA)] = None
+    # token id (as a string, as JSON keys are) -> a bias in [-100, 100] added to its logit
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(_LOGIT_BIAS_SCHEMA)] = None
+    # OpenAI's output format (vLLM takes it on completions too) and vLLM's structured outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # vLLM extensions
     top_k: Int | None = Field(None, ge=-1, lt=_INT64_END)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -130,22 +150,39 @@ class _SamplingRequest(_StrictModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids_in_vocabulary(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
-        _check_vocabulary(value or [], info)
+        check_vocabulary(value or [], info)
         return value
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return self
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_ids(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, dict):
+            return value
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.isdigit() and len(key) <= 18):
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"the bias of token {key} must be a number in [-100, 100], got {bias!r}")
+        check_vocabulary([int(key) for key in value], info)
+        return {key: float(bias) for key, bias in value.items()}
+
+    def structured_outputs_spec(self) -> tuple[StructuredOutputs, str] | None:
+        """The output constraint and the field that asked for it (APIError 400 when it is malformed)."""
+        return structured_outputs_of(self.response_format, self.structured_outputs)
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         """Engine settings; absent fields take OpenAI's defaults. Raises SamplingParamsError on bad values."""
         return SamplingParams(
             n=self.n,
@@ -165,6 +202,8 @@ class _SamplingRequest(_StrictModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs,
+            logit_bias={int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None,
         )
 
 
@@ -172,7 +211,7 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _check_vocabulary(token_ids: list[int], info: ValidationInfo) -> None:
+def check_vocabulary(token_ids: list[int], info: ValidationInfo) -> None:
     """Every id in [0, vocab_size) when the caller gave the model's vocabulary size as context."""
     vocab_size = (info.context or {}).get("vocab_size")
     if vocab_size is None:
@@ -191,6 +230,13 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: Int | None = Field(None, ge=1, le=MAX_N)
     suffix: Annotated[str | None, WithJsonSchema(_NULL_SCHEMA)] = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_fill_in_the_middle(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("the served models have no fill-in-the-middle tokens, so a suffix cannot be honoured")
+        return value
 
     @field_validator("max_tokens")
     @classmethod
@@ -216,13 +262,11 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("the prompt must not be empty")
         for prompt in prompts:
             if isinstance(prompt, list):
-                _check_vocabulary(prompt, info)
+                check_vocabulary(prompt, info)
         return prompts
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.suffix is not None:
-            raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must equal n when given)")
         if self.echo and self.logprobs is not None:
@@ -242,15 +286,21 @@ def _is_token_id(value: Any) -> bool:
 
 
 # ------------------------------------------------------------------ /v1/chat/completions
-class ChatMessage(_StrictModel):
-    # "developer" is OpenAI's newer name for the system role
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)]
+class ChatMessage(StrictModel):
+    # "developer" is OpenAI's newer name for the system role; "tool" carries a tool's result
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null (an assistant's turn that only called tools) reads as empty text
+    content: Annotated[Any, WithJsonSchema({"anyOf": [*_CONTENT_SCHEMA["anyOf"], {"type": "null"}]})]
     name: str | None = None
+    tool_calls: list[ToolCallInMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)  # the call a tool message answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking, as responses carry it
 
     @field_validator("content", mode="before")
     @classmethod
     def _content_as_text(cls, value: Any) -> str:
+        if value is None:
+            return ""
         if isinstance(value, str):
             return value
         if isinstance(value, list) and all(isinstance(p, dict) for p in value):
@@ -262,12 +312,29 @@ class ChatMessage(_StrictModel):
             return "".join(texts)
         raise ValueError("must be a string or a list of text parts")
 
-    def for_template(self) -> dict[str, str]:
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("only a tool message carries a tool_call_id")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries reasoning_content")
+        return self
 
-
-class ResponseFormat(_StrictModel):
-    type: Literal["text"]
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's shape: tool calls and tool results included)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -275,17 +342,14 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_EMPTY_ARRAY_SCHEMA)] = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported")
         return self
 
     @property
@@ -298,7 +362,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ------------------------------------------------------------------ /v1/context_caches
-class ContextCacheCreateRequest(_StrictModel):
+class ContextCacheCreateRequest(StrictModel):
     """A named prefix: a prompt (text or token ids, for /v1/completions) or chat messages (for chat)."""
 
     model: str
@@ -315,7 +379,7 @@ class ContextCacheCreateRequest(_StrictModel):
         if isinstance(value, list):
             if not all(_is_token_id(t) for t in value):
                 raise ValueError("must be a string or a list of token ids")
-            _check_vocabulary(value, info)
+            check_vocabulary(value, info)
         return value
 
     @model_validator(mode="after")

@@ -10,7 +10,10 @@ import time
 from typing import Any
 
 from meshserve.engine.outputs import CompletionOutput
+from meshserve.entrypoints.openai.chat_output import ChoiceOutput, MessageDelta
 from meshserve.entrypoints.openai.protocol import chat_logprobs, completion_logprobs
+from meshserve.entrypoints.openai.reasoning import ReasoningFormat
+from meshserve.entrypoints.openai.tool_request import ToolPlan
 
 ChoiceKey = tuple[int, int]  # (prompt index, sample index within the prompt)
 
@@ -113,23 +116,73 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
+    """Chat responses; with a reasoning parser or tools, each choice's text goes through a ChoiceOutput
+    (chat_output.py): `reasoning_content`, `content` and `tool_calls`, streamed as OpenAI's deltas."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, n: int, num_logprobs: int | None, include_usage: bool,
+                 reasoning: ReasoningFormat | None = None, tools: ToolPlan | None = None) -> None:
+        super().__init__(request_id, model, n, num_logprobs, include_usage)
+        self.reasoning = reasoning
+        self.tools = tools
+        self._outputs: dict[int, ChoiceOutput] = {}  # per streamed choice
+
+    def _choice_output(self) -> ChoiceOutput:
+        return ChoiceOutput(self.reasoning, self.tools)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}) for i in range(self.n)]
 
     def _delta_choice(self, index: int, choice: CompletionOutput, finish: str | None) -> dict[str, Any]:
-        delta = {"content": choice.text_delta} if choice.text_delta else {}
+        output = self._outputs.setdefault(index, self._choice_output())
+        delta = output.feed(choice.text_delta)
+        calls_before = output.num_calls - len(delta.tool_calls)
+        if finish:
+            rest = output.finish()
+            delta = MessageDelta(delta.reasoning + rest.reasoning, delta.content + rest.content,
+                                 delta.tool_calls + rest.tool_calls, delta.arguments + rest.arguments)
+            calls_before = output.num_calls - len(delta.tool_calls)
         logprobs = None
         if self.num_logprobs is not None and choice.logprobs_delta:
             logprobs = chat_logprobs(choice.logprobs_delta, self.num_logprobs)
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": _stream_delta(delta, calls_before), "logprobs": logprobs,
+                "finish_reason": _finish_reason(finish, output)}
 
     def _full_choice(self, index: int, choice: CompletionOutput) -> dict[str, Any]:
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = chat_logprobs(choice.logprobs or [], self.num_logprobs)
-        return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason}
+        output = self._choice_output()
+        first, rest = output.feed(choice.text), output.finish()
+        calls = first.tool_calls + rest.tool_calls
+        message: dict[str, Any] = {"role": "assistant", "content": first.content + rest.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = (first.reasoning + rest.reasoning) or None
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+            message["content"] = message["content"] or None
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(choice.finish_reason, output)}
+
+
+def _stream_delta(delta: MessageDelta, calls_before: int) -> dict[str, Any]:
+    """OpenAI's chunk delta: new text, each new call whole, and a named call's arguments piece by piece."""
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    calls = [call.to_openai(calls_before + i) for i, call in enumerate(delta.tool_calls)]
+    if delta.arguments and not delta.tool_calls:  # the named call, already opened: its arguments grow
+        calls = [{"index": 0, "function": {"arguments": delta.arguments}}]
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _finish_reason(finish: str | None, output: ChoiceOutput) -> str | None:
+    """OpenAI reports a message that ends in tool calls as finished for `tool_calls`."""
+    return "tool_calls" if finish == "stop" and output.made_calls else finish

@@ -23,6 +23,8 @@ from meshserve.config import ConfigError, ConfigStruct
 from meshserve.config.arguments import add_struct_arguments, given_settings
 from meshserve.entrypoints.openai.cache_namespaces import parse_shared_cache_keys
 from meshserve.entrypoints.openai.context_caches import MAX_TTL_S
+from meshserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from meshserve.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS
 from meshserve.utils import envs
 
 API_KEY_ENV = envs.MESHSERVE_API_KEY.name
@@ -107,6 +109,12 @@ class ServerOptions(ConfigStruct, frozen=True):
     enable_fault_injection: Annotated[bool, Meta(
         description="tests and benchmarks only: open POST /admin/faults, which kills, stalls or breaks parts of the "
                     f"deployment on request (also on when ${envs.MESHSERVE_FAULT_INJECTION.name} is set)")] = False
+    tool_call_parser: Annotated[str, Meta(
+        description="how the model writes tool calls, read for tool_choice 'auto': "
+                    f"{', '.join(TOOL_CALL_FORMATS)} (default: the format of the model's chat template)")] | None = None
+    reasoning_parser: Annotated[str, Meta(
+        description="split a reasoning model's <think> part into reasoning_content: "
+                    f"{', '.join(REASONING_PARSERS)} (default: none, the text stays whole)")] | None = None
     # flags of their own group (add_server_arguments); its settings travel flat (public_kwargs)
     tenant_limits: TenantLimits = TenantLimits()
 
@@ -115,6 +123,10 @@ class ServerOptions(ConfigStruct, frozen=True):
         if any(not key for key in self.api_keys) or self.admin_key == "":
             raise ConfigError("an API or admin key must not be empty")
         parse_shared_cache_keys(self.shared_cache_keys)  # a bad group stops the server before it serves
+        for name, value, known in (("tool_call_parser", self.tool_call_parser, TOOL_CALL_FORMATS),
+                                   ("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)):
+            if value is not None and value not in known:
+                raise ConfigError(f"{name} {value!r} is not one of {', '.join(known)}")
         super().__post_init__()
 
     def __repr__(self) -> str:  # never print the keys

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -31,8 +32,10 @@ from meshserve.entrypoints.openai.server_options import (
     TOKENS_PER_REQUEST_CONTEXTS,
     ServerOptions,
 )
+from meshserve.entrypoints.openai.structured_request import check_structured_outputs
 from meshserve.wire.client import Tenancy
 from meshserve.wire.errors import EngineDeadError
+from meshserve.wire.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
@@ -118,6 +121,16 @@ class ServingBase:
             return validate()
         return await self._tokenizing(validate)
 
+    async def _structured_outputs(self, req: Any) -> StructuredOutputs | None:
+        """The request's output constraint, checked by the grammar engine (on the tokenizer's thread: a large
+        grammar takes a while to check); None for free text."""
+        found = req.structured_outputs_spec()
+        if found is None:
+            return None
+        spec, param = found
+        await self._tokenizing(check_structured_outputs, spec, param)
+        return spec
+
     def _check_model_and_engine(self, model: str) -> None:
         if model != self.model_name:
             raise model_not_found(model)
@@ -140,9 +153,10 @@ class ServingBase:
                               f"{limit} (the model's context is {self.engine.max_model_len} "
                               "tokens).", param=param, code="context_length_exceeded")
 
-    def _check_message_chars(self, messages: list[dict[str, Any]]) -> None:
-        self._check_prompt_chars(sum(len(v) for m in messages for v in m.values() if isinstance(v, str)),
-                                 "messages")
+    def _check_message_chars(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
+        """Message texts, tool calls and tools together (the template writes all of them)."""
+        chars = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for m in messages for v in m.values())
+        self._check_prompt_chars(chars + (len(json.dumps(tools)) if tools else 0), "messages")
 
     def _checked_token_ids(self, token_ids: list[int]) -> list[int]:
         vocab_size = len(self.engine.tokenizer)
@@ -152,11 +166,11 @@ class ServingBase:
                               param="prompt")
         return list(token_ids)
 
-    def _render_chat(self, messages: list[dict[str, str]],
-                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The prompt text and token ids of a conversation."""
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation (and the tools it may call)."""
         try:
-            prompt = encode_chat(self.engine.tokenizer, messages, add_generation_prompt)
+            prompt = encode_chat(self.engine.tokenizer, messages, add_generation_prompt, tools)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from exc
         return prompt.text, prompt.token_ids

@@ -14,6 +14,7 @@ from meshserve.entrypoints.openai.responses import generate_response
 from meshserve.entrypoints.openai.serving_base import ServingBase, ServingContext, principal_of
 from meshserve.entrypoints.openai.serving_caches import ContextCacheServing
 from meshserve.wire.client import Tenancy
+from meshserve.wire.sampling_params import StructuredOutputs
 
 
 class CompletionServing(ServingBase):
@@ -27,13 +28,15 @@ class CompletionServing(ServingBase):
         self._check_model_and_engine(req.model)
         # before anything is tokenized or built: a small body may ask for a huge fan-out (admission.py)
         self.context.admission.check_choices(len(req.prompt), req.n)
+        structured = await self._structured_outputs(req)
         cache = self.caches.for_request(req.context_cache_id, "prompt", "/v1/completions", principal_of(raw))
         prefix = cache.token_ids if cache is not None else []
         self._check_prompt_chars(sum(len(p) for p in req.prompt if isinstance(p, str)), "prompt")
         prompts = []
         for prompt in req.prompt:
             prompts.append(await self._engine_prompt(req, prompt, prefix, after_cache=cache is not None,
-                                                     tenancy=self._tenancy(raw, req.cache_salt)))
+                                                     tenancy=self._tenancy(raw, req.cache_salt),
+                                                     structured=structured))
             await asyncio.sleep(0)  # token-id prompts are checked on the loop: let other requests run between them
         self.context.admission.check_tokens([len(p.token_ids) for p in prompts],
                                             [p.params.max_tokens for p in prompts], req.n)
@@ -44,7 +47,8 @@ class CompletionServing(ServingBase):
                                        renderer, arrival)
 
     async def _engine_prompt(self, req: CompletionRequest, prompt: str | list[int], prefix: list[int],
-                             after_cache: bool, tenancy: Tenancy) -> EnginePrompt:
+                             after_cache: bool, tenancy: Tenancy,
+                             structured: StructuredOutputs | None) -> EnginePrompt:
         if isinstance(prompt, str):
             # after a cached prefix the text continues it: no second set of special tokens
             text, own_ids = prompt, await self._encode(prompt, add_special_tokens=not after_cache)
@@ -54,7 +58,7 @@ class CompletionServing(ServingBase):
         max_tokens = self._max_tokens(len(token_ids), req.max_tokens, "prompt")
         if text is None:  # after the length check: checking the ids costs at most one context's worth of work
             self._checked_token_ids(own_ids)
-        return EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs),
+        return EnginePrompt(text, token_ids, req.to_sampling_params(max_tokens, req.logprobs, structured),
                             context_cache_id=req.context_cache_id, tenancy=tenancy)
 
     async def _echo_texts(self, req: CompletionRequest) -> list[str] | None:

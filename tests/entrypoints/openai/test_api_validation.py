@@ -248,7 +248,9 @@ def test_schema_states_the_limits(openapi):
 
 ACCEPTED_BODIES = {
     "/v1/completions": [completion(), completion(prompt=[1, 2]), completion(prompt=["a", [3]], stop="x", seed=-5),
-                        completion(logit_bias={}, suffix=None, stop_token_ids=[1], repetition_penalty=1.2)],
+                        completion(logit_bias={}, suffix=None, stop_token_ids=[1], repetition_penalty=1.2),
+                        completion(logit_bias={"5": -100, "7": 2.5}, response_format={"type": "json_object"}),
+                        completion(structured_outputs={"choice": ["a", "b"]})],
     "/v1/chat/completions": [
         {"model": MODEL, "messages": CHAT, "max_tokens": 2},
         {"model": MODEL, "messages": [{"role": "developer", "content": [{"type": "text", "text": "x"}]}, *CHAT],
@@ -268,7 +270,9 @@ def test_schema_accepts_what_the_api_accepts(client, openapi, path):
 def test_schema_rejects_what_the_api_rejects(client, openapi):
     validator = jsonschema_rs.validator_for(body_schema(openapi, "/v1/completions"))
     for body in [completion(n=0), completion(stop_token_ids=[-1]), completion(seed=2**64), completion(prompt=""),
-                 completion(logit_bias={"5": 1.0}), completion(suffix="x"), completion(bogus=1)]:
+                 completion(logit_bias={"5": 101.0}), completion(logit_bias={"x": 1.0}), completion(suffix="x"),
+                 completion(response_format={"type": "json_schema"}), completion(structured_outputs={"regex": 5}),
+                 completion(bogus=1)]:
         assert client.post("/v1/completions", json=body).status_code == 400, body
         assert not validator.is_valid(body), body
 

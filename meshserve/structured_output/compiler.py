@@ -1,0 +1,67 @@
+"""Compiled grammars and the matcher each request gets.
+
+llguidance builds a grammar's parser once (`LLMatcher`); a request takes a `deep_copy` of it, which shares
+the compiled lexer and parser and costs microseconds. `GrammarCompiler` keeps the most recently used compiled
+grammars, so the second request of a schema skips the compilation (an LRU, bounded in count).
+
+The tokenizer llguidance needs (every token's bytes) is built once per process, on the first constrained
+request, from the model's own tokenizer files.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import llguidance
+
+from meshserve.structured_output.grammar import GrammarSpecError, check_grammar
+from meshserve.wire.sampling_params import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+DEFAULT_CACHE_SIZE = 256
+
+
+def load_ll_tokenizer(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's tokenizer: every id in [0, vocab_size) and its end-of-sequence ids."""
+    import llguidance.hf
+    from transformers import AutoTokenizer  # imported here: only a process serving a constraint needs it
+
+    started = time.perf_counter()
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                             eos_token=list(eos_token_ids) or None)
+    logger.info("grammar tokenizer for %s built in %.2f s", model_dir, time.perf_counter() - started)
+    return tokenizer
+
+
+class GrammarCompiler:
+    """Compiled grammars of one tokenizer, most recently used kept; `matcher(spec)` is a request's own."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._compiled: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the runner's mask thread and its step thread both ask for matchers
+        self.hits = 0
+        self.misses = 0
+
+    def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of `spec`'s grammar; GrammarSpecError when it does not compile."""
+        key = (spec.kind, spec.json, spec.regex, tuple(spec.choice or ()), spec.grammar, spec.lenient)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                self.hits += 1
+                return compiled.deep_copy()
+        compiled = llguidance.LLMatcher(self.tokenizer, check_grammar(spec), log_level=0)
+        if compiled.is_error():
+            raise GrammarSpecError(compiled.get_error())
+        with self._lock:
+            self.misses += 1
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return compiled.deep_copy()
