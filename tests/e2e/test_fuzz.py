@@ -183,7 +183,8 @@ HOSTILE = {
     "a regex the grammar engine rejects": {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "(a"}},
     "an invalid JSON schema": {"prompt": "hi", "max_tokens": 4, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": -1}}}},
-    "a grammar with an undefined rule": {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"grammar": "start: x"}},
+    "a grammar with an undefined rule": {"prompt": "hi", "max_tokens": 4,
+                                         "structured_outputs": {"grammar": "start: x"}},
     "logit_bias beyond 100": {"prompt": "hi", "max_tokens": 4, "logit_bias": {"5": 1e308}},
 }
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
