@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import llguidance
 
-from meshserve.structured_output.grammar import GrammarSpecError, check_grammar
+from meshserve.structured_output.grammar import GrammarSpecError, check_grammar, first_lines
 from meshserve.wire.sampling_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class GrammarCompiler:
                 return compiled.deep_copy()
         compiled = llguidance.LLMatcher(self.tokenizer, check_grammar(spec), log_level=0)
         if compiled.is_error():
-            raise GrammarSpecError(compiled.get_error())
+            raise GrammarSpecError(first_lines(compiled.get_error()))
         with self._lock:
             self.misses += 1
             self._compiled[key] = compiled

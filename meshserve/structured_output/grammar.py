@@ -71,7 +71,7 @@ def check_grammar(spec: StructuredOutputs, tokenizer: llguidance.LLTokenizer | N
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         where = _locate_unimplemented(json.loads(spec.json), error) if spec.kind == "json" else ""
-        raise GrammarSpecError(_first_lines(error) + (f" (at {where})" if where else ""), where)
+        raise GrammarSpecError(first_lines(error) + (f" (at {where})" if where else ""), where)
     return grammar
 
 
@@ -97,7 +97,7 @@ def _locate_unimplemented(schema: Any, error: str) -> str:
     return ""
 
 
-def _first_lines(error: str, limit: int = 6) -> str:
+def first_lines(error: str, limit: int = 6) -> str:
     """llguidance's message without its long tail (a caret diagram of the grammar at most)."""
     lines = error.strip().splitlines()
     return "\n".join(lines[:limit])
