@@ -23,6 +23,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 256
 
 
+def grammar_limits() -> llguidance.LLParserLimits:
+    """Bounds on the work one grammar may make the engine do: a pathological constraint (a regex such as
+    `a{1000}{1000}`) puts its matcher in an error state within about 0.15 s on this class of CPU instead of
+    holding a step for seconds; schemas of thousands of properties stay well inside them."""
+    return llguidance.LLParserLimits(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, max_lexer_states=50_000)
+
+
 def load_ll_tokenizer(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the model's tokenizer: every id in [0, vocab_size) and its end-of-sequence ids."""
     import llguidance.hf
@@ -34,6 +41,24 @@ def load_ll_tokenizer(model_dir: str, vocab_size: int, eos_token_ids: list[int])
                                              eos_token=list(eos_token_ids) or None)
     logger.info("grammar tokenizer for %s built in %.2f s", model_dir, time.perf_counter() - started)
     return tokenizer
+
+
+def first_mask_checked(matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
+    """`matcher` once its first mask computed within the limits (most of a grammar's lexer is built then);
+    GrammarSpecError when it cannot be."""
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise GrammarSpecError(first_lines(matcher.get_error()))
+    matcher.reset()
+    return matcher
+
+
+def grammar_compiler_for(hf_tokenizer: object) -> GrammarCompiler:
+    """A compiler over an already loaded HF fast tokenizer (the API server's)."""
+    import llguidance.hf
+
+    return GrammarCompiler(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=len(hf_tokenizer)))
 
 
 class GrammarCompiler:
@@ -56,9 +81,8 @@ class GrammarCompiler:
                 self._compiled.move_to_end(key)
                 self.hits += 1
                 return compiled.deep_copy()
-        compiled = llguidance.LLMatcher(self.tokenizer, check_grammar(spec), log_level=0)
-        if compiled.is_error():
-            raise GrammarSpecError(first_lines(compiled.get_error()))
+        compiled = first_mask_checked(llguidance.LLMatcher(self.tokenizer, check_grammar(spec), log_level=0,
+                                                           limits=grammar_limits()))
         with self._lock:
             self.misses += 1
             self._compiled[key] = compiled

@@ -193,6 +193,7 @@ def test_logit_bias_moves_the_greedy_choice(client, tiny_model):
      "response_format.json_schema.schema.properties.a.not"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a" * 300_000}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),

@@ -129,3 +129,14 @@ def test_a_constraint_after_a_reasoning_part_starts_once_the_part_ends(masks, to
     assert masks.start([_seq(state)]).apply(logits) == {}
     assert {tokenizer.decode_str([t]) for t in _allowed(logits[0])} <= {"y", "ye", "yes", "n", "no"}
     assert state.num_matched == len(state.output_token_ids)
+
+
+def test_a_grammar_beyond_the_engines_limits_fails_its_request_alone(masks, tokenizer):
+    """`a{1000}{1000}` builds a huge lexer once the output leaves its forced path: the limits turn that into
+    this request's failure, and its batch mate's mask is computed as ever."""
+    runaway = _state(masks, "runaway", StructuredOutputs(regex="a{1000}{1000}"), outputs=tokenizer.tokenize_str("aa"))
+    digits = _state(masks, "digits", StructuredOutputs(regex="[0-9]+"))
+    logits = torch.zeros(2, VOCAB_SIZE)
+    failed = masks.start([_seq(runaway), _seq(digits)]).apply(logits)
+    assert list(failed) == ["runaway"] and "lexer" in failed["runaway"]
+    assert all(tokenizer.decode_str([t]).isdigit() for t in _allowed(logits[1]))

@@ -33,6 +33,7 @@ from meshserve.entrypoints.openai.server_options import (
     ServerOptions,
 )
 from meshserve.entrypoints.openai.structured_request import check_structured_outputs
+from meshserve.structured_output.compiler import GrammarCompiler, grammar_compiler_for
 from meshserve.wire.client import Tenancy
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.sampling_params import StructuredOutputs
@@ -74,6 +75,7 @@ class ServingContext:
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         # set when a shutdown's grace period is over: the streams still running end with an error event
         self.stopping = asyncio.Event()
+        self.grammar_compiler: GrammarCompiler | None = None  # structured outputs: built on first use
 
     def begin_shutdown(self, grace_s: float) -> None:
         """The server stopped accepting: running requests get `grace_s`, then what still runs is ended."""
@@ -128,8 +130,14 @@ class ServingBase:
         if found is None:
             return None
         spec, param = found
-        await self._tokenizing(check_structured_outputs, spec, param)
+        await self._tokenizing(check_structured_outputs, spec, param, self._grammar_compiler())
         return spec
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The API's own compiler of the model's grammars (built on the first constrained request)."""
+        if self.context.grammar_compiler is None:
+            self.context.grammar_compiler = grammar_compiler_for(self.engine.tokenizer)
+        return self.context.grammar_compiler
 
     def _check_model_and_engine(self, model: str) -> None:
         if model != self.model_name:

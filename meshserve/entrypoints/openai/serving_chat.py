@@ -40,7 +40,7 @@ class ChatServing(ServingBase):
         """What the request's tools make the server do; each tool's schema is checked on the tokenizer's thread
         (a large one takes a while)."""
         return await self._tokenizing(plan_tools, req.tools, req.tool_choice, req.parallel_tool_calls,
-                                      self.tool_call_parser, constrained)
+                                      self.tool_call_parser, constrained, self._grammar_compiler)
 
     async def create(self, raw: Request) -> Response:
         arrival = time.monotonic()

@@ -12,10 +12,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from meshserve.entrypoints.openai.errors import APIError, bad_request
+from meshserve.structured_output.compiler import GrammarCompiler
 from meshserve.structured_output.grammar import GrammarSpecError, check_grammar
 from meshserve.wire.sampling_params import SamplingParamsError, StructuredOutputs
 
 _SCHEMA_OBJECT = {"type": "object"}
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex, grammar or choice list longer than this is refused
 
 
 class _Strict(BaseModel):
@@ -92,10 +94,20 @@ def _from_extension(extension: StructuredOutputsRequest) -> tuple[StructuredOutp
     return spec, f"structured_outputs.{spec.kind}"
 
 
-def check_structured_outputs(spec: StructuredOutputs, param: str) -> None:
-    """APIError 400 unless the grammar engine can enforce `spec`; `param` plus the path inside a schema."""
+def check_structured_outputs(spec: StructuredOutputs, param: str, compiler: GrammarCompiler | None = None) -> None:
+    """APIError 400 unless the grammar engine can enforce `spec`; `param` plus the path inside a schema. With the
+    model's `compiler` the grammar is also compiled and its first mask computed within the engine's limits,
+    so a pathological one is refused here rather than failing in the engine (and cached: the next request of
+    the same constraint skips the work)."""
+    size = sum(len(text) for text in (spec.json, spec.regex, spec.grammar, *(spec.choice or ())) if text)
+    if size > MAX_CONSTRAINT_CHARS:
+        raise bad_request(f"The {param} is {size} characters; at most {MAX_CONSTRAINT_CHARS} are compiled.",
+                          param=param)
     try:
-        check_grammar(spec)
+        if compiler is not None:
+            compiler.matcher(spec)
+        else:
+            check_grammar(spec)
     except GrammarSpecError as exc:
         raise _grammar_error(exc, param) from None
 

@@ -16,6 +16,7 @@ and the path inside it).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from meshserve.entrypoints.openai.errors import bad_request
 from meshserve.entrypoints.openai.structured_request import check_structured_outputs
+from meshserve.structured_output.compiler import GrammarCompiler
 from meshserve.structured_output.grammar import GrammarSpecError, check_json_schema
 from meshserve.wire.sampling_params import StructuredOutputs
 
@@ -82,8 +84,10 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-               parser: str | None, has_constraint: bool) -> ToolPlan | None:
-    """The request's ToolPlan (None without tools); APIError 400 naming the field for anything it cannot do."""
+               parser: str | None, has_constraint: bool,
+               compiler: Callable[[], GrammarCompiler] | None = None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools); APIError 400 naming the field for anything it cannot do.
+    `compiler`: gives the model's grammar compiler, which checks the calls' grammar as the engine will."""
     if not tools:
         if tool_choice not in (None, NONE):
             raise bad_request("tool_choice needs tools.", param="tool_choice")
@@ -109,7 +113,7 @@ def plan_tools(tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: 
         return ToolPlan(AUTO, as_template, parser=parser, parallel=parallel)
     if mode == REQUIRED:
         constraint = StructuredOutputs(json=json.dumps(_calls_schema(tools, parallel)), lenient=True)
-        check_structured_outputs(constraint, "tools")
+        check_structured_outputs(constraint, "tools", compiler() if compiler is not None else None)
         return ToolPlan(REQUIRED, as_template, constraint=constraint, parallel=parallel)
     name = tool_choice.function.name
     if name not in names:
@@ -117,7 +121,8 @@ def plan_tools(tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: 
                           f"({', '.join(names)}).", param="tool_choice")
     schema = tools[names.index(name)].function.parameters or _OBJECT
     constraint = StructuredOutputs(json=json.dumps(schema), lenient=True)
-    check_structured_outputs(constraint, f"tools[{names.index(name)}].function.parameters")
+    check_structured_outputs(constraint, f"tools[{names.index(name)}].function.parameters",
+                             compiler() if compiler is not None else None)
     return ToolPlan(NAMED, as_template, constraint=constraint, function=name, parallel=parallel)
 
 
