@@ -80,7 +80,7 @@ from meshserve.wire.kv import (
     PoolFetch,
     PoolFetchDone,
 )
-from meshserve.wire.sampling_params import SamplingParams
+from meshserve.wire.sampling_params import SamplingParams, StructuredOutputs
 from meshserve.wire.worker import (
     CachedRequestData,
     InjectFault,
@@ -103,7 +103,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "meshserve"
 PARAMS = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, presence_penalty=0.5,
                         frequency_penalty=-0.5, repetition_penalty=1.1, stop=["\n\n"], stop_token_ids=[2, 7],
                         max_tokens=64, min_tokens=4, ignore_eos=True, logprobs=3, include_stop_str_in_output=True,
-                        skip_special_tokens=False)
+                        skip_special_tokens=False, logit_bias={5: -2.5},
+                        structured_outputs=StructuredOutputs(json='{"type": "object"}', lenient=True,
+                                                             starts_after=[7, 8]))
 PLACEMENT = PlacementData(format="meshserve-expert-placement/1", num_logical=4, num_ranks=2,
                               redundant_per_rank=1, layers={"1": [0, 1, 3, 2, 3, 0]}, slots_per_rank=3,
                               replicas={"1": [[0, 5], [1], [3], [2, 4]]})

@@ -1,7 +1,7 @@
 """Structured outputs through the whole engine: every output satisfies its constraint, and the paths that
 change how tokens are produced (MTP drafts verified under the grammar masks, DP2+EP2 with the masks on each
-group's driver, a preempted request resuming its grammar, INT8 weights) give the colocated single rank's
-greedy tokens (INT8: valid outputs of its own)."""
+group's driver, self-contained DP groups, a preempted request resuming its grammar, INT8 weights) give the
+colocated single rank's greedy tokens (INT8: valid outputs of its own)."""
 from __future__ import annotations
 
 import json
@@ -87,7 +87,8 @@ def test_sampled_outputs_and_several_choices_each_satisfy_their_constraint(refer
     dict(speculative="mtp", num_speculative_tokens=2),
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2"),
     dict(parallel="attn=TP1+DP2 moe=TP1+EP2", speculative="mtp", num_speculative_tokens=2),
-], ids=["MTP", "DP2+EP2", "DP2+EP2+MTP"])
+    dict(parallel="attn=TP1+DP2 moe=TP1+EP2", dp_groups="self-contained"),
+], ids=["MTP", "DP2+EP2", "DP2+EP2+MTP", "DP2+EP2-self-contained-groups"])
 def test_a_layout_gives_the_single_rank_tokens(reference, layout):
     model_dir, prompts, expected = reference
     outs, stats = _run(model_dir, prompts, **layout)
