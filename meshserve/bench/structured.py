@@ -54,7 +54,11 @@ def schema(variant: int = 0) -> dict:
 
 def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     one_line_errors(parser, PROG)
-    parser.add_argument("--model", help="HF-format model directory (default: the tiny default model)")
+    parser.add_argument("--model", help="HF-format model directory (default: the DeepSeek-V3 model of --preset, "
+                                        "written on first use)")
+    parser.add_argument("--preset", default="small",
+                        help="preset of the default model when --model is not given: small (hidden 768, 8 layers) or "
+                             "tiny (hidden 256, 4 layers, where a mask weighs most against a step) (default: small)")
     parser.add_argument("--num-threads", type=int, help="torch threads of the engine (default: the engine's)")
     parser.add_argument("--quick", action="store_true",
                         help="the smallest run (for tests): the --quick value of every option below not given")
@@ -72,6 +76,7 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass(frozen=True)
 class StructuredSettings:
     model_dir: str | None
+    preset: str
     num_threads: int | None
     batch_sizes: tuple[int, ...]
     output_len: int
@@ -104,8 +109,10 @@ def settings_from_args(args: argparse.Namespace) -> StructuredSettings:
         raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"{args.model} is not a model directory (no config.json)")
-    return StructuredSettings(model_dir=args.model, num_threads=args.num_threads, batch_sizes=batch_sizes,
-                              json_path=args.json, **given)
+    if args.preset not in ("tiny", "small"):
+        raise ValueError(f"--preset must be tiny or small, got {args.preset!r}")
+    return StructuredSettings(model_dir=args.model, preset=args.preset, num_threads=args.num_threads,
+                              batch_sizes=batch_sizes, json_path=args.json, **given)
 
 
 def structured_main(args: argparse.Namespace) -> int:
@@ -117,8 +124,10 @@ def run_structured_benchmark(settings: StructuredSettings) -> dict:
     # start-up: the engine client (and the tokenizer) only when the benchmark runs
     from meshserve.config import EngineConfig
     from meshserve.engine.async_client import AsyncEngineClient
+    from meshserve.models.factory import ensure_default_model
 
-    model = check_model_dir(settings.model_dir)
+    model = settings.model_dir or str(ensure_default_model("deepseek_v3", settings.preset))
+    check_model_dir(model)
     log(LOG_PREFIX, f"starting the engine ({model})")
     engine = AsyncEngineClient(EngineConfig.from_kwargs(model, **settings.engine_args()), log_level=logging.WARNING)
     try:

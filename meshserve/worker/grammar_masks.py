@@ -5,10 +5,9 @@ The masks of a step depend only on tokens known before it (the outputs so far, a
 so they are computed on a thread while the model runs the forward pass and applied to the logits after it
 (`StepMasks`): the thread first hands each matcher the tokens sampled since its last step, then llguidance
 fills the masks in native code with the GIL released; the native op (layers/csrc/token_bitmask.cpp) applies
-them. A verification step needs one mask
-per draft position: the matcher walks the drafts the grammar allows, filling each position's mask, and steps
-back; a draft the grammar forbids is then refused by its own row's mask, so verification rejects it (and
-every draft after it) as it rejects any other mismatch.
+them. A verification step needs one mask per draft position: the matcher walks the drafts the grammar
+allows, filling each position's mask, and steps back; a draft the grammar forbids is then refused by its own
+row's mask, so verification rejects it (and every draft after it) as it rejects any other mismatch.
 
 Only the rank that samples (a DP group's driver) keeps matchers; the others receive its tokens.
 """
@@ -102,11 +101,15 @@ class GrammarMasks:
                     if job.drafts:
                         _fill_draft_rows(job.matcher, bitmask, job.row, job.drafts, row_bytes)
                     else:
-                        plain.append((job.matcher, job.row))
+                        plain.append(job)
                 except Exception as exc:  # noqa: BLE001 - one request's grammar fails that request alone
                     failed[job.req_id] = f"computing the grammar mask failed: {exc}"
             if plain:  # the rows at the matchers' own state: in parallel, in native code
-                self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+                self._executor.unsafe_compute_mask_ptr([(job.matcher, job.row) for job in plain], bitmask.data_ptr(),
+                                                       row_bytes, bitmask.shape[0])
+            for job in plain:  # a grammar beyond the limits ends its matcher in an error while its mask is computed
+                if job.matcher.is_error():
+                    failed[job.req_id] = f"computing the grammar mask failed: {_first_line(job.matcher.get_error())}"
         return failed
 
     def refused(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

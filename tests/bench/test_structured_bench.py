@@ -16,7 +16,8 @@ from meshserve.entrypoints.cli import main
                                                 (["--batch-sizes", "1,x"], "--batch-sizes must be integers"),
                                                 (["--batch-sizes", "0"], "--batch-sizes must be at least 1"),
                                                 (["--output-len", "2"], "--output-len must be at least 3"),
-                                                (["--model", "/no/such/dir"], "is not a model directory")])
+                                                (["--model", "/no/such/dir"], "is not a model directory"),
+                                                (["--preset", "huge"], "--preset must be tiny or small")])
 def test_bad_arguments_are_one_line_errors(flags, message, capsys):
     assert main(["bench", "structured", *flags]) == 2
     err = capsys.readouterr().err
