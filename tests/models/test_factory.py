@@ -297,8 +297,11 @@ def test_chat_template_renders_turns_with_role_tokens(two_layer_models):
     assert ids[0] == special[tok.BOS_TOKEN] and ids.count(special[tok.BOS_TOKEN]) == 1
     assert ids.count(special[tok.END_OF_TURN_TOKEN]) == 2
     assert ids[-2:] == [special[tok.ASSISTANT_TOKEN], tokenizer.convert_tokens_to_ids(tokenizer.tokenize("\n"))[0]]
-    with pytest.raises(Exception, match="tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="critic"):
+        tokenizer.apply_chat_template([{"role": "critic", "content": "x"}], tokenize=False)
+    tool_result = tokenizer.apply_chat_template([{"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+                                                tokenize=False)
+    assert tool_result == tok.BOS_TOKEN + "<|user|>\n<tool_result>sunny</tool_result>" + tok.END_OF_TURN_TOKEN
 
     generation = json.loads((two_layer_models["deepseek_v3"] / "generation_config.json").read_text())
     config = json.loads((two_layer_models["deepseek_v3"] / "config.json").read_text())
