@@ -82,11 +82,11 @@ _STOP_SCHEMA = {"anyOf": [
 _TEXT_PART_SCHEMA = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
                      "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]}
-# fields accepted only at their neutral value
 _LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
                                   "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                            "maximum": MAX_LOGIT_BIAS}},
                                  {"type": "null"}]}
+# fields accepted only at their neutral value
 _NULL_SCHEMA = {"type": "null"}
 
 
@@ -233,7 +233,7 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("suffix")
     @classmethod
-    def _no_fill_in_the_middle(cls, value: str | None) -> None:
+    def _no_fill_in_the_middle(cls, value: str | None) -> str | None:
         if value is not None:
             raise ValueError("the served models have no fill-in-the-middle tokens, so a suffix cannot be honoured")
         return value

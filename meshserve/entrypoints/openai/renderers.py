@@ -139,12 +139,11 @@ class ChatRenderer(Renderer):
     def _delta_choice(self, index: int, choice: CompletionOutput, finish: str | None) -> dict[str, Any]:
         output = self._outputs.setdefault(index, self._choice_output())
         delta = output.feed(choice.text_delta)
-        calls_before = output.num_calls - len(delta.tool_calls)
-        if finish:
+        if finish:  # what the parsers held back comes with the last chunk
             rest = output.finish()
             delta = MessageDelta(delta.reasoning + rest.reasoning, delta.content + rest.content,
                                  delta.tool_calls + rest.tool_calls, delta.arguments + rest.arguments)
-            calls_before = output.num_calls - len(delta.tool_calls)
+        calls_before = output.num_calls - len(delta.tool_calls)
         logprobs = None
         if self.num_logprobs is not None and choice.logprobs_delta:
             logprobs = chat_logprobs(choice.logprobs_delta, self.num_logprobs)

@@ -130,11 +130,12 @@ class ServingBase:
         if found is None:
             return None
         spec, param = found
-        await self._tokenizing(check_structured_outputs, spec, param, self._grammar_compiler())
+        await self._tokenizing(lambda: check_structured_outputs(spec, param, self._grammar_compiler()))
         return spec
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        """The API's own compiler of the model's grammars (built on the first constrained request)."""
+        """The API's own compiler of the model's grammars (built on the first constrained request, on the
+        tokenizer's thread: that takes about a second, which the event loop must not wait for)."""
         if self.context.grammar_compiler is None:
             self.context.grammar_compiler = grammar_compiler_for(self.engine.tokenizer)
         return self.context.grammar_compiler
