@@ -2,18 +2,20 @@
 masks of the tokens each sampled row may take.
 
 The masks of a step depend only on tokens known before it (the outputs so far, and the drafts it verifies),
-so they are computed on a thread while the model runs the forward pass and applied to the logits after it
-(`StepMasks`): the thread first hands each matcher the tokens sampled since its last step, then llguidance
-fills the masks in native code with the GIL released; the native op (layers/csrc/token_bitmask.cpp) applies
-them. A verification step needs one mask per draft position: the matcher walks the drafts the grammar
-allows, filling each position's mask, and steps back; a draft the grammar forbids is then refused by its own
-row's mask, so verification rejects it (and every draft after it) as it rejects any other mismatch.
+so they are computed while the model runs the forward pass, on a thread, where a core is left over for it
+(otherwise just before it), and applied to the logits after it (`StepMasks`). First each matcher takes the
+tokens sampled since its last step, then llguidance fills the masks in native code with the GIL released;
+the native op (layers/csrc/token_bitmask.cpp) applies them. A verification step needs one mask per draft
+position: the matcher walks the drafts the grammar allows, filling each position's mask, and steps back; a
+draft the grammar forbids is then refused by its own row's mask, so verification rejects it (and every draft
+after it) as it rejects any other mismatch.
 
 Only the rank that samples (a DP group's driver) keeps matchers; the others receive its tokens.
 """
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,6 +42,9 @@ class GrammarMasks:
         self.words = (vocab_size + _BITS - 1) // _BITS  # int32 words per mask row
         self._compiler = compiler
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        # beside the forward pass only where a core is left over: on cores torch's threads all use, the mask thread
+        # preempts one of them and every parallel op waits for that straggler, which costs more than the masks
+        self.overlap = (os.cpu_count() or 1) > torch.get_num_threads()
         self._executor = llguidance.LLExecutor()
         # byte value -> its 8 bits as "refused" flags: unpacks a mask in one gather (the torch path)
         self._refused_bits = ~((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
@@ -84,7 +89,11 @@ class GrammarMasks:
             return None
         bitmask = torch.full((row, self.words), -1, dtype=torch.int32)
         rows = [job.row + j for job in jobs for j in range(len(job.drafts) + 1)]
-        return StepMasks(self._thread.submit(self._fill, jobs, bitmask), bitmask, rows, self)
+        if self.overlap:
+            return StepMasks(self._thread.submit(self._fill, jobs, bitmask), bitmask, rows, self)
+        done: Future = Future()
+        done.set_result(self._fill(jobs, bitmask))
+        return StepMasks(done, bitmask, rows, self)
 
     def _fill(self, jobs: list[_MaskJob], bitmask: torch.Tensor) -> dict[str, str]:
         """Fill the jobs' rows; the requests whose masks failed, and why (their rows stay unmasked: the step

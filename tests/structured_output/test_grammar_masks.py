@@ -25,9 +25,10 @@ def tokenizer() -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer(TOKENIZER_FILE.read_text(encoding="utf-8"), n_vocab=VOCAB_SIZE, eos_token=EOS)
 
 
-@pytest.fixture
-def masks(tokenizer):
+@pytest.fixture(params=[True, False], ids=["beside the forward pass", "before it"])
+def masks(tokenizer, request):
     grammar = GrammarMasks("unused", VOCAB_SIZE, EOS, compiler=GrammarCompiler(tokenizer))
+    grammar.overlap = request.param  # on a thread of its own where a core is free, else inline
     # the torch path: building the native op starts a compiler, which this tier does not (tests/layers compares
     # the two paths)
     with cpu_kernels.disabled():
