@@ -35,25 +35,28 @@ class ChatPrompt:
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """The rendered conversation (and the tools it may call) and its token ids; special-token text in any
-    content stays text. Tools and earlier tool calls are rendered by the template as they are, so special-token
-    text in them is refused (ChatTemplateError)."""
+    content stays text. Tools, earlier tool calls and the template's own variables (`template_kwargs`, e.g.
+    Qwen3's `enable_thinking`) are rendered by the template as they are, so special-token text in them is
+    refused (ChatTemplateError)."""
     specials = special_token_texts(tokenizer)
-    _refuse_special_text(tools, [m.get("tool_calls") for m in messages], specials)
-    text = _render(tokenizer, messages, add_generation_prompt, tools)
+    _refuse_special_text([tools, [m.get("tool_calls") for m in messages], template_kwargs], specials)
+    extra = {"tools": tools or None, **(template_kwargs or {})}
+    text = _render(tokenizer, messages, add_generation_prompt, extra)
     if not any(token in m["content"] for m in messages for token in specials):
         return ChatPrompt(text, list(tokenizer.encode(text, add_special_tokens=False)))
-    return _encode_with_plain_content(tokenizer, messages, add_generation_prompt, text, tools)
+    return _encode_with_plain_content(tokenizer, messages, add_generation_prompt, text, extra)
 
 
-def _refuse_special_text(tools: Any, tool_calls: Any, specials: tuple[str, ...]) -> None:
-    """Tools and tool calls reach the prompt through the template, not as content: a control token written in
-    them would be one (a caller posing as the system)."""
-    text = json.dumps([tools, tool_calls], ensure_ascii=False)
+def _refuse_special_text(parts: Any, specials: tuple[str, ...]) -> None:
+    """Tools, tool calls and template variables reach the prompt through the template, not as content: a
+    control token written in them would be one (a caller posing as the system)."""
+    text = json.dumps(parts, ensure_ascii=False)
     found = next((token for token in specials if token in text), None)
     if found is not None:
-        raise ChatTemplateError(f"The tools or tool calls contain the model's control token {found!r}.")
+        raise ChatTemplateError(f"The tools, tool calls or chat_template_kwargs contain the model's control token "
+                                f"{found!r}.")
 
 
 def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
@@ -68,20 +71,21 @@ def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-            tools: list[dict[str, Any]] | None = None) -> str:
+            extra: dict[str, Any] | None = None) -> str:
+    """`extra`: what else the template reads (the tools, the caller's template variables)."""
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **(extra or {}))
     except Exception as exc:  # no template, or the template rejects the conversation
         raise ChatTemplateError(f"The messages cannot be rendered with the model's chat template: {exc}") from exc
 
 
 def _encode_with_plain_content(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                               text: str, tools: list[dict[str, Any]] | None) -> ChatPrompt:
+                               text: str, extra: dict[str, Any]) -> ChatPrompt:
     """Template parts tokenized with control tokens, contents as plain text, in the template's order."""
     nonce = uuid.uuid4().hex
     marked = [{**m, "content": f"\x00{nonce}:{i}\x00"} for i, m in enumerate(messages)]
-    skeleton = _render(tokenizer, marked, add_generation_prompt, tools)
+    skeleton = _render(tokenizer, marked, add_generation_prompt, extra)
     contents = _contents_as_rendered(messages, skeleton, nonce, text)
     pieces = re.split(f"\x00{nonce}:(\\d+)\x00", skeleton)
     token_ids: list[int] = []

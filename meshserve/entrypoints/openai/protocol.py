@@ -337,6 +337,15 @@ class ChatMessage(StrictModel):
         return message
 
 
+# what the server itself hands the chat template, and apply_chat_template's own parameters: a request cannot
+# replace these through chat_template_kwargs
+_TEMPLATE_OWN_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "tokenizer", "bos_token",
+    "eos_token", "raise_exception"})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
@@ -345,6 +354,18 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: variables the chat template reads (Qwen3's `enable_thinking`, ...)
+    chat_template_kwargs: dict[str, str | bool | int | float | None] | None = Field(None, max_length=16)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name, setting in (value or {}).items():
+            if not name.isidentifier() or name in _TEMPLATE_OWN_VARIABLES:
+                raise ValueError(f"{name!r} is not a template variable a request may set")
+            if isinstance(setting, str) and len(setting) > 1024:
+                raise ValueError(f"{name} is longer than 1024 characters")
+        return value
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

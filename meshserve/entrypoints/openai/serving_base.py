@@ -176,10 +176,11 @@ class ServingBase:
         return list(token_ids)
 
     def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                     tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (and the tools it may call)."""
         try:
-            prompt = encode_chat(self.engine.tokenizer, messages, add_generation_prompt, tools)
+            prompt = encode_chat(self.engine.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from exc
         return prompt.text, prompt.token_ids

@@ -58,7 +58,8 @@ class ChatServing(ServingBase):
         self._check_message_chars(messages, template_tools)
         # the cached conversation first, rendered together with the new messages
         # the template writes the control tokens (BOS, role markers); message contents stay plain text
-        text, token_ids = await self._tokenizing(self._render_chat, cached_messages + messages, True, template_tools)
+        text, token_ids = await self._tokenizing(self._render_chat, cached_messages + messages, True, template_tools,
+                                                 req.chat_template_kwargs)
         if not token_ids:
             raise bad_request("The messages render to an empty prompt.", param="messages")
         if structured is not None and self.reasoning is not None and thinking_follows(text):

@@ -285,3 +285,20 @@ def test_a_suffix_is_refused_naming_the_field():
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "def f(", "suffix": "return x"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
     assert "fill-in-the-middle" in response.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_its_own():
+    client, engine = _client("fine")
+    engine.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                      "{% if enable_thinking is false %}<think></think>{% endif %}")
+    with client:
+        for kwargs, ending in [({"enable_thinking": False}, "<think></think>"), ({}, "Hi")]:
+            response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+                {"role": "user", "content": "Hi"}], "chat_template_kwargs": kwargs})
+            assert response.status_code == 200, response.text
+            assert engine.calls[-1]["prompt"].endswith(ending)
+        for kwargs in [{"add_generation_prompt": False}, {"truncation": True}, {"not an identifier": 1},
+                       {"note": "</s>"}]:
+            response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+                {"role": "user", "content": "Hi"}], "chat_template_kwargs": kwargs})
+            assert response.status_code == 400, (kwargs, response.text)
