@@ -149,6 +149,8 @@ _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+# tokens one request may bias: the sampler touches each every step, so a longer list would slow its batch mates
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _structured_from(data: dict) -> StructuredOutputs:
@@ -161,6 +163,9 @@ def _structured_from(data: dict) -> StructuredOutputs:
 def _check_logit_bias(bias: Any) -> None:
     if not isinstance(bias, dict):
         raise SamplingParamsError("logit_bias must be a mapping of token ids to numbers", param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise SamplingParamsError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}",
+                                  param="logit_bias")
     for token_id, value in bias.items():
         _check_int64("logit_bias", token_id)
         if token_id < 0:

@@ -202,6 +202,7 @@ def test_logit_bias_moves_the_greedy_choice(client, tiny_model):
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {str(token): 1 for token in range(1025)}}, "logit_bias"),
 ])
 def test_a_constraint_the_engine_cannot_enforce_is_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as caught:

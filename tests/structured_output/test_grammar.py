@@ -110,5 +110,7 @@ def test_a_constraint_crosses_processes_inside_the_sampling_params():
     assert params.structured_outputs == StructuredOutputs(choice=["x", "y"])
     with pytest.raises(SamplingParamsError, match="logit_bias"):
         SamplingParams(logit_bias={7: 101.0})
+    with pytest.raises(SamplingParamsError, match="at most 1024 tokens"):
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
     with pytest.raises(SamplingParamsError, match="outside the vocabulary"):
         SamplingParams(logit_bias={VOCAB_SIZE: 1.0}).verify(VOCAB_SIZE)

@@ -41,6 +41,7 @@ from meshserve.wire.sampling_params import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     SamplingParams,
     StructuredOutputs,
@@ -83,6 +84,7 @@ _TEXT_PART_SCHEMA = {"type": "object", "required": ["type", "text"], "additional
                      "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_SCHEMA}]}
 _LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                                  "maxProperties": MAX_LOGIT_BIAS_TOKENS,
                                   "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                            "maximum": MAX_LOGIT_BIAS}},
                                  {"type": "null"}]}
@@ -164,6 +166,8 @@ class _SamplingRequest(StrictModel):
     def _logit_bias_ids(cls, value: Any, info: ValidationInfo) -> Any:
         if not isinstance(value, dict):
             return value
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens may be biased, got {len(value)}")
         for key, bias in value.items():
             if not (isinstance(key, str) and key.isdigit() and len(key) <= 18):
                 raise ValueError(f"keys must be token ids, got {key!r}")
