@@ -646,22 +646,6 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _follow_chat_template(model_dir: Path) -> None:
-    """A cached default model takes the house chat template as it is now (a model written before the template
-    learnt tools would otherwise never render them); the weights and the tokenizer are untouched."""
-    config_path = model_dir / "tokenizer_config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if config.get("chat_template") != tok.chat_template():
-        config["chat_template"] = tok.chat_template()
-        staging = config_path.with_suffix(".json.tmp")
-        staging.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        staging.replace(config_path)  # atomic: a process reading it sees the old file or the new one
-        logger.info("updated the chat template of %s", model_dir)
-
-
 def ensure_default_model(arch: str = "deepseek_v3", preset: str = "tiny") -> Path:
     """`<cache>/models/<arch>-<preset>`, written once (seed 0) and reused by later calls and processes."""
     preset_config(arch, preset)  # fail fast on bad names
@@ -669,7 +653,7 @@ def ensure_default_model(arch: str = "deepseek_v3", preset: str = "tiny") -> Pat
     target = models_dir / f"{arch}-{preset}"
     if (target / "config.json").is_file():
         logger.info("reusing cached model %s", target)
-        _follow_chat_template(target)
+        tok.follow_chat_template(target)
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     # The lock makes a second process wait for the first one's write instead of repeating it.

@@ -8,6 +8,7 @@ comments). The committed file was trained on CPython 3.11's standard library.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sysconfig
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 TOKENIZER_FILE = ASSETS_DIR / "tokenizer.json"
 CHAT_TEMPLATE_FILE = ASSETS_DIR / "chat_template.json"
@@ -175,6 +177,22 @@ def write_tokenizer_files(out_dir: str | Path, model_max_length: int) -> None:
     shutil.copyfile(TOKENIZER_FILE, out_dir / "tokenizer.json")
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(model_max_length))
     _write_json(out_dir / "special_tokens_map.json", special_tokens_map())
+
+
+def follow_chat_template(model_dir: str | Path) -> None:
+    """A model written earlier takes the house chat template as it is now (one written before the template
+    learnt tools would otherwise never render them); the weights and the tokenizer are untouched."""
+    config_path = Path(model_dir) / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if config.get("chat_template") != chat_template():
+        config["chat_template"] = chat_template()
+        staging = config_path.with_suffix(".json.tmp")
+        _write_json(staging, config)
+        staging.replace(config_path)  # atomic: a process reading it sees the old file or the new one
+        logger.info("updated the chat template of %s", model_dir)
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from meshserve.layers import cpu_kernels
 from meshserve.structured_output.compiler import GrammarCompiler, load_ll_tokenizer
+from meshserve.structured_output.grammar import first_lines
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.worker.request_state import RequestState, StepSeq
 
@@ -157,7 +158,7 @@ def _constraint_started(state: RequestState) -> bool:
 
 
 def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "no reason given"
+    return first_lines(text, limit=1) or "no reason given"
 
 
 def _fill_draft_rows(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int, drafts: list[int],

@@ -373,6 +373,6 @@ def test_presets_cover_every_arch_and_size():
 def test_a_cached_default_model_takes_the_current_chat_template(tmp_path):
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{{ messages }}"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    factory._follow_chat_template(tmp_path)
+    tok.follow_chat_template(tmp_path)
     updated = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert updated == {**config, "chat_template": tok.chat_template()}
