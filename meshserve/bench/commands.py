@@ -59,6 +59,12 @@ BENCH_COMMANDS = (
     ("disagg", "attention-expert disaggregation against colocated DP/EP on the same ranks: tokens/s and step time "
                "per DP domain count and emulated link latency, and a timeline of the domains taking turns",
      "meshserve.bench.disagg:add_disagg_arguments"),
+    ("llama-cpp", "meshserve against llama.cpp (built from the llama-cpp-python sdist) on the same model and shapes: "
+                   "decode and prefill tokens/s per batch size, float32 vs f32 and INT8 vs Q8_0",
+     "meshserve.bench.llama_cpp:add_llama_cpp_arguments"),
+    ("step-profile", "where a batch-1 decode step's time goes, end to end: the worker's and the master's parts per "
+                      "step from py-spy samples, and the worker's flame graph",
+     "meshserve.bench.step_profile:add_step_profile_arguments"),
     ("structured", "decoding under a JSON schema against free decoding at each batch size (tokens/s and their "
                    "ratio), and the first-token latency of a new schema, a cached one and a free request",
      "meshserve.bench.structured:add_structured_arguments"),

@@ -252,6 +252,16 @@ class FusedMoEWeights(torch.nn.Module):
                 self._packed = (w13, [pack_weight(self.w2[e]) for e in range(self.num_slots)])
         return self._packed
 
+    def native_tensors(self) -> list[torch.Tensor] | None:
+        """The slots as the fused decode ops take them (csrc/decode_layer.cpp): float32 w13 and w2 packed and four
+        empty tensors, or INT8 w13 blocks, compensation and scales, then w2's; None where they are not packed."""
+        if self._int8_native is not None:
+            w13, w2 = self._int8_native
+            return [w13.blocks, w13.compensation, self.w13_scale, w2.blocks, w2.compensation, self.w2_scale]
+        if self._native is not None:
+            return [*self._native, *[torch.empty(0)] * 4]
+        return None
+
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Top-k weighted output over the held slots (a partial sum under MoE TP); ids are global slot ids."""
         if self.is_int8:

@@ -46,6 +46,7 @@ from meshserve.layers.tensor_parallel import (
     vocab_parallel_logits,
 )
 from meshserve.models.base import CausalLM, RoutedExperts
+from meshserve.models.fused_decode import FusedDecode
 from meshserve.models.microbatch import Stages, StageTimeline, interleave, split_batch
 from meshserve.moe.balancer import ExpertBalancer
 from meshserve.moe.runtime import MoERuntime, rank_expert_range
@@ -492,6 +493,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         moe_blocks = {i: layer.mlp for i, layer in enumerate(self.layers) if isinstance(layer.mlp, DeepseekV3MoE)}
         self.expert_balancer = ExpertBalancer(moe_blocks) if moe_blocks else None
         self.stage_timeline: StageTimeline | None = None  # the benchmark's record of the micro-batches' stages
+        self.fused_decode = FusedDecode(self.layers)  # all-decode steps as two native calls per layer
 
     @property
     def num_mtp_layers(self) -> int:
@@ -535,6 +537,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         if microbatches == 2:
             return self.norm(torch.cat(self._two_microbatches(hidden_states, cos, sin, attn, kv_caches)))
+        if self.fused_decode.takes(hidden_states, attn, kv_caches):
+            return self.norm(self.fused_decode(hidden_states, cos, sin, attn, kv_caches))
         plan = MLABatchPlan.build(attn, hidden_states.dtype, hidden_states.device)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states = layer(hidden_states, cos, sin, plan, kv_cache)

@@ -56,6 +56,9 @@ MESHSERVE_CACHE = EnvVar(
 MESHSERVE_CPU_KERNELS = EnvVar(
     "MESHSERVE_CPU_KERNELS", "1",
     "0 turns the native CPU kernels off (the torch path runs instead)")
+MESHSERVE_FUSED_DECODE = EnvVar(
+    "MESHSERVE_FUSED_DECODE", "1",
+    "0 runs decode steps layer by layer in Python ops instead of the fused native layer ops")
 MASTER_ADDR = EnvVar(
     "MASTER_ADDR", None,
     "`meshserve worker`: the master's host when `--engine` is not given (torch's name for it)")
@@ -92,7 +95,8 @@ MESHSERVE_NULL_MODEL_MS = EnvVar(
     "(ms, 0: none) and making up its tokens, so what a step costs beyond it is the control plane around the model")
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
-    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE, MASTER_ADDR, RANK,
+    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_FUSED_DECODE, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE,
+    MASTER_ADDR, RANK,
     MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS, MESHSERVE_A2E_TIMELINE,
     MESHSERVE_NULL_MODEL_MS,
 )
@@ -124,6 +128,10 @@ def cache_dir() -> Path:
 
 def cpu_kernels_enabled() -> bool:
     return MESHSERVE_CPU_KERNELS.get() != "0"
+
+
+def fused_decode_enabled() -> bool:
+    return MESHSERVE_FUSED_DECODE.get() != "0"
 
 
 def num_threads() -> int | None:

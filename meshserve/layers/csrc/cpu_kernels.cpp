@@ -582,6 +582,28 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
 
 }  // namespace
 
+// The kernels above as the fused decode layer calls them (decode_layer.cpp), without the dispatcher.
+namespace meshserve_kernels {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+void rotary(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  ::rotary_(x, cos, sin, interleaved);
+}
+std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& logits, const at::Tensor& bias, int64_t top_k,
+                                                int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+                                                double routed_scaling_factor) {
+  return ::grouped_topk(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor);
+}
+void grouped_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out) { ::grouped_linear(x, w, out); }
+at::Tensor moe_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       int64_t first_slot, const at::Tensor& w13, const at::Tensor& w2) {
+  return ::moe_forward(hidden, topk_ids, topk_weights, first_slot, w13, w2);
+}
+at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                      const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
+  return ::mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank);
+}
+}  // namespace meshserve_kernels
+
 TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("moe_experts(Tensor xs, Tensor offsets, Tensor w13, Tensor w2) -> Tensor");
   m.def("moe_forward(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int first_slot, Tensor w13, Tensor w2) -> Tensor");

@@ -536,6 +536,20 @@ bool int8_vnni() {
 
 }  // namespace
 
+// The kernels above as the fused decode layer calls them (decode_layer.cpp), without the dispatcher.
+namespace meshserve_kernels {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale) {
+  return ::int8_linear(x, w, comp, scale, c10::nullopt);
+}
+at::Tensor int8_moe_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            int64_t first_slot, const at::Tensor& w13, const at::Tensor& w13_comp,
+                            const at::Tensor& w13_scale, const at::Tensor& w2, const at::Tensor& w2_comp,
+                            const at::Tensor& w2_scale) {
+  return ::int8_moe_forward(hidden, topk_ids, topk_weights, first_slot, w13, w13_comp, w13_scale, w2, w2_comp,
+                            w2_scale);
+}
+}  // namespace meshserve_kernels
+
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor comp, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int8_moe_forward(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int first_slot, Tensor w13, "
