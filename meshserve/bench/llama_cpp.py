@@ -16,7 +16,6 @@ be built here the run measures meshserve alone and says why.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -49,7 +48,6 @@ _FULL = {"preset": "small", "batch_sizes": "1,16,64", "prompt_len": 256, "output
 _QUICK = {"preset": "tiny", "batch_sizes": "1,2", "prompt_len": 16, "output_len": 8, "rounds": 1}
 _ERRORS = (ConfigError, EngineStartupError, EngineDeadError, OSError, RuntimeError, TimeoutError)
 RUN_TIMEOUT_S = 3600
-FUSED_DECODE_VAR = envs.MESHSERVE_FUSED_DECODE.name
 
 
 def add_llama_cpp_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +199,8 @@ def run_llama_cpp_benchmark(settings: LlamaCppSettings) -> dict:
             engine, fmt = every_side[name]
             if engine == "meshserve":
                 started = time.perf_counter()
-                with _fused_decode(name not in PER_OP_SIDES):  # the engine's processes take the environment
+                # the engine's processes take the environment
+                with envs.MESHSERVE_FUSED_DECODE.set_to("0" if name in PER_OP_SIDES else "1"):
                     engines[name] = LLM(model, **engine_kwargs(settings, fmt))
                 engines[name].generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # first calls
                 _progress(f"{name} ready in {time.perf_counter() - started:.1f} s")
@@ -219,19 +218,6 @@ def run_llama_cpp_benchmark(settings: LlamaCppSettings) -> dict:
         for llm in engines.values():
             llm.shutdown()
     return _result(settings, model, sides, rounds, skipped)
-
-
-@contextlib.contextmanager
-def _fused_decode(on: bool):
-    saved = os.environ.get(FUSED_DECODE_VAR)
-    os.environ[FUSED_DECODE_VAR] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(FUSED_DECODE_VAR)
-        else:
-            os.environ[FUSED_DECODE_VAR] = saved
 
 
 def _result(settings: LlamaCppSettings, model: str, sides: list[str], rounds: list[dict], skipped: str | None) -> dict:
