@@ -69,15 +69,16 @@ at::Tensor mla_decode_attention(const at::Tensor& hidden, const at::Tensor& cos,
                                 const at::Tensor& cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                                 const at::Tensor& slots, at::TensorList w, at::IntArrayRef dims,
                                 at::ArrayRef<double> f) {
-  TORCH_CHECK(w.size() == 14 && dims.size() == 8 && f.size() == 4, "mla_decode_attention: 14 weights, 8 dims, 4 "
-              "floats");
+  TORCH_CHECK(w.size() == 14 && dims.size() == 8 && f.size() == 4,
+              "mla_decode_attention: 14 weights, 8 dims, 4 floats");
   TORCH_CHECK(hidden.dtype() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
               "mla_decode_attention takes float32 hidden states [B, hidden]");
   const int64_t heads = dims[0], nope = dims[1], rope = dims[2], c = dims[3], v = dims[4], q_in = dims[5];
   const bool interleaved = dims[6] != 0, q_lora = dims[7] != 0;
   const int64_t batch = hidden.size(0);
   auto qkv = linear(mk::rms_norm(hidden, w[0], f[0]), w, 1);  // [B, q_in + c + rope]
-  auto q = q_lora ? linear(mk::rms_norm(qkv.narrow(1, 0, q_in), w[4], f[1]), w, 5) : qkv.narrow(1, 0, q_in).contiguous();
+  auto q = q_lora ? linear(mk::rms_norm(qkv.narrow(1, 0, q_in), w[4], f[1]), w, 5)
+                  : qkv.narrow(1, 0, q_in).contiguous();
   q = q.view({batch, heads, nope + rope});
   auto k_pe = qkv.narrow(1, q_in + c, rope);
   mk::rotary(q.narrow(2, nope, rope), cos, sin, interleaved);
