@@ -196,6 +196,17 @@ def test_native_int8_decode_refuses_mismatched_inputs():
         kv_quant.mla_decode_int8(q, cache, table, torch.tensor([17]), 1.0, 64)
 
 
+def test_the_kernel_benchmark_times_both_kernels_on_the_same_entries():
+    """`python -m meshserve.bench.kv_int8_kernel` at its smallest shape: both kernels timed, their outputs within
+    the INT8 cache's rounding of each other (timings are never compared)."""
+    from meshserve.bench.kv_int8_kernel import format_table, measure
+
+    row = measure(batch=2, context=40, repeats=2)
+    assert row["fp32_ms"] > 0 and row["int8_ms"] > 0 and row["ratio"] == row["fp32_ms"] / row["int8_ms"]
+    assert 0 < row["max_abs_diff"] < 0.05  # quantized entries: close, never equal
+    assert format_table([row]).splitlines()[1].split()[:2] == ["2", "40"]
+
+
 # ---------------------------------------------------------------- the models on an INT8 cache
 
 SEQS = [7, 30, 17]  # prompt lengths; the second is prefilled in two chunks (12 + 18), then all decode

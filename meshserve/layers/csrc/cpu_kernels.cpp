@@ -81,6 +81,11 @@ inline vec load(const float* p) {
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
 inline vec splat(float s) { return vec{} + s; }
+
+constexpr int64_t kLineFloats = 64 / sizeof(float);
+inline float* align_to_line(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
 inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 inline vec vmin(vec a, vec b) { return a < b ? a : b; }
 
@@ -517,18 +522,21 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
   const int64_t groups = (heads + kLanes - 1) / kLanes;
 
   parallel_tasks(batch * groups, [&](int64_t task) {
-    thread_local std::vector<float> qt, acc;  // per thread, reused by its tasks
-    qt.resize(dim * kLanes);
-    acc.resize(kLanes * kv_lora_rank);
+    thread_local std::vector<float> qt_buffer, acc_buffer;  // per thread, reused by its tasks
+    // on cache-line boundaries: malloc's 16-byte alignment would split every vector load in two
+    qt_buffer.resize(dim * kLanes + kLineFloats);
+    acc_buffer.resize(kLanes * kv_lora_rank + kLineFloats);
+    float* qt = align_to_line(qt_buffer.data());
+    float* acc = align_to_line(acc_buffer.data());
     float probs[kLanes][kLanes], alpha[kLanes];
     vec s[kLanes];
     const int64_t b = task / groups, h0 = (task % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
     const int64_t len = sl[b];
     // the group's query, transposed to [D][kLanes heads] and scaled (padding heads are zero)
-    std::fill(qt.begin(), qt.end(), 0.0f);
+    std::fill(qt, qt + dim * kLanes, 0.0f);
     for (int64_t h = 0; h < hg; ++h)
       for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + h] = pq[(b * heads + h0 + h) * dim + d] * float(scale);
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc, acc + kLanes * kv_lora_rank, 0.0f);
     vec m = splat(-FLT_MAX), l = {};
     int tokens = 0;
     for (int64_t t0 = 0; t0 < len; t0 += tokens) {
@@ -545,11 +553,11 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
       }
       if (tokens == kLanes && dim % kLanes == 0) {
         const float* mid = nkv + std::min(n, int64_t(kLanes / 2) * dim);
-        score_tile<kLanes / 2>(qt.data(), kv, dim, s, nkv, mid);
-        score_tile<kLanes / 2>(qt.data(), kv + kLanes / 2 * dim, dim, s + kLanes / 2, mid, nkv + n);
+        score_tile<kLanes / 2>(qt, kv, dim, s, nkv, mid);
+        score_tile<kLanes / 2>(qt, kv + kLanes / 2 * dim, dim, s + kLanes / 2, mid, nkv + n);
       } else {
         for (int64_t i = 0; i < n; i += kLanes) __builtin_prefetch(nkv + i);
-        score_tail(qt.data(), kv, dim, tokens, s);
+        score_tail(qt, kv, dim, tokens, s);
       }
       vec tile_max = s[0];
       for (int t = 1; t < tokens; ++t) tile_max = vmax(tile_max, s[t]);
@@ -564,9 +572,9 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
       m = m_new;
       store(alpha, rescale);
       int64_t h = 0;
-      for (; h + 2 <= hg; h += 2) accumulate_pv<2>(acc.data() + h * kv_lora_rank, kv_lora_rank, alpha + h,
+      for (; h + 2 <= hg; h += 2) accumulate_pv<2>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h,
                                                    &probs[0][h], kv, dim, tokens);
-      if (h < hg) accumulate_pv<1>(acc.data() + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], kv, dim,
+      if (h < hg) accumulate_pv<1>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], kv, dim,
                                    tokens);
     }
     float norm[kLanes];
