@@ -1,6 +1,7 @@
 """The native CPU kernels (cpu_kernels.py) against plain torch, op by op and through a model."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -180,6 +181,33 @@ def test_mla_decode_other_latent_widths_and_odd_head_groups(kv_lora_rank, rope):
     # entries of 40 numbers (not whole vectors), latent chunks of 8 and 1 vectors, DeepSeek-V3's own
     # sizes; 17 heads leave one head in the second group
     check_mla_decode(16, 17, kv_lora_rank, rope)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("length", [5, 300, 600, 1037])
+def test_mla_decode_of_one_sequence_splits_its_context_over_the_threads(length):
+    """Batch 1, one head group: from 512 tokens on the context is split into parts on both threads, each part's
+    softmax state combined afterwards (a part need not start on a block or a tile edge)."""
+    block_size, heads, kv_lora_rank, rope = 16, 12, 64, 16
+    g = torch.Generator().manual_seed(length)
+    num_blocks = -(-length // block_size) + 3
+    cache = torch.randn(num_blocks, block_size, kv_lora_rank + rope, generator=g)
+    block_table = torch.randperm(num_blocks, generator=g).view(1, num_blocks)
+    q = torch.randn(1, heads, kv_lora_rank + rope, generator=g)
+    seq_lens = torch.tensor([length])
+    with torch_threads(2):
+        got = cpu_kernels.mla_decode(q, cache, block_table, seq_lens, 0.4, kv_lora_rank)
+    want = mla_reference(q, cache, block_table, seq_lens, 0.4, kv_lora_rank)
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("rows", [1, 29])

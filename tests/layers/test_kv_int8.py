@@ -185,6 +185,26 @@ def test_native_int8_decode_equals_the_dequantized_reference(block_size):
     assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("length", [300, 600, 1037])
+def test_native_int8_decode_of_one_sequence_splits_its_context_over_the_threads(length):
+    """Batch 1, one head group: from 512 tokens on, parts of the context on both threads, combined."""
+    g = torch.Generator().manual_seed(length)
+    block_size, heads = 16, 12
+    num_blocks = -(-length // block_size) + 3
+    entries = torch.randn(num_blocks * block_size, 80, generator=g)
+    cache = kv_quant.quantize(entries, MLA_PARTS).view(num_blocks, block_size, 84)
+    table = torch.randperm(num_blocks, generator=g).view(1, num_blocks)
+    q, seq_lens = torch.randn(1, heads, 80, generator=g), torch.tensor([length])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64)
+    finally:
+        torch.set_num_threads(before)
+    want = reference_decode(q, cache, table, seq_lens, 0.15, 64)
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 def test_native_int8_decode_refuses_mismatched_inputs():
     cache = torch.zeros(4, 8, 84, dtype=torch.int8)
     q, table, lens = torch.zeros(1, 2, 80), torch.tensor([[0, 1]]), torch.tensor([9])

@@ -195,6 +195,43 @@ void accumulate_pv(float* acc, int64_t kv_lora_rank, const float* alpha, const f
   for (; c < kv_lora_rank; c += kLanes) pv_chunk<1, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
 }
 
+constexpr int64_t kMinSplitTokens = 256;  // a context part shorter than this is not worth its combine
+constexpr int64_t kMaxSplits = 64;
+
+// Parts each sequence's context is split into: enough to give every thread a task, none shorter than
+// kMinSplitTokens; 1 where the sequences and head groups already give every thread one.
+int64_t split_count(int64_t tasks, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  if (tasks == 0 || tasks >= threads) return 1;
+  return std::clamp<int64_t>(max_len / kMinSplitTokens, 1, std::min(kMaxSplits, (threads + tasks - 1) / tasks));
+}
+
+// out[b, h] from the `splits` parts of each (sequence, head group): each part holds its unnormalized P·c rows
+// [kLanes][c], then its running max m and sum l per head lane; parts are rescaled to the largest max.
+void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
+                   float* out) {
+  const int64_t part_floats = kLanes * c + 2 * kLanes;
+  for (int64_t bg = 0; bg < num_groups; ++bg) {
+    const int64_t b = bg / groups, h0 = (bg % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
+    const float* state = parts + bg * splits * part_floats;
+    for (int64_t h = 0; h < hg; ++h) {
+      float top = -FLT_MAX, sum = 0.0f, weight[kMaxSplits];
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, state[k * part_floats + kLanes * c + h]);
+      for (int64_t k = 0; k < splits; ++k) {
+        weight[k] = std::exp(state[k * part_floats + kLanes * c + h] - top);
+        sum += weight[k] * state[k * part_floats + kLanes * c + kLanes + h];
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      float* dst = out + (b * heads + h0 + h) * c;
+      for (int64_t i = 0; i < c; ++i) {
+        float value = 0.0f;
+        for (int64_t k = 0; k < splits; ++k) value += weight[k] * state[k * part_floats + h * c + i];
+        dst[i] = value * inv;
+      }
+    }
+  }
+}
+
 at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
   // q [B, heads, D] float32 (absorbed query: latent part then rope part), cache int8 [blocks, block_size,
@@ -229,7 +266,13 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
   float* po = out.data_ptr<float>();
   const int64_t groups = (heads + kLanes - 1) / kLanes;
 
-  parallel_tasks(batch * groups, [&](int64_t task) {
+  // one task per sequence and head group; where that leaves threads idle (batch 1), each sequence's context is
+  // split into parts that run as tasks of their own, their softmax states combined afterwards
+  const int64_t splits = split_count(batch * groups, batch ? *std::max_element(sl, sl + batch) : 0);
+  const int64_t part_floats = kLanes * kv_lora_rank + 2 * kLanes;  // a part's P·c rows, then m and l
+  std::vector<float> parts(splits > 1 ? batch * groups * splits * part_floats : 0);
+
+  parallel_tasks(batch * groups * splits, [&](int64_t task) {
     thread_local std::vector<float> qt_buffer, acc_buffer, tile_buffer;  // per thread, reused by its tasks
     // on cache-line boundaries, so the tile's rows (a multiple of 64 bytes) are read in whole lines: malloc's
     // 16-byte alignment split every vector load in two and made P·c twice as slow
@@ -241,8 +284,10 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
     float* tile = align_to_line(tile_buffer.data());
     float probs[kLanes][kLanes], alpha[kLanes];
     vec s[kLanes];
-    const int64_t b = task / groups, h0 = (task % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
-    const int64_t len = sl[b];
+    const int64_t part = task % splits, b = task / splits / groups, h0 = (task / splits % groups) * kLanes;
+    const int64_t hg = std::min<int64_t>(kLanes, heads - h0), len = sl[b];
+    const int64_t chunk = (len + splits - 1) / splits, begin = std::min(len, part * chunk);
+    const int64_t end = std::min(len, begin + chunk);
     // the group's query, transposed to [D][kLanes heads] and scaled (padding heads are zero)
     std::fill(qt, qt + dim * kLanes, 0.0f);
     for (int64_t h = 0; h < hg; ++h)
@@ -250,18 +295,18 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
     std::fill(acc, acc + kLanes * kv_lora_rank, 0.0f);
     vec m = splat(-FLT_MAX), l = {};
     int tokens = 0;
-    for (int64_t t0 = 0; t0 < len; t0 += tokens) {
+    for (int64_t t0 = begin; t0 < end; t0 += tokens) {
       // a tile is up to kLanes tokens of one block
       const int64_t block = bt[b * table_stride + t0 / block_size], in_block = t0 % block_size;
-      tokens = static_cast<int>(std::min({int64_t(kLanes), len - t0, block_size - in_block}));
+      tokens = static_cast<int>(std::min({int64_t(kLanes), end - t0, block_size - in_block}));
       const int8_t* rows = pc + (block * block_size + in_block) * width;
       const int64_t next = t0 + tokens;
       const int8_t* nrows = nullptr;
       int64_t n = 0;
-      if (next < len) {  // the next tile's rows stream in while this one computes
+      if (next < end) {  // the next tile's rows stream in while this one computes
         const int64_t next_block = bt[b * table_stride + next / block_size];
         nrows = pc + (next_block * block_size + next % block_size) * width;
-        n = std::min({int64_t(kLanes), len - next, block_size - next % block_size}) * width;
+        n = std::min({int64_t(kLanes), end - next, block_size - next % block_size}) * width;
       }
       dequantize_tile(rows, width, tokens, kv_lora_rank, dim, tile, nrows, n);
       for (int t = 0; t < tokens; t += kHalfTile) {
@@ -288,6 +333,13 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
         accumulate_pv<1>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile, dim,
                          tokens);
     }
+    if (splits > 1) {  // this part's state, combined below
+      float* state = parts.data() + task * part_floats;
+      std::copy(acc, acc + kLanes * kv_lora_rank, state);
+      store(state + kLanes * kv_lora_rank, m);
+      store(state + kLanes * kv_lora_rank + kLanes, l);
+      return;
+    }
     float norm[kLanes];
     store(norm, l);
     for (int64_t h = 0; h < hg; ++h) {
@@ -296,6 +348,7 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
       for (int64_t c = 0; c < kv_lora_rank; ++c) dst[c] = acc[h * kv_lora_rank + c] * inv;
     }
   });
+  if (splits > 1) combine_parts(parts.data(), splits, batch * groups, groups, heads, kv_lora_rank, po);
   return out;
 }
 
