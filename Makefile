@@ -18,6 +18,9 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.lock
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	@# the native CPU kernels, compiled now rather than by the first engine (cached per CPU model; where they
+	@# cannot be built the torch path serves and this says why)
+	$(VENV)/bin/python -m meshserve.layers.cpu_kernels
 	@touch $(STAMP)
 
 serve: install

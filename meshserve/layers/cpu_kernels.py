@@ -186,3 +186,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     """softmax(scale * q·entry) · latent over each sequence's paged cache entries: [B, heads, kv_lora_rank]."""
     _require()
     return torch.ops.meshserve_cpu.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+if __name__ == "__main__":  # `python -m meshserve.layers.cpu_kernels`: build (or find) them now, as `make install` does
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("native CPU kernels: " + ("ready" if enabled() else "unavailable, the torch path serves"))
