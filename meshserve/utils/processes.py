@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,11 @@ STOPPED_BY_SIGNAL_EXIT_CODE = 128 + signal.SIGTERM
 # the word in the `ps` line of a forkserver forked from a rank template, before `{"master":PID}`
 FORKSERVER_TITLE = "forkserver"
 _TEMPLATE_REPLY_TIMEOUT_S = 60.0  # a template still importing torch answers once it has
+
+# A process forked by a forkserver re-runs its parent's `-m` main module as `__mp_main__`, and runpy warns that
+# the forkserver's preload already imported it, once per rank. The forked process copies this filter from the
+# forkserver that imported this module.
+warnings.filterwarnings("ignore", message=f"'{RUNNER_MODULE}' found in sys.modules", category=RuntimeWarning)
 
 
 def stopped_on_request(returncode: int | None) -> bool:
