@@ -30,6 +30,15 @@
 #include <utility>
 #include <vector>
 
+// shared with kv_int8.cpp (defined at the end of this file)
+namespace meshserve_kernels {
+int64_t split_count(int64_t tasks, int64_t max_len);
+void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
+                   float* out);
+}  // namespace meshserve_kernels
+using meshserve_kernels::combine_parts;
+using meshserve_kernels::split_count;
+
 namespace {
 
 // kLanes floats per vector; a GEMM tile keeps kMaxTileRows rows x one 32-column block of accumulators in
@@ -500,43 +509,6 @@ void accumulate_pv(float* acc, int64_t kv_lora_rank, const float* alpha, const f
   for (; c < kv_lora_rank; c += kLanes) pv_chunk<1, H>(acc + c, kv_lora_rank, alpha, probs, kv + c, dim, tokens);
 }
 
-constexpr int64_t kMinSplitTokens = 256;  // a context part shorter than this is not worth its combine
-constexpr int64_t kMaxSplits = 64;
-
-// Parts each sequence's context is split into: enough to give every thread a task, none shorter than
-// kMinSplitTokens; 1 where the sequences and head groups already give every thread one.
-int64_t split_count(int64_t tasks, int64_t max_len) {
-  const int64_t threads = at::get_num_threads();
-  if (tasks == 0 || tasks >= threads) return 1;
-  return std::clamp<int64_t>(max_len / kMinSplitTokens, 1, std::min(kMaxSplits, (threads + tasks - 1) / tasks));
-}
-
-// out[b, h] from the `splits` parts of each (sequence, head group): each part holds its unnormalized P·c rows
-// [kLanes][c], then its running max m and sum l per head lane; parts are rescaled to the largest max.
-void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
-                   float* out) {
-  const int64_t part_floats = kLanes * c + 2 * kLanes;
-  for (int64_t bg = 0; bg < num_groups; ++bg) {
-    const int64_t b = bg / groups, h0 = (bg % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
-    const float* state = parts + bg * splits * part_floats;
-    for (int64_t h = 0; h < hg; ++h) {
-      float top = -FLT_MAX, sum = 0.0f, weight[kMaxSplits];
-      for (int64_t k = 0; k < splits; ++k) top = std::max(top, state[k * part_floats + kLanes * c + h]);
-      for (int64_t k = 0; k < splits; ++k) {
-        weight[k] = std::exp(state[k * part_floats + kLanes * c + h] - top);
-        sum += weight[k] * state[k * part_floats + kLanes * c + kLanes + h];
-      }
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      float* dst = out + (b * heads + h0 + h) * c;
-      for (int64_t i = 0; i < c; ++i) {
-        float value = 0.0f;
-        for (int64_t k = 0; k < splits; ++k) value += weight[k] * state[k * part_floats + h * c + i];
-        dst[i] = value * inv;
-      }
-    }
-  }
-}
-
 at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
   // q [B, heads, D] (absorbed query: latent part then rope part), cache [blocks, block_size, D],
@@ -642,6 +614,47 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
 }
 
 }  // namespace
+
+// Splitting a decode sequence's context over the threads (mla_decode here, mla_decode_int8 in kv_int8.cpp; both
+// files are built with the same flags, so kLanes is the same in both).
+namespace meshserve_kernels {
+constexpr int64_t kMinSplitTokens = 256;  // a context part shorter than this is not worth its combine
+constexpr int64_t kMaxSplits = 64;
+
+// Parts each sequence's context is split into: enough to give every thread a task, none shorter than
+// kMinSplitTokens; 1 where the sequences and head groups already give every thread one.
+int64_t split_count(int64_t tasks, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  if (tasks == 0 || tasks >= threads) return 1;
+  return std::clamp<int64_t>(max_len / kMinSplitTokens, 1, std::min(kMaxSplits, (threads + tasks - 1) / tasks));
+}
+
+// out[b, h] from the `splits` parts of each (sequence, head group): each part holds its unnormalized P·c rows
+// [kLanes][c], then its running max m and sum l per head lane; parts are rescaled to the largest max.
+void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
+                   float* out) {
+  const int64_t part_floats = kLanes * c + 2 * kLanes;
+  for (int64_t bg = 0; bg < num_groups; ++bg) {
+    const int64_t b = bg / groups, h0 = (bg % groups) * kLanes, hg = std::min<int64_t>(kLanes, heads - h0);
+    const float* state = parts + bg * splits * part_floats;
+    for (int64_t h = 0; h < hg; ++h) {
+      float top = -FLT_MAX, sum = 0.0f, weight[kMaxSplits];
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, state[k * part_floats + kLanes * c + h]);
+      for (int64_t k = 0; k < splits; ++k) {
+        weight[k] = std::exp(state[k * part_floats + kLanes * c + h] - top);
+        sum += weight[k] * state[k * part_floats + kLanes * c + kLanes + h];
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      float* dst = out + (b * heads + h0 + h) * c;
+      for (int64_t i = 0; i < c; ++i) {
+        float value = 0.0f;
+        for (int64_t k = 0; k < splits; ++k) value += weight[k] * state[k * part_floats + h * c + i];
+        dst[i] = value * inv;
+      }
+    }
+  }
+}
+}  // namespace meshserve_kernels
 
 // The kernels above as the fused decode layer calls them (decode_layer.cpp), without the dispatcher.
 namespace meshserve_kernels {
