@@ -257,6 +257,12 @@ def engine_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def quick_or_full(args: argparse.Namespace, full: dict, quick: dict) -> dict:
+    """Each option of `full` as given on the command line, else its --quick or full-run default."""
+    defaults = quick if args.quick else full
+    return {key: getattr(args, key) if getattr(args, key) is not None else defaults[key] for key in full}
+
+
 def one_line_errors(parser: argparse.ArgumentParser, prog: str) -> argparse.ArgumentParser:
     """Argument errors print one line (no usage block) and exit with 2, as the house's CLI rule asks."""
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from meshserve.bench import llama_cpp_build
-from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, run_bench_cli
+from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, quick_or_full, run_bench_cli
 from meshserve.bench.llama_cpp_build import LlamaCpp, LlamaCppUnavailable
 from meshserve.config.base import ConfigError
 from meshserve.engine.core_client import EngineStartupError
@@ -88,8 +88,7 @@ class LlamaCppSettings:
 
 
 def settings_from_args(args: argparse.Namespace) -> LlamaCppSettings:
-    given = {key: getattr(args, key) if getattr(args, key) is not None else (_QUICK if args.quick else _FULL)[key]
-             for key in _FULL}
+    given = quick_or_full(args, _FULL, _QUICK)
     try:
         batch_sizes = tuple(int(size) for size in str(given.pop("batch_sizes")).split(","))
     except ValueError:

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, run_bench_cli
+from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, quick_or_full, run_bench_cli
 from meshserve.config.base import ConfigError
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import report
@@ -98,8 +98,7 @@ class StepProfileSettings:
 
 
 def settings_from_args(args: argparse.Namespace) -> StepProfileSettings:
-    given = {key: getattr(args, key) if getattr(args, key) is not None else (_QUICK if args.quick else _FULL)[key]
-             for key in _FULL}
+    given = quick_or_full(args, _FULL, _QUICK)
     for key in ("prompt_len", "seconds", "rate"):
         if given[key] <= 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive, got {given[key]}")

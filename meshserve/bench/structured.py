@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, run_bench_cli
+from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, quick_or_full, run_bench_cli
 from meshserve.config.base import ConfigError
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import report
@@ -94,8 +94,7 @@ class StructuredSettings:
 
 
 def settings_from_args(args: argparse.Namespace) -> StructuredSettings:
-    given = {key: getattr(args, key) if getattr(args, key) is not None else (_QUICK if args.quick else _FULL)[key]
-             for key in _FULL}
+    given = quick_or_full(args, _FULL, _QUICK)
     try:
         batch_sizes = tuple(int(size) for size in str(given.pop("batch_sizes")).split(","))
     except ValueError:

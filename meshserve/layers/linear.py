@@ -96,10 +96,10 @@ def native_tensors(weight: torch.Tensor) -> list[torch.Tensor] | None:
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     native = getattr(weight, _NATIVE_ATTR, None)
-    return [weight if native is None else native, _NO_TENSOR, _NO_TENSOR]
+    return [weight if native is None else native, NO_TENSOR, NO_TENSOR]
 
 
-_NO_TENSOR = torch.empty(0)
+NO_TENSOR = torch.empty(0)  # an unused slot of the fused decode ops' weight lists
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:

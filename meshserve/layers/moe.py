@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels, int8, w8a8
-from meshserve.layers.linear import linear, pack_weight
+from meshserve.layers.linear import NO_TENSOR, linear, pack_weight
 
 
 def fused_experts(
@@ -259,7 +259,7 @@ class FusedMoEWeights(torch.nn.Module):
             w13, w2 = self._int8_native
             return [w13.blocks, w13.compensation, self.w13_scale, w2.blocks, w2.compensation, self.w2_scale]
         if self._native is not None:
-            return [*self._native, *[torch.empty(0)] * 4]
+            return [*self._native, *[NO_TENSOR] * 4]
         return None
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,9 @@ import dataclasses
 import torch
 
 from meshserve.layers import cpu_kernels
-from meshserve.layers.linear import native_tensors
+from meshserve.layers.linear import NO_TENSOR, native_tensors
 from meshserve.layers.metadata import AttentionMetadata
 from meshserve.utils import envs
-
-_NO_TENSOR = torch.empty(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +117,7 @@ def _linears(*modules) -> list[torch.Tensor] | None:
     tensors = []
     for module in modules:
         if module is None:
-            tensors += [_NO_TENSOR] * 3
+            tensors += [NO_TENSOR] * 3
             continue
         if module.bias is not None:
             return None
@@ -139,7 +137,7 @@ def _attention_args(layer) -> tuple[list, list, list] | None:
     if qkv is None or q_b is None or o is None:
         return None
     q_norm = a.q_a_layernorm
-    weights = [layer.input_layernorm.weight, *qkv, q_norm.weight if q_norm is not None else _NO_TENSOR, *q_b,
+    weights = [layer.input_layernorm.weight, *qkv, q_norm.weight if q_norm is not None else NO_TENSOR, *q_b,
                a.kv_a_layernorm.weight, *a._absorbed_packed, *o]
     dims = [a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim, a.q_in_dim,
             int(a.rope_interleave), int(a.q_b_proj is not None)]

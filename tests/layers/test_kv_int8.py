@@ -16,6 +16,7 @@ from meshserve.layers.metadata import KVCacheLayout
 from meshserve.models.loader import load_model
 from meshserve.pool.context_keys import kv_layout_name
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
+from tests.layers.test_cpu_kernels import torch_threads
 from tests.models.paged_harness import PagedHarness
 
 MLA_PARTS = (64, 16)  # the tiny DeepSeek-V3: kv_lora_rank, qk_rope_head_dim
@@ -195,12 +196,8 @@ def test_native_int8_decode_of_one_sequence_splits_its_context_over_the_threads(
     cache = kv_quant.quantize(entries, MLA_PARTS).view(num_blocks, block_size, 84)
     table = torch.randperm(num_blocks, generator=g).view(1, num_blocks)
     q, seq_lens = torch.randn(1, heads, 80, generator=g), torch.tensor([length])
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64)
-    finally:
-        torch.set_num_threads(before)
     want = reference_decode(q, cache, table, seq_lens, 0.15, 64)
     assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
