@@ -195,7 +195,7 @@ def torch_threads(n: int):
 
 @pytest.mark.parametrize("length", [5, 300, 600, 1037])
 def test_mla_decode_of_one_sequence_splits_its_context_over_the_threads(length):
-    """Batch 1, one head group: from 512 tokens on the context is split into parts on both threads, each part's
+    """Batch 1, one head group: from 256 tokens on the context is split into parts on both threads, each part's
     softmax state combined afterwards (a part need not start on a block or a tile edge)."""
     block_size, heads, kv_lora_rank, rope = 16, 12, 64, 16
     g = torch.Generator().manual_seed(length)

@@ -188,7 +188,7 @@ def test_native_int8_decode_equals_the_dequantized_reference(block_size):
 
 @pytest.mark.parametrize("length", [300, 600, 1037])
 def test_native_int8_decode_of_one_sequence_splits_its_context_over_the_threads(length):
-    """Batch 1, one head group: from 512 tokens on, parts of the context on both threads, combined."""
+    """Batch 1, one head group: from 256 tokens on, parts of the context on both threads, combined."""
     g = torch.Generator().manual_seed(length)
     block_size, heads = 16, 12
     num_blocks = -(-length // block_size) + 3

@@ -56,7 +56,9 @@ typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
 constexpr int kBlockCols = 32;  // columns of one packed weight block (pack_weight's layout, any width)
 constexpr int kBlockVecs = kBlockCols / kLanes;
-constexpr int kPrefetchRows = 16;      // packed weight rows (128 bytes each) fetched ahead
+// Packed weight rows (128 bytes each) fetched ahead, into L2 (prefetcht1): a weight streamed from DRAM this way
+// keeps up with oneDNN's sgemv; 2 KB ahead into L1 fell behind it at batch 1.
+constexpr int kPrefetchRows = 64;
 // Elementwise work (floats touched) below which a loop runs on the calling thread: at decode sizes
 // waking the other threads costs more than the work.
 constexpr int64_t kSerialWork = 1 << 20;
@@ -123,8 +125,8 @@ template <int M>
 void gemm_tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
   vec acc[M][kBlockVecs] = {};
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols);  // the weight streams once: fetch ahead
-    __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols + kBlockCols / 2);
+    __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols, 0, 2);  // the weight streams once: into L2, ahead
+    __builtin_prefetch(w + (k + kPrefetchRows) * kBlockCols + kBlockCols / 2, 0, 2);
     vec wk[kBlockVecs];
 #pragma GCC unroll 8
     for (int v = 0; v < kBlockVecs; ++v) wk[v] = load(w + k * kBlockCols + v * kLanes);
@@ -618,7 +620,7 @@ at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Te
 // Splitting a decode sequence's context over the threads (mla_decode here, mla_decode_int8 in kv_int8.cpp; both
 // files are built with the same flags, so kLanes is the same in both).
 namespace meshserve_kernels {
-constexpr int64_t kMinSplitTokens = 256;  // a context part shorter than this is not worth its combine
+constexpr int64_t kMinSplitTokens = 128;  // a context part shorter than this is not worth its combine
 constexpr int64_t kMaxSplits = 64;
 
 // Parts each sequence's context is split into: enough to give every thread a task, none shorter than

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <tuple>
 
 namespace meshserve_kernels {
@@ -61,6 +62,24 @@ at::Tensor swiglu(const at::Tensor& x, at::TensorList w, int64_t i) {
   return linear(act, w, i + kLinear);
 }
 
+// cache rows slots[b] = [latent[b], k_pe[b]]: a row copy each (at::cat and index_copy_ cost more to set up
+// than the copies at decode sizes)
+void write_cache_entries(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& latent,
+                         const at::Tensor& k_pe) {
+  const int64_t c = latent.size(1), rope = k_pe.size(1), width = c + rope, rows = cache.numel() / width;
+  TORCH_CHECK(cache.is_contiguous() && cache.dtype() == at::kFloat && slots.dtype() == at::kLong &&
+                  slots.numel() == latent.size(0) && latent.is_contiguous() && k_pe.stride(1) == 1,
+              "mla_decode_attention: the cache write takes a float32 cache and int64 slots");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* base = cache.data_ptr<float>();
+  for (int64_t b = 0; b < slots.numel(); ++b) {
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < rows, "mla_decode_attention: slot ", slot[b], " is outside the cache");
+    float* row = base + slot[b] * width;
+    std::memcpy(row, latent.data_ptr<float>() + b * c, c * sizeof(float));
+    std::memcpy(row + c, k_pe.data_ptr<float>() + b * k_pe.stride(0), rope * sizeof(float));
+  }
+}
+
 // hidden [B, hidden] of B one-token decode rows -> hidden + MLA attention.
 // w: input norm, fused q_a/kv_a (3), q_a norm, q_b (3), kv_a norm, W_UK packed, W_UV packed, o_proj (3).
 // dims: heads, nope, rope, kv_lora_rank, v, q input width, interleaved RoPE, has q_lora.
@@ -83,8 +102,7 @@ at::Tensor mla_decode_attention(const at::Tensor& hidden, const at::Tensor& cos,
   auto k_pe = qkv.narrow(1, q_in + c, rope);
   mk::rotary(q.narrow(2, nope, rope), cos, sin, interleaved);
   mk::rotary(k_pe, cos, sin, interleaved);
-  auto entry = at::cat({mk::rms_norm(qkv.narrow(1, q_in, c), w[8], f[2]), k_pe}, 1);
-  cache.view({-1, c + rope}).index_copy_(0, slots, entry);
+  write_cache_entries(cache, slots, mk::rms_norm(qkv.narrow(1, q_in, c), w[8], f[2]), k_pe);
   auto q_full = at::empty({batch, heads, c + rope}, hidden.options());
   mk::grouped_linear(q.narrow(2, 0, nope), w[9], q_full.narrow(2, 0, c));
   q_full.narrow(2, c, rope).copy_(q.narrow(2, nope, rope));
