@@ -114,9 +114,28 @@ def native_decode_available() -> bool:
     return cpu_kernels.enabled() and hasattr(torch.ops.meshserve_cpu, "mla_decode_int8")
 
 
+def int8_scores_available() -> bool:
+    """Whether `mla_decode_int8(int8_scores=True)` takes integer scores here (a build with AVX512-VNNI); elsewhere
+    it runs the float scores."""
+    return native_decode_available() and bool(torch.ops.meshserve_cpu.mla_decode_int8_scores_native())
+
+
+def quantized_query(q: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+    """The query as the integer scores see it: per head and part (latent, rope) rounded to 127 steps of its
+    largest magnitude, back in float32 (the kernel's own rounding, for references)."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    for begin, end in ((0, kv_lora_rank), (kv_lora_rank, q.shape[-1])):
+        part = q[..., begin:end].float()
+        amax = part.abs().amax(dim=-1, keepdim=True)
+        steps = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        out[..., begin:end] = torch.round(part * steps) * (amax / 127.0)
+    return out
+
+
 def mla_decode_int8(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """`cpu_kernels.mla_decode` over an INT8 cache (MLA rows, above): [B, heads, kv_lora_rank] in float32."""
+                    scale: float, kv_lora_rank: int, int8_scores: bool = True) -> torch.Tensor:
+    """`cpu_kernels.mla_decode` over an INT8 cache (MLA rows, above): [B, heads, kv_lora_rank] in float32.
+    `int8_scores`: integer scores against an int8 query (`quantized_query`) where the CPU has AVX512-VNNI."""
     if not native_decode_available():
         raise RuntimeError("the native INT8 MLA decode kernel is not available here")
-    return torch.ops.meshserve_cpu.mla_decode_int8(q, cache, block_table, seq_lens, scale, kv_lora_rank)
+    return torch.ops.meshserve_cpu.mla_decode_int8(q, cache, block_table, seq_lens, scale, kv_lora_rank, int8_scores)

@@ -27,6 +27,7 @@ from meshserve.layers.paged import gather_sequence, length_mask
 from meshserve.layers.rope import apply_rotary_, yarn_factor, yarn_get_mscale
 from meshserve.layers.tensor_parallel import attention_tp_part, head_sharded_output_projection, row_parallel_linear
 from meshserve.parallel.context import ParallelContext
+from meshserve.utils import envs
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_parameters: dict, max_position_embeddings: int) -> float:
@@ -321,9 +322,12 @@ class MultiHeadLatentAttention(torch.nn.Module):
             q_full = torch.cat((q_latent.transpose(0, 1), q[..., nope:]), dim=-1)  # [B, heads, c + rope]
         if native:  # attention read straight from the paged cache
             blocks = plan.decode_padded_len // kv_cache.shape[1]
-            decode = kv_quant.mla_decode_int8 if kv_quant.is_quantized(kv_cache.dtype) else cpu_kernels.mla_decode
-            o_latent = decode(q_full, kv_cache, plan.decode_block_index.view(batch, blocks), plan.decode_seq_lens,
-                              self.softmax_scale, c)
+            table = plan.decode_block_index.view(batch, blocks)
+            if kv_quant.is_quantized(kv_cache.dtype):
+                o_latent = kv_quant.mla_decode_int8(q_full, kv_cache, table, plan.decode_seq_lens, self.softmax_scale,
+                                                    c, int8_scores=envs.int8_kv_scores_enabled())
+            else:
+                o_latent = cpu_kernels.mla_decode(q_full, kv_cache, table, plan.decode_seq_lens, self.softmax_scale, c)
         else:
             o_latent = self._decode_latent_gathered(q_full, plan, kv_cache)
         if packed is not None:

@@ -59,6 +59,10 @@ MESHSERVE_CPU_KERNELS = EnvVar(
 MESHSERVE_FUSED_DECODE = EnvVar(
     "MESHSERVE_FUSED_DECODE", "1",
     "0 runs decode steps layer by layer in Python ops instead of the fused native layer ops")
+MESHSERVE_INT8_KV_SCORES = EnvVar(
+    "MESHSERVE_INT8_KV_SCORES", "1",
+    "0 keeps the INT8 KV cache's decode scores in float32 (by default they are integer dot products with an "
+    "int8 query where the CPU has AVX512-VNNI)")
 MASTER_ADDR = EnvVar(
     "MASTER_ADDR", None,
     "`meshserve worker`: the master's host when `--engine` is not given (torch's name for it)")
@@ -95,7 +99,8 @@ MESHSERVE_NULL_MODEL_MS = EnvVar(
     "(ms, 0: none) and making up its tokens, so what a step costs beyond it is the control plane around the model")
 ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
-    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_FUSED_DECODE, MESHSERVE_NUM_THREADS, MESHSERVE_RANK_TEMPLATE,
+    MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_FUSED_DECODE, MESHSERVE_INT8_KV_SCORES, MESHSERVE_NUM_THREADS,
+    MESHSERVE_RANK_TEMPLATE,
     MASTER_ADDR, RANK,
     MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS, MESHSERVE_A2E_TIMELINE,
     MESHSERVE_NULL_MODEL_MS,
@@ -132,6 +137,10 @@ def cpu_kernels_enabled() -> bool:
 
 def fused_decode_enabled() -> bool:
     return MESHSERVE_FUSED_DECODE.get() != "0"
+
+
+def int8_kv_scores_enabled() -> bool:
+    return MESHSERVE_INT8_KV_SCORES.get() != "0"
 
 
 def num_threads() -> int | None:

@@ -15,6 +15,7 @@ from meshserve.layers import cpu_kernels, kv_quant
 from meshserve.layers.metadata import KVCacheLayout
 from meshserve.models.loader import load_model
 from meshserve.pool.context_keys import kv_layout_name
+from meshserve.utils import envs
 from meshserve.worker.kv_connector.pool import PoolConnectorWorker
 from tests.layers.test_cpu_kernels import torch_threads
 from tests.models.paged_harness import PagedHarness
@@ -168,22 +169,45 @@ def reference_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("block_size", [8, 32])
-def test_native_int8_decode_equals_the_dequantized_reference(block_size):
-    assert kv_quant.native_decode_available()
+def _scattered_cache(block_size: int):
+    """A cache of scaled random entries in scrambled blocks; sequences of lengths inside one tile, at tile and
+    block edges and across several blocks; a query of 20 heads (a full group of 16 and a padded one)."""
     g = torch.Generator().manual_seed(block_size)
-    num_blocks, heads = 64, 20  # 20 heads: a full group of 16 and a padded one
+    num_blocks, heads = 64, 20
     entries = torch.randn(num_blocks * block_size, 80, generator=g) * torch.linspace(0.2, 4, 80)
     cache = kv_quant.quantize(entries, MLA_PARTS).view(num_blocks, block_size, 84)
-    # lengths inside one tile, at tile and block edges, and across several scrambled blocks
     seq_lens = torch.tensor([1, 7, 16, 17, block_size, block_size + 1, 50, 4 * block_size])
     blocks_per_seq = -(-int(seq_lens.max()) // block_size)
     table = torch.randperm(num_blocks, generator=g)[: len(seq_lens) * blocks_per_seq].view(-1, blocks_per_seq)
-    q = torch.randn(len(seq_lens), heads, 80, generator=g)
-    got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64)
+    q = torch.randn(len(seq_lens), heads, 80, generator=g) * 3
+    return q, cache, table, seq_lens
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_native_int8_decode_equals_the_dequantized_reference(block_size):
+    assert kv_quant.native_decode_available()
+    q, cache, table, seq_lens = _scattered_cache(block_size)
+    got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64, int8_scores=False)
     want = reference_decode(q, cache, table, seq_lens, 0.15, 64)
-    assert got.shape == (len(seq_lens), heads, 64) and got.dtype == torch.float32
+    assert got.shape == (len(seq_lens), q.shape[1], 64) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_integer_scores_equal_the_reference_with_the_rounded_query(block_size):
+    """With AVX512-VNNI the scores are integer dot products against the query rounded per head and part: the
+    result is the exact attention of that rounded query; elsewhere the float scores run."""
+    q, cache, table, seq_lens = _scattered_cache(block_size)
+    q[2, 3] = 0.0  # a head whose query rounds to nothing
+    got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64, int8_scores=True)
+    if kv_quant.int8_scores_available():
+        rounded = kv_quant.quantized_query(q, 64)
+        want = reference_decode(rounded, cache, table, seq_lens, 0.15, 64)
+        assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        # the rounding is what differs from the float scores: within a step of 1/127 of each part's largest value
+        assert 0 < (rounded - q).abs().max().item() <= 0.5 / 127 * q.abs().max().item() * 1.0001
+    else:
+        assert torch.equal(got, kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64, int8_scores=False))
 
 
 @pytest.mark.parametrize("length", [300, 600, 1037])
@@ -197,9 +221,13 @@ def test_native_int8_decode_of_one_sequence_splits_its_context_over_the_threads(
     table = torch.randperm(num_blocks, generator=g).view(1, num_blocks)
     q, seq_lens = torch.randn(1, heads, 80, generator=g), torch.tensor([length])
     with torch_threads(2):
-        got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64)
+        got = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64, int8_scores=False)
+        integer = kv_quant.mla_decode_int8(q, cache, table, seq_lens, 0.15, 64, int8_scores=True)
     want = reference_decode(q, cache, table, seq_lens, 0.15, 64)
     assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    if kv_quant.int8_scores_available():
+        want = reference_decode(kv_quant.quantized_query(q, 64), cache, table, seq_lens, 0.15, 64)
+    assert (integer.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def test_native_int8_decode_refuses_mismatched_inputs():
@@ -222,6 +250,21 @@ def test_the_kernel_benchmark_times_both_kernels_on_the_same_entries():
     assert row["fp32_ms"] > 0 and row["int8_ms"] > 0 and row["ratio"] == row["fp32_ms"] / row["int8_ms"]
     assert 0 < row["max_abs_diff"] < 0.05  # quantized entries: close, never equal
     assert format_table([row]).splitlines()[1].split()[:2] == ["2", "40"]
+    assert row["int8_integer_ms"] > 0 and 0 < row["integer_max_abs_diff"] < 0.05
+
+
+def test_the_quality_part_compares_each_cache_with_the_float32_one(tiny_model):
+    """`--quality` at its smallest: teacher-forced decode steps on each cache; the float32 cache against itself
+    agrees fully, the INT8 ones differ by their rounding (the figures in the docs are the trained model's)."""
+    from meshserve.bench.kv_int8_kernel import format_quality, measure_quality
+
+    rows = {row["cache"]: row for row in measure_quality(str(tiny_model()), sequences=2, prefix=5, steps=4)}
+    assert list(rows) == ["fp32", "int8, float scores", "int8, integer scores"]
+    assert rows["fp32"]["top1_agreement"] == 1.0 and rows["fp32"]["kl"] == 0.0
+    for name in ("int8, float scores", "int8, integer scores"):
+        assert 0.5 <= rows[name]["top1_agreement"] <= 1.0 and rows[name]["kl"] > 0
+        assert 1 < rows[name]["perplexity"] < float("inf")  # random weights: far from the trained model's
+    assert len(format_quality(list(rows.values())).splitlines()) == 4
 
 
 # ---------------------------------------------------------------- the models on an INT8 cache
@@ -281,20 +324,27 @@ def _mla_decode_reference(q, cache, block_table, seq_lens, scale, kv_lora_rank) 
 
 def test_mla_decode_runs_natively_on_the_int8_cache_and_equals_the_torch_path(models, monkeypatch):
     """Every decode the model runs on an INT8 cache goes through the native kernel, which equals the torch path on
-    those very inputs; and the model's logits with the torch decode instead differ by float rounding only (a
-    relative norm: one MoE routing near-tie flipped by that rounding moves a single position, not the whole)."""
+    those very inputs (with integer scores, on the rounded query); and the model's logits with the torch decode
+    instead differ by float rounding only (float scores; a relative norm: one MoE routing near-tie flipped by
+    that rounding moves a single position, not the whole)."""
     model = models["deepseek_v3"]
     checked = []
     original = kv_quant.mla_decode_int8
 
-    def checked_decode(*args):
-        out = original(*args)
-        reference = _mla_decode_reference(*args)
+    def checked_decode(q, *args, int8_scores):
+        out = original(q, *args, int8_scores=int8_scores)
+        if int8_scores and kv_quant.int8_scores_available():
+            q = kv_quant.quantized_query(q, args[-1])
+        reference = _mla_decode_reference(q, *args)
         checked.append((out - reference).abs().max().item() <= 1e-4 * reference.abs().max().item())
         return out
 
     monkeypatch.setattr(kv_quant, "mla_decode_int8", checked_decode)
     tokens, decode = _inputs()
+    run_teacher_forced(model, torch.int8, tokens, decode)  # integer scores (the default)
+    assert len(checked) == len(decode) * model.kv_cache_layout().num_layers and all(checked)
+    checked.clear()
+    monkeypatch.setenv(envs.MESHSERVE_INT8_KV_SCORES.name, "0")
     native = run_teacher_forced(model, torch.int8, tokens, decode)
     assert len(checked) == len(decode) * model.kv_cache_layout().num_layers and all(checked)
     checked.clear()

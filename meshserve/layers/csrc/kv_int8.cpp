@@ -7,6 +7,14 @@
 // scale, one vector at a time), which the scores and P·c then read from L1; everything accumulates in
 // float32.
 //
+// With AVX512-VNNI and `int8_scores`, the scores are integer dot products instead: the query is quantized
+// per head and per part (latent, rope) to int8, and one vpdpbusd multiplies four cache bytes, broadcast from
+// the row itself, with four query bytes of all 16 heads. The query is the unsigned operand (+128), so the
+// score loses 128 x the row's byte sum, taken while the latent part is converted for P·c. Only the latent part
+// is converted (without its scale, which goes into the probabilities): a token takes a quarter of the score
+// instructions and no scaled tile. The query's rounding is the path's only difference (the reference in
+// tests/layers/test_kv_int8.py applies it too; its effect on a trained model is in docs/benchmarks.md).
+//
 // Written with GCC vector extensions of the machine's own width, as cpu_kernels.cpp (16 floats on AVX-512,
 // 8 on AVX2, 4 on NEON or SSE), and built with the other kernel files into one extension (-march=native).
 
@@ -204,8 +212,110 @@ void accumulate_pv(float* acc, int64_t kv_lora_rank, const float* alpha, const f
   for (; c < kv_lora_rank; c += kLanes) pv_chunk<1, H>(acc + c, kv_lora_rank, alpha, probs, tile + c, dim, tokens);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr bool kInt8Scores = true;
+
+// The group's query for integer scores: per head h and part (latent [0, c), rope [c, dim)), q8 = q * 127 / max|q|
+// rounded to nearest even, stored +128 as [dim / 4][16 heads][4 bytes] (a padding head is 128: q8 = 0); the
+// factors turn a part's integer dot product back into a scaled score: softmax scale x max|q| / 127.
+void quantize_query(const float* q, int64_t heads, int64_t dim, int64_t c, float softmax_scale, uint8_t* q8,
+                    float* factor_c, float* factor_pe) {
+  std::memset(q8, 128, dim * kLanes);
+  for (int h = 0; h < kLanes; ++h) factor_c[h] = factor_pe[h] = 0.0f;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* row = q + h * dim;
+    for (int part = 0; part < 2; ++part) {  // both parts are whole vectors (checked by the caller)
+      const int64_t begin = part ? c : 0, end = part ? dim : c;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t d = begin; d < end; d += kLanes) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(row + d)));
+      const float largest = _mm512_reduce_max_ps(amax);
+      const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+      for (int64_t d = begin; d < end; d += kLanes) {
+        // round to nearest even (the default rounding mode), +128, to bytes; 4 dims per head per group of 4
+        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + d), inverse));
+        alignas(16) uint8_t bytes[kLanes];
+        _mm_store_si128(reinterpret_cast<__m128i*>(bytes),
+                        _mm512_cvtepi32_epi8(_mm512_add_epi32(rounded, _mm512_set1_epi32(128))));
+        for (int j = 0; j < kLanes / 4; ++j) std::memcpy(q8 + (d / 4 + j) * kLanes * 4 + h * 4, bytes + 4 * j, 4);
+      }
+      (part ? factor_pe : factor_c)[h] = largest / 127.0f * softmax_scale;
+    }
+  }
+}
+
+// tile[t, 0:c] = the latent part of `tokens` cache rows as floats, unscaled (the scale goes into the
+// probabilities); sums[t] = each part's byte sum (latent, rope), for the scores' +128 correction. The next
+// tile's rows are prefetched as in dequantize_tile.
+void convert_latent(const int8_t* rows, int64_t width, int tokens, int64_t c, int64_t dim, float* tile,
+                    float (*sums)[2], const int8_t* next, int64_t next_bytes) {
+  for (int t = 0; t < tokens; ++t) {
+    for (int64_t i = t * width; i < std::min((t + 1) * width, next_bytes); i += 64) __builtin_prefetch(next + i);
+    const int8_t* row = rows + t * width;
+    float* out = tile + t * c;
+    vec sum_c = {}, sum_pe = {};
+    int64_t d = 0;
+    for (; d < c; d += kLanes) {
+      const vec v = load_i8(row + d);
+      sum_c += v;
+      store(out + d, v);
+    }
+    for (; d < dim; d += kLanes) sum_pe += load_i8(row + d);
+    sums[t][0] = _mm512_reduce_add_ps((__m512)sum_c);
+    sums[t][1] = _mm512_reduce_add_ps((__m512)sum_pe);
+  }
+}
+
+// One part's integer scores of T tokens: acc[t] (lanes = heads) += sum over the part's bytes of q8 x row.
+template <int T>
+void dot_part(const uint8_t* q8, const int8_t* rows, int64_t width, int64_t begin, int64_t end, __m512i* acc) {
+  for (int64_t d = begin; d < end; d += 4) {
+    const __m512i qv = _mm512_loadu_si512(q8 + d * kLanes);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      int32_t bytes;
+      std::memcpy(&bytes, rows + t * width + d, sizeof(bytes));
+      acc[t] = _mm512_dpbusd_epi32(acc[t], qv, _mm512_set1_epi32(bytes));
+    }
+  }
+}
+
+// s[t] = the T tokens' scaled scores: each part's integer dot product less 128 x its byte sum, times the
+// row's scale for the part and the query's factor.
+template <int T>
+void int8_scores(const uint8_t* q8, const int8_t* rows, int64_t width, int64_t c, int64_t dim, const float* factor_c,
+                 const float* factor_pe, const float (*sums)[2], vec* s) {
+  const vec fc = load(factor_c), fpe = load(factor_pe);
+  __m512i acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
+  dot_part<T>(q8, rows, width, 0, c, acc);
+  for (int t = 0; t < T; ++t) {
+    const vec dot = (vec)_mm512_cvtepi32_ps(acc[t]) - 128.0f * sums[t][0];
+    s[t] = dot * fc * load_bf16(rows + t * width + dim);
+    acc[t] = _mm512_setzero_si512();
+  }
+  dot_part<T>(q8, rows, width, c, dim, acc);
+  for (int t = 0; t < T; ++t) {
+    const vec dot = (vec)_mm512_cvtepi32_ps(acc[t]) - 128.0f * sums[t][1];
+    s[t] += dot * fpe * load_bf16(rows + t * width + dim + kScaleBytes);
+  }
+}
+
+using Int8ScoreFn = void (*)(const uint8_t*, const int8_t*, int64_t, int64_t, int64_t, const float*, const float*,
+                             const float (*)[2], vec*);
+template <int... Ts>
+constexpr std::array<Int8ScoreFn, sizeof...(Ts)> int8_score_table(std::integer_sequence<int, Ts...>) {
+  return {&int8_scores<Ts + 1>...};
+}
+constexpr auto kInt8ScoreFns = int8_score_table(std::make_integer_sequence<int, kLanes>{});
+#else
+constexpr bool kInt8Scores = false;
+#endif
+
+bool int8_scores_native() { return kInt8Scores; }
+
 at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
-                           const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
+                           const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank,
+                           bool int8_scores) {
   // q [B, heads, D] float32 (absorbed query: latent part then rope part), cache int8 [blocks, block_size,
   // D + 4], block_table int64 [B, >= blocks per sequence], seq_lens int64 [B] -> P·c [B, heads, kv_lora_rank].
   TORCH_CHECK(q.dtype() == at::kFloat && cache.dtype() == at::kChar,
@@ -244,6 +354,7 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
   const int64_t part_floats = kLanes * kv_lora_rank + 2 * kLanes;  // a part's P·c rows, then m and l
   std::vector<float> parts(splits > 1 ? batch * groups * splits * part_floats : 0);
 
+  const bool integer = int8_scores && kInt8Scores;
   parallel_tasks(batch * groups * splits, [&](int64_t task) {
     thread_local std::vector<float> qt_buffer, acc_buffer, tile_buffer;  // per thread, reused by its tasks
     // on cache-line boundaries, so the tile's rows (a multiple of 64 bytes) are read in whole lines: malloc's
@@ -260,10 +371,22 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
     const int64_t hg = std::min<int64_t>(kLanes, heads - h0), len = sl[b];
     const int64_t chunk = (len + splits - 1) / splits, begin = std::min(len, part * chunk);
     const int64_t end = std::min(len, begin + chunk);
-    // the group's query, transposed to [D][kLanes heads] and scaled (padding heads are zero)
-    std::fill(qt, qt + dim * kLanes, 0.0f);
-    for (int64_t h = 0; h < hg; ++h)
-      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + h] = pq[(b * heads + h0 + h) * dim + d] * float(scale);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    thread_local std::vector<uint8_t> q8_buffer;
+    float factor_c[kLanes], factor_pe[kLanes], sums[kLanes][2];
+    if (integer) {
+      q8_buffer.resize(dim * kLanes);
+      quantize_query(pq + (b * heads + h0) * dim, hg, dim, kv_lora_rank, float(scale), q8_buffer.data(), factor_c,
+                     factor_pe);
+    }
+#endif
+    // the float path's query, transposed to [D][kLanes heads] and scaled (padding heads are zero)
+    if (!integer) {
+      std::fill(qt, qt + dim * kLanes, 0.0f);
+      for (int64_t h = 0; h < hg; ++h)
+        for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + h] = pq[(b * heads + h0 + h) * dim + d] * float(scale);
+    }
+    const int64_t tile_stride = integer ? kv_lora_rank : dim;  // floats per token in the tile
     std::fill(acc, acc + kLanes * kv_lora_rank, 0.0f);
     vec m = splat(-FLT_MAX), l = {};
     int tokens = 0;
@@ -280,10 +403,18 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
         nrows = pc + (next_block * block_size + next % block_size) * width;
         n = std::min({int64_t(kLanes), end - next, block_size - next % block_size}) * width;
       }
-      dequantize_tile(rows, width, tokens, kv_lora_rank, dim, tile, nrows, n);
-      for (int t = 0; t < tokens; t += kHalfTile) {
-        const int n = std::min(kHalfTile, tokens - t);
-        kScores[n - 1](qt, tile + t * dim, dim, s + t);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+      if (integer) {
+        convert_latent(rows, width, tokens, kv_lora_rank, dim, tile, sums, nrows, n);
+        kInt8ScoreFns[tokens - 1](q8_buffer.data(), rows, width, kv_lora_rank, dim, factor_c, factor_pe, sums, s);
+      }
+#endif
+      if (!integer) {
+        dequantize_tile(rows, width, tokens, kv_lora_rank, dim, tile, nrows, n);
+        for (int t = 0; t < tokens; t += kHalfTile) {
+          const int n = std::min(kHalfTile, tokens - t);
+          kScores[n - 1](qt, tile + t * dim, dim, s + t);
+        }
       }
       vec tile_max = s[0];
       for (int t = 1; t < tokens; ++t) tile_max = vmax(tile_max, s[t]);
@@ -293,16 +424,17 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
       for (int t = 0; t < tokens; ++t) {
         const vec p = vexp(s[t] - m_new);
         l += p;
-        store(probs[t], p);
+        // the integer path's tile is unscaled: the row's latent scale multiplies its probabilities instead
+        store(probs[t], integer ? p * load_bf16(rows + t * width + dim) : p);
       }
       m = m_new;
       store(alpha, rescale);
       int64_t h = 0;
       for (; h + 2 <= hg; h += 2)
-        accumulate_pv<2>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile, dim,
+        accumulate_pv<2>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile, tile_stride,
                          tokens);
       if (h < hg)
-        accumulate_pv<1>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile, dim,
+        accumulate_pv<1>(acc + h * kv_lora_rank, kv_lora_rank, alpha + h, &probs[0][h], tile, tile_stride,
                          tokens);
     }
     if (splits > 1) {  // this part's state, combined below
@@ -328,7 +460,9 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
 
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("mla_decode_int8(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale, "
-        "int kv_lora_rank) -> Tensor");
+        "int kv_lora_rank, bool int8_scores) -> Tensor");
+  m.def("mla_decode_int8_scores_native() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) { m.impl("mla_decode_int8", &mla_decode_int8); }
+TORCH_LIBRARY_IMPL(meshserve_cpu, CatchAll, m) { m.impl("mla_decode_int8_scores_native", &int8_scores_native); }
