@@ -42,6 +42,8 @@ RESULT_FILE = "scale.json"
 POOL = "main/colocated"
 CASES = ("cold", "prewarmed", "prewarmed+dram", "fork")
 STEPS = ("scaler_pre", "te_pre_load", "te_load", "te_post_load", "scaler_post")
+PRE_LOAD_LABELS = {"interpreter": "interpreter", "master_imports": "master imports",
+                   "ranks_start": "forkserver + ranks' fork", "rank_setup": "rank set-up"}
 STEP_LABELS = {"scaler_pre": "Scaler-Pre", "te_pre_load": "TE-Pre-Load", "te_load": "TE-Load",
                "te_post_load": "TE-Post-Load", "scaler_post": "Scaler-Post"}
 
@@ -308,6 +310,9 @@ def _breakdown_summary(runs: dict[str, list[dict]]) -> dict:
                        "steps": {step: statistics.median(e["steps"].get(step, float("nan")) for e in entries)
                                  for step in (*STEPS, "total")},
                        "load_source": entries[0]["load_source"], "runs": entries}
+        parts = [e["pre_load_parts"] for e in entries if e.get("pre_load_parts")]
+        if parts:  # a new process's TE-Pre-Load, part by part
+            cases[case]["pre_load_parts"] = {part: statistics.median(p[part] for p in parts) for part in parts[0]}
     ratios = {}
     if "cold" in cases:
         for case in ("prewarmed", "prewarmed+dram", "fork"):
@@ -451,6 +456,9 @@ def summary_lines(result: dict) -> list[str]:
         for case, data in breakdown["cases"].items():
             steps = ", ".join(f"{STEP_LABELS[k]} {data['steps'][k]:.2f}" for k in STEPS)
             lines.append(f"  {case:15s} {data['ttft_s']:6.2f} s   ({steps}; weights from {data['load_source']})")
+            if data.get("pre_load_parts"):
+                lines.append("  " + " " * 15 + "   TE-Pre-Load: " + ", ".join(
+                    f"{PRE_LOAD_LABELS[k]} {v:.2f}" for k, v in data["pre_load_parts"].items()))
         for name, value in breakdown["ratios"].items():
             lines.append(f"  {name}: {value:.2f}x")
     load = result.get("load_by_source")

@@ -157,7 +157,8 @@ class ScaleUp:
         t = self.timeline
         return {"te": self.te, "pool": self.pool, "process": self.process, "weights": self.weights,
                 "reason": self.reason, "load_source": t.load_source if t else "",
-                "load_bytes": t.load_bytes if t else 0, "steps": self.steps()}
+                "load_bytes": t.load_bytes if t else 0, "steps": self.steps(),
+                "pre_load_parts": t.pre_load_parts(self.launched_at) if t and self.steps() else {}}
 
 
 @dataclass

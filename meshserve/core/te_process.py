@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import tempfile
+import time
 import traceback
 
 from meshserve.config import EngineConfig
@@ -27,6 +28,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     `warmup`: run one dummy request before registering, so the first real one is fast. `started_at`: when
     this TE's start began (a pre-warmed process passes the time it was handed the TE). `spare_workers`:
     a pre-warmed process's worker processes, ready to take ranks."""
+    entry = time.time()
     process_start = started_at if started_at is not None else _process_start_time()
     # start-up: zmq and the master only when a TE runs
     import zmq
@@ -41,6 +43,8 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     logging.basicConfig(level=log_level, format=f"%(asctime)s te[{engine_config.te_name}] %(levelname)s "
                                                 f"%(message)s", force=True)
     _warn_refusing_job_executors(register)
+    startup = StartupTimeline(process_start=process_start, prewarmed=spare_workers is not None, entry=entry,
+                              imports_done=time.time())
     ctx = zmq.Context()
     link = RouterLinks(ctx, listen, register, advertise_host=engine_config.parallel_config.master_addr)
     ipc_dir = tempfile.mkdtemp(prefix="meshserve-te-")
@@ -55,7 +59,7 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     try:
         core = engine_class(engine_config)(engine_config, ctx, link, ipc_dir, log_level, role=role, group=group,
                           watch_parent=watch_parent,
-                          startup=StartupTimeline(process_start=process_start, prewarmed=spare_workers is not None),
+                          startup=startup,
                           spare_workers=spare_workers or [])
     except Exception as exc:
         logging.getLogger(__name__).error("TE start-up failed: %s", traceback.format_exc())

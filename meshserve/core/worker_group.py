@@ -228,6 +228,9 @@ class WeightServers:
 def time_load(startup: StartupTimeline, ready: list[WorkerReady]) -> None:
     """The TE-Load step of the start-up timeline, from its ranks' reports."""
     loaded = [r for r in ready if r.load_end]
+    started = [r.rank_start for r in ready if r.rank_start]
+    if started:
+        startup.rank_start = min(started)
     if loaded:
         startup.load_start = min(r.load_start for r in loaded)
         startup.load_end = max(r.load_end for r in loaded)

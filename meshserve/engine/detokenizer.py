@@ -9,9 +9,10 @@ every emission, so the cost per token does not grow with the sequence.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
 # prompt tokens decoded with the first outputs, so a leading space or a word
@@ -25,6 +26,9 @@ class Decoder(Protocol):
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """The model's (fast) tokenizer from a local model directory."""
+    # start-up: transformers imports torch (about 2 s); only where a tokenizer is loaded
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:

@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tqdm import tqdm
 
@@ -33,9 +33,16 @@ class LLM:
         if model is None:
             model = str(ensure_default_model())
         self.config = EngineConfig.from_kwargs(model, **engine_args)
-        self.tokenizer = load_tokenizer(model)
+        # the tokenizer (transformers and torch to import, about 2 s) loads while the engine's processes start
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as loader:
+            tokenizer = loader.submit(load_tokenizer, model)
+            self.engine = EngineCoreClient(self.config, log_level=log_level)
+            try:
+                self.tokenizer = tokenizer.result()
+            except BaseException:
+                self.engine.shutdown()
+                raise
         self.eos_token_ids = eos_token_ids(model)
-        self.engine = EngineCoreClient(self.config, log_level=log_level)
         self.core = ClientCore(self.tokenizer, self.engine.abort)
         self.processor = self.core.processor
         self._ids = itertools.count()

@@ -117,6 +117,7 @@ class WorkerReady(Message):
     moe_layers: list[int] = field(default_factory=list)  # decoder-layer indices of the MoE layers
     num_logical_experts: int = 0  # routed experts per MoE layer
     vocab_size: int = 0  # token ids the model takes and samples: [0, vocab_size)
+    rank_start: float = 0.0  # wall clock when this rank's process entered its code
     # how this rank got its weights (wall-clock times): "disk", "page-cache", "pool" or "fork", and the bytes read
     load_start: float = 0.0
     load_end: float = 0.0

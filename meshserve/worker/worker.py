@@ -149,6 +149,7 @@ def _parent_gone() -> Callable[[], bool]:
 
 def run_worker(rank: int, config: dict, work_addr: str, result_addr: str, dist_init_method: str | None = None,
                log_level: int = logging.INFO, remote: bool = False) -> None:
+    started = time.time()
     logging.basicConfig(level=log_level, format=f"%(asctime)s worker[{rank}] %(levelname)s %(message)s",
                         force=True)
     if not remote:
@@ -163,7 +164,7 @@ def run_worker(rank: int, config: dict, work_addr: str, result_addr: str, dist_i
     try:
         engine_config = EngineConfig.from_dict(config)
         runner = _start_runner(rank, engine_config, dist_init_method)
-        results.send(codec.encode(_ready_message(rank, runner)))
+        results.send(codec.encode(_ready_message(rank, runner, started)))
         collector = StepCollector(engine_config.parallel_config.gc_collect_every_steps)
         collector.start()
         if engine_config.parallel_config.dp_groups == "self-contained":
@@ -245,8 +246,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
     return runner
 
 
-def _ready_message(rank: int, runner: ModelRunner) -> WorkerReady:
-    return WorkerReady(rank=rank, num_kv_blocks=runner.num_blocks,
+def _ready_message(rank: int, runner: ModelRunner, started: float) -> WorkerReady:
+    return WorkerReady(rank=rank, rank_start=started, num_kv_blocks=runner.num_blocks,
                            kv_bytes_per_token=runner.layout.bytes_per_token, moe_layers=runner.moe_layers,
                            num_logical_experts=runner.num_logical_experts, kv_region=runner.kv_region,
                            vocab_size=runner.vocab_size, load_start=runner.load_info.start,

@@ -21,6 +21,7 @@ from meshserve.bench.scale import (
     summary_lines,
 )
 from meshserve.entrypoints.cli import main
+from meshserve.wire.heartbeat import PRE_LOAD_PARTS
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -44,6 +45,11 @@ def test_the_breakdown_on_the_tiny_model(tiny_model, tmp_path, capsys):
         assert data["steps"]["te_load"] > 0 and data["ttft_s"] > 0
         assert data["ttft_s"] < data["steps"]["total"] + 5  # the held request was served by the new TE
     assert set(result["breakdown"]["ratios"]) >= {"ttft_cold_over_prewarmed", "te_load_disk_over_fork"}
+    # the new process's TE-Pre-Load in its parts, each one a step forward, together the whole step
+    parts = cases["cold"]["pre_load_parts"]
+    assert list(parts) == list(PRE_LOAD_PARTS) and all(value > 0 for value in parts.values())
+    assert sum(parts.values()) == pytest.approx(cases["cold"]["steps"]["te_pre_load"])
+    assert all("pre_load_parts" not in data for case, data in cases.items() if case != "cold")
     assert "scale-up, first token after the decision" in capsys.readouterr().out
 
 
@@ -62,17 +68,24 @@ def test_the_autoscaling_load_rises_holds_stops_and_comes_back():
     assert last_ramp > first_ramp  # a ramp, not a step
 
 
-def _entry(ttft: float, te_load: float) -> dict:
+def _entry(ttft: float, te_load: float, interpreter: float = 0.0) -> dict:
     steps = {"scaler_pre": 0.01, "te_pre_load": 1.0, "te_load": te_load, "te_post_load": 0.2, "scaler_post": 0.3}
-    return {"ttft_s": ttft, "load_source": "disk", "steps": {**steps, "total": sum(steps.values())}}
+    parts = ({"interpreter": interpreter, "master_imports": 0.2, "ranks_start": 0.5, "rank_setup": 0.3 - interpreter}
+             if interpreter else {})
+    return {"ttft_s": ttft, "load_source": "disk", "steps": {**steps, "total": sum(steps.values())},
+            "pre_load_parts": parts}
 
 
 def test_summary_ratios_and_plot(tmp_path):
-    breakdown = _breakdown_summary({"cold": [_entry(9.0, 4.0), _entry(11.0, 6.0)], "prewarmed": [_entry(2.0, 1.0)],
+    breakdown = _breakdown_summary({"cold": [_entry(9.0, 4.0, 0.1), _entry(11.0, 6.0, 0.2)],
+                                    "prewarmed": [_entry(2.0, 1.0)],
                                     "prewarmed+dram": [_entry(1.5, 0.5)], "fork": [_entry(1.0, 0.25)]})
     assert breakdown["cases"]["cold"]["ttft_s"] == 10.0  # the median of the runs
     assert breakdown["ratios"]["ttft_cold_over_prewarmed"] == 5.0
     assert breakdown["ratios"]["te_load_disk_over_fork"] == 20.0
+    # a new process's TE-Pre-Load part by part (medians); a pre-warmed TE has none
+    assert breakdown["cases"]["cold"]["pre_load_parts"]["interpreter"] == pytest.approx(0.15)
+    assert "pre_load_parts" not in breakdown["cases"]["prewarmed"]
     pool = [{"t": 0.5 * i, "tes": 1 + (i > 3), "serving": 1, "queue": i % 3, "running": 2} for i in range(8)]
     auto = {"rate": 12.0, "slo_ttft_s": 2.0, "modes": {mode: {
         "slo_attainment": 0.95, "te_seconds": 40.0, "ttft_p50_s": 0.3, "failed": 0, "pool_over_time": pool,
@@ -81,6 +94,8 @@ def test_summary_ratios_and_plot(tmp_path):
     result = {"breakdown": breakdown, "autoscale": auto}
     lines = summary_lines(result)
     assert any("ttft_cold_over_prewarmed: 5.00x" in line for line in lines)
+    assert any("TE-Pre-Load: interpreter 0.15, master imports 0.20, forkserver + ranks' fork 0.50" in line
+               for line in lines)
     assert any("first request after the pool scaled to zero: answered, first token after 3.20 s" in line
                for line in lines)
     path = plot_scale(result, tmp_path / "scale.png")

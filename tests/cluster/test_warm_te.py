@@ -64,6 +64,7 @@ def test_a_warm_te_becomes_a_two_rank_te_serves_and_drains(inbox, tiny_model, tm
         t = beat.startup
         assert t.prewarmed and t.process_start == assigned_at
         assert assigned_at <= t.load_start <= t.load_end <= t.ready
+        assert t.pre_load_parts(assigned_at) == {}  # its process, imports and ranks were there before the TE
         assert t.load_source in ("disk", "page-cache") and t.load_bytes > 0
         # every rank serves its weights for forks once its snapshot (written in the background) is whole
         served = _next(sock, EngineHeartbeat, where=lambda hb: bool(hb.weights_addrs))

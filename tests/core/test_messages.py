@@ -139,7 +139,8 @@ DELTA = RequestDelta(req_id="cmpl-1-0", new_token_ids=[11, 12], finish_reason=Fi
                          kv_transfer_params=TRANSFER)
 STORED = BlockStored(block_hashes=[2**64 - 1, 17], parent_block_hash=99, token_ids=list(range(8)), block_size=4)
 
-TIMELINE = StartupTimeline(process_start=1.7e9, load_start=1.7e9 + 0.1, load_end=1.7e9 + 1.1, ready=1.7e9 + 1.3,
+TIMELINE = StartupTimeline(process_start=1.7e9, entry=1.7e9 + 0.01, imports_done=1.7e9 + 0.02,
+                               rank_start=1.7e9 + 0.05, load_start=1.7e9 + 0.1, load_end=1.7e9 + 1.1, ready=1.7e9 + 1.3,
                                load_source="page-cache", load_bytes=1 << 30, prewarmed=True)
 DEMAND = GroupDemand(group="pd/prefill", held=2, held_oldest_s=1.5, arrivals=7, ttft_s=[0.3, 2.5], tpot_s=[0.05])
 TE_STATUS = TEStatus(name="pd-decode-2", group="pd", role="decode", state="draining", pid=123, host="10.0.0.4",
@@ -181,7 +182,7 @@ SAMPLES: dict[type, object] = {
                                                                   SampleLogprobs(-0.5, [])]},
                                                  failed={"r2": "ValueError: stop token 99 is outside the vocabulary"},
                                                  execute_seconds=0.012),
-    WorkerReady: WorkerReady(rank=1, num_kv_blocks=512, kv_bytes_per_token=4096, kv_region=REGION,
+    WorkerReady: WorkerReady(rank=1, rank_start=1.7e9 - 2, num_kv_blocks=512, kv_bytes_per_token=4096, kv_region=REGION,
                                      moe_layers=[1, 2], num_logical_experts=8, vocab_size=32000, load_start=1.7e9,
                                      load_end=1.7e9 + 1, load_source="fork", load_bytes=1 << 30,
                                      weights_addr="tcp://10.0.0.1:7100"),
@@ -411,3 +412,14 @@ def test_an_admin_request_with_an_unknown_op_is_answered():
 def test_string_enums_read_as_the_words_the_api_shows():
     assert FinishReason.STOP == "stop" and f"{FinishReason.LENGTH}" == "length"
     assert error_type_of(ValueError("x")) is None
+
+
+def test_the_startup_timeline_splits_te_pre_load_into_its_parts():
+    launched = 1.7e9 - 0.05
+    cold = msgspec.structs.replace(TIMELINE, prewarmed=False)
+    parts = cold.pre_load_parts(launched)
+    assert list(parts) == ["interpreter", "master_imports", "ranks_start", "rank_setup"]
+    assert parts["interpreter"] == pytest.approx(0.06) and parts["rank_setup"] == pytest.approx(0.05)
+    assert sum(parts.values()) == pytest.approx(cold.load_start - launched)
+    assert TIMELINE.pre_load_parts(launched) == {}  # pre-warmed: its process and ranks were there before
+    assert msgspec.structs.replace(cold, rank_start=0.0).pre_load_parts(launched) == {}  # a part not reported
