@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,8 @@ def run_step_profile(settings: StepProfileSettings) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             files = {"worker": Path(tmp) / "worker.txt", "master": Path(tmp) / "master.txt"}
             log(LOG_PREFIX, f"sampling the worker and the master for {settings.seconds:g} s")
+            pids = {"worker": worker_pid, "master": master_pid, "client": os.getpid()}
+            cpu_before = _cpu_seconds(pids)
             started = time.perf_counter()
             recorders = {name: _record(py_spy, pid, settings.seconds, settings.rate, files[name])
                          for name, pid in (("worker", worker_pid), ("master", master_pid))}
@@ -225,6 +228,7 @@ def run_step_profile(settings: StepProfileSettings) -> dict:
                     tail = (err.strip().splitlines() or ["no output"])[-1]
                     raise StepProfileError(f"py-spy could not sample the {name} ({tail[:200]})")
             window = (started, time.perf_counter())
+            cpu_used = {name: after - cpu_before[name] for name, after in _cpu_seconds(pids).items()}
             stacks = {name: parse_collapsed(path.read_text()) for name, path in files.items()}
         decoding.join()
     finally:
@@ -236,10 +240,19 @@ def run_step_profile(settings: StepProfileSettings) -> dict:
         "machine": report.machine_info(),
         "step_ms": step_ms,
         "decode_tokens_per_s": 1e3 / step_ms,
+        # CPU time each process took per step over the window (the worker's across its threads)
+        "cpu_ms_per_step": {name: seconds * step_ms / (window[1] - window[0]) for name, seconds in cpu_used.items()},
         "worker": breakdown(categorize(stacks["worker"], WORKER_PARTS), step_ms),
         "master": breakdown(categorize(stacks["master"], MASTER_PARTS), step_ms),
         "stacks": {name: [[";".join(stack), n] for stack, n in per.most_common()] for name, per in stacks.items()},
     }
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User and system CPU seconds each process has used so far."""
+    import psutil
+
+    return {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in pids.items()}
 
 
 def _step_ms(output, window: tuple[float, float]) -> float:
@@ -264,6 +277,9 @@ def table_lines(result: dict) -> list[str]:
     lines.append(f"batch-1 decode step {result['step_ms']:.2f} ms ({result['decode_tokens_per_s']:.1f} tokens/s), "
                  f"quantization {config['quantization']}, {config['prompt_len']}-token prompt; "
                  f"py-spy at {config['rate']} Hz for {config['seconds']:g} s")
+    cpu = result.get("cpu_ms_per_step")
+    if cpu:
+        lines.append("CPU per step: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in cpu.items()))
     return lines
 
 

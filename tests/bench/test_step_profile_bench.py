@@ -60,7 +60,10 @@ def test_a_quick_run_on_the_tiny_model(tiny_model, tmp_path, capsys):
         assert [row["part"] for row in rows] == [name for name, _ in parts] + [OTHER]
         assert sum(row["share"] for row in rows) == pytest.approx(1.0)
         assert sum(row["samples"] for row in rows) == sum(n for _, n in result["stacks"][process]) > 0
+    cpu = result["cpu_ms_per_step"]
+    assert list(cpu) == ["worker", "master", "client"] and all(ms > 0 for ms in cpu.values())
+    assert cpu["worker"] > cpu["master"]  # the worker computes the step; the master only schedules it
     fused = {row["part"]: row["samples"] for row in result["worker"]}
     assert fused["decoder layers: attention (fused op)"] > 0 and fused["decoder layers: MLP / MoE (fused op)"] > 0
     out = capsys.readouterr().out
-    assert "| worker | ms per step | share |" in out and "batch-1 decode step" in out
+    assert "| worker | ms per step | share |" in out and "batch-1 decode step" in out and "CPU per step: " in out

@@ -490,3 +490,14 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_linear_stream_benchmark_times_both_kernels_on_the_same_copies():
+    """`python -m meshserve.bench.linear_stream` at its smallest: every copy called once per round by each side,
+    and the two sides' products agree (timings are never compared)."""
+    from meshserve.bench.linear_stream import format_table, measure
+
+    row = measure("o_proj", 64, 96, pool_mb=0.1, rounds=2)
+    assert row["copies"] == int(0.1e6 // (64 * 96 * 4)) and row["outputs_agree"]
+    assert row["native_us"] > 0 and row["onednn_us"] > 0 and row["ratio"] == row["onednn_us"] / row["native_us"]
+    assert format_table([row]).splitlines()[1].split()[0] == "o_proj"
