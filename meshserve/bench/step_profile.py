@@ -78,6 +78,8 @@ def add_step_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", help="preset of the default model: small or tiny (default: small; --quick: tiny)")
     parser.add_argument("--quantization", choices=("none", "int8"), default="none",
                         help="weights as stored, or INT8 W8A8 quantized at load (default: none)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's compute dtype (default: float32)")
     parser.add_argument("--quick", action="store_true", help="the smallest run (for tests)")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens (default: 256; --quick: 16)")
     parser.add_argument("--seconds", type=float, help="sampling window (default: 6; --quick: 1.5)")
@@ -92,6 +94,7 @@ class StepProfileSettings:
     model_dir: str | None
     preset: str
     quantization: str
+    dtype: str
     prompt_len: int
     seconds: float
     rate: int
@@ -107,7 +110,8 @@ def settings_from_args(args: argparse.Namespace) -> StepProfileSettings:
         raise ValueError(f"--preset must be tiny or small, got {given['preset']!r}")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"{args.model} is not a model directory (no config.json)")
-    return StepProfileSettings(model_dir=args.model, quantization=args.quantization, json_path=args.json, **given)
+    return StepProfileSettings(model_dir=args.model, quantization=args.quantization, dtype=args.dtype,
+                               json_path=args.json, **given)
 
 
 def step_profile_main(args: argparse.Namespace) -> int:
@@ -199,8 +203,8 @@ def run_step_profile(settings: StepProfileSettings) -> dict:
     model = settings.model_dir or str(ensure_default_model("deepseek_v3", settings.preset))
     check_model_dir(model)
     quantization = {} if settings.quantization == "none" else {"quantization": settings.quantization}
-    log(LOG_PREFIX, f"starting the engine ({model}, quantization {settings.quantization})")
-    llm = LLM(model, dtype="float32", max_num_seqs=8, enable_prefix_caching=False, **quantization)
+    log(LOG_PREFIX, f"starting the engine ({model}, {settings.dtype}, quantization {settings.quantization})")
+    llm = LLM(model, dtype=settings.dtype, max_num_seqs=8, enable_prefix_caching=False, **quantization)
     try:
         prompt = heldout_prompts(1, settings.prompt_len, seed=0)
         greedy = {"temperature": 0.0, "ignore_eos": True}
@@ -235,7 +239,8 @@ def run_step_profile(settings: StepProfileSettings) -> dict:
         llm.shutdown()
     step_ms = _step_ms(outputs[0], window)
     return {
-        "config": {"model": model, "quantization": settings.quantization, "prompt_len": settings.prompt_len,
+        "config": {"model": model, "dtype": settings.dtype, "quantization": settings.quantization,
+                   "prompt_len": settings.prompt_len,
                    "seconds": settings.seconds, "rate": settings.rate, "batch": 1},
         "machine": report.machine_info(),
         "step_ms": step_ms,
@@ -275,7 +280,8 @@ def table_lines(result: dict) -> list[str]:
         lines.append("")
     config = result["config"]
     lines.append(f"batch-1 decode step {result['step_ms']:.2f} ms ({result['decode_tokens_per_s']:.1f} tokens/s), "
-                 f"quantization {config['quantization']}, {config['prompt_len']}-token prompt; "
+                 f"{config.get('dtype', 'float32')}, quantization {config['quantization']}, "
+                 f"{config['prompt_len']}-token prompt; "
                  f"py-spy at {config['rate']} Hz for {config['seconds']:g} s")
     cpu = result.get("cpu_ms_per_step")
     if cpu:

@@ -131,6 +131,31 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(-1, -2).contiguous()
 
 
+@functools.cache
+def _bf16_built() -> bool:
+    return bool(torch.ops.meshserve_cpu.bf16_native())
+
+
+def bf16_packable(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 [out, in] weight runs the native bfloat16 kernel here (csrc/bf16_kernels.cpp: a CPU
+    with AVX512-BF16, a multiple of 32 outputs, an even number of inputs)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % BLOCK_COLUMNS == 0 and weight.shape[1] % 2 == 0 and enabled() and _bf16_built())
+
+
+def pack_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 32, in / 2, 32, 2]: each block of 32 output columns streams a pair of inputs at a time."""
+    out_features, in_features = weight.shape
+    pairs = weight.reshape(out_features // BLOCK_COLUMNS, BLOCK_COLUMNS, in_features // 2, 2)
+    return pairs.permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 (rows contiguous) W^T through `pack_weight_bf16`'s layout: [M, N] bfloat16."""
+    _require()
+    return torch.ops.meshserve_cpu.bf16_linear(x, packed)
+
+
 def moe_experts(xs: torch.Tensor, offsets: torch.Tensor, w13_packed: torch.Tensor,
                 w2_packed: torch.Tensor) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) W_2^T for rows grouped by expert (expert e: rows offsets[e]:offsets[e+1])."""

@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _int8_linear(x, weight, bias)
     if packed is None:
         native = getattr(weight, _NATIVE_ATTR, None)
-        if native is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() \
+        if native is not None and x.device.type == "cpu" and x.dtype == native.dtype and x.numel() \
                 and cpu_kernels.enabled():
             return _native_linear(x, weight, bias, native)
         packed = _onednn_packed(weight)
@@ -73,8 +73,11 @@ def _native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = rows.new_empty(rows.shape[0], 1, weight.shape[0])
-    cpu_kernels.grouped_linear(rows.unsqueeze(1), native, out)
+    if native.dtype == torch.bfloat16:
+        out = cpu_kernels.bf16_linear(rows, native)
+    else:
+        out = rows.new_empty(rows.shape[0], 1, weight.shape[0])
+        cpu_kernels.grouped_linear(rows.unsqueeze(1), native, out)
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out.add_(bias)
 
@@ -121,8 +124,9 @@ class Linear(torch.nn.Linear):
 
 
 def attach_packed(weight: torch.Tensor) -> bool:
-    """Pack a [out, in] weight for `linear`: for the native CPU kernel where it applies (float32 on CPU,
-    a multiple of 32 outputs), else for oneDNN; an INT8 weight for the INT8 kernel. False where none applies."""
+    """Pack a [out, in] weight for `linear`: for the native CPU kernel where it applies (float32 on CPU, or
+    bfloat16 where the CPU has AVX512-BF16; a multiple of 32 outputs), else for oneDNN; an INT8 weight for the
+    INT8 kernel. False where none applies."""
     if weight.dtype == torch.int8:
         if not (cpu_kernels.enabled() and int8.packable(weight)):
             return False
@@ -130,6 +134,9 @@ def attach_packed(weight: torch.Tensor) -> bool:
         return True
     if weight.dim() == 2 and cpu_kernels.packable(weight) and cpu_kernels.enabled():
         setattr(weight, _NATIVE_ATTR, cpu_kernels.pack_weight(weight.detach().unsqueeze(0)))
+        return True
+    if cpu_kernels.bf16_packable(weight):
+        setattr(weight, _NATIVE_ATTR, cpu_kernels.pack_weight_bf16(weight.detach()))
         return True
     packed = pack_weight(weight)
     if packed is None:

@@ -23,6 +23,7 @@ def fused_experts(
     first_expert: int = 0,  # global id of local expert 0 (expert parallelism keeps a slice)
     packed: tuple[list, list] | None = None,  # per-expert oneDNN weights of w13 and w2 (see linear.py)
     native: tuple[torch.Tensor, torch.Tensor] | None = None,  # w13 and w2 packed for the native CPU kernel
+    bf16_native: tuple[list, list] | None = None,  # per-expert bfloat16 w13 and w2 for the native bf16 kernel
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -44,7 +45,7 @@ def fused_experts(
     counts = torch.bincount(sorted_ids, minlength=num_local)
     token_idx = order // top_k
     xs = hidden_states.index_select(0, token_idx)
-    ys = _experts_per_matmul(xs, counts.tolist(), w13, w2, packed)
+    ys = _experts_per_matmul(xs, counts.tolist(), w13, w2, packed, bf16_native)
     weights = topk_weights.reshape(-1).index_select(0, order).to(ys.dtype)
     ys.mul_(weights.unsqueeze(1))
     out.index_add_(0, token_idx, ys)
@@ -52,8 +53,10 @@ def fused_experts(
 
 
 def _experts_per_matmul(xs: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
-                        packed: tuple[list, list] | None) -> torch.Tensor:
-    """The torch path: one matmul pair per active expert over its rows of xs (grouped by expert)."""
+                        packed: tuple[list, list] | None,
+                        bf16_native: tuple[list, list] | None = None) -> torch.Tensor:
+    """One matmul pair per active expert over its rows of xs (grouped by expert): through the native bfloat16
+    kernel where its packs are given, else oneDNN's packs, else torch."""
     ys = torch.empty_like(xs)
     intermediate = w2.shape[2]
     start = 0
@@ -61,7 +64,11 @@ def _experts_per_matmul(xs: torch.Tensor, counts: list[int], w13: torch.Tensor, 
         if count == 0:
             continue
         end = start + count
-        if packed is None:
+        if bf16_native is not None:
+            gate_up = cpu_kernels.bf16_linear(xs[start:end], bf16_native[0][expert])
+            act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            ys[start:end] = cpu_kernels.bf16_linear(act, bf16_native[1][expert])
+        elif packed is None:
             gate_up = torch.mm(xs[start:end], w13[expert].t())
             act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
             torch.mm(act, w2[expert].t(), out=ys[start:end])
@@ -147,6 +154,7 @@ class FusedMoEWeights(torch.nn.Module):
         self._int8_native: tuple | None = None  # W8A8 weights packed for the native INT8 kernel
         self._packed: tuple[list, list] | None = None  # oneDNN copies (torch path)
         self._native: tuple[torch.Tensor, torch.Tensor] | None = None  # native-kernel copies
+        self._bf16_native: tuple[list, list] | None = None  # bfloat16 slots packed for the native bf16 kernel
         self._pack_requested = False
 
     def owns_expert(self, expert_id: int) -> bool:
@@ -209,6 +217,9 @@ class FusedMoEWeights(torch.nn.Module):
         if self._packed is not None:  # swap in the slot's new blocked copies (list items: atomic)
             self._packed[0][slot] = pack_weight(self.w13[slot])
             self._packed[1][slot] = pack_weight(self.w2[slot])
+        if self._bf16_native is not None:
+            self._bf16_native[0][slot] = cpu_kernels.pack_weight_bf16(self.w13[slot])
+            self._bf16_native[1][slot] = cpu_kernels.pack_weight_bf16(self.w2[slot])
         self.slot_experts[slot] = expert_id
 
     def clear_slot(self, slot: int) -> None:
@@ -226,7 +237,7 @@ class FusedMoEWeights(torch.nn.Module):
         q13, self.w13_scale = w8a8.recover_grid(self.w13.data)
         q2, self.w2_scale = w8a8.recover_grid(self.w2.data)
         self.w13.data, self.w2.data = q13, q2
-        self._native = self._packed = None
+        self._native = self._packed = self._bf16_native = None
         return 2
 
     def pack_weights(self) -> int:
@@ -234,7 +245,7 @@ class FusedMoEWeights(torch.nn.Module):
         linear.py); 0 where neither applies. With the native kernel the oneDNN copies are made only
         if the torch path is asked for (`cpu_kernels.disabled()`)."""
         self._pack_requested = True
-        self._native = None
+        self._native = self._bf16_native = None
         if self.is_int8:
             packable = cpu_kernels.enabled() and int8.packable(self.w13) and int8.packable(self.w2)
             self._int8_native = int8.pack_moe(self.w13, self.w2) if packable else None
@@ -243,6 +254,10 @@ class FusedMoEWeights(torch.nn.Module):
                 and cpu_kernels.packable(self.w2) and cpu_kernels.enabled()):
             self._native = (cpu_kernels.pack_weight(self.w13), cpu_kernels.pack_weight(self.w2))
             return 2
+        if self.num_slots and cpu_kernels.bf16_packable(self.w13[0]) and cpu_kernels.bf16_packable(self.w2[0]):
+            self._bf16_native = ([cpu_kernels.pack_weight_bf16(w) for w in self.w13],
+                                 [cpu_kernels.pack_weight_bf16(w) for w in self.w2])
+            return 2 * self.num_slots
         return 2 * self.num_slots if self._onednn_packs() is not None else 0
 
     def _onednn_packs(self) -> tuple[list, list] | None:
@@ -272,5 +287,8 @@ class FusedMoEWeights(torch.nn.Module):
         if self._native is not None and cpu_kernels.enabled():
             return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
                                  native=self._native)
+        if self._bf16_native is not None and hidden_states.dtype == torch.bfloat16 and cpu_kernels.enabled():
+            return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
+                                 bf16_native=self._bf16_native)
         return fused_experts(hidden_states, topk_ids, topk_weights, self.w13, self.w2, self.first_slot,
                              self._onednn_packs())

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from meshserve.layers import cpu_kernels
-from meshserve.layers.linear import Linear, attach_packed, linear
+from meshserve.layers.linear import Linear, attach_packed, linear, pack_linears
 from meshserve.layers.mla import MultiHeadLatentAttention
 from meshserve.layers.moe import FusedMoEWeights, fused_experts
 from meshserve.layers.rope import apply_rotary, apply_rotary_
@@ -501,3 +501,67 @@ def test_the_linear_stream_benchmark_times_both_kernels_on_the_same_copies():
     assert row["copies"] == int(0.1e6 // (64 * 96 * 4)) and row["outputs_agree"]
     assert row["native_us"] > 0 and row["onednn_us"] > 0 and row["ratio"] == row["onednn_us"] / row["native_us"]
     assert format_table([row]).splitlines()[1].split()[0] == "o_proj"
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 64, 32), (3, 1152, 384), (29, 96, 130), (40, 32, 768)])
+def test_the_bfloat16_linear_kernel_matches_onednn(rows, out_features, in_features):
+    """With AVX512-BF16: bfloat16 inputs and weights, float32 sums, one rounding to bfloat16 at the end, as oneDNN
+    does (only the order of the sums differs); strided rows read in place. Elsewhere no weight packs for it."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    wide = torch.randn(rows, in_features + 6, generator=g).bfloat16()
+    x = wide[:, 3:3 + in_features]  # rows with a stride
+    if not cpu_kernels.bf16_packable(weight):
+        attach_packed(weight)
+        assert not hasattr(weight, "_native_packed")  # oneDNN's pack (or none) instead
+        return
+    got = cpu_kernels.bf16_linear(x, cpu_kernels.pack_weight_bf16(weight))
+    exact = x.double() @ weight.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # one bfloat16 rounding of the float32 sum: within a step (2^-8 relative) of the exact product
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * exact.abs().max()).all()
+    assert (got.double() - torch.nn.functional.linear(x, weight).double()).abs().max() <= 2**-7 * exact.abs().max()
+
+
+def test_a_bfloat16_linear_layer_takes_the_native_kernel_and_the_switch_takes_onednn():
+    layer = Linear(64, 96, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    before = layer(x)
+    pack_linears(layer)
+    native = getattr(layer.weight, "_native_packed", None)
+    assert (native is not None) == cpu_kernels.bf16_packable(layer.weight)
+    after = layer(x)
+    with cpu_kernels.disabled():
+        torch_path = layer(x)
+    for out in (after, torch_path):
+        assert out.dtype == torch.bfloat16 and (out.float() - before.float()).abs().max() <= 0.02 * before.abs().max()
+
+
+def test_bfloat16_experts_take_the_native_kernel_and_match_the_torch_path():
+    """A bfloat16 MoE layer's slots pack for the native bfloat16 kernel where the CPU has AVX512-BF16 (one pair of
+    linears per active expert), equal to the torch path's experts to bfloat16 rounding; a slot loaded later (an
+    expert moved by EPLB) is packed again."""
+    experts = FusedMoEWeights(4, 64, 32, torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    experts.w13.data.copy_(torch.randn(experts.w13.shape, generator=g) * 0.1)
+    experts.w2.data.copy_(torch.randn(experts.w2.shape, generator=g) * 0.1)
+    assert experts.pack_weights() == 8
+    native = cpu_kernels.bf16_packable(experts.w13[0])
+    assert (experts._bf16_native is not None) == native
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [1, 3]])
+    weights = torch.rand(5, 2, generator=g)
+
+    def check():
+        got = experts(x, ids, weights)
+        want = fused_experts(x, ids, weights, experts.w13, experts.w2)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+
+    check()
+    w13 = torch.randn(experts.w13.shape[1:], generator=g) * 0.1
+    w2 = torch.randn(experts.w2.shape[1:], generator=g) * 0.1
+    experts.write_slot(2, 7, w13.bfloat16(), w2.bfloat16())
+    if native:
+        assert torch.equal(experts._bf16_native[0][2], cpu_kernels.pack_weight_bf16(experts.w13[2]))
+    check()
