@@ -206,6 +206,13 @@ def grouped_linear(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -
     return out
 
 
+def mla_decode_bf16(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """`mla_decode` with a float32 query over a bfloat16 cache (csrc/kv_int8.cpp): float32 math, [B, heads, c]."""
+    _require()
+    return torch.ops.meshserve_cpu.mla_decode_bf16(q, cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                scale: float, kv_lora_rank: int) -> torch.Tensor:
     """softmax(scale * q·entry) · latent over each sequence's paged cache entries: [B, heads, kv_lora_rank]."""

@@ -259,14 +259,15 @@ class MultiHeadLatentAttention(torch.nn.Module):
             self.pack_weights()
 
     def pack_weights(self) -> int:
-        """Pack W_UK and W_UV for the native CPU decode kernels (fp32 on CPU); 0 where they do not apply.
-        The projections themselves are Linear modules, packed on their own."""
+        """Pack W_UK and W_UV for the native CPU decode kernels (on CPU; a bfloat16 model's as float32 copies:
+        its decode attention runs in float32); 0 where they do not apply. The projections themselves are Linear
+        modules, packed on their own."""
         self._absorbed_packed = None
-        if (self.w_uk.device.type == "cpu" and self.w_uk.dtype == torch.float32 and cpu_kernels.enabled()
-                and self.kv_lora_rank % cpu_kernels.BLOCK_COLUMNS == 0
+        if (self.w_uk.device.type == "cpu" and self.w_uk.dtype in (torch.float32, torch.bfloat16)
+                and cpu_kernels.enabled() and self.kv_lora_rank % cpu_kernels.BLOCK_COLUMNS == 0
                 and self.v_head_dim % cpu_kernels.BLOCK_COLUMNS == 0):
-            self._absorbed_packed = (cpu_kernels.pack_weight(self.w_uk.transpose(1, 2)),
-                                     cpu_kernels.pack_weight(self.w_uv.transpose(1, 2)))
+            self._absorbed_packed = (cpu_kernels.pack_weight(self.w_uk.float().transpose(1, 2)),
+                                     cpu_kernels.pack_weight(self.w_uv.float().transpose(1, 2)))
             return 2
         return 0
 
@@ -312,6 +313,8 @@ class MultiHeadLatentAttention(torch.nn.Module):
         """q [B, heads, qk_head_dim] (one token per sequence) -> [B, heads * v_head_dim]."""
         batch, nope, c = q.shape[0], self.qk_nope_head_dim, self.kv_lora_rank
         native = self._native_decode(q, kv_cache)
+        if native and q.dtype == torch.bfloat16:  # a bfloat16 cache: the native kernels' float32 math
+            return self._decode_absorbed(q.float(), plan, kv_cache).to(torch.bfloat16)
         packed = self._absorbed_packed if native else None
         if packed is not None:  # absorption products through the native kernel, written in place
             q_full = q.new_empty(batch, self.num_heads, c + self.qk_rope_head_dim)
@@ -326,6 +329,9 @@ class MultiHeadLatentAttention(torch.nn.Module):
             if kv_quant.is_quantized(kv_cache.dtype):
                 o_latent = kv_quant.mla_decode_int8(q_full, kv_cache, table, plan.decode_seq_lens, self.softmax_scale,
                                                     c, int8_scores=envs.int8_kv_scores_enabled())
+            elif kv_cache.dtype == torch.bfloat16:
+                o_latent = cpu_kernels.mla_decode_bf16(q_full, kv_cache, table, plan.decode_seq_lens,
+                                                       self.softmax_scale, c)
             else:
                 o_latent = cpu_kernels.mla_decode(q_full, kv_cache, table, plan.decode_seq_lens, self.softmax_scale, c)
         else:
@@ -338,10 +344,15 @@ class MultiHeadLatentAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(batch, self.num_heads * self.v_head_dim)
 
     def _native_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether the native CPU kernel takes this decode's attention: fp32 query on CPU, an fp32 or INT8 cache
-        (an INT8 one also with a rope part of whole vectors), a latent of whole vectors, and the kernels on."""
-        if not (q.device.type == "cpu" and q.dtype == torch.float32 and kv_cache.is_contiguous()
-                and self.kv_lora_rank % 16 == 0):
+        """Whether the native CPU kernel takes this decode's attention: an fp32 query with an fp32 or INT8 cache,
+        or a bfloat16 cache (a bfloat16 model's; the query then runs in float32), INT8 and bfloat16 rows with a
+        rope part of whole vectors; on CPU, a latent of whole vectors, and the kernels on."""
+        if not (q.device.type == "cpu" and kv_cache.is_contiguous() and self.kv_lora_rank % 16 == 0):
+            return False
+        if kv_cache.dtype == torch.bfloat16:
+            return (q.dtype in (torch.float32, torch.bfloat16) and self.qk_rope_head_dim % 16 == 0
+                    and self._absorbed_packed is not None and cpu_kernels.enabled())
+        if q.dtype != torch.float32:
             return False
         if kv_quant.is_quantized(kv_cache.dtype):
             return self.qk_rope_head_dim % 16 == 0 and kv_quant.native_decode_available()

@@ -565,3 +565,23 @@ def test_bfloat16_experts_take_the_native_kernel_and_match_the_torch_path():
     if native:
         assert torch.equal(experts._bf16_native[0][2], cpu_kernels.pack_weight_bf16(experts.w13[2]))
     check()
+
+
+@pytest.mark.parametrize("length", [5, 40, 300, 600])
+def test_mla_decode_over_a_bfloat16_cache_equals_the_reference(length):
+    """A bfloat16 model's cache: the rows converted to float32 tile by tile, the float32 kernel's math after them
+    (context split from 256 tokens included)."""
+    block_size, heads, kv_lora_rank, rope = 16, 20, 64, 16
+    g = torch.Generator().manual_seed(length)
+    num_blocks = -(-length // block_size) + 3
+    cache = torch.randn(num_blocks, block_size, kv_lora_rank + rope, generator=g).bfloat16()
+    block_table = torch.randperm(num_blocks, generator=g).view(1, num_blocks).repeat(2, 1)
+    q = torch.randn(2, heads, kv_lora_rank + rope, generator=g)
+    seq_lens = torch.tensor([length, max(1, length // 3)])
+    with torch_threads(2):
+        got = cpu_kernels.mla_decode_bf16(q, cache, block_table, seq_lens, 0.4, kv_lora_rank)
+    want = mla_reference(q, cache.float(), block_table, seq_lens, 0.4, kv_lora_rank)
+    assert got.dtype == torch.float32 and got.shape == (2, heads, kv_lora_rank)
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    with pytest.raises(RuntimeError, match="bfloat16 cache"):
+        cpu_kernels.mla_decode_bf16(q, cache.float(), block_table, seq_lens, 0.4, kv_lora_rank)

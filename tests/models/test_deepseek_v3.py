@@ -297,3 +297,35 @@ def test_bfloat16_model_runs_prefill_and_decode(tmp_path):
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         # bf16 rounding (and the odd flipped expert choice) moves logits, but they track fp32 closely
         assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.95
+
+
+def test_a_bfloat16_model_decodes_through_the_native_kernels_as_the_torch_path_does(tmp_path, monkeypatch):
+    """bfloat16 linears, experts (AVX512-BF16) and the decode attention over the bfloat16 cache (float32 math) in
+    the native kernels; the torch path on the same model: the same logits up to bfloat16 rounding."""
+    make_checkpoint(tmp_path, **CASES["native_shapes"], qk_rope_head_dim=16)  # rope rows of whole vectors
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    attention = model.layers[0].self_attn
+    assert attention._absorbed_packed is not None  # the decode attention's float32 absorption weights
+    batch = prompts(BASE["vocab_size"], lens=(6, 9), seed=7)
+
+    def run() -> list[torch.Tensor]:
+        harness = PagedHarness(model)
+        out = harness.step([0, 1], batch)
+        for token in (5, 11, 17):
+            out = [torch.cat([a, b]) for a, b in zip(out, harness.step([0, 1], [[token], [token]]))]
+        return out
+
+    native_calls = []
+    original = cpu_kernels.mla_decode_bf16
+
+    def counted(*args):
+        native_calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(cpu_kernels, "mla_decode_bf16", counted)
+    native = run()
+    assert len(native_calls) == 3 * BASE["num_hidden_layers"]  # every decode step, every layer
+    with cpu_kernels.disabled():
+        torch_path = run()
+    for got, want in zip(native, torch_path):
+        assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999

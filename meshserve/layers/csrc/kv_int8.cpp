@@ -1,4 +1,5 @@
-// Absorbed MLA decode attention over an INT8 paged latent cache (meshserve/layers/kv_quant.py).
+// Absorbed MLA decode attention over an INT8 paged latent cache (meshserve/layers/kv_quant.py), and over a
+// bfloat16 one (a bfloat16 model's: its rows are converted to float32 tile by tile, the float path below).
 //
 // A cache row is [c_kv int8 x kv_lora_rank | k_pe int8 x rope_dim | scale_c bf16 | scale_pe bf16]. The
 // kernel works like mla_decode (cpu_kernels.cpp): one task per sequence and group of kLanes heads, the
@@ -313,23 +314,64 @@ constexpr bool kInt8Scores = false;
 
 bool int8_scores_native() { return kInt8Scores; }
 
+// tile[t, :] = `tokens` consecutive bfloat16 cache rows (width bytes each) as float32 (the high half of each
+// float); the next tile's rows are prefetched as in dequantize_tile.
+void convert_bf16_tile(const int8_t* rows, int64_t width, int tokens, int64_t dim, float* tile, const int8_t* next,
+                       int64_t next_bytes) {
+  for (int t = 0; t < tokens; ++t) {
+    for (int64_t i = t * width; i < std::min((t + 1) * width, next_bytes); i += 64) __builtin_prefetch(next + i);
+    const auto* row = reinterpret_cast<const uint16_t*>(rows + t * width);
+    float* out = tile + t * dim;
+#if defined(__AVX512F__)
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d)));
+      _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#else
+    for (int64_t d = 0; d < dim; ++d) {
+      const uint32_t bits = uint32_t(row[d]) << 16;
+      std::memcpy(out + d, &bits, sizeof(float));
+    }
+#endif
+  }
+}
+
+enum class Rows { kInt8, kBf16 };
+
+at::Tensor decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank, Rows format, bool int8_scores);
+
 at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank,
                            bool int8_scores) {
   // q [B, heads, D] float32 (absorbed query: latent part then rope part), cache int8 [blocks, block_size,
   // D + 4], block_table int64 [B, >= blocks per sequence], seq_lens int64 [B] -> P·c [B, heads, kv_lora_rank].
-  TORCH_CHECK(q.dtype() == at::kFloat && cache.dtype() == at::kChar,
-              "mla_decode_int8 takes a float32 query and an int8 cache");
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "mla_decode_int8 takes contiguous q and cache");
-  TORCH_CHECK(block_table.dtype() == at::kLong && seq_lens.dtype() == at::kLong,
-              "mla_decode_int8 takes int64 tables");
-  TORCH_CHECK(q.dim() == 3 && cache.dim() == 3, "mla_decode_int8: q [B, heads, D], cache [blocks, block_size, W]");
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), block_size = cache.size(1);
-  const int64_t width = cache.size(2);
-  TORCH_CHECK(width == dim + 2 * kScaleBytes && kv_lora_rank % kLanes == 0 && dim % kLanes == 0 &&
-                  kv_lora_rank <= dim,
+  TORCH_CHECK(cache.dtype() == at::kChar, "mla_decode_int8 takes an int8 cache");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 3 && cache.size(2) == q.size(2) + 2 * kScaleBytes,
               "mla_decode_int8: cache rows, entry and latent sizes do not match");
-  TORCH_CHECK(block_table.size(0) == batch && seq_lens.size(0) == batch, "mla_decode_int8: batch sizes differ");
+  return decode_rows(q, cache, block_table, seq_lens, scale, kv_lora_rank, Rows::kInt8, int8_scores);
+}
+
+at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
+  // as mla_decode_int8 over a bfloat16 cache [blocks, block_size, D] (a bfloat16 model's), float32 math
+  TORCH_CHECK(cache.dtype() == at::kBFloat16, "mla_decode_bf16 takes a bfloat16 cache");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 3 && cache.size(2) == q.size(2),
+              "mla_decode_bf16: cache rows, entry and latent sizes do not match");
+  return decode_rows(q, cache, block_table, seq_lens, scale, kv_lora_rank, Rows::kBf16, false);
+}
+
+// The kernel of both: q [B, heads, D] float32; `format` says what a cache row holds.
+at::Tensor decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank, Rows format, bool int8_scores) {
+  TORCH_CHECK(q.dtype() == at::kFloat, "MLA decode takes a float32 query");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "MLA decode takes contiguous q and cache");
+  TORCH_CHECK(block_table.dtype() == at::kLong && seq_lens.dtype() == at::kLong, "MLA decode takes int64 tables");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), block_size = cache.size(1);
+  const int64_t width = cache.size(2) * cache.element_size();  // bytes per row
+  TORCH_CHECK(kv_lora_rank % kLanes == 0 && dim % kLanes == 0 && kv_lora_rank <= dim,
+              "MLA decode: the latent and entry sizes must be whole vectors");
+  TORCH_CHECK(block_table.size(0) == batch && seq_lens.size(0) == batch, "MLA decode: batch sizes differ");
   const auto table = block_table.contiguous();
   const auto lens = seq_lens.contiguous();
   const int64_t* bt = table.data_ptr<int64_t>();
@@ -337,14 +379,14 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
   const int64_t table_stride = table.size(1), num_cache_blocks = cache.size(0);
   for (int64_t b = 0; b < batch; ++b) {  // checked here: the tasks below run on other threads
     const int64_t used = (sl[b] + block_size - 1) / block_size;
-    TORCH_CHECK(sl[b] >= 0 && used <= table_stride, "mla_decode_int8: a sequence is longer than its block table");
+    TORCH_CHECK(sl[b] >= 0 && used <= table_stride, "MLA decode: a sequence is longer than its block table");
     for (int64_t i = 0; i < used; ++i)
       TORCH_CHECK(bt[b * table_stride + i] >= 0 && bt[b * table_stride + i] < num_cache_blocks,
-                  "mla_decode_int8: block id out of range");
+                  "MLA decode: block id out of range");
   }
   auto out = at::empty({batch, heads, kv_lora_rank}, q.options());
   const float* pq = q.data_ptr<float>();
-  const int8_t* pc = cache.data_ptr<int8_t>();
+  const int8_t* pc = static_cast<const int8_t*>(cache.data_ptr());
   float* po = out.data_ptr<float>();
   const int64_t groups = (heads + kLanes - 1) / kLanes;
 
@@ -354,7 +396,7 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
   const int64_t part_floats = kLanes * kv_lora_rank + 2 * kLanes;  // a part's P·c rows, then m and l
   std::vector<float> parts(splits > 1 ? batch * groups * splits * part_floats : 0);
 
-  const bool integer = int8_scores && kInt8Scores;
+  const bool integer = int8_scores && kInt8Scores && format == Rows::kInt8;
   parallel_tasks(batch * groups * splits, [&](int64_t task) {
     thread_local std::vector<float> qt_buffer, acc_buffer, tile_buffer;  // per thread, reused by its tasks
     // on cache-line boundaries, so the tile's rows (a multiple of 64 bytes) are read in whole lines: malloc's
@@ -410,7 +452,10 @@ at::Tensor mla_decode_int8(const at::Tensor& q, const at::Tensor& cache, const a
       }
 #endif
       if (!integer) {
-        dequantize_tile(rows, width, tokens, kv_lora_rank, dim, tile, nrows, n);
+        if (format == Rows::kBf16)
+          convert_bf16_tile(rows, width, tokens, dim, tile, nrows, n);
+        else
+          dequantize_tile(rows, width, tokens, kv_lora_rank, dim, tile, nrows, n);
         for (int t = 0; t < tokens; t += kHalfTile) {
           const int n = std::min(kHalfTile, tokens - t);
           kScores[n - 1](qt, tile + t * dim, dim, s + t);
@@ -462,7 +507,12 @@ TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("mla_decode_int8(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int kv_lora_rank, bool int8_scores) -> Tensor");
   m.def("mla_decode_int8_scores_native() -> bool");
+  m.def("mla_decode_bf16(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale, "
+        "int kv_lora_rank) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) { m.impl("mla_decode_int8", &mla_decode_int8); }
+TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
+  m.impl("mla_decode_int8", &mla_decode_int8);
+  m.impl("mla_decode_bf16", &mla_decode_bf16);
+}
 TORCH_LIBRARY_IMPL(meshserve_cpu, CatchAll, m) { m.impl("mla_decode_int8_scores_native", &int8_scores_native); }
