@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "parallel_tasks.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -27,29 +29,12 @@
 
 namespace {
 
+using meshserve_kernels::parallel_tasks;
 constexpr int64_t kBlockCols = 32;  // columns of one packed block
 
 #if defined(__AVX512BF16__)
 constexpr int kMaxTileRows = 12;    // 2 x 12 accumulators, 2 weight vectors and a broadcast in 32 registers
 constexpr int kPrefetchPairs = 64;  // packed rows of pairs (128 bytes each) fetched ahead into L2, as cpu_kernels.cpp
-
-// Runs task(i) for i in [0, n) on torch's threads: each thread takes its own contiguous share, then helps with
-// what is left of the others' (as cpu_kernels.cpp).
-template <typename Task>
-void parallel_tasks(int64_t n, const Task& task) {
-  if (n <= 0) return;
-  const int64_t shares = std::min<int64_t>(n, at::get_num_threads());
-  std::vector<std::atomic<int64_t>> next(shares);
-  for (int64_t k = 0; k < shares; ++k) next[k].store(k * n / shares, std::memory_order_relaxed);
-  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
-    for (int64_t d = 0; d < shares; ++d) {
-      const int64_t k = (begin + d) % shares, end = (k + 1) * n / shares;
-      for (int64_t i = next[k].fetch_add(1, std::memory_order_relaxed); i < end;
-           i = next[k].fetch_add(1, std::memory_order_relaxed))
-        task(i);
-    }
-  });
-}
 
 // out[m, 0:32] = sum_k x[m, k] w[k, 0:32] for M rows; w is one packed block [K/2][32][2] (pairs of k).
 template <int M>

@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "parallel_tasks.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -37,6 +39,7 @@ void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64
                    float* out);
 }  // namespace meshserve_kernels
 using meshserve_kernels::combine_parts;
+using meshserve_kernels::parallel_tasks;
 using meshserve_kernels::split_count;
 
 namespace {
@@ -62,26 +65,6 @@ constexpr int kPrefetchRows = 64;
 // Elementwise work (floats touched) below which a loop runs on the calling thread: at decode sizes
 // waking the other threads costs more than the work.
 constexpr int64_t kSerialWork = 1 << 20;
-
-// Runs task(i) for i in [0, n) on torch's threads. Each thread works through its own contiguous share
-// (weights stream in address order), then helps with what is left of the others' shares: on a machine
-// where other processes take a core now and then, a delayed thread's work moves to the others instead
-// of holding everyone at the end of the region.
-template <typename Task>
-void parallel_tasks(int64_t n, const Task& task) {
-  if (n <= 0) return;
-  const int64_t shares = std::min<int64_t>(n, at::get_num_threads());
-  std::vector<std::atomic<int64_t>> next(shares);
-  for (int64_t k = 0; k < shares; ++k) next[k].store(k * n / shares, std::memory_order_relaxed);
-  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
-    for (int64_t d = 0; d < shares; ++d) {
-      const int64_t k = (begin + d) % shares, end = (k + 1) * n / shares;
-      for (int64_t i = next[k].fetch_add(1, std::memory_order_relaxed); i < end;
-           i = next[k].fetch_add(1, std::memory_order_relaxed))
-        task(i);
-    }
-  });
-}
 
 inline int64_t grain_for(int64_t work_per_item) { return std::max<int64_t>(1, kSerialWork / std::max<int64_t>(1, work_per_item)); }
 

@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "parallel_tasks.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -44,6 +46,7 @@ void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64
                    float* out);
 }  // namespace meshserve_kernels
 using meshserve_kernels::combine_parts;
+using meshserve_kernels::parallel_tasks;
 using meshserve_kernels::split_count;
 
 namespace {
@@ -115,24 +118,6 @@ inline vec vexp(vec x) {
   vec scale;
   std::memcpy(&scale, &bits, sizeof(vec));
   return y * scale;
-}
-
-// Runs task(i) for i in [0, n) on torch's threads: each thread takes its own contiguous share, then helps
-// with what is left of the others' (a thread delayed by another process does not hold everyone up).
-template <typename Task>
-void parallel_tasks(int64_t n, const Task& task) {
-  if (n <= 0) return;
-  const int64_t shares = std::min<int64_t>(n, at::get_num_threads());
-  std::vector<std::atomic<int64_t>> next(shares);
-  for (int64_t k = 0; k < shares; ++k) next[k].store(k * n / shares, std::memory_order_relaxed);
-  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
-    for (int64_t d = 0; d < shares; ++d) {
-      const int64_t k = (begin + d) % shares, end = (k + 1) * n / shares;
-      for (int64_t i = next[k].fetch_add(1, std::memory_order_relaxed); i < end;
-           i = next[k].fetch_add(1, std::memory_order_relaxed))
-        task(i);
-    }
-  });
 }
 
 constexpr int64_t kLineFloats = 64 / sizeof(float);
