@@ -91,12 +91,12 @@ def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def native_tensors(weight: torch.Tensor) -> list[torch.Tensor] | None:
     """A weight as the fused decode ops take a linear (csrc/decode_layer.cpp): INT8 packed (blocks, compensation,
-    scales), or float32 packed for the native kernel (else the plain weight) and two empty tensors; None for
-    anything else."""
+    scales), or a float32 or bfloat16 weight packed for its native kernel (else the plain weight) and two empty
+    tensors; None for anything else."""
     if weight.dtype == torch.int8:
         packed = getattr(weight, _INT8_ATTR, None)
         return None if packed is None else [packed.blocks, packed.compensation, getattr(weight, w8a8.SCALE_ATTR)]
-    if weight.dtype != torch.float32 or weight.dim() != 2:
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2:
         return None
     native = getattr(weight, _NATIVE_ATTR, None)
     return [weight if native is None else native, NO_TENSOR, NO_TENSOR]

@@ -23,7 +23,7 @@ def fused_experts(
     first_expert: int = 0,  # global id of local expert 0 (expert parallelism keeps a slice)
     packed: tuple[list, list] | None = None,  # per-expert oneDNN weights of w13 and w2 (see linear.py)
     native: tuple[torch.Tensor, torch.Tensor] | None = None,  # w13 and w2 packed for the native CPU kernel
-    bf16_native: tuple[list, list] | None = None,  # per-expert bfloat16 w13 and w2 for the native bf16 kernel
+    bf16_native: tuple[torch.Tensor, torch.Tensor] | None = None,  # w13 and w2 packed per slot for the bf16 kernel
 ) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
@@ -54,7 +54,7 @@ def fused_experts(
 
 def _experts_per_matmul(xs: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
                         packed: tuple[list, list] | None,
-                        bf16_native: tuple[list, list] | None = None) -> torch.Tensor:
+                        bf16_native: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One matmul pair per active expert over its rows of xs (grouped by expert): through the native bfloat16
     kernel where its packs are given, else oneDNN's packs, else torch."""
     ys = torch.empty_like(xs)
@@ -154,7 +154,7 @@ class FusedMoEWeights(torch.nn.Module):
         self._int8_native: tuple | None = None  # W8A8 weights packed for the native INT8 kernel
         self._packed: tuple[list, list] | None = None  # oneDNN copies (torch path)
         self._native: tuple[torch.Tensor, torch.Tensor] | None = None  # native-kernel copies
-        self._bf16_native: tuple[list, list] | None = None  # bfloat16 slots packed for the native bf16 kernel
+        self._bf16_native: tuple[torch.Tensor, torch.Tensor] | None = None  # slots packed for the bf16 kernel
         self._pack_requested = False
 
     def owns_expert(self, expert_id: int) -> bool:
@@ -218,8 +218,8 @@ class FusedMoEWeights(torch.nn.Module):
             self._packed[0][slot] = pack_weight(self.w13[slot])
             self._packed[1][slot] = pack_weight(self.w2[slot])
         if self._bf16_native is not None:
-            self._bf16_native[0][slot] = cpu_kernels.pack_weight_bf16(self.w13[slot])
-            self._bf16_native[1][slot] = cpu_kernels.pack_weight_bf16(self.w2[slot])
+            self._bf16_native[0][slot].copy_(cpu_kernels.pack_weight_bf16(self.w13[slot]))
+            self._bf16_native[1][slot].copy_(cpu_kernels.pack_weight_bf16(self.w2[slot]))
         self.slot_experts[slot] = expert_id
 
     def clear_slot(self, slot: int) -> None:
@@ -255,8 +255,8 @@ class FusedMoEWeights(torch.nn.Module):
             self._native = (cpu_kernels.pack_weight(self.w13), cpu_kernels.pack_weight(self.w2))
             return 2
         if self.num_slots and cpu_kernels.bf16_packable(self.w13[0]) and cpu_kernels.bf16_packable(self.w2[0]):
-            self._bf16_native = ([cpu_kernels.pack_weight_bf16(w) for w in self.w13],
-                                 [cpu_kernels.pack_weight_bf16(w) for w in self.w2])
+            self._bf16_native = (torch.stack([cpu_kernels.pack_weight_bf16(w) for w in self.w13]),
+                                 torch.stack([cpu_kernels.pack_weight_bf16(w) for w in self.w2]))
             return 2 * self.num_slots
         return 2 * self.num_slots if self._onednn_packs() is not None else 0
 
@@ -268,13 +268,16 @@ class FusedMoEWeights(torch.nn.Module):
         return self._packed
 
     def native_tensors(self) -> list[torch.Tensor] | None:
-        """The slots as the fused decode ops take them (csrc/decode_layer.cpp): float32 w13 and w2 packed and four
-        empty tensors, or INT8 w13 blocks, compensation and scales, then w2's; None where they are not packed."""
+        """The slots as the fused decode ops take them (csrc/decode_layer.cpp): float32 or bfloat16 w13 and w2 packed
+        and four empty tensors, or INT8 w13 blocks, compensation and scales, then w2's; None where they are not
+        packed."""
         if self._int8_native is not None:
             w13, w2 = self._int8_native
             return [w13.blocks, w13.compensation, self.w13_scale, w2.blocks, w2.compensation, self.w2_scale]
         if self._native is not None:
             return [*self._native, *[NO_TENSOR] * 4]
+        if self._bf16_native is not None:
+            return [*self._bf16_native, *[NO_TENSOR] * 4]
         return None
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

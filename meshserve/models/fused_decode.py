@@ -5,11 +5,13 @@ the MLP half, instead of about forty Python-level ops: at batch 1 those ops' int
 was a third of the step. The calls run the same kernels in the same order as the per-op path, so the logits
 agree to float rounding (tests/models/test_fused_decode.py).
 
-Where it applies: the native kernels on (not under `cpu_kernels.disabled()`), float32 activations on CPU, one
-rank (no attention TP, no expert parallelism, no redundant expert slots), every projection packed for a native
-kernel (float32 or INT8 W8A8; a float32 shape the kernels do not pack runs torch's linear inside the op),
-no attention biases, a float32 KV cache, one micro-batch, and
-`MESHSERVE_FUSED_DECODE` not 0. Anything else (prefills, mixed batches) runs the per-op path.
+Where it applies: the native kernels on (not under `cpu_kernels.disabled()`), a float32 model and KV cache on CPU
+(or a bfloat16 model and cache: its rows then run in float32 between its bfloat16 linears, each input rounded to
+bfloat16 as its own layers round it, so its logits agree with the per-op path's to bfloat16 rounding), one rank
+(no attention TP, no expert parallelism, no redundant expert slots), every projection packed for a native kernel
+(float32, bfloat16 or INT8 W8A8; a shape the kernels do not pack runs torch's linear inside the op), the experts
+packed, no attention biases, one micro-batch, and `MESHSERVE_FUSED_DECODE` not 0. Anything else (prefills, mixed
+batches) runs the per-op path.
 """
 from __future__ import annotations
 
@@ -55,12 +57,14 @@ class FusedDecode:
         """Whether this forward runs fused."""
         num_rows = hidden.shape[0]
         if (self._unsupported or not num_rows or attn.num_decodes != num_rows or attn.num_seqs != num_rows
-                or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not cpu_kernels.enabled()
-                or not envs.fused_decode_enabled()):
+                or hidden.dtype not in (torch.float32, torch.bfloat16) or hidden.device.type != "cpu"
+                or not cpu_kernels.enabled() or not envs.fused_decode_enabled()):
             return False
         cache = kv_caches[0]
-        if cache.dtype != torch.float32 or not cache.is_contiguous():
+        if cache.dtype != hidden.dtype or not cache.is_contiguous():
             return False
+        if cache.dtype == torch.bfloat16 and self.layers[0].self_attn.qk_rope_head_dim % 16:
+            return False  # the bfloat16 cache's kernel reads rows of whole vectors
         if self._ops is None or not all(ops.current() for ops in self._ops):
             self._ops = _build(self.layers)
             self._unsupported = self._ops is None
@@ -68,7 +72,11 @@ class FusedDecode:
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The decoder layers over one-token decode rows (`takes` said yes); the final norm is the caller's."""
+        """The decoder layers over one-token decode rows (`takes` said yes); the final norm is the caller's. A
+        bfloat16 model's rows run in float32 between its bfloat16 linears (each input rounded to bfloat16 as its
+        own layers round it) and return in bfloat16."""
+        if hidden.dtype == torch.bfloat16:
+            return self(hidden.float(), cos.float(), sin.float(), attn, kv_caches).to(torch.bfloat16)
         ops = torch.ops.meshserve_cpu
         batch = hidden.shape[0]
         num_blocks = -(-max(attn.seq_lens) // attn.block_size)
@@ -97,7 +105,7 @@ def _mlp_half(ops, hidden: torch.Tensor, layer_ops: _LayerOps) -> torch.Tensor:
 def _packed_objects(attention, experts) -> tuple:
     if experts is None:
         return (id(attention._absorbed_packed),)
-    return id(attention._absorbed_packed), id(experts._native), id(experts._int8_native)
+    return id(attention._absorbed_packed), id(experts._native), id(experts._int8_native), id(experts._bf16_native)
 
 
 def _build(layers: torch.nn.ModuleList) -> list[_LayerOps] | None:
@@ -137,14 +145,12 @@ def _attention_args(layer) -> tuple[list, list, list] | None:
     if qkv is None or q_b is None or o is None:
         return None
     q_norm = a.q_a_layernorm
-    weights = [layer.input_layernorm.weight, *qkv, q_norm.weight if q_norm is not None else NO_TENSOR, *q_b,
-               a.kv_a_layernorm.weight, *a._absorbed_packed, *o]
+    weights = [layer.input_layernorm.weight.float(), *qkv, q_norm.weight.float() if q_norm is not None else NO_TENSOR,
+               *q_b, a.kv_a_layernorm.weight.float(), *a._absorbed_packed, *o]
     dims = [a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim, a.q_in_dim,
             int(a.rope_interleave), int(a.q_b_proj is not None)]
     floats = [layer.input_layernorm.eps, q_norm.eps if q_norm is not None else 0.0, a.kv_a_layernorm.eps,
               a.softmax_scale]
-    if any(w.dtype != torch.float32 for w in (weights[0], weights[8])):
-        return None
     return weights, dims, floats
 
 
@@ -154,13 +160,13 @@ def _mlp_args(layer) -> tuple[list, list, list] | None:
         if mlp.parallel.attn_tp_size != 1:
             return None
         tensors = _linears(mlp.gate_up_proj, mlp.down_proj)
-        return None if tensors is None else ([norm.weight, *tensors], [0], [norm.eps])
+        return None if tensors is None else ([norm.weight.float(), *tensors], [0], [norm.eps])
     runtime, experts = mlp.runtime, mlp.experts
     if not runtime.single or runtime.slot_map is not None or runtime.shared_slots is not None:
         return None
     router = native_tensors(mlp.gate_weight)
     expert_tensors = experts.native_tensors()
-    if router is None or expert_tensors is None or mlp.e_score_correction_bias.dtype != torch.float32:
+    if router is None or expert_tensors is None:
         return None
     num_experts = mlp.gate_weight.shape[0]
     if not (mlp.n_group == 1 or mlp.topk_group == mlp.n_group or num_experts // mlp.n_group >= 2):
@@ -170,7 +176,7 @@ def _mlp_args(layer) -> tuple[list, list, list] | None:
         shared = _linears(mlp.shared_experts.gate_up_proj, mlp.shared_experts.down_proj)
         if shared is None:
             return None
-    weights = [norm.weight, *router, mlp.e_score_correction_bias, *expert_tensors, *shared]
+    weights = [norm.weight.float(), *router, mlp.e_score_correction_bias.float(), *expert_tensors, *shared]
     dims = [1, mlp.top_k, mlp.n_group, mlp.topk_group, int(mlp.norm_topk_prob), experts.first_slot,
             int(bool(shared))]
     return weights, dims, [norm.eps, mlp.routed_scaling_factor]

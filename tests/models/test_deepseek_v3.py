@@ -300,8 +300,10 @@ def test_bfloat16_model_runs_prefill_and_decode(tmp_path):
 
 
 def test_a_bfloat16_model_decodes_through_the_native_kernels_as_the_torch_path_does(tmp_path, monkeypatch):
-    """bfloat16 linears, experts (AVX512-BF16) and the decode attention over the bfloat16 cache (float32 math) in
-    the native kernels; the torch path on the same model: the same logits up to bfloat16 rounding."""
+    """Layer by layer (the fused layers off): bfloat16 linears, experts (AVX512-BF16) and the decode attention over
+    the bfloat16 cache (float32 math) in the native kernels; the torch path on the same model: the same logits up
+    to bfloat16 rounding."""
+    monkeypatch.setenv("MESHSERVE_FUSED_DECODE", "0")
     make_checkpoint(tmp_path, **CASES["native_shapes"], qk_rope_head_dim=16)  # rope rows of whole vectors
     model = load_model(tmp_path, dtype=torch.bfloat16)
     attention = model.layers[0].self_attn

@@ -101,3 +101,50 @@ def test_mixed_batches_and_the_torch_path_run_per_op(runner):
             attn = AttentionMetadata.build([1], [PROMPT_LENS[2]], tables[2:], BLOCK)
             model(torch.tensor(tokens[2:]), torch.tensor([PROMPT_LENS[2]]), attn, runner.model_kv_caches)
     assert model.fused_decode.steps == before
+
+
+@pytest.fixture(scope="module")
+def bf16_runner(tiny_model):
+    from meshserve.worker.model_runner import ModelRunner
+
+    model = tiny_model(overrides={"n_routed_experts": 32}, name="fused-decode")
+    config = EngineConfig.from_kwargs(str(model), dtype="bfloat16", device="cpu", block_size=BLOCK, num_kv_blocks=64,
+                                      enable_prefix_caching=False, max_num_seqs=8)
+    built = ModelRunner(config)
+    yield built
+    built.close()
+
+
+def test_a_bfloat16_model_decodes_fused_within_bfloat16_rounding_of_the_per_op_path(bf16_runner, monkeypatch):
+    """A bfloat16 model's fused steps keep the rows in float32 between its bfloat16 linears (each input rounded to
+    bfloat16, as the per-op path's own layers round it) over the bfloat16 cache: the first decode step's logits and
+    cache entries agree with the per-op path's to bfloat16 rounding. (Later steps are not compared: on a random
+    MoE model one rounding difference can flip a near-tied expert choice.)"""
+    model = bf16_runner.model
+    tables, tokens = _prefilled(bf16_runner)
+    snapshot = [cache.clone() for cache in bf16_runner.model_kv_caches]
+    lens = list(PROMPT_LENS)
+    attn = AttentionMetadata.build([1] * len(lens), lens, tables, BLOCK)
+    before = model.fused_decode.steps
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            hidden = model(torch.tensor(tokens), torch.tensor(lens), attn, bf16_runner.model_kv_caches)
+            return model.compute_logits(hidden).float()
+
+    fused = step()
+    fused_caches = [cache.clone() for cache in bf16_runner.model_kv_caches]
+    # the experts' native bfloat16 packs (AVX512-BF16) are what the fused MLP half needs; elsewhere it runs per op
+    runs_fused = model.layers[1].mlp.experts._bf16_native is not None
+    assert runs_fused == cpu_kernels.bf16_packable(model.layers[1].mlp.experts.w13[0])
+    assert model.fused_decode.steps == before + runs_fused
+    for cache, saved in zip(bf16_runner.model_kv_caches, snapshot):
+        cache.copy_(saved)
+    monkeypatch.setenv("MESHSERVE_FUSED_DECODE", "0")
+    per_op = step()
+    assert model.fused_decode.steps == before + runs_fused
+    assert torch.nn.functional.cosine_similarity(fused, per_op, dim=-1).min() > 0.999
+    assert ((fused - per_op).norm() / per_op.norm()).item() < 0.03
+    for a, b in zip(fused_caches, bf16_runner.model_kv_caches):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-6 * b.float().abs().max().item())

@@ -102,6 +102,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
+namespace meshserve_kernels {  // for the fused decode layers (decode_layer.cpp)
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) { return ::bf16_linear(x, w); }
+}  // namespace meshserve_kernels
+
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_native() -> bool");

@@ -8,14 +8,17 @@
 // The results are the unfused path's, to the float rounding of the same kernels.
 //
 // A linear's weights come as three tensors: a float32 one packed for grouped_linear and two empty ones, or
-// an INT8 one as int8_linear takes it (blocks, compensation, scales), or (a shape the native kernels do not
-// pack) the plain float32 [N, K] weight and two empty ones.
+// an INT8 one as int8_linear takes it (blocks, compensation, scales), or a bfloat16 one packed for bf16_linear,
+// or (a shape the native kernels do not pack) the plain [N, K] weight and two empty ones. A bfloat16 model's rows
+// stay float32 here; each bfloat16 linear rounds its input to bfloat16 (as the model's own layers do), its cache
+// entries are rounded once when written, and its attention reads the bfloat16 cache (mla_decode_bf16).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace meshserve_kernels {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -29,6 +32,9 @@ at::Tensor moe_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, con
 at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& comp, const at::Tensor& scale);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
+at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank);
 at::Tensor int8_moe_forward(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                             int64_t first_slot, const at::Tensor& w13, const at::Tensor& w13_comp,
                             const at::Tensor& w13_scale, const at::Tensor& w2, const at::Tensor& w2_comp,
@@ -45,6 +51,10 @@ constexpr int64_t kLinear = 3;  // tensors per linear
 at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t i) {
   const at::Tensor& weight = w[i];
   if (weight.scalar_type() == at::kFloat && weight.dim() == 2) return at::linear(x, weight);  // not packable
+  if (weight.scalar_type() == at::kBFloat16) {  // a bfloat16 model's: its input rounded as its own layers would
+    auto rounded = x.to(at::kBFloat16);
+    return (weight.dim() == 2 ? at::linear(rounded, weight) : mk::bf16_linear(rounded, weight)).to(at::kFloat);
+  }
   if (weight.scalar_type() == at::kFloat) {  // [1, N/32, K, 32]
     const int64_t n = weight.size(1) * weight.size(3);
     auto out = at::empty({x.size(0), 1, n}, x.options());
@@ -67,6 +77,10 @@ at::Tensor swiglu(const at::Tensor& x, at::TensorList w, int64_t i) {
 void write_cache_entries(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& latent,
                          const at::Tensor& k_pe) {
   const int64_t c = latent.size(1), rope = k_pe.size(1), width = c + rope, rows = cache.numel() / width;
+  if (cache.scalar_type() == at::kBFloat16) {  // a bfloat16 model's cache: each entry rounded once, here
+    cache.view({rows, width}).index_copy_(0, slots, at::cat({latent, k_pe}, 1).to(at::kBFloat16));
+    return;
+  }
   TORCH_CHECK(cache.is_contiguous() && cache.dtype() == at::kFloat && slots.dtype() == at::kLong &&
                   slots.numel() == latent.size(0) && latent.is_contiguous() && k_pe.stride(1) == 1,
               "mla_decode_attention: the cache write takes a float32 cache and int64 slots");
@@ -106,10 +120,45 @@ at::Tensor mla_decode_attention(const at::Tensor& hidden, const at::Tensor& cos,
   auto q_full = at::empty({batch, heads, c + rope}, hidden.options());
   mk::grouped_linear(q.narrow(2, 0, nope), w[9], q_full.narrow(2, 0, c));
   q_full.narrow(2, c, rope).copy_(q.narrow(2, nope, rope));
-  auto latent = mk::mla_decode(q_full, cache, block_table, seq_lens, f[3], c);
+  auto latent = cache.scalar_type() == at::kBFloat16
+                    ? mk::mla_decode_bf16(q_full, cache, block_table, seq_lens, f[3], c)
+                    : mk::mla_decode(q_full, cache, block_table, seq_lens, f[3], c);
   auto out = at::empty({batch, heads, v}, hidden.options());
   mk::grouped_linear(latent, w[10], out);
   return hidden + linear(out.view({batch, heads * v}), w, 11);
+}
+
+// A bfloat16 model's routed experts: sum_k w[t, k] * expert_{ids[t, k]}(x[t]) over the local slots [first_slot,
+// first_slot + E), each active expert's rows through its two packed bfloat16 linears (w13 [E, 2I/32, H/2, 32, 2],
+// w2 [E, H/32, I/2, 32, 2]); x and the result in float32.
+at::Tensor bf16_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, int64_t first_slot,
+                        const at::Tensor& w13, const at::Tensor& w2) {
+  const int64_t tokens = ids.size(0), top_k = ids.size(1), num_experts = w13.size(0);
+  const auto flat_ids = ids.contiguous();
+  const auto flat_weights = weights.to(at::kFloat).contiguous();
+  const int64_t* pid = flat_ids.data_ptr<int64_t>();
+  const float* pw = flat_weights.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows(num_experts), pairs(num_experts);
+  for (int64_t i = 0; i < tokens * top_k; ++i) {
+    const int64_t e = pid[i] - first_slot;
+    if (0 <= e && e < num_experts) {
+      rows[e].push_back(i / top_k);
+      pairs[e].push_back(i);
+    }
+  }
+  auto out = at::zeros_like(x);
+  const auto all_weights = flat_weights.view({-1});
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (rows[e].empty()) continue;
+    const auto index = at::tensor(rows[e], x.options().dtype(at::kLong));
+    auto gate_up = mk::bf16_linear(x.index_select(0, index).to(at::kBFloat16), w13[e]).to(at::kFloat);
+    const int64_t inter = gate_up.size(1) / 2;
+    auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+    auto y = mk::bf16_linear(act.to(at::kBFloat16), w2[e]).to(at::kFloat);
+    const auto scale = all_weights.index_select(0, at::tensor(pairs[e], x.options().dtype(at::kLong)));
+    out.index_add_(0, index, y.mul_(scale.unsqueeze(1)));
+  }
+  return out;
 }
 
 // hidden [B, hidden] -> hidden + MLP(post-attention norm(hidden)).
@@ -133,9 +182,10 @@ at::Tensor decoder_mlp(const at::Tensor& hidden, at::TensorList w, at::IntArrayR
     auto flat = ids.reshape({-1});
     load_counts->index_add_(0, flat, at::ones({flat.numel()}, load_counts->options()));
   }
-  auto routed = w[5].scalar_type() == at::kFloat
-                    ? mk::moe_forward(x, ids, weights, dims[5], w[5], w[6])
-                    : mk::int8_moe_forward(x, ids, weights, dims[5], w[5], w[6], w[7], w[8], w[9], w[10]);
+  auto routed = w[5].scalar_type() == at::kFloat      ? mk::moe_forward(x, ids, weights, dims[5], w[5], w[6])
+                : w[5].scalar_type() == at::kBFloat16 ? bf16_experts(x, ids, weights, dims[5], w[5], w[6])
+                                                      : mk::int8_moe_forward(x, ids, weights, dims[5], w[5], w[6],
+                                                                             w[7], w[8], w[9], w[10]);
   if (dims[6]) routed = routed + swiglu(x, w, 11);
   return hidden + routed;
 }

@@ -488,6 +488,13 @@ at::Tensor decode_rows(const at::Tensor& q, const at::Tensor& cache, const at::T
 
 }  // namespace
 
+namespace meshserve_kernels {  // for the fused decode layers (decode_layer.cpp)
+at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, double scale, int64_t kv_lora_rank) {
+  return ::mla_decode_bf16(q, cache, block_table, seq_lens, scale, kv_lora_rank);
+}
+}  // namespace meshserve_kernels
+
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("mla_decode_int8(Tensor q, Tensor cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int kv_lora_rank, bool int8_scores) -> Tensor");
