@@ -137,7 +137,6 @@ at::Tensor bf16_experts(const at::Tensor& x, const at::Tensor& ids, const at::Te
   const auto flat_ids = ids.contiguous();
   const auto flat_weights = weights.to(at::kFloat).contiguous();
   const int64_t* pid = flat_ids.data_ptr<int64_t>();
-  const float* pw = flat_weights.data_ptr<float>();
   std::vector<std::vector<int64_t>> rows(num_experts), pairs(num_experts);
   for (int64_t i = 0; i < tokens * top_k; ++i) {
     const int64_t e = pid[i] - first_slot;
