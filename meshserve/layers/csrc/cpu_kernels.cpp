@@ -32,12 +32,6 @@
 #include <utility>
 #include <vector>
 
-// shared with kv_int8.cpp (defined at the end of this file)
-namespace meshserve_kernels {
-int64_t split_count(int64_t tasks, int64_t max_len);
-void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
-                   float* out);
-}  // namespace meshserve_kernels
 using meshserve_kernels::combine_parts;
 using meshserve_kernels::parallel_tasks;
 using meshserve_kernels::split_count;

@@ -39,12 +39,6 @@
 #include <immintrin.h>
 #endif
 
-// the context split of a batch-1 sequence (cpu_kernels.cpp)
-namespace meshserve_kernels {
-int64_t split_count(int64_t tasks, int64_t max_len);
-void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
-                   float* out);
-}  // namespace meshserve_kernels
 using meshserve_kernels::combine_parts;
 using meshserve_kernels::parallel_tasks;
 using meshserve_kernels::split_count;

@@ -1,4 +1,5 @@
-// Work sharing of the native kernels (cpu_kernels.cpp, kv_int8.cpp, bf16_kernels.cpp).
+// Work sharing of the native kernels (cpu_kernels.cpp, kv_int8.cpp, bf16_kernels.cpp), and the split of a decode
+// sequence's context over the threads that both MLA decode kernels use.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -29,5 +30,10 @@ void parallel_tasks(int64_t n, const Task& task) {
     }
   });
 }
+
+// Parts each sequence's context is split into, and their softmax states combined (defined in cpu_kernels.cpp).
+int64_t split_count(int64_t tasks, int64_t max_len);
+void combine_parts(const float* parts, int64_t splits, int64_t num_groups, int64_t groups, int64_t heads, int64_t c,
+                   float* out);
 
 }  // namespace meshserve_kernels
