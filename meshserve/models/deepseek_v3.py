@@ -446,11 +446,18 @@ class DeepseekV3MTPLayer(torch.nn.Module):
                 sin: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor) -> torch.Tensor:
         """The hidden state at each position (before shared_head), from the previous depth's hidden state there
         and the embedding of the token after it: eh_proj([enorm(emb), hnorm(h)]) through one decoder block."""
+        return self.block(self._block_input(previous_hidden, next_embeds), cos, sin, plan, kv_cache)
+
+    def forward_stages(self, previous_hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, plan: MLABatchPlan, kv_cache: torch.Tensor, buffer_index: int) -> Stages:
+        """`forward` for one of two micro-batches: the block stops where its MoE transfers are in flight."""
+        hidden = self._block_input(previous_hidden, next_embeds)
+        return (yield from self.block.forward_stages(hidden, cos, sin, plan, kv_cache, buffer_index))
+
+    def _block_input(self, previous_hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         if previous_hidden.shape[0] == 0:
-            hidden = previous_hidden  # an idle DP group still joins the block's MoE collectives
-        else:
-            hidden = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(previous_hidden)), dim=-1))
-        return self.block(hidden, cos, sin, plan, kv_cache)
+            return previous_hidden  # an idle DP group still joins the block's MoE collectives
+        return self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(previous_hidden)), dim=-1))
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -562,15 +569,24 @@ class DeepseekV3ForCausalLM(CausalLM):
         return vocab_parallel_logits(self.parallel, hidden_states, self.lm_head.weight)
 
     def forward_mtp(self, previous_hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
-                    attn: AttentionMetadata, kv_cache: torch.Tensor, layer: int = 0) -> torch.Tensor:
+                    attn: AttentionMetadata, kv_cache: torch.Tensor, layer: int = 0,
+                    microbatches: int = 1) -> torch.Tensor:
         """MTP layer `layer` over a batch laid out like `forward`'s: row i is position positions[i], with the
         previous depth's hidden state there (the main model's final-normed output, or this layer's own output
         when applied recursively) and the id of the token that follows it. Returns the layer's hidden states
-        [T, H]; `compute_mtp_logits` turns them into the distribution of the token after next."""
+        [T, H]; `compute_mtp_logits` turns them into the distribution of the token after next. `microbatches=2`:
+        two overlapped halves, as `forward` (every rank must pass the same count)."""
         mtp = self.mtp[layer]
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.embed_tokens
         next_embeds = embed(next_token_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, next_embeds.dtype)
+        if microbatches == 2:
+            halves = []
+            for index, (rows, meta) in enumerate(split_batch(attn)):
+                plan = MLABatchPlan.build(meta, next_embeds.dtype, next_embeds.device)
+                halves.append(mtp.forward_stages(previous_hidden[rows], next_embeds[rows], cos[rows], sin[rows], plan,
+                                                 kv_cache, index))
+            return torch.cat(interleave(halves, self.stage_timeline))
         plan = MLABatchPlan.build(attn, next_embeds.dtype, next_embeds.device)
         return mtp(previous_hidden, next_embeds, cos, sin, plan, kv_cache)
 

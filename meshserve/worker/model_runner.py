@@ -419,10 +419,10 @@ class ModelRunner:
         out = ModelRunnerOutput(step_id=sched.step_id, failed=failed)
         produced = self._produce_tokens(hidden, sampling, out, masks)
         if self.proposer is not None and sched.mtp_catch_up:
-            self._propose(hidden, seqs, produced, drafting=sched.num_draft_tokens > 0)
+            self._propose(hidden, seqs, produced, drafting=sched.num_draft_tokens > 0, microbatches=microbatches)
         missing = 0 if mtp_forwards is None else mtp_forwards - self.mtp_forwards_of(sched)
         if missing > 0:  # other groups draft more: their MTP collectives need this rank too
-            self.proposer.idle_forwards(missing)
+            self.proposer.idle_forwards(missing, microbatches)
         out.execute_seconds = time.perf_counter() - t0
         return out
 
@@ -490,8 +490,9 @@ class ModelRunner:
         return produced
 
     def _propose(self, hidden: torch.Tensor, seqs: list[StepSeq], produced: dict[str, list[int]],
-                 drafting: bool) -> None:
-        """Fill the MTP layer's cache for the positions this step made final and draft the next tokens."""
+                 drafting: bool, microbatches: int = 1) -> None:
+        """Fill the MTP layer's cache for the positions this step made final and draft the next tokens (each MTP
+        forward split as the step's main forward was)."""
         catch_up = []
         for seq in seqs:
             state = seq.state
@@ -503,7 +504,7 @@ class ModelRunner:
                 hidden_rows=list(range(seq.row, seq.row + count)),
                 next_token_ids=state.token_ids[seq.start + 1:seq.start + 1 + count],
                 one_token_rows=seq.is_decode, drafts=self.drafts_wanted and state.req_id in produced))
-        for req_id, drafts in self.proposer.propose(hidden, catch_up, drafting).items():
+        for req_id, drafts in self.proposer.propose(hidden, catch_up, drafting, microbatches).items():
             self.requests[req_id].draft_token_ids = drafts
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -554,7 +555,7 @@ class ModelRunner:
         self.model(empty, empty, AttentionMetadata.empty(self.device), self.model_kv_caches, **overlap)
         forwards = self.mtp_forwards_of(sched) if mtp_forwards is None else mtp_forwards
         if forwards:
-            self.proposer.idle_forwards(forwards)
+            self.proposer.idle_forwards(forwards, overlap.get("microbatches", 1))
 
     def mtp_forwards_of(self, sched: SchedulerOutput) -> int:
         """The MTP forwards a step runs: its catch-up, and the drafting ones after it when it drafts."""

@@ -47,6 +47,7 @@ class MTPProposer:
         self.block_size = block_size
         self.device = device
         self.lockstep = lockstep  # several ranks: every forward runs, empty or not
+        self._microbatches = 1  # the current step's split (`propose`)
         self._draft_norm = self._draft_head = self._draft_ids = None
         if draft_vocab is not None:
             norm, weight = model.mtp_head()
@@ -55,9 +56,12 @@ class MTPProposer:
             self._draft_head = weight.index_select(0, ids)  # contiguous rows: the draft reads only these
             attach_packed(self._draft_head)
 
-    def propose(self, hidden: torch.Tensor, seqs: list[CatchUp], drafting_step: bool = True) -> dict[str, list[int]]:
+    def propose(self, hidden: torch.Tensor, seqs: list[CatchUp], drafting_step: bool = True,
+                microbatches: int = 1) -> dict[str, list[int]]:
         """Run the catch-up and (in a drafting step) the drafting forwards; the drafts of each sequence that
-        asked for them."""
+        asked for them. `microbatches`: as the step's main forward ran (2: each MTP forward in two overlapped
+        halves, on every rank alike)."""
+        self._microbatches = microbatches
         x = self._catch_up(hidden, seqs)
         if not drafting_step:
             return {}
@@ -85,13 +89,14 @@ class MTPProposer:
                 drafts[seqs[drafting[j]].req_id].append(token)
         return drafts
 
-    def idle_forwards(self, count: int) -> None:
+    def idle_forwards(self, count: int, microbatches: int = 1) -> None:
         """An idle DP group's share of an MTP step: as many (empty) MTP forwards as the busy ones run (the
-        catch-up, and when drafting the draft steps after it)."""
+        catch-up, and when drafting the draft steps after it), split as theirs are."""
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         hidden = torch.empty(0, self.model.params.hidden_size, dtype=self.model.dtype, device=self.device)
         for _ in range(count):
-            self.model.forward_mtp(hidden, empty, empty, AttentionMetadata.empty(self.device), self.kv_cache)
+            self.model.forward_mtp(hidden, empty, empty, AttentionMetadata.empty(self.device), self.kv_cache,
+                                   microbatches=microbatches)
 
     # ------------------------------------------------------------------ forwards
     def _catch_up(self, hidden: torch.Tensor, seqs: list[CatchUp]) -> torch.Tensor:
@@ -116,7 +121,8 @@ class MTPProposer:
             next_ids.extend(seq.next_token_ids)
         attn = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device=self.device)
         previous = hidden.index_select(0, self._tensor(rows))
-        return self.model.forward_mtp(previous, self._tensor(next_ids), self._tensor(positions), attn, self.kv_cache)
+        return self.model.forward_mtp(previous, self._tensor(next_ids), self._tensor(positions), attn, self.kv_cache,
+                                      microbatches=self._microbatches)
 
     def _draft_step(self, seqs: list[CatchUp], state: torch.Tensor, alive: list[int],
                     drafts: dict[str, list[int]], depth: int) -> tuple[torch.Tensor, list[int]]:
@@ -127,7 +133,7 @@ class MTPProposer:
         previous = state.index_select(0, self._tensor(alive))
         last_drafts = [drafts[seq.req_id][-1] for seq in seqs]
         out = self.model.forward_mtp(previous, self._tensor(last_drafts), self._tensor(positions), attn,
-                                     self.kv_cache)
+                                     self.kv_cache, microbatches=self._microbatches)
         new_state = state.clone()
         if alive:
             new_state[self._tensor(alive)] = out

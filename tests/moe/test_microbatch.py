@@ -53,6 +53,44 @@ def _world_worker(rank: int, world_size: int, model_dir: str, int8_dispatch: boo
         assert [index for index, *_ in stages[:4]] == [0, 1, 0, 1]  # in turn
 
 
+# MTP forwards per step, rows per DP group: one-token rows (a verification's layout), an idle group in two steps
+MTP_ROWS = [(7, 3), (0, 5), (4, 0)]
+
+
+def _mtp_world_worker(rank: int, world_size: int, model_dir: str) -> None:
+    torch.set_num_threads(1)
+    ctx = ParallelContext.build(ParallelStrategy.parse("attn=TP1+DP2 moe=TP1+EP2"), max_tokens_per_step=64)
+    model = load_model(model_dir, parallel=ctx)
+    model.stage_timeline = StageTimeline()
+    table = [3, 1, 7, 0]  # scrambled blocks of 4 tokens
+    caches = {mbs: model.kv_cache_layout(num_mtp_layers=1).allocate(8, 4)[-1] for mbs in (1, 2)}
+    with torch.inference_mode():
+        for step, counts in enumerate(MTP_ROWS):
+            n = counts[ctx.dp_rank]
+            g = torch.Generator().manual_seed(100 * step + ctx.dp_rank)
+            previous = torch.randn(n, model.params.hidden_size, generator=g)
+            next_ids = torch.randint(0, 32000, (n,), generator=g)
+            positions = torch.arange(n)
+            attn = (AttentionMetadata.build([1] * n, list(range(n)), [table] * n, 4) if n
+                    else AttentionMetadata.empty(torch.device("cpu")))
+            out = {}
+            for mbs in (1, 2):
+                model.stage_timeline.clear()
+                out[mbs] = model.forward_mtp(previous, next_ids, positions, attn, caches[mbs], microbatches=mbs)
+                # split: both halves ran their stages in turn (dispatch, combine, finish); whole: none
+                assert {index for index, *_ in model.stage_timeline.stages} == ({0, 1} if mbs == 2 else set())
+            assert out[1].shape == out[2].shape == (n, model.params.hidden_size)
+            if n:
+                assert (out[1] - out[2]).abs().max().item() <= TOL, f"rank {rank} step {step}"
+    assert torch.allclose(caches[1], caches[2], atol=TOL)  # the halves wrote the MTP cache as one batch does
+
+
+def test_the_mtp_layer_in_two_microbatches_gives_the_hidden_states_of_one(model_dir):
+    """A step that splits splits its MTP forwards too: the second half's rows read the MTP cache entries the first
+    half wrote in the same layer; an idle group runs two empty halves, so the collectives pair up."""
+    spawn_local_world(_mtp_world_worker, 2, args=(model_dir,), timeout_s=WORLD_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return str(make_model("deepseek_v3", "tiny", tmp_path_factory.mktemp("microbatch") / "model", seed=2))
