@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from meshserve.bench.offline import WARMUP_SEED_OFFSET, compare_greedy
-from meshserve.bench.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.bench.workload import WorkloadRequest, make_offline_workload, parse_range, special_token_ids
 from meshserve.config import EngineConfig
 from meshserve.models.factory import ensure_default_model
 from meshserve.parallel.analyzer import AnalyzerError, Workload, estimate, model_spec_from_config
 from meshserve.parallel.strategy import ParallelStrategy, StrategyError, enumerate_strategies, is_power_of_two
 from meshserve.utils import report
+from meshserve.utils.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.wire.sampling_params import SamplingParams
 
 SINGLE_RANK = "attn=TP1+DP1 moe=TP1+EP1"

@@ -1,12 +1,14 @@
 """`meshserve simulate`: a TE's own control plane (DP waiting queue and balancer, schedulers, KV cache managers, the
 speculation controller, a decode TE's P/D pulls) on virtual time, with steps timed by a profile fitted on this
 machine (`meshserve simulate calibrate`, from steps of the real engine) or by the op model of a hardware profile
-(`--hardware`); `meshserve simulate seeds` compares the op model with the papers' decode results."""
+(`--hardware`); `meshserve simulate seeds` compares the op model with the papers' decode results, `meshserve
+simulate rank` the analyzer's ranking of parallel strategies with the simulator's."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -40,6 +42,22 @@ def add_simulate_commands(sub) -> None:
     seeds.add_argument("--points", help="comma-separated point names (default: every point)")
     seeds.add_argument("--json", default="bench-results/simulate-seeds.json", help="result file, a PNG beside it")
     seeds.set_defaults(func=seeds_main)
+    rank = commands.add_parser("rank", help="the analyzer's ranking of parallel strategies (meshserve plan) against "
+                                            "the simulator's, on one hardware profile at large world sizes")
+    rank.add_argument("--hardware", default="ascend910c-cm384", help="a hardware profile with node and link figures "
+                                                                     "(default: ascend910c-cm384)")
+    rank.add_argument("--model-config", default="deepseek-r1", help="the model's shape: a preset name or a config.json")
+    rank.add_argument("--worlds", default="32,64,128,256", help="world sizes, powers of two (default: 32,64,128,256)")
+    rank.add_argument("--batch-per-device", type=int, default=16, help="requests per device, all at once (default: 16)")
+    rank.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default: 1024)")
+    rank.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
+    rank.add_argument("--groups", type=int, default=4, help="DP groups simulated per strategy, each standing for "
+                                                            "dp/groups of them (default: 4)")
+    rank.add_argument("--weight-reads", action="store_true", help="the analyzer with the profile's HBM bandwidth: "
+                                                                  "a layer's weights read once per step (default: "
+                                                                  "Eq. 4's FLOPs alone, as MixServe)")
+    rank.add_argument("--json", default="bench-results/simulate-rank.json", help="result file, a PNG beside it")
+    rank.set_defaults(func=rank_main)
     compare = commands.add_parser("compare", help="the real engine and the simulation on one trace, side by side")
     compare.add_argument("--model", help="model directory (default: the default model, made on first use)")
     compare.add_argument("--parallel", default="attn=TP1+DP1 moe=TP1+EP1", help="the TE's layout (its DP degree "
@@ -396,6 +414,74 @@ def plot_seeds(result: dict, path: Path) -> Path:
         ax.set_ylabel(label)
         ax.legend()
     tpot_ax.set_title("op model vs the papers' decode results")
+    return report.save_figure(fig, path)
+
+
+# ---------------------------------------------------------------- rank
+def rank_main(args: argparse.Namespace) -> int:
+    from meshserve.parallel.analyzer import AnalyzerError
+    from meshserve.sim.hardware import Hardware, HardwareError
+    from meshserve.sim.ranking import RankingWorkload, rank_world, world_sizes
+
+    try:
+        worlds = world_sizes(args.worlds)
+        workload = RankingWorkload(args.batch_per_device, args.input_len, args.output_len)
+        if args.groups < 1:
+            raise ValueError(f"--groups must be at least 1, got {args.groups}")
+        config, hardware = _model_config(args.model_config), Hardware.load(args.hardware)
+        for world in worlds:
+            hardware.check_devices(world)
+    except (ValueError, HardwareError, AnalyzerError) as exc:
+        print(f"meshserve simulate rank: error: {exc}", file=sys.stderr)
+        return 2
+
+    # hundreds of simulations: each one's line about its garbage-collection schedule would drown the progress lines
+    logging.getLogger("meshserve.utils.gc_pauses").setLevel(logging.WARNING)
+
+    def progress(i: int, total: int, est) -> None:
+        if i % 16 == 0:
+            print(f"[simulate rank] world {world}: strategy {i + 1}/{total} ({est.strategy})", file=sys.stderr,
+                  flush=True)
+    try:
+        results = []
+        for world in worlds:
+            results.append(rank_world(config, hardware, world, workload, args.groups,
+                                      weight_reads=args.weight_reads, progress=progress))
+    except (HardwareError, AnalyzerError) as exc:
+        print(f"meshserve simulate rank: error: {exc}", file=sys.stderr)
+        return 2
+    result = {"hardware": hardware.name, "model": args.model_config, "workload": dataclasses.asdict(workload),
+              "groups": args.groups, "weight_reads": args.weight_reads, "worlds": results}
+    report.publish(args.json, result, plot_ranking, rank_lines(result))
+    return 0
+
+
+def rank_lines(result: dict) -> list[str]:
+    lines = [f"{'world':>5} {'strategies':>10} {'Spearman':>8} {'top-5 shared':>12} {'pick / best':>11}  "
+             f"analyzer's pick -> simulator's best"]
+    for world in result["worlds"]:
+        rho = world["spearman_rho"]
+        lines.append(f"{world['world']:>5} {world['strategies']:>10} {'n/a' if rho is None else f'{rho:.2f}':>8} "
+                     f"{world['top5_overlap']:>12} {world['pick_vs_best']:>11.2f}  {world['analyzer_pick']} -> "
+                     f"{world['simulated_best']}")
+    return lines
+
+
+def plot_ranking(result: dict, path: Path) -> Path:
+    worlds = result["worlds"]
+    fig, axes = report.new_figure(ncols=len(worlds), width_per_panel=4.0)
+    for ax, world in zip(axes[0], worlds):
+        rows = world["rows"]
+        ax.scatter([r["analyzer_tokens_per_s_per_device"] for r in rows], [r["tokens_per_s_per_device"] for r in rows],
+                   s=10)
+        pick = rows[0]
+        ax.scatter([pick["analyzer_tokens_per_s_per_device"]], [pick["tokens_per_s_per_device"]], s=40, marker="x",
+                   color="red", label="analyzer's pick")
+        ax.set_xlabel("analyzer tokens/s per device")
+        ax.set_ylabel("simulated tokens/s per device")
+        rho = world["spearman_rho"]
+        ax.set_title(f"world {world['world']}: Spearman {'n/a' if rho is None else f'{rho:.2f}'}", fontsize=9)
+        ax.legend(fontsize=7)
     return report.save_figure(fig, path)
 
 

@@ -38,6 +38,8 @@ class ModelSpec:
     psi_shared: int = 0  # shared-expert parameters (counted in psi_attn; on their own ranks under shared=EPs)
     # o_proj weights of one decoder layer where it can be shared over ranks (`oproj=TPk`: MLA models); 0: never
     oproj_params: int = 0
+    # KV-cache elements per token and layer: MLA's latent and rotary key, GQA's K and V heads; 0: Eq. 8's 2·h
+    kv_width: int = 0
 
     @property
     def total_params(self) -> int:
@@ -69,6 +71,9 @@ class Cluster:
     # plan calibrate`); None: priced on the link its span crosses, like the other collectives
     a2a_latency: float | None = None
     a2a_bandwidth: float | None = None
+    # a device's memory read bandwidth (bytes/s): where set, a layer's compute is the slower of its FLOPs (Eq. 4)
+    # and its weights read once (a decode step reads every weight it holds); None: Eq. 4 alone, as in MixServe
+    memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node", "device_memory_bytes", "flops",
@@ -82,6 +87,8 @@ class Cluster:
             raise AnalyzerError("cluster a2a_latency and a2a_bandwidth come together (a measured all-to-all)")
         if self.a2a_bandwidth is not None and not (self.a2a_bandwidth > 0 and self.a2a_latency >= 0):
             raise AnalyzerError("cluster a2a_bandwidth must be positive and a2a_latency non-negative")
+        if self.memory_bandwidth is not None and not self.memory_bandwidth > 0:
+            raise AnalyzerError(f"cluster memory_bandwidth must be positive, got {self.memory_bandwidth!r}")
 
     @property
     def world_size(self) -> int:
@@ -198,10 +205,15 @@ def model_spec_from_config(config: Mapping[str, Any], name: str | None = None) -
     oproj = 0
     if model_type in _MLA_MODEL_TYPES:
         oproj = int(config["num_attention_heads"]) * int(config["v_head_dim"]) * int(config["hidden_size"])
+        kv_width = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+    else:
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+        kv_width = 2 * int(config["num_key_value_heads"]) * head_dim
     return ModelSpec(name=name or str(model_type), hidden_size=int(config["hidden_size"]),
                      num_layers=int(config["num_hidden_layers"]), num_experts=experts, top_k=top_k,
                      psi_attn=psi_attn, psi_moe=psi_moe, weight_bytes=_weight_bytes(config), oproj_params=oproj,
-                     psi_shared=_shared_expert_params(config) if model_type != "qwen3_moe" else 0)
+                     psi_shared=_shared_expert_params(config) if model_type != "qwen3_moe" else 0,
+                     kv_width=kv_width)
 
 
 def _shared_expert_params(c: Mapping[str, Any]) -> int:
@@ -213,8 +225,14 @@ def _shared_expert_params(c: Mapping[str, Any]) -> int:
 # ---------------------------------------------------------------- Eq. 1-3: collectives
 
 def reduce_scatter_time_eq1(size: float, degree: int, link: Link) -> float:
-    """Eq. 1: RS(size, d) ∝ size/d, one full-duplex round."""
-    return 0.0 if degree <= 1 else link.latency + size / degree / link.bandwidth
+    """Eq. 1: RS(size, d) ∝ size/d, priced as recursive halving does it (Thakur, Rabenseifner and Gropp, "Optimization
+    of collective communication operations in MPICH", 2005): log2(d) latencies, and (d-1)/d of the tensor sent per rank.
+
+    Read as one round of size/d, a collective over 32 ranks cost 1/31 of the bytes a rank must send, and wide MoE TP
+    ranked first at every world size the simulator checked (docs/simulate.md)."""
+    if degree <= 1:
+        return 0.0
+    return math.ceil(math.log2(degree)) * link.latency + size * (degree - 1) / degree / link.bandwidth
 
 
 def all_gather_time_eq1(size: float, degree: int, link: Link) -> float:
@@ -257,8 +275,9 @@ def communication_latency_eq5(strategy: ParallelStrategy, tokens: int, hidden: i
     """
     dp, ep = strategy.attn_dp, strategy.moe_ep
     hidden_bytes = math.ceil(tokens / dp) * hidden * ACTIVATION_BYTES
-    # A MoE TP group serves the tokens of its whole EP shard: b·s/d_EP, not b·s/d_DP.
-    moe_group_bytes = math.ceil(tokens / ep) * hidden * ACTIVATION_BYTES
+    # A MoE TP group serves the tokens of its whole EP shard, not b·s/d_DP: each token once for every shard that
+    # holds one of its top-k experts, b·s·min(k, d_EP)/d_EP (b·s/d_EP priced top-8 routing at EP32 8x too cheap)
+    moe_group_bytes = math.ceil(tokens * min(top_k, ep) / ep) * hidden * ACTIVATION_BYTES
     ar = (allreduce_time(hidden_bytes, strategy.attn_tp, cluster.link_for_span(strategy.attn_tp))
           + allreduce_time(moe_group_bytes, strategy.moe_tp, cluster.link_for_span(strategy.moe_tp)))
     if dp >= ep:
@@ -289,9 +308,22 @@ def mm1_queueing_delay_eq7(arrival_rate: float, service_rate: float) -> float:
 
 # ---------------------------------------------------------------- Eq. 8: memory
 
-def kv_cache_bytes_eq8(batch: int, seq_len: int, hidden: int, layers: int, pp: int = 1) -> float:
-    """The 2·b·s·h·l/d_PP term of Eq. 8 (K and V at hidden width, bf16)."""
-    return 2 * batch * seq_len * hidden * layers / pp * ACTIVATION_BYTES
+def kv_cache_bytes_eq8(batch: int, seq_len: int, hidden: int, layers: int, pp: int = 1, width: int = 0) -> float:
+    """The 2·b·s·h·l/d_PP term of Eq. 8 (K and V at hidden width, bf16); `width`: the model's KV elements per token
+    and layer instead of 2·h (MLA keeps a 576-wide latent where 2·h is 14,336 for DeepSeek-V3)."""
+    return batch * seq_len * (width or 2 * hidden) * layers / pp * ACTIVATION_BYTES
+
+
+def kv_cache_bytes(model: ModelSpec, batch: int, seq_len: int) -> float:
+    """Eq. 8's KV term for `model`'s own cache layout."""
+    return kv_cache_bytes_eq8(batch, seq_len, model.hidden_size, model.num_layers, width=model.kv_width)
+
+
+def weight_read_latency(params: float, weight_bytes: float, shard_degree: int, cluster: Cluster) -> float:
+    """Reading a rank's shard of `params` weights once (0 where the cluster gives no memory bandwidth)."""
+    if cluster.memory_bandwidth is None:
+        return 0.0
+    return params * weight_bytes / shard_degree / cluster.memory_bandwidth
 
 
 def memory_per_rank_eq8(psi_attn_bytes: float, psi_moe_bytes: float, kv_bytes: float,
@@ -362,10 +394,11 @@ def ep_comm_eq12(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster
 
 
 def hybrid_comm_eq13(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster: Cluster) -> float:
-    """Eq. 13: λ_mix = AR(bsh, n_proc) + AG(bshk/n_proc, n_proc) + 2·A2A(bshk/n_proc, n_node)."""
+    """Eq. 13: λ_mix = AR(bsh, n_proc) + AG(bshk/n_proc, n_proc) + 2·A2A(bshk/n_proc, n_node). The all-gather
+    collects the n_proc shards of bshk/n_proc into bshk on every rank: Eq. 1 takes the gathered size."""
     shard = bsh_bytes * top_k / n_proc
     intra = cluster.link_for_span(n_proc)
-    return (allreduce_time(bsh_bytes, n_proc, intra) + all_gather_time_eq1(shard, n_proc, intra)
+    return (allreduce_time(bsh_bytes, n_proc, intra) + all_gather_time_eq1(shard * n_proc, n_proc, intra)
             + 2 * all_to_all_time(shard, n_node, cluster.link_for_span(n_proc * n_node)))
 
 
@@ -381,6 +414,9 @@ class StrategyEstimate:
     itl_s: float = math.nan
     throughput_tok_s: float = 0.0  # whole batch: b concurrent requests, each at Eq. 11's rate
     meets_slo: bool = False
+    # Eq. 11 without the queue (W_q = 0): what the layout serves flat out, which still orders layouts the arrival
+    # rate overloads (their throughput is 0)
+    capacity_tok_s: float = 0.0
 
 
 def comm_model_for(strategy: ParallelStrategy, cluster: Cluster) -> str:
@@ -401,15 +437,24 @@ def layer_latency(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster
     attn_params = model.psi_attn / model.num_layers
     active_expert_params = model.psi_moe / model.num_layers * model.top_k / model.num_experts
     tokens_per_dp = math.ceil(tokens / s.attn_dp)
+    routed_params = model.psi_moe / model.num_layers  # a batch of many tokens touches every expert a rank holds
+
+    def read(params: float, shard: int) -> float:
+        return weight_read_latency(params, model.weight_bytes, shard, cluster)
+
     if s.shared_ep:  # pure EP, attention TP1: routed and shared-expert ranks compute side by side
         shared_params = model.psi_shared / model.num_layers
-        tau = (compute_latency_eq4(attn_params - shared_params, tokens_per_dp, 1, cluster.flops)
+        tau = (max(compute_latency_eq4(attn_params - shared_params, tokens_per_dp, 1, cluster.flops),
+                   read(attention_params_per_rank(model, s) / model.num_layers - shared_params, 1))
                + max(compute_latency_eq4(active_expert_params, tokens, s.routed_ep, cluster.flops),
-                     compute_latency_eq4(shared_params, tokens, s.shared_ep, cluster.flops)))
+                     compute_latency_eq4(shared_params, tokens, s.shared_ep, cluster.flops),
+                     read(routed_params, s.routed_ep), read(shared_params, 1)))
         # one more row per token goes to a shared-expert rank and back
         return tau, communication_latency_eq5(s, tokens, model.hidden_size, model.top_k + 1, cluster)
-    tau = (compute_latency_eq4(attn_params, tokens_per_dp, s.attn_tp, cluster.flops)
-           + compute_latency_eq4(active_expert_params, tokens, s.moe_tp * s.moe_ep, cluster.flops))
+    tau = (max(compute_latency_eq4(attn_params, tokens_per_dp, s.attn_tp, cluster.flops),
+               read(attention_params_per_rank(model, s) / model.num_layers, s.attn_tp))
+           + max(compute_latency_eq4(active_expert_params, tokens, s.moe_tp * s.moe_ep, cluster.flops),
+                 read(routed_params, s.moe_tp * s.moe_ep)))
     bsh = tokens_per_dp * model.hidden_size * ACTIVATION_BYTES
     if comm_model == "eq13":
         lam = hybrid_comm_eq13(bsh, model.top_k, s.moe_tp, s.moe_ep, cluster)
@@ -425,8 +470,7 @@ def estimate(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, wor
         raise AnalyzerError(f"{strategy} is disaggregated: meshserve/parallel/disagg.py prices it (`meshserve plan "
                             "--disagg`)")
     w = workload
-    kv = kv_cache_bytes_eq8(math.ceil(w.batch / strategy.attn_dp), w.input_len + w.output_len,
-                            model.hidden_size, model.num_layers)
+    kv = kv_cache_bytes(model, math.ceil(w.batch / strategy.attn_dp), w.input_len + w.output_len)
     attn_bytes = attention_params_per_rank(model, strategy) * model.weight_bytes
     moe_bytes = model.psi_moe * model.weight_bytes
     shared_bytes = model.psi_shared * model.weight_bytes
@@ -446,13 +490,16 @@ def estimate(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster, wor
     throughput = w.batch * throughput_eq11(w.input_len, w.output_len, wq, prefill, decode)
     meets = (math.isfinite(wq) and (w.slo_ttft_s is None or ttft <= w.slo_ttft_s)
              and (w.slo_itl_s is None or itl <= w.slo_itl_s))
-    return StrategyEstimate(strategy, True, memory, comm, ttft, itl, throughput, meets)
+    capacity = w.batch * throughput_eq11(w.input_len, w.output_len, 0.0, prefill, decode)
+    return StrategyEstimate(strategy, True, memory, comm, ttft, itl, throughput, meets, capacity)
 
 
 def rank_key(est: StrategyEstimate) -> tuple:
-    """Fitting before not fitting, SLO-meeting first, then higher throughput, then lower TTFT."""
+    """Fitting before not fitting, SLO-meeting first, then higher throughput, then lower TTFT, then (among layouts
+    the arrival rate overloads) higher capacity."""
     ttft = est.ttft_s if math.isfinite(est.ttft_s) else math.inf
-    return (not est.fits_memory, not est.meets_slo, -est.throughput_tok_s, ttft, str(est.strategy))
+    return (not est.fits_memory, not est.meets_slo, -est.throughput_tok_s, ttft, -est.capacity_tok_s,
+            str(est.strategy))
 
 
 def candidate_strategies(model: ModelSpec, world_size: int) -> list[ParallelStrategy]:

@@ -32,7 +32,7 @@ from meshserve.parallel.analyzer import (
     Workload,
     compute_latency_eq4,
     estimate,
-    kv_cache_bytes_eq8,
+    kv_cache_bytes,
 )
 from meshserve.parallel.strategy import ParallelStrategy, StrategyError, is_power_of_two
 
@@ -178,7 +178,7 @@ def estimate_disagg(model: ModelSpec, layout: DisaggLayout, cluster: Cluster, wo
     transfer = _transfer_s(model, layout, cluster, tokens_per_rank, tokens_per_domain)
     layer = max(attention + 2 * transfer + expert, layout.domains * expert)
     itl = layers * layer
-    kv = kv_cache_bytes_eq8(tokens_per_rank, workload.input_len + workload.output_len, model.hidden_size, layers)
+    kv = kv_cache_bytes(model, tokens_per_rank, workload.input_len + workload.output_len)
     attention_memory = (model.psi_attn - (model.psi_shared if layout.shared_ranks else 0)) * model.weight_bytes + kv
     expert_memory = model.psi_moe * model.weight_bytes / layout.expert_ranks
     fits = max(attention_memory, expert_memory) < cluster.device_memory_bytes

@@ -12,7 +12,10 @@ Ops, by name:
 - `a2e_us`, `e2a_us` (attention-expert disaggregation only): the A2E / E2A latency at `tokens_per_rank`;
 - `kv_link_gbps`: one device's bandwidth for a P/D KV pull;
 - `step_overhead_ms`: the host's time between two steps;
-- `microbatch_compute_share`: the compute share of the attention and the MoE stream when two microbatches overlap.
+- `microbatch_compute_share`: the compute share of the attention and the MoE stream when two microbatches overlap;
+- `intra_node_link`, `inter_node_link` (tensor parallelism only): one device's collective bandwidth (`gbps`) and a
+  message's latency (`latency_us`) inside a node and across nodes;
+- `devices_per_node`, `device_memory_gb` (the strategy ranking only): the node's size and a device's memory.
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ HARDWARE_DIR = Path(__file__).parent / "hardware"
 SCALAR_OPS = ("gemm_int8_tflops", "gemm_bf16_tflops", "attention_tflops", "hbm_read_gbps", "kv_link_gbps",
               "step_overhead_ms")
 TABLE_OPS = ("dispatch", "combine")
-OPTIONAL_OPS = ("a2e_us", "e2a_us")  # only a disaggregated deployment needs them
+LINK_OPS = ("intra_node_link", "inter_node_link")
+NODE_OPS = ("devices_per_node", "device_memory_gb")
+# only a disaggregated deployment needs A2E / E2A, only tensor parallelism the links, only the ranking the node
+OPTIONAL_OPS = ("a2e_us", "e2a_us", *LINK_OPS, *NODE_OPS)
 REQUIRED_OPS = (*SCALAR_OPS, *TABLE_OPS, "microbatch_compute_share")
 
 
@@ -57,6 +63,22 @@ class EPTable:
 
 
 @dataclass(frozen=True)
+class Link:
+    """One device's bandwidth on a link and a message's latency over it."""
+
+    gbps: float
+    latency_us: float
+
+    def ring_seconds(self, nbytes: float, degree: int, passes: int = 1) -> float:
+        """`passes` ring passes (reduce-scatter or all-gather: 1, all-reduce: 2) of `nbytes` per device among
+        `degree` devices: each pass sends (degree - 1) / degree of the bytes in degree - 1 messages."""
+        if degree <= 1 or nbytes <= 0:
+            return 0.0
+        hops = degree - 1
+        return passes * (nbytes * hops / degree / (1e9 * self.gbps) + hops * 1e-6 * self.latency_us)
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     device: str
@@ -68,6 +90,11 @@ class Hardware:
         if op not in self.ops:
             raise HardwareError(f"hardware profile {self.name!r} has no figure for op {op!r}")
         return self.ops[op]
+
+    def link(self, span: int) -> Link:
+        """The link a collective among `span` consecutive devices crosses."""
+        per_node = self.value("devices_per_node")
+        return self.value("intra_node_link" if span <= per_node else "inter_node_link")
 
     def check_devices(self, wanted: int) -> None:
         if wanted > self.devices:
@@ -129,6 +156,11 @@ def _figure(op: str, entry: dict, where: str):
                 or min(ep) < 1 or not min(latency) > 0:
             raise HardwareError(f"{where}: op {op} needs increasing EP degrees with a positive latency each")
         return EPTable(ep, latency, tokens)
+    if op in LINK_OPS:
+        gbps, latency = entry.get("gbps"), entry.get("latency_us")
+        if not (_positive(gbps) and _positive(latency)):
+            raise HardwareError(f"{where}: op {op} needs a positive gbps and latency_us")
+        return Link(float(gbps), float(latency))
     value = entry.get("value")
     if op == "microbatch_compute_share":
         if not (isinstance(value, list) and len(value) == 2 and all(_positive(v) and v <= 1 for v in value)):
@@ -136,7 +168,11 @@ def _figure(op: str, entry: dict, where: str):
         return tuple(float(v) for v in value)
     if not _positive(value) and not (op == "step_overhead_ms" and value == 0):
         raise HardwareError(f"{where}: op {op} needs a positive value, got {value!r}")
-    if op in OPTIONAL_OPS:
+    if op == "devices_per_node":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HardwareError(f"{where}: op {op} needs a whole number of devices, got {value!r}")
+        return value
+    if op in ("a2e_us", "e2a_us"):
         tokens = entry.get("tokens_per_rank")
         if not _positive(tokens):
             raise HardwareError(f"{where}: op {op} needs tokens_per_rank")

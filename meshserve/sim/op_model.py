@@ -1,15 +1,19 @@
 """A step's time built from op-level hardware figures (meshserve/sim/hardware.py) and a model's shape: the
 simulator's model of time where no step was ever measured (a SuperPod, an H800 cluster).
 
-Per decoder layer of an MLA model (DeepSeek-V3/R1, Kimi-K2), every DP group (one device, attention TP1):
+Per decoder layer of an MLA model (DeepSeek-V3/R1, Kimi-K2), every DP group (attention TP devices each):
 - attention GEMMs (MLA prolog, the absorbed up-projections, o_proj) over the step's rows: the slower of their
-  FLOPs at the GEMM rate of the weight format and their weights read at the HBM rate;
+  FLOPs at the GEMM rate of the weight format and their weights read at the HBM rate. Under attention TP the down
+  projections are whole on every device and the heads' weights split; an all-reduce over the TP devices follows.
+  A shared o_proj (`oproj=TPk`, attention TP1) reads 1/k of its weights and adds its two all-to-alls;
 - attention proper: absorbed MLA over each decode row's context (the compressed KV read once per request, QK and
-  PV in the latent space), prompt tokens over their (token, attended token) pairs;
-- a dense FFN (the first layers) or MoE: dispatch and combine (`dispatch`, `combine` by EP degree, scaled by the
-  rows the busiest group sends), the experts of the busiest expert device (its tokens: every group's rows times
-  top-k plus the shared experts, over the expert devices, times the EPLB imbalance), or A2E / E2A when attention
-  and experts are disaggregated.
+  PV in the latent space; under TP every device reads the whole latent and computes its heads), prompt tokens
+  over their (token, attended token) pairs;
+- a dense FFN (the first layers, split like attention) or MoE: dispatch and combine (`dispatch`, `combine` by EP
+  degree, scaled by the rows each device of the busiest group sends), the experts of the busiest expert device
+  (its tokens: every group's rows times top-k plus the shared experts, over the EP groups, times the EPLB
+  imbalance; MoE TP splits each expert's weights and gathers and reduces the tokens over its TP devices), or
+  A2E / E2A when attention and experts are disaggregated.
 
 A step waits for its slowest DP group at every dispatch (lockstep). With two microbatches the attention stream of
 one overlaps the MoE stream of the other; colocated, each stream has its share of a device's compute
@@ -32,11 +36,12 @@ from meshserve.moe.balance import device_loads
 from meshserve.moe.eplb import plan_all_slots
 from meshserve.moe.synthetic_load import synthetic_load
 from meshserve.parallel.strategy import ParallelStrategy
-from meshserve.sim.hardware import Hardware, HardwareError
+from meshserve.sim.hardware import LINK_OPS, Hardware, HardwareError
 from meshserve.sim.profile import GroupWork
 
 WEIGHT_FORMATS = {"int8": (1.0, "gemm_int8_tflops"), "bf16": (2.0, "gemm_bf16_tflops")}
 HEAD_BYTES = 2.0  # the LM head is priced in BF16: the INT8 figures are the decoder's linear layers
+ACTIVATION_BYTES = 2.0  # BF16 rows between devices (TP collectives)
 
 
 @dataclass(frozen=True)
@@ -81,9 +86,22 @@ class MLAShape:
     @property
     def attention_params(self) -> int:
         """One layer's attention weights: q down/up, kv down, kv up (W_UK, W_UV: absorbed), o_proj."""
-        h, n = self.hidden, self.heads
-        return (h * self.q_lora + self.q_lora * n * (self.nope + self.rope) + h * (self.kv_lora + self.rope)
-                + self.kv_lora * n * (self.nope + self.v_dim) + n * self.v_dim * h)
+        return self.down_projection_params + self.head_params + self.oproj_params
+
+    @property
+    def down_projection_params(self) -> int:
+        """q and kv down projections: whole on every attention TP device."""
+        return self.hidden * self.q_lora + self.hidden * (self.kv_lora + self.rope)
+
+    @property
+    def head_params(self) -> int:
+        """q up-projection and the absorbed kv up-projections: split by head under attention TP."""
+        n = self.heads
+        return self.q_lora * n * (self.nope + self.rope) + self.kv_lora * n * (self.nope + self.v_dim)
+
+    @property
+    def oproj_params(self) -> int:
+        return self.heads * self.v_dim * self.hidden
 
     @property
     def kv_width(self) -> int:  # compressed KV per token and layer: the latent and the rotary key
@@ -98,8 +116,8 @@ class MLAShape:
 class Deployment:
     """How a decode (or colocated) TE is laid out on the devices."""
 
-    dp: int  # attention DP groups, one device each (TP1)
-    expert_dies: int  # devices holding routed experts (colocated: the same devices as attention)
+    dp: int  # attention DP groups, `attn_tp` devices each
+    expert_dies: int  # EP groups holding routed experts, `moe_tp` devices each (colocated: the attention devices)
     routed_slots_per_die: int = 1  # routed expert slots per expert device (primaries + redundant copies)
     shared_dies: int = 0  # devices holding the shared experts' copies (0: every expert device computes them)
     disagg: bool = False  # attention and experts on separate devices (A2E / E2A)
@@ -108,6 +126,9 @@ class Deployment:
     weight_format: str = "int8"
     kv_bytes: float = 2.0  # per element of the compressed KV cache
     expert_imbalance: float = 1.0  # busiest expert device's tokens / the mean (1: perfect EPLB)
+    attn_tp: int = 1  # devices per DP group, heads split among them
+    moe_tp: int = 1  # devices per EP group, each expert's weights split among them
+    oproj_tp: int = 1  # attention TP1 devices sharing each layer's o_proj (xDeepServe Fig. 10)
 
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:
@@ -118,10 +139,23 @@ class Deployment:
             raise HardwareError("a deployment needs at least one DP group, expert device, slot and domain")
         if not self.expert_imbalance >= 1.0:
             raise HardwareError(f"expert imbalance is busiest / mean >= 1, got {self.expert_imbalance}")
+        if min(self.attn_tp, self.moe_tp, self.oproj_tp) < 1:
+            raise HardwareError("tensor-parallel degrees are 1 or more")
+        if self.oproj_tp > 1 and self.attn_tp > 1:
+            raise HardwareError("a shared o_proj (oproj=TPk) needs attention at TP1")
+        if self.disagg and (self.attn_tp > 1 or self.moe_tp > 1):
+            raise HardwareError("the op model times disaggregated attention and experts without TP")
+        if not self.disagg and self.dp * self.attn_tp != self.ep * self.moe_tp:
+            raise HardwareError(f"colocated attention ({self.dp} DP x TP{self.attn_tp}) and experts "
+                                f"({self.ep} EP x TP{self.moe_tp}) must span the same devices")
 
     @property
     def devices(self) -> int:
-        return self.dp + (self.expert_dies + self.shared_dies if self.disagg else 0)
+        return self.dp * self.attn_tp + (self.expert_dies + self.shared_dies if self.disagg else 0)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return max(self.attn_tp, self.moe_tp, self.oproj_tp) > 1
 
     @property
     def ep(self) -> int:
@@ -138,14 +172,14 @@ def deployment_of(strategy: ParallelStrategy, num_experts: int, *, redundant: in
             raise HardwareError("the op model times expert devices without MoE TP")
         dp, experts, shared, domains = layout.attention_ranks, layout.expert_ranks, layout.shared_ranks, layout.domains
     else:
-        if strategy.attn_tp != 1 or strategy.moe_tp != 1:
-            raise HardwareError("the op model times attention at TP1 (a DP group per device) and MoE without TP")
         dp, experts, shared, domains = strategy.attn_dp, strategy.moe_ep - strategy.shared_ep, strategy.shared_ep, 1
     if redundant < 0:
         raise HardwareError(f"redundant experts must be zero or more, got {redundant}")
+    tp = {} if strategy.disagg else {"attn_tp": strategy.attn_tp, "moe_tp": strategy.moe_tp,
+                                     "oproj_tp": strategy.oproj_tp}
     return Deployment(dp=dp, expert_dies=experts, routed_slots_per_die=-(-(num_experts + redundant) // experts),
                       shared_dies=shared, disagg=strategy.disagg, domains=domains, microbatches=microbatches,
-                      weight_format=weight_format, expert_imbalance=expert_imbalance)
+                      weight_format=weight_format, expert_imbalance=expert_imbalance, **tp)
 
 
 class OpStepModel:
@@ -157,6 +191,8 @@ class OpStepModel:
         hardware.check_devices(deployment.devices)
         for op in ("a2e_us", "e2a_us") if deployment.disagg else ():
             hardware.value(op)  # a profile without them is refused now, not at the first step
+        for op in ("devices_per_node", *LINK_OPS) if deployment.tensor_parallel else ():
+            hardware.value(op)
         self.name = f"{hardware.name} op model"
         self.delivery_ms = delivery_ms
         self.weight_bytes, rate_op = WEIGHT_FORMATS[deployment.weight_format]
@@ -182,7 +218,7 @@ class OpStepModel:
         attn_share, moe_share = self.mb_share if mbs == 2 and not d.disagg else (1.0, 1.0)
         dense_attention = self._attention(busiest, 1.0)
         attention = self._attention(busiest, attn_share)
-        moe = self._moe_comm(rows) + self._experts(global_rows, moe_share)
+        moe = self._moe_comm(rows, global_rows) + self._experts(global_rows, moe_share)
         moe_layers = s.layers - s.dense_layers
         parts = dict.fromkeys(("attention", "moe", "overlapped_layers"), 0.0)
         parts["attention"] = s.dense_layers * dense_attention
@@ -191,7 +227,8 @@ class OpStepModel:
         else:
             parts["attention"] += moe_layers * attention
             parts["moe"] = moe_layers * moe
-        parts["dense_ffn"] = s.dense_layers * self._gemm(s.hidden * s.dense_inter * 3, rows, 1.0)
+        dense_ffn = self._gemm(s.hidden * s.dense_inter * 3 / d.attn_tp, rows, 1.0) + self._tp_all_reduce(rows)
+        parts["dense_ffn"] = s.dense_layers * dense_ffn
         parts["mtp"] = self._mtp(busiest, groups)
         parts["lm_head"] = self._head(rows)
         parts["host"] = 1e-3 * self.hw.value("step_overhead_ms")
@@ -219,25 +256,58 @@ class OpStepModel:
         s = self.shape
         if work.rows == 0:
             return 0.0
-        gemms = self._gemm(s.attention_params, work.rows, share)
+        tp = self.deployment.attn_tp  # every TP device runs the down projections and its share of the heads
+        gemms = (self._gemm(s.down_projection_params, work.rows, share)
+                 + self._gemm(s.head_params / tp, work.rows, share) + self._oproj(work.rows, share))
         rows_per_request = work.rows_per_decode_request
         # absorbed decode: each query row scores the latent+rope keys and sums the latent values, per head
         decode_flops = 2.0 * s.heads * (s.kv_width + s.kv_lora) * work.context_tokens * rows_per_request
         # a prompt token: its (token, attended token) pairs with the full head dims
         prefill_flops = 2.0 * s.heads * (s.nope + s.rope + s.v_dim) * work.prefill_pairs
         kv_read = (work.context_tokens + work.prefill_tokens) * s.kv_width * self.deployment.kv_bytes
-        core = max((decode_flops + prefill_flops) / (self.attn_flops * share), kv_read / self.hbm)
-        return gemms + core
+        # under attention TP each device computes its heads over the whole latent KV (replicated)
+        core = max((decode_flops + prefill_flops) / tp / (self.attn_flops * share), kv_read / self.hbm)
+        return gemms + core + self._tp_all_reduce(work.rows)
 
-    def _moe_comm(self, rows: int) -> float:
-        """Dispatch + combine of the busiest group's rows (A2E + E2A when disaggregated)."""
-        if self.deployment.disagg:
+    def _oproj(self, rows: int, share: float) -> float:
+        """o_proj: split by head under attention TP; shared over `oproj_tp` TP1 devices, each projecting all their
+        rows with 1/k of its columns (the same FLOPs, 1/k of the weights read) between two all-to-alls (the heads'
+        outputs out, the partial sums back)."""
+        s, d = self.shape, self.deployment
+        k = d.oproj_tp
+        if k == 1:
+            return self._gemm(s.oproj_params / d.attn_tp, rows, share)
+        compute = max(2.0 * s.oproj_params * rows / (self.gemm_flops * share),
+                      s.oproj_params / k * self.weight_bytes / self.hbm)
+        link = self.hw.link(k)
+        heads_out = rows * s.heads * s.v_dim * ACTIVATION_BYTES
+        return compute + link.ring_seconds(heads_out, k) + link.ring_seconds(k * rows * s.hidden * ACTIVATION_BYTES, k)
+
+    def _tp_all_reduce(self, rows: int) -> float:
+        """The all-reduce of a layer's output rows over the attention TP devices."""
+        tp = self.deployment.attn_tp
+        return self.hw.link(tp).ring_seconds(rows * self.shape.hidden * ACTIVATION_BYTES, tp, passes=2) if tp > 1 \
+            else 0.0
+
+    def _moe_comm(self, rows: int, global_rows: float) -> float:
+        """Dispatch + combine of the rows each device of the busiest group sends (its TP devices split them; A2E +
+        E2A when disaggregated); under MoE TP, each EP group's devices gather the tokens it received and
+        reduce-scatter their partial outputs (without EP: every group's rows, on every device)."""
+        d, s = self.deployment, self.shape
+        if d.disagg:
             return self.hw.value("a2e_us").seconds(1, rows) + self.hw.value("e2a_us").seconds(1, rows)
-        ep = self.deployment.ep
-        return self.hw.value("dispatch").seconds(ep, rows) + self.hw.value("combine").seconds(ep, rows)
+        seconds = 0.0
+        if d.ep > 1:
+            sent = rows / d.attn_tp
+            seconds += self.hw.value("dispatch").seconds(d.ep, sent) + self.hw.value("combine").seconds(d.ep, sent)
+        if d.moe_tp > 1:
+            # a token goes once to each EP group holding one of its experts (at most top-k of them)
+            received = global_rows * min(s.top_k, d.ep) / d.ep * d.expert_imbalance
+            seconds += self.hw.link(d.moe_tp).ring_seconds(received * s.hidden * ACTIVATION_BYTES, d.moe_tp, passes=2)
+        return seconds
 
     def _experts(self, global_rows: int, share: float) -> float:
-        """The busiest expert device's experts for one layer."""
+        """The busiest expert device's experts for one layer (MoE TP: 1/moe_tp of each expert's weights)."""
         s, d = self.shape, self.deployment
         if global_rows == 0:
             return 0.0
@@ -245,12 +315,13 @@ class OpStepModel:
             routed = global_rows * s.top_k / d.expert_dies * d.expert_imbalance
             shared = global_rows * s.shared / d.shared_dies
             tokens, slots = max(routed, shared), d.routed_slots_per_die
-        else:
-            tokens = global_rows * s.top_k / d.expert_dies * d.expert_imbalance + global_rows * s.shared / d.dp
+        else:  # the shared experts visited by every token, spread over the EP groups like the routed ones
+            tokens = global_rows * (s.top_k * d.expert_imbalance + s.shared) / d.expert_dies
             slots = d.routed_slots_per_die + s.shared
+        params = s.expert_params / d.moe_tp
         serial = d.domains if d.disagg else 1  # a disaggregated expert device serves each domain in turn
-        per_domain = self._gemm(s.expert_params, tokens / serial, share) if tokens else 0.0
-        return serial * max(per_domain, slots * s.expert_params * self.weight_bytes / self.hbm / serial)
+        per_domain = self._gemm(params, tokens / serial, share) if tokens else 0.0
+        return serial * max(per_domain, slots * params * self.weight_bytes / self.hbm / serial)
 
     def _mtp(self, busiest: GroupWork, groups: Sequence[GroupWork]) -> float:
         """The MTP layer's drafts: one MoE layer and an LM head per draft, one row per decode request."""
@@ -259,13 +330,15 @@ class OpStepModel:
         drafts = max(1, round(busiest.draft_rows / max(1, busiest.decode_rows)))
         requests = max(w.decode_rows for w in groups)
         draft_work = GroupWork(decode_rows=requests, context_tokens=busiest.context_tokens)
-        layer = (self._attention(draft_work, 1.0) + self._moe_comm(requests)
-                 + self._experts(self._global(sum(w.decode_rows for w in groups), groups), 1.0))
+        global_requests = self._global(sum(w.decode_rows for w in groups), groups)
+        layer = (self._attention(draft_work, 1.0) + self._moe_comm(requests, global_requests)
+                 + self._experts(global_requests, 1.0))
         return drafts * (layer + self._head(requests))
 
     def _head(self, rows: int) -> float:
+        """The LM head, its vocabulary split over the attention TP devices."""
         s = self.shape
-        params = s.vocab * s.hidden
+        params = s.vocab * s.hidden / self.deployment.attn_tp
         return max(2.0 * params * rows / (1e12 * self.hw.value("gemm_bf16_tflops")), params * HEAD_BYTES / self.hbm)
 
 

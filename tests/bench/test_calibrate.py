@@ -39,10 +39,10 @@ def test_fit_recovers_latency_and_bandwidth_exactly():
 
 
 def test_analyzer_terms_follow_eq1_to_3():
-    # (rounds, bytes per round): RS/AG one round of size/d, AR two, A2A d-1.
-    assert cal.analyzer_terms("all_gather", 800, 4) == (1.0, 200.0)
-    assert cal.analyzer_terms("reduce_scatter", 800, 4) == (1.0, 200.0)
-    assert cal.analyzer_terms("all_reduce", 800, 4) == (2.0, 200.0)
+    # (rounds, bytes per round): RS/AG log2(d) rounds sending 3/4 of the tensor in all, AR twice that, A2A d-1.
+    assert cal.analyzer_terms("all_gather", 800, 4) == (2.0, 300.0)
+    assert cal.analyzer_terms("reduce_scatter", 800, 4) == (2.0, 300.0)
+    assert cal.analyzer_terms("all_reduce", 800, 4) == (4.0, 300.0)
     assert cal.analyzer_terms("all_to_all", 800, 4) == (3.0, 200.0)
 
 

@@ -5,11 +5,11 @@ import time
 import pytest
 
 from meshserve.bench import parallel as pb
-from meshserve.bench.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.bench.workload import WorkloadRequest
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from meshserve.parallel.analyzer import Cluster
+from meshserve.utils.rank_stats import average_ranks, spearman_rank_correlation
 from meshserve.wire.errors import EngineDeadError
 
 DP2 = "attn=TP1+DP2 moe=TP1+EP2"

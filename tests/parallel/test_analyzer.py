@@ -23,15 +23,17 @@ def test_link_choice_by_span():
 
 
 def test_reduce_scatter_and_all_gather_eq1():
-    # 1 s latency + (800/4 bytes) / 100 B/s = 3 s; a group of one costs nothing.
-    assert az.reduce_scatter_time_eq1(800, 4, INTRA) == pytest.approx(3.0)
-    assert az.all_gather_time_eq1(800, 4, INTRA) == pytest.approx(3.0)
+    # log2(4) = 2 latencies of 1 s + (3/4 of 800 bytes) / 100 B/s = 8 s; a group of one costs nothing.
+    assert az.reduce_scatter_time_eq1(800, 4, INTRA) == pytest.approx(8.0)
+    assert az.all_gather_time_eq1(800, 4, INTRA) == pytest.approx(8.0)
     assert az.reduce_scatter_time_eq1(800, 1, INTRA) == 0.0
+    # a rank sends (d-1)/d of the tensor whatever d is: 32 ranks send 31/32 of it, not 1/32
+    assert az.reduce_scatter_time_eq1(3200, 32, Link(bandwidth=100.0, latency=0.0)) == pytest.approx(31.0)
 
 
 def test_allreduce_eq2():
-    # RS + AG = 3 + 3.
-    assert az.allreduce_time(800, 4, INTRA) == pytest.approx(6.0)
+    # RS + AG = 8 + 8.
+    assert az.allreduce_time(800, 4, INTRA) == pytest.approx(16.0)
     assert az.allreduce_time(800, 1, INTRA) == 0.0
 
 
@@ -70,10 +72,28 @@ def test_communication_latency_eq5_dp_at_least_ep():
 
 def test_communication_latency_eq5_dp_below_ep():
     # TP4+DP1 / TP1+EP4, 8 tokens, h=5, k=2: the single DP rank holds 8*5*2 = 80 B.
-    # attention AR over 4 ranks across nodes: 2*(2+20/10) = 8; MoE TP1: 0; A2A among d_DP=1 ranks: 0;
-    # the 4 EP replicas sum their expert outputs: AR(80 B, 4, across nodes) = 8.  Total 16.
+    # attention AR over 4 ranks across nodes: 2 * (2 * 2 + 60/10) = 20; MoE TP1: 0; A2A among d_DP=1 ranks: 0;
+    # the 4 EP replicas sum their expert outputs: AR(80 B, 4, across nodes) = 20.  Total 40.
     s = ParallelStrategy(4, 1, 1, 4)
-    assert az.communication_latency_eq5(s, 8, 5, 2, TOY_CLUSTER) == pytest.approx(16.0)
+    assert az.communication_latency_eq5(s, 8, 5, 2, TOY_CLUSTER) == pytest.approx(40.0)
+
+
+def test_the_kv_term_follows_the_models_cache_and_weights_are_read_where_the_cluster_says_how_fast():
+    r1, qwen = (az.model_spec_from_config(MODEL_PRESETS[name]) for name in ("deepseek-r1", "qwen3-235b-a22b"))
+    assert r1.kv_width == 512 + 64  # MLA's latent and rotary key, not 2 x 7168
+    assert qwen.kv_width == 2 * 4 * 128  # GQA: K and V of 4 heads
+    assert az.kv_cache_bytes(r1, 2, 10) == 2 * 10 * 576 * 61 * 2
+    assert az.kv_cache_bytes_eq8(2, 10, 7168, 61) == 2 * 10 * 2 * 7168 * 61 * 2  # the paper's bound, without a width
+    s = ParallelStrategy(1, 16, 1, 16)
+    h20 = CLUSTER_PRESETS["h20-2x8"]
+    tau, lam = az.layer_latency(r1, s, h20, 16, "eq5")
+    reading = dataclasses.replace(h20, memory_bandwidth=4e12)
+    tau_read, lam_read = az.layer_latency(r1, s, reading, 16, "eq5")
+    # a decode step of 16 tokens is bound by its weights: a layer's attention and its 1/16 of the experts, read once
+    weights = (r1.psi_attn + r1.psi_moe / 16) / r1.num_layers * r1.weight_bytes
+    assert tau_read == pytest.approx(weights / 4e12) and tau_read > tau and lam_read == lam
+    with pytest.raises(AnalyzerError, match="memory_bandwidth must be positive"):
+        dataclasses.replace(h20, memory_bandwidth=0.0)
 
 
 def test_service_latency_eq6():
@@ -115,8 +135,9 @@ def test_ep_comm_eq12():
 
 
 def test_hybrid_comm_eq13():
-    # shard = 40*2/2 = 40 B. AR 2.4 + AG(40, 2, in node) 1.2 + 2 * A2A(40, 2 nodes) 2*(2+20/10) = 8.  Total 11.6.
-    assert az.hybrid_comm_eq13(40, 2, 2, 2, TOY_CLUSTER) == pytest.approx(11.6)
+    # shard = 40*2/2 = 40 B. AR 2.4 + AG of the two shards (80 B, 2, in node) 1+40/100 = 1.4
+    # + 2 * A2A(40, 2 nodes) 2*(2+20/10) = 8.  Total 11.8.
+    assert az.hybrid_comm_eq13(40, 2, 2, 2, TOY_CLUSTER) == pytest.approx(11.8)
     # The hybrid layout moves k/n_proc of the EP volume across nodes, so it never costs more here.
     assert az.hybrid_comm_eq13(40, 2, 2, 2, TOY_CLUSTER) < az.ep_comm_eq12(40, 2, 2, 2, TOY_CLUSTER)
 
@@ -259,7 +280,7 @@ def test_to_deployment_carries_the_cluster_shape_and_comm_choices():
 def test_cli_on_paper_models_and_clusters(model, cluster, tmp_path, capsys):
     out = tmp_path / "deploy.yaml"
     rc = main(["--model-preset", model, "--preset-cluster", cluster, "--batch", "16", "--input-len", "1024",
-               "--output-len", "256", "--rate", "4", "--slo-ttft-ms", "2000", "--slo-itl-ms", "50",
+               "--output-len", "256", "--rate", "2", "--slo-ttft-ms", "2000", "--slo-itl-ms", "50",
                "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
