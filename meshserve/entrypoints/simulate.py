@@ -53,9 +53,9 @@ def add_simulate_commands(sub) -> None:
     rank.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
     rank.add_argument("--groups", type=int, default=4, help="DP groups simulated per strategy, each standing for "
                                                             "dp/groups of them (default: 4)")
-    rank.add_argument("--weight-reads", action="store_true", help="the analyzer with the profile's HBM bandwidth: "
-                                                                  "a layer's weights read once per step (default: "
-                                                                  "Eq. 4's FLOPs alone, as MixServe)")
+    rank.add_argument("--no-weight-reads", action="store_true", help="the analyzer without the profile's HBM "
+                                                                     "bandwidth: Eq. 4's FLOPs alone, as MixServe "
+                                                                     "(default: a layer's weights read once a step)")
     rank.add_argument("--json", default="bench-results/simulate-rank.json", help="result file, a PNG beside it")
     rank.set_defaults(func=rank_main)
     compare = commands.add_parser("compare", help="the real engine and the simulation on one trace, side by side")
@@ -446,12 +446,12 @@ def rank_main(args: argparse.Namespace) -> int:
         results = []
         for world in worlds:
             results.append(rank_world(config, hardware, world, workload, args.groups,
-                                      weight_reads=args.weight_reads, progress=progress))
+                                      weight_reads=not args.no_weight_reads, progress=progress))
     except (HardwareError, AnalyzerError) as exc:
         print(f"meshserve simulate rank: error: {exc}", file=sys.stderr)
         return 2
     result = {"hardware": hardware.name, "model": args.model_config, "workload": dataclasses.asdict(workload),
-              "groups": args.groups, "weight_reads": args.weight_reads, "worlds": results}
+              "groups": args.groups, "weight_reads": not args.no_weight_reads, "worlds": results}
     report.publish(args.json, result, plot_ranking, rank_lines(result))
     return 0
 

@@ -54,6 +54,9 @@ class ModelSpec:
 class Link:
     bandwidth: float  # bytes/s
     latency: float  # s
+    # an all-to-all over it pays one latency per peer (pairwise rounds: gloo, MPI) or one for all peers at once
+    # (kernels that write to every peer together: DeepEP, CANN EP)
+    latency_per_peer: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,9 @@ class Cluster:
     # a device's memory read bandwidth (bytes/s): where set, a layer's compute is the slower of its FLOPs (Eq. 4)
     # and its weights read once (a decode step reads every weight it holds); None: Eq. 4 alone, as in MixServe
     memory_bandwidth: float | None = None
+    # EP's dispatch and combine send to every peer at once (one latency a call, not one a peer): see
+    # `Link.latency_per_peer`; a shared o_proj's all-to-alls stay pairwise
+    a2a_concurrent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node", "device_memory_bytes", "flops",
@@ -100,12 +106,16 @@ class Cluster:
             return Link(self.intra_bandwidth, self.intra_latency)
         return Link(self.inter_bandwidth, self.inter_latency)
 
+    def ep_link(self, span: int) -> Link:
+        """`link_for_span` for EP's dispatch and combine: with `a2a_concurrent`, one latency a call."""
+        return dataclasses.replace(self.link_for_span(span), latency_per_peer=not self.a2a_concurrent)
+
     def a2a_link(self, span: int) -> Link:
         """The link EP's all-to-all over `span` devices is priced on: the measured all-to-all where there is one
-        (a dispatch is one call, not d - 1 exchanges of the other collectives' latency), else `link_for_span`."""
+        (a dispatch is one call, not d - 1 exchanges of the other collectives' latency), else `ep_link`."""
         if self.a2a_bandwidth is not None:
-            return Link(self.a2a_bandwidth, self.a2a_latency)
-        return self.link_for_span(span)
+            return Link(self.a2a_bandwidth, self.a2a_latency, not self.a2a_concurrent)
+        return self.ep_link(span)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,10 +261,12 @@ def allreduce_time(size: float, degree: int, link: Link) -> float:
 
 
 def all_to_all_time(size: float, degree: int, link: Link) -> float:
-    """Eq. 3: A2A(size, d) ∝ size/d * (d-1): pairwise exchange in d-1 rounds, each paying latency."""
+    """Eq. 3: A2A(size, d) ∝ size/d * (d-1): pairwise exchange in d-1 rounds, each paying latency; over a link
+    whose all-to-alls reach every peer at once, one latency and the same bytes."""
     if degree <= 1:
         return 0.0
-    return (degree - 1) * (link.latency + size / degree / link.bandwidth)
+    rounds = degree - 1 if link.latency_per_peer else 1
+    return rounds * link.latency + (degree - 1) * size / degree / link.bandwidth
 
 
 # ---------------------------------------------------------------- Eq. 4-6: per-token service latency
@@ -390,7 +402,7 @@ def oproj_comm_time(model: ModelSpec, strategy: ParallelStrategy, tokens_per_dp:
 def ep_comm_eq12(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster: Cluster) -> float:
     """Eq. 12: λ_EP = AR(bsh, n_proc) + 2·A2A(bshk, n_node) (TP in node, EP across nodes)."""
     return (allreduce_time(bsh_bytes, n_proc, cluster.link_for_span(n_proc))
-            + 2 * all_to_all_time(bsh_bytes * top_k, n_node, cluster.link_for_span(n_proc * n_node)))
+            + 2 * all_to_all_time(bsh_bytes * top_k, n_node, cluster.ep_link(n_proc * n_node)))
 
 
 def hybrid_comm_eq13(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, cluster: Cluster) -> float:
@@ -399,7 +411,7 @@ def hybrid_comm_eq13(bsh_bytes: float, top_k: int, n_proc: int, n_node: int, clu
     shard = bsh_bytes * top_k / n_proc
     intra = cluster.link_for_span(n_proc)
     return (allreduce_time(bsh_bytes, n_proc, intra) + all_gather_time_eq1(shard * n_proc, n_proc, intra)
-            + 2 * all_to_all_time(shard, n_node, cluster.link_for_span(n_proc * n_node)))
+            + 2 * all_to_all_time(shard, n_node, cluster.ep_link(n_proc * n_node)))
 
 
 # ---------------------------------------------------------------- search
@@ -450,7 +462,8 @@ def layer_latency(model: ModelSpec, strategy: ParallelStrategy, cluster: Cluster
                      compute_latency_eq4(shared_params, tokens, s.shared_ep, cluster.flops),
                      read(routed_params, s.routed_ep), read(shared_params, 1)))
         # one more row per token goes to a shared-expert rank and back
-        return tau, communication_latency_eq5(s, tokens, model.hidden_size, model.top_k + 1, cluster)
+        return tau, (communication_latency_eq5(s, tokens, model.hidden_size, model.top_k + 1, cluster)
+                     + oproj_comm_time(model, s, tokens_per_dp, cluster))
     tau = (max(compute_latency_eq4(attn_params, tokens_per_dp, s.attn_tp, cluster.flops),
                read(attention_params_per_rank(model, s) / model.num_layers, s.attn_tp))
            + max(compute_latency_eq4(active_expert_params, tokens, s.moe_tp * s.moe_ep, cluster.flops),

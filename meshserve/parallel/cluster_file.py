@@ -56,7 +56,7 @@ _CLUSTER_FILE_KEYS = {
     "intra_bandwidth_gb_s": ("intra_bandwidth", GB), "inter_bandwidth_gb_s": ("inter_bandwidth", GB),
     "intra_latency_us": ("intra_latency", 1e-6), "inter_latency_us": ("inter_latency", 1e-6),
     "a2a_latency_us": ("a2a_latency", 1e-6), "a2a_bandwidth_gb_s": ("a2a_bandwidth", GB),
-    "memory_bandwidth_gb_s": ("memory_bandwidth", GB),
+    "memory_bandwidth_gb_s": ("memory_bandwidth", GB), "a2a_concurrent": ("a2a_concurrent", None),
 }
 # Keys a cluster file may carry for people, not for the analyzer: `calibrate` records its raw samples here.
 _CLUSTER_FILE_NOTES = {"measured"}
@@ -69,7 +69,8 @@ class PlanError(ValueError):
 def load_cluster_file(path: str) -> Cluster:
     """Cluster YAML: nodes, devices_per_node, device_memory_gb, tflops, intra/inter_bandwidth_gb_s,
     optional intra/inter_latency_us, a2a_latency_us with a2a_bandwidth_gb_s (a measured all-to-all),
-    memory_bandwidth_gb_s (weights read once per step) and name; a `measured` section is ignored."""
+    memory_bandwidth_gb_s (weights read once per step), a2a_concurrent (all-to-alls reach every peer at once) and
+    name; a `measured` section is ignored."""
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
@@ -82,14 +83,18 @@ def load_cluster_file(path: str) -> Cluster:
     if unknown:
         raise PlanError(f"cluster file {path}: unknown keys {', '.join(unknown)}")
     required = set(_CLUSTER_FILE_KEYS) - {"name", "intra_latency_us", "inter_latency_us", "a2a_latency_us",
-                                          "a2a_bandwidth_gb_s", "memory_bandwidth_gb_s"}
+                                          "a2a_bandwidth_gb_s", "memory_bandwidth_gb_s", "a2a_concurrent"}
     missing = sorted(required - set(data))
     if missing:
         raise PlanError(f"cluster file {path}: missing keys {', '.join(missing)}")
     kwargs: dict[str, Any] = {"name": str(data.get("name", path))}
     for key, value in data.items():
         field, scale = _CLUSTER_FILE_KEYS[key]
-        if scale is None:
+        if key == "a2a_concurrent":
+            if not isinstance(value, bool):
+                raise PlanError(f"cluster file {path}: {key} must be true or false, got {value!r}")
+            kwargs[field] = value
+        elif scale is None:
             kwargs[field] = value if key == "name" else _as_int(key, value)
         else:
             if isinstance(value, bool) or not isinstance(value, (int, float)):

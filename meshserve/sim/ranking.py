@@ -44,10 +44,12 @@ class RankingWorkload:
 
 
 def analyzer_cluster(hardware: Hardware, world: int, weight_format: str = "int8",
-                     weight_reads: bool = False) -> Cluster:
+                     weight_reads: bool = True) -> Cluster:
     """The analyzer's cluster of `world` devices of `hardware`: its GEMM rate for the weight format, memory, node
-    size and links, the same figures the op model reads; with `weight_reads`, its HBM bandwidth too (the analyzer
-    then prices a layer's weights read once per step; without, Eq. 4's FLOPs alone, as MixServe)."""
+    size and links, the same figures the op model reads, its HBM bandwidth with `weight_reads` (the analyzer then
+    prices a layer's weights read once per step; without, Eq. 4's FLOPs alone, as MixServe), and its EP
+    all-to-alls as the kernels the profile measured run them: one latency a call (Table 7's dispatch barely grows
+    from EP8 to EP256)."""
     per_node = hardware.value("devices_per_node")
     intra, inter = hardware.value("intra_node_link"), hardware.value("inter_node_link")
     per_node = min(per_node, world)
@@ -58,7 +60,8 @@ def analyzer_cluster(hardware: Hardware, world: int, weight_format: str = "int8"
                    flops=1e12 * hardware.value(WEIGHT_FORMATS[weight_format][1]),
                    intra_bandwidth=1e9 * intra.gbps, inter_bandwidth=1e9 * inter.gbps,
                    intra_latency=1e-6 * intra.latency_us, inter_latency=1e-6 * inter.latency_us,
-                   memory_bandwidth=1e9 * hardware.value("hbm_read_gbps") if weight_reads else None)
+                   memory_bandwidth=1e9 * hardware.value("hbm_read_gbps") if weight_reads else None,
+                   a2a_concurrent=True)
 
 
 def simulate_strategy(config: Mapping, hardware: Hardware, strategy: ParallelStrategy, workload: RankingWorkload,
@@ -85,7 +88,7 @@ def simulate_strategy(config: Mapping, hardware: Hardware, strategy: ParallelStr
 
 
 def rank_world(config: Mapping, hardware: Hardware, world: int, workload: RankingWorkload, groups: int = 4,
-               weight_format: str = "int8", weight_reads: bool = False,
+               weight_format: str = "int8", weight_reads: bool = True,
                progress: Callable[[int, int, StrategyEstimate], None] | None = None) -> dict:
     """Every strategy the analyzer finds fit at `world`, with its analyzer and simulated throughput and rank."""
     hardware.check_devices(world)

@@ -8,6 +8,7 @@ import yaml
 from meshserve.entrypoints.plan import CLUSTER_PRESETS, MODEL_PRESETS, load_cluster_file, main
 from meshserve.parallel import analyzer as az
 from meshserve.parallel.analyzer import AnalyzerError, Cluster, Link, ModelSpec, Workload, analyze
+from meshserve.parallel.cluster_file import PlanError
 from meshserve.parallel.strategy import ParallelStrategy, enumerate_strategies
 
 # Toy numbers chosen so every expectation below is hand-computable.
@@ -40,6 +41,11 @@ def test_allreduce_eq2():
 def test_all_to_all_eq3():
     # (4-1) rounds * (1 + 200/100) = 9; over the slow link (4-1) * (2 + 200/10) = 66.
     assert az.all_to_all_time(800, 4, INTRA) == pytest.approx(9.0)
+    # a kernel that writes to every peer at once pays one latency for the same bytes: 1 + 3 * 200/100 = 7
+    assert az.all_to_all_time(800, 4, Link(bandwidth=100.0, latency=1.0, latency_per_peer=False)) == pytest.approx(7.0)
+    concurrent = dataclasses.replace(TOY_CLUSTER, a2a_concurrent=True)
+    assert not concurrent.a2a_link(4).latency_per_peer and TOY_CLUSTER.a2a_link(4).latency_per_peer
+    assert concurrent.link_for_span(4).latency_per_peer  # a shared o_proj's all-to-alls stay pairwise
     assert az.all_to_all_time(800, 4, INTER) == pytest.approx(66.0)
     assert az.all_to_all_time(800, 1, INTER) == 0.0
 
@@ -335,6 +341,13 @@ def test_cluster_file_reads_a_measured_all_to_all(tmp_path):
     cluster.write_text(yaml.safe_dump(doc))
     c = load_cluster_file(str(cluster))
     assert (c.a2a_latency, c.a2a_bandwidth) == (pytest.approx(600e-6), pytest.approx(0.8e9))
+    assert c.memory_bandwidth is None and not c.a2a_concurrent
+    cluster.write_text(yaml.safe_dump({**doc, "memory_bandwidth_gb_s": 3000, "a2a_concurrent": True}))
+    c = load_cluster_file(str(cluster))
+    assert c.memory_bandwidth == pytest.approx(3e12) and c.a2a_concurrent
+    cluster.write_text(yaml.safe_dump({**doc, "a2a_concurrent": "yes"}))
+    with pytest.raises(PlanError, match="a2a_concurrent must be true or false"):
+        load_cluster_file(str(cluster))
 
 
 def test_cluster_file_measured_section_is_ignored(tmp_path):

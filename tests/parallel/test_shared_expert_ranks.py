@@ -2,6 +2,8 @@
 cost model."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,6 +92,12 @@ def test_latency_prices_the_shared_ranks_flops_and_one_more_row_per_token():
     assert tau == pytest.approx(2 * 50 * 2 + max(2 * 200 * 8 / 3, 2 * 100 * 8))
     assert lam == pytest.approx(az.communication_latency_eq5(s, 8, 4, 3, cluster))
     assert lam > az.communication_latency_eq5(s, 8, 4, 2, cluster)
+    # a shared o_proj's two all-to-alls are paid with shared-expert ranks too
+    model = dataclasses.replace(SHARED_MODEL, oproj_params=40)
+    shared_oproj = dataclasses.replace(s, oproj_tp=2)
+    _, lam_oproj = az.layer_latency(model, shared_oproj, cluster, tokens=8, comm_model="eq5")
+    assert lam_oproj == pytest.approx(az.communication_latency_eq5(shared_oproj, 8, 4, 3, cluster)
+                                      + az.oproj_comm_time(model, shared_oproj, 2, cluster)) and lam_oproj > lam
 
 
 def test_plan_prices_shared_variants_of_models_with_shared_experts():

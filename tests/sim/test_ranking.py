@@ -73,9 +73,11 @@ def test_the_analyzers_cluster_is_made_of_the_profiles_figures():
     assert (cluster.nodes, cluster.devices_per_node) == (4, 16)
     assert cluster.device_memory_bytes == 64e9 and cluster.flops == 597e12
     assert cluster.intra_bandwidth == 137e9 and cluster.inter_latency == pytest.approx(2.1e-6)
-    assert cluster.memory_bandwidth is None  # Eq. 4's FLOPs alone unless asked
+    assert cluster.memory_bandwidth == 1346e9  # the weights read once a step
+    # Table 7's dispatch latency barely grows from EP8 to EP256: the kernels reach every peer at once
+    assert cluster.a2a_concurrent and not cluster.a2a_link(64).latency_per_peer
     assert analyzer_cluster(CM384, 8).nodes == 1  # a world smaller than a node is one node of its size
-    assert analyzer_cluster(CM384, 64, weight_reads=True).memory_bandwidth == 1346e9
+    assert analyzer_cluster(CM384, 64, weight_reads=False).memory_bandwidth is None  # Eq. 4's FLOPs alone
     with pytest.raises(HardwareError, match="no figure for op 'device_memory_gb'"):
         analyzer_cluster(_profile_without("device_memory_gb"), 32)
 
@@ -92,8 +94,9 @@ def test_the_ranking_simulates_every_strategy_the_analyzer_prices_in_its_order()
     assert result["pick_vs_best"] == pytest.approx(rows[0]["tokens_per_s_per_device"] / best["tokens_per_s_per_device"])
     assert result["spearman_rho"] == pytest.approx(spearman_rank_correlation(
         [r["analyzer_tokens_per_s_per_device"] for r in rows], [r["tokens_per_s_per_device"] for r in rows]))
-    # the collectives priced as a rank sends them: the two orders agree more than they disagree
-    assert result["spearman_rho"] > 0.3
+    # the collectives priced as a rank sends them, EP's all-to-all as the measured kernels run: the orders agree
+    # (-0.15 at world 32 before) and the analyzer's pick serves most of the best's throughput
+    assert result["spearman_rho"] > 0.75 and result["pick_vs_best"] > 0.8
     assert all(r["tokens_per_s_per_device"] > 0 and r["tpot_ms"] > 0 for r in rows)
 
 
