@@ -6,7 +6,8 @@ collectives use) times, per link:
 - inter-node: all_to_all_single over each local rank's cross-node group;
 - the world: all_to_all_single over every rank, as EP's dispatch and combine run (the cluster file's `a2a_*`:
   one call of the collective library, which Eq. 3's d - 1 rounds of another collective's latency misprice).
-Each time is the slowest rank's, median of the repeats. The analyzer prices every
+Each time is the slowest rank's, the fastest of the repeats (on a shared machine noise only adds time: the
+median of two runs put one world's all-to-all at 1,081 us and the next at 291). The analyzer prices every
 collective as (rounds) x (latency + bytes per round / bandwidth) (Eq. 1-3), so each
 sample is divided into those units before fitting: the latency comes from a small
 message, the bandwidth from a least-squares line through the large messages.
@@ -187,7 +188,8 @@ def fit_link(ops: dict[str, dict[str, Any]]) -> dict[str, Any]:
     `ops` maps op -> {"degree", "sizes_bytes", "samples_s"} where the first size is the
     small latency message and samples_s[i] are the repeats at sizes_bytes[i]. Times are
     divided into the analyzer's rounds first; the bandwidth is fitted on the large
-    messages' medians, the latency is the small message's median less its own transfer.
+    messages' fastest repeats, the latency is the small message's fastest less its own transfer (the median
+    over the link's collectives).
     """
     normalized = {}
     for op, raw in ops.items():
@@ -195,9 +197,9 @@ def fit_link(ops: dict[str, dict[str, Any]]) -> dict[str, Any]:
         (rounds, small_bytes), large = terms[0], terms[1:]
         normalized[op] = {
             "small_bytes": small_bytes,
-            "small_s": [t / rounds for t in raw["samples_s"][0]],
+            "small_s": [min(raw["samples_s"][0]) / rounds],
             "x": [per_round for _, per_round in large],
-            "t": [statistics.median(samples) / r for (r, _), samples in zip(large, raw["samples_s"][1:])],
+            "t": [min(samples) / r for (r, _), samples in zip(large, raw["samples_s"][1:])],
         }
 
     def latency(points: list[tuple[float, float]], bandwidth: float) -> float:

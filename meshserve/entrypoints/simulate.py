@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -423,6 +424,8 @@ def rank_main(args: argparse.Namespace) -> int:
     from meshserve.sim.hardware import Hardware, HardwareError
     from meshserve.sim.ranking import RankingWorkload, rank_world, world_sizes
 
+    # hundreds of simulations: each one's line about its garbage-collection schedule would drown the progress lines
+    logging.getLogger("meshserve.utils.gc_pauses").setLevel(logging.WARNING)
     try:
         worlds = world_sizes(args.worlds)
         workload = RankingWorkload(args.batch_per_device, args.input_len, args.output_len)
@@ -430,30 +433,22 @@ def rank_main(args: argparse.Namespace) -> int:
             raise ValueError(f"--groups must be at least 1, got {args.groups}")
         config, hardware = _model_config(args.model_config), Hardware.load(args.hardware)
         for world in worlds:
-            hardware.check_devices(world)
+            hardware.check_devices(world)  # every world refused before the first one runs
+        results = [rank_world(config, hardware, world, workload, args.groups, weight_reads=not args.no_weight_reads,
+                              progress=functools.partial(_rank_progress, world)) for world in worlds]
     except (ValueError, HardwareError, AnalyzerError) as exc:
-        print(f"meshserve simulate rank: error: {exc}", file=sys.stderr)
-        return 2
-
-    # hundreds of simulations: each one's line about its garbage-collection schedule would drown the progress lines
-    logging.getLogger("meshserve.utils.gc_pauses").setLevel(logging.WARNING)
-
-    def progress(i: int, total: int, est) -> None:
-        if i % 16 == 0:
-            print(f"[simulate rank] world {world}: strategy {i + 1}/{total} ({est.strategy})", file=sys.stderr,
-                  flush=True)
-    try:
-        results = []
-        for world in worlds:
-            results.append(rank_world(config, hardware, world, workload, args.groups,
-                                      weight_reads=not args.no_weight_reads, progress=progress))
-    except (HardwareError, AnalyzerError) as exc:
         print(f"meshserve simulate rank: error: {exc}", file=sys.stderr)
         return 2
     result = {"hardware": hardware.name, "model": args.model_config, "workload": dataclasses.asdict(workload),
               "groups": args.groups, "weight_reads": not args.no_weight_reads, "worlds": results}
     report.publish(args.json, result, plot_ranking, rank_lines(result))
     return 0
+
+
+def _rank_progress(world: int, index: int, total: int, estimate) -> None:
+    if index % 16 == 0:
+        print(f"[simulate rank] world {world}: strategy {index + 1}/{total} ({estimate.strategy})", file=sys.stderr,
+              flush=True)
 
 
 def rank_lines(result: dict) -> list[str]:
