@@ -96,13 +96,13 @@ class ExpertRankModel(CausalLM):
                    for layer in self.routed.layers)
 
     @torch.inference_mode()
-    def serve_mtp(self, forwards: int) -> int:
-        """`forwards` MTP forwards of the attention ranks (one micro-batch each), seen from here. The rows
-        computed."""
+    def serve_mtp(self, forwards: int, microbatches: int = 1) -> int:
+        """`forwards` MTP forwards of the attention ranks (split as their step's forward was), seen from here. The
+        rows computed."""
         if not forwards:
             return 0
         layers = [layer for layer in self.routed.mtp_layers if str(layer) in self.blocks]
         if not layers:
             raise RuntimeError("the attention ranks run MTP forwards, but the checkpoint holds no MTP layer")
         block = self.blocks[str(layers[0])]
-        return sum(block.runtime.serve(block.experts) for _ in range(forwards))
+        return sum(block.runtime.serve(block.experts, microbatches) for _ in range(forwards))

@@ -89,7 +89,7 @@ class ExpertRankRunner:
         for attempt in itertools.count(1):
             try:
                 self.rows_served += self.model.serve_forward(microbatches)
-                self.rows_served += self.model.serve_mtp(self._mtp_forwards(sched))
+                self.rows_served += self.model.serve_mtp(self._mtp_forwards(sched), microbatches)
                 return
             except Exception as exc:
                 if not is_transient(exc) or attempt == MAX_STEP_ATTEMPTS:

@@ -75,15 +75,19 @@ def test_two_microbatches_in_each_of_two_domains_give_the_single_rank_tokens(ref
         assert llm.get_stats().microbatched_steps > OUTPUT_LEN // 2  # most steps ran split
 
 
-def test_mtp_drafts_with_the_mtp_layers_experts_on_the_expert_ranks(reference):
+@pytest.mark.parametrize("microbatches", [1, 2], ids=["one-batch", "two-microbatches"])
+def test_mtp_drafts_with_the_mtp_layers_experts_on_the_expert_ranks(reference, microbatches):
     """Speculative decoding: the attention ranks draft with the MTP layer, whose experts the expert ranks serve
     after each forward's decoder layers (the tiny model's MTP layer is random: drafts are verified and mostly
-    rejected, and the tokens stay the single rank's without speculation)."""
+    rejected, and the tokens stay the single rank's without speculation). With two micro-batches the MTP forwards
+    split as their step's forward does, on both roles."""
     model_dir, prompts, expected = reference
+    split = {"microbatches": 2, "microbatch_min_tokens": 2} if microbatches == 2 else {}
     with LLM(model=str(model_dir), parallel="attn=DP4 moe=EP2 disagg domains=2", speculative="mtp",
-             num_speculative_tokens=2, **ENGINE_ARGS) as llm:
+             num_speculative_tokens=2, **split, **ENGINE_ARGS) as llm:
         assert [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)] == expected
-        assert llm.get_stats().spec_verify_steps > 0
+        stats = llm.get_stats()
+        assert stats.spec_verify_steps > 0 and (stats.microbatched_steps > 0) == (microbatches == 2)
 
 
 def test_a_qwen3_moe_model_on_expert_ranks_gives_the_single_rank_tokens(tiny_model):
