@@ -275,8 +275,8 @@ class InProcessEngine:
         propose = runner.proposer.propose
         vocab = runner.vocab_size
 
-        def oracle(hidden, seqs, drafting_step=True):
-            drafts = propose(hidden, seqs, drafting_step)
+        def oracle(hidden, seqs, drafting_step=True, microbatches=1):
+            drafts = propose(hidden, seqs, drafting_step, microbatches)
             for req_id, guessed in drafts.items():
                 produced = len(runner.requests[req_id].output_token_ids)
                 truth = continuation[req_id][produced:produced + len(guessed)]
