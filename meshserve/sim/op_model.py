@@ -286,8 +286,9 @@ class OpStepModel:
     def _tp_all_reduce(self, rows: int) -> float:
         """The all-reduce of a layer's output rows over the attention TP devices."""
         tp = self.deployment.attn_tp
-        return self.hw.link(tp).ring_seconds(rows * self.shape.hidden * ACTIVATION_BYTES, tp, passes=2) if tp > 1 \
-            else 0.0
+        if tp == 1:  # no link asked of the profile: a TP1 layout needs none
+            return 0.0
+        return self.hw.link(tp).ring_seconds(rows * self.shape.hidden * ACTIVATION_BYTES, tp, passes=2)
 
     def _moe_comm(self, rows: int, global_rows: float) -> float:
         """Dispatch + combine of the rows each device of the busiest group sends (its TP devices split them; A2E +
