@@ -9,7 +9,7 @@ ARGS   ?=
 WORKERS ?= 2
 PYTEST := $(VENV)/bin/python -m pytest -q -ra -n $(WORKERS)
 
-.PHONY: install serve lint test test-quick bench clean
+.PHONY: install serve lint test test-quick bench clean vidur
 
 install: $(STAMP)
 
@@ -39,5 +39,15 @@ test: lint
 test-quick: lint
 	$(PYTEST) -m unit tests $(ARGS)
 
+# Vidur in an environment of its own, for `meshserve simulate vidur` (docs/simulate.md): its dependencies are not
+# meshserve's, and nothing else uses it
+VIDUR_VENV ?= .venv-vidur
+vidur: $(VIDUR_VENV)/.installed
+
+$(VIDUR_VENV)/.installed: requirements-vidur.lock
+	$(PYTHON) -m venv $(VIDUR_VENV)
+	$(VIDUR_VENV)/bin/pip install -q -r requirements-vidur.lock
+	@touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VIDUR_VENV) .pytest_cache

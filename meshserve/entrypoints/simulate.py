@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from meshserve.entrypoints.simulate_vidur import add_vidur_command
 from meshserve.router.routing import POLICIES
 from meshserve.utils import report
 
@@ -76,6 +77,7 @@ def add_simulate_commands(sub) -> None:
                                                              "(P/D): no mixed workloads, and the TE not measured "
                                                              "works meanwhile (its host's cores are shared)")
     calibrate.set_defaults(func=calibrate_main)
+    add_vidur_command(commands)
 
 
 def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_len: str = "16:128",
@@ -193,10 +195,17 @@ def _step_timer(args: argparse.Namespace):
     if hardware is None:
         return StepProfile.load(args.profile), 1 if args.dp is None else args.dp
     from meshserve.parallel.strategy import parse_strategy
+    from meshserve.sim.dense_op_model import DENSE_MODEL_TYPES, DenseStepModel, dense_deployment_of
     from meshserve.sim.hardware import Hardware
     from meshserve.sim.op_model import MLAShape, OpStepModel, deployment_of, expert_imbalance
 
     config = _model_config(args.model_config)
+    if config.get("model_type") in DENSE_MODEL_TYPES:
+        if args.redundant or args.microbatches != 1 or args.expert_load or args.expert_imbalance != 1.0:
+            raise ValueError("a dense model has no experts and one micro-batch: drop --redundant, --microbatches, "
+                             "--expert-load and --expert-imbalance")
+        deployment = dense_deployment_of(parse_strategy(args.parallel), args.weights)
+        return DenseStepModel(config, Hardware.load(hardware), deployment), 1
     shape = MLAShape.from_config(config)
     deployment = deployment_of(parse_strategy(args.parallel), shape.experts, redundant=args.redundant,
                                microbatches=args.microbatches, weight_format=args.weights,
@@ -221,13 +230,15 @@ def _step_timer(args: argparse.Namespace):
 
 def _model_config(name_or_path: str) -> dict:
     from meshserve.parallel.cluster_file import MODEL_PRESETS
+    from meshserve.sim.dense_op_model import DENSE_PRESETS
 
-    if name_or_path in MODEL_PRESETS:
-        return dict(MODEL_PRESETS[name_or_path])
+    presets = {**MODEL_PRESETS, **DENSE_PRESETS}
+    if name_or_path in presets:
+        return dict(presets[name_or_path])
     try:
         config = json.loads(Path(name_or_path).read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--model-config {name_or_path}: not a preset ({', '.join(MODEL_PRESETS)}) nor a readable "
+        raise ValueError(f"--model-config {name_or_path}: not a preset ({', '.join(presets)}) nor a readable "
                          f"config.json ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model-config {name_or_path} is not a JSON object")
