@@ -49,7 +49,8 @@ def add_simulate_commands(sub) -> None:
     rank.add_argument("--hardware", default="ascend910c-cm384", help="a hardware profile with node and link figures "
                                                                      "(default: ascend910c-cm384)")
     rank.add_argument("--model-config", default="deepseek-r1", help="the model's shape: a preset name or a config.json")
-    rank.add_argument("--worlds", default="32,64,128,256", help="world sizes, powers of two (default: 32,64,128,256)")
+    rank.add_argument("--worlds", default="32,64,128,256", help="world sizes, whole nodes of the profile "
+                                                                "(default: 32,64,128,256)")
     rank.add_argument("--batch-per-device", type=int, default=16, help="requests per device, all at once (default: 16)")
     rank.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (default: 1024)")
     rank.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")

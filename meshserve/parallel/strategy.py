@@ -195,11 +195,12 @@ def from_disagg_text(text: str) -> ParallelStrategy:
 
 
 def enumerate_strategies(world_size: int, oproj: bool = False) -> list[ParallelStrategy]:
-    """Every grammar-valid strategy spanning `world_size` ranks; with `oproj`, also the attention-TP1 ones with
-    o_proj shared over 2, 4, ... ranks (MLA models only)."""
-    if isinstance(world_size, bool) or not is_power_of_two(world_size):
-        raise StrategyError(f"world size must be a positive power of two, got {world_size!r}")
-    divisors = [1 << i for i in range(world_size.bit_length()) if (1 << i) <= world_size]
+    """Every grammar-valid strategy spanning `world_size` ranks: each TP degree a power of two dividing it, DP and
+    EP the rest (320 ranks: TP1-64, DP/EP 320-5); with `oproj`, also the attention-TP1 ones with o_proj shared over
+    2, 4, ... ranks (MLA models only)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise StrategyError(f"world size must be a positive integer, got {world_size!r}")
+    divisors = [1 << i for i in range(world_size.bit_length()) if world_size % (1 << i) == 0]
     strategies = [ParallelStrategy(attn_tp=a, attn_dp=world_size // a, moe_tp=m, moe_ep=world_size // m)
                   for a in divisors for m in divisors]
     if oproj:

@@ -375,8 +375,8 @@ def test_cli_with_config_and_cluster_files(tmp_path, capsys):
     ({"nodes": 1}, "missing keys"),
     ({"nodes": 1, "devices_per_node": 8, "device_memory_gb": 80, "tflops": 1, "intra_bandwidth_gb_s": 1,
       "inter_bandwidth_gb_s": 1, "colour": "red"}, "unknown keys colour"),
-    ({"nodes": 1, "devices_per_node": 6, "device_memory_gb": 80, "tflops": 1, "intra_bandwidth_gb_s": 1,
-      "inter_bandwidth_gb_s": 1}, "world size must be a positive power of two"),
+    ({"nodes": 0, "devices_per_node": 6, "device_memory_gb": 80, "tflops": 1, "intra_bandwidth_gb_s": 1,
+      "inter_bandwidth_gb_s": 1}, "cluster nodes must be positive, got 0"),
     ({"nodes": 1, "devices_per_node": 2, "device_memory_gb": 1, "tflops": 1, "intra_bandwidth_gb_s": 1,
       "inter_bandwidth_gb_s": 1}, "no strategy fits"),
 ])

@@ -76,7 +76,16 @@ def test_enumeration_counts(world, count):
     assert all(s.world_size == world for s in strategies)
 
 
+def test_a_world_of_any_size_splits_into_power_of_two_tp_degrees():
+    # CloudMatrix-Infer's EP320 decode: 320 = 2^6 * 5, so TP 1-64 and DP/EP 320 down to 5
+    strategies = enumerate_strategies(320)
+    assert len(strategies) == 7 * 7 and all(s.world_size == 320 for s in strategies)
+    assert {s.attn_tp for s in strategies} == {1, 2, 4, 8, 16, 32, 64}
+    assert parse_strategy("attn=DP320 moe=EP320") in strategies
+    assert [str(s) for s in enumerate_strategies(3)] == ["attn=TP1+DP3 moe=TP1+EP3"]
+
+
 def test_enumeration_rejects_bad_world_size():
-    for bad in (0, 3, 12, -4):
+    for bad in (0, -4, 2.0, True):
         with pytest.raises(StrategyError, match="world size"):
             enumerate_strategies(bad)

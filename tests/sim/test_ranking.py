@@ -107,8 +107,9 @@ def test_the_command_writes_the_comparison_and_refuses_bad_input_in_one_line(tmp
     result = json.loads(out.read_text())
     assert [w["world"] for w in result["worlds"]] == [32] and out.with_suffix(".png").exists()
     assert "Spearman" in capsys.readouterr().out
-    for argv, message in ((["--worlds", "24"], "powers of two"), (["--worlds", "512", "--hardware", "h800"],
-                                                                  "needs 512 devices"),
+    for argv, message in ((["--worlds", "1"], "device counts from 2"),
+                          (["--worlds", "20", "--hardware", "h800"], "not a whole number of h800 nodes"),
+                          (["--worlds", "512", "--hardware", "h800"], "needs 512 devices"),
                           (["--batch-per-device", "0"], "batch_per_device must be a positive integer")):
         assert main(["simulate", "rank", *argv, "--json", str(out)]) == 2
         err = capsys.readouterr().err.strip()
