@@ -164,7 +164,6 @@ def _range(text: str, flag: str) -> tuple[int, int]:
 def _inputs(args: argparse.Namespace, dp: int | None = None):
     """The step timer, the TE's settings and the trace the flags name (ValueError and the like: the user's to fix)."""
     from meshserve.sim.te import SimTESettings
-    from meshserve.sim.trace import TraceError, poisson, read_jsonl
 
     timer, groups = _step_timer(args)
     if dp is not None:
@@ -176,14 +175,21 @@ def _inputs(args: argparse.Namespace, dp: int | None = None):
                              mtp_acceptance=getattr(args, "mtp_acceptance", 0.0),
                              kv_transfer="consumer" if getattr(args, "decode_only", False) else "none",
                              prefix_caching=not getattr(args, "no_prefix_caching", False))
+    return timer, settings, trace_of(args, settings.max_model_len)
+
+
+def trace_of(args: argparse.Namespace, max_model_len: int):
+    """The trace of `--trace`, or of the Poisson flags; a request longer than `max_model_len` is refused."""
+    from meshserve.sim.trace import TraceError, poisson, read_jsonl
+
     trace = read_jsonl(args.trace) if args.trace else poisson(
         args.rate, args.requests, _range(args.input_len, "--input-len"), _range(args.output_len, "--output-len"),
         args.seed)
-    too_long = [r for r in trace if r.prompt_len + r.output_len > settings.max_model_len]
+    too_long = [r for r in trace if r.prompt_len + r.output_len > max_model_len]
     if too_long:
         raise TraceError(f"a request of {too_long[0].prompt_len} + {too_long[0].output_len} tokens exceeds "
-                         f"max_model_len {settings.max_model_len}")
-    return timer, settings, trace
+                         f"max_model_len {max_model_len}")
+    return trace
 
 
 def _step_timer(args: argparse.Namespace):

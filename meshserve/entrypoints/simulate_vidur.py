@@ -107,12 +107,11 @@ class _Scenario:
 
 def _scenario(args: argparse.Namespace) -> _Scenario:
     """What the flags name, each checked (ValueError: the user's to fix)."""
-    from meshserve.entrypoints.simulate import _model_config, _range
+    from meshserve.entrypoints.simulate import _model_config, trace_of
     from meshserve.parallel.strategy import parse_strategy
     from meshserve.sim.dense_op_model import DenseStepModel, dense_deployment_of
     from meshserve.sim.hardware import Hardware
     from meshserve.sim.te import SimTESettings
-    from meshserve.sim.trace import TraceError, poisson, read_jsonl
     from meshserve.sim.vidur import vidur_model_name, vidur_python
 
     config = _model_config(args.model_config)
@@ -122,13 +121,7 @@ def _scenario(args: argparse.Namespace) -> _Scenario:
     settings = SimTESettings(dp=1, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                              max_model_len=args.max_model_len, prefix_caching=False)
-    trace = read_jsonl(args.trace) if args.trace else poisson(
-        args.rate, args.requests, _range(args.input_len, "--input-len"), _range(args.output_len, "--output-len"),
-        args.seed)
-    too_long = [r for r in trace if r.prompt_len + r.output_len > settings.max_model_len]
-    if too_long:
-        raise TraceError(f"a request of {too_long[0].prompt_len} + {too_long[0].output_len} tokens exceeds "
-                         f"--max-model-len {settings.max_model_len}")
+    trace = trace_of(args, settings.max_model_len)
     python = vidur_python(args.vidur_python)
     if args.kv_granularity < 1:
         raise ValueError(f"--kv-granularity must be a positive number of tokens, got {args.kv_granularity}")

@@ -119,7 +119,7 @@ def test_vidur_results_read_back_as_meshserve_metrics(tmp_path):
     (["--vidur-python", "/nonexistent/python"], "make vidur"),
     (["--model-config", "deepseek-r1"], "not 'deepseek_v3'"),
     (["--parallel", "attn=DP2 moe=EP2"], "one replica at attn=TPk moe=TPk"),
-    (["--input-len", "4000:4000"], "exceeds --max-model-len"),
+    (["--input-len", "4000:4000"], "exceeds max_model_len 4096"),
     (["--kv-granularity", "0"], "--kv-granularity"),
 ])
 def test_simulate_vidur_refuses_bad_input_in_one_line(tmp_path, capsys, flags, message):
