@@ -46,7 +46,7 @@ def add_vidur_command(commands) -> None:
                                               "`make vidur`)")
     vidur.add_argument("--vidur-full-search", action="store_true",
                        help="Vidur's own grid search over its random forests (27 settings x 10 folds per op: "
-                            "about 15 minutes on 2 cores) instead of the setting it picks on these tables")
+                            "about 20 minutes on 2 cores) instead of the one setting it picks for most ops")
     vidur.add_argument("--kv-granularity", type=int, default=256,
                        help="Vidur's step in KV tokens: it predicts attention at each request's KV length rounded "
                             "up to a multiple (default: 256, its own)")

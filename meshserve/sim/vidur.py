@@ -181,8 +181,8 @@ def vidur_arguments(ops: DenseOps, settings: SimTESettings, *, trace_file: Path,
                     granularity: int = KV_GRANULARITY) -> list[str]:
     """Vidur's command line for one replica of `ops` with the TE's `settings`, serving the trace with Sarathi's
     chunked prefill (a token budget per step that decodes and prompt chunks share: meshserve's scheduler's
-    policy). Without `full_search` each op's random forest is fitted with the setting Vidur's grid search picks on
-    these tables (250 trees, depth 32, splits of 2) in 2 folds, not its 27 settings in 10 folds."""
+    policy). Without `full_search` each op's random forest is fitted with one setting (250 trees, depth 32, splits
+    of 2: what Vidur's grid search picks on these tables for most ops) in 2 folds, not its 27 settings in 10."""
     flags = {
         "seed": seed, "replica_config_model_name": vidur_model_name(ops), "replica_config_device": VIDUR_DEVICE,
         "replica_config_network_device": VIDUR_NETWORK, "replica_config_tensor_parallel_size": ops.deployment.tp,
