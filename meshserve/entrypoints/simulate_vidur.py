@@ -30,6 +30,11 @@ def add_vidur_command(commands) -> None:
                                                                    "llama-3-8b)")
     vidur.add_argument("--parallel", default="attn=TP1 moe=TP1", help="one replica: attn=TPk moe=TPk")
     vidur.add_argument("--weights", default="bf16", choices=("bf16", "int8"))
+    vidur.add_argument("--replicas", type=int, default=1, help="replicas (colocated TEs) behind the router "
+                                                               "(default: 1)")
+    vidur.add_argument("--routing", default="round_robin", choices=("round_robin", "load"),
+                       help="meshserve's routing policy between replicas; Vidur's global scheduler is round_robin "
+                            "or lor (least outstanding requests) for load (default: round_robin)")
     vidur.add_argument("--trace", help="a JSONL trace (arrival_s, prompt_len, output_len) instead of Poisson arrivals")
     vidur.add_argument("--rate", type=float, default=16.0, help="Poisson arrivals per second (default: 16)")
     vidur.add_argument("--requests", type=int, default=1000, help="Poisson requests (default: 1000)")
@@ -58,9 +63,8 @@ def add_vidur_command(commands) -> None:
 
 
 def vidur_main(args: argparse.Namespace) -> int:
+    from meshserve.sim.cluster import SimCluster, TESpec
     from meshserve.sim.dense_op_model import DenseStepModel
-    from meshserve.sim.run import simulate
-    from meshserve.sim.te import SimTE
     from meshserve.sim.vidur import VidurError
 
     try:
@@ -72,8 +76,9 @@ def vidur_main(args: argparse.Namespace) -> int:
     runs = {}
     for name, label, omit, depth in VARIANTS:
         timer = DenseStepModel(scenario.config, scenario.hardware, scenario.model.deployment, omit=omit)
-        te = SimTE(dataclasses.replace(scenario.settings, pipeline_depth=depth), timer, seed=args.seed)
-        runs[name] = simulate(scenario.trace, te, progress=False)
+        settings = dataclasses.replace(scenario.settings, pipeline_depth=depth)
+        replicas = [TESpec(f"c{i}", "colocated", settings, timer) for i in range(args.replicas)]
+        runs[name] = SimCluster(replicas, policy=args.routing, seed=args.seed).run(scenario.trace, progress=False)
         logging.info("%s: %.0f tokens/s", label, runs[name]["output_tokens_per_s"])
     try:
         runs["vidur"], vidur_meta = _run_vidur(args, scenario)
@@ -81,7 +86,8 @@ def vidur_main(args: argparse.Namespace) -> int:
         print(f"meshserve simulate vidur: {exc}", file=sys.stderr)
         return 1
     result = {"scenario": {"hardware": args.hardware, "model": args.model_config, "parallel": args.parallel,
-                           "weights": args.weights, "te": dataclasses.asdict(scenario.settings),
+                           "replicas": args.replicas, "routing": args.routing, "weights": args.weights,
+                           "te": dataclasses.asdict(scenario.settings),
                            "trace": args.trace or f"poisson rate {args.rate:g}/s, {args.requests} requests, input "
                                                   f"{args.input_len}, output {args.output_len}, seed {args.seed}"},
               "vidur": vidur_meta, "runs": runs}
@@ -102,7 +108,8 @@ class _Scenario:
     settings: object  # SimTESettings
     trace: list
     python: Path  # Vidur's interpreter
-    vidur_args: list[str]
+    vidur: object  # VidurRun
+    vidur_args: list[str]  # --vidur-args, after meshserve's flags
 
 
 def _scenario(args: argparse.Namespace) -> _Scenario:
@@ -112,24 +119,25 @@ def _scenario(args: argparse.Namespace) -> _Scenario:
     from meshserve.sim.dense_op_model import DenseStepModel, dense_deployment_of
     from meshserve.sim.hardware import Hardware
     from meshserve.sim.te import SimTESettings
-    from meshserve.sim.vidur import vidur_model_name, vidur_python
+    from meshserve.sim.vidur import VidurRun, vidur_model_name, vidur_python
 
     config = _model_config(args.model_config)
     hardware = Hardware.load(args.hardware)
     model = DenseStepModel(config, hardware, dense_deployment_of(parse_strategy(args.parallel), args.weights))
     vidur_model_name(model.ops)
+    vidur = VidurRun(replicas=args.replicas, routing=args.routing, granularity=args.kv_granularity,
+                     full_search=args.vidur_full_search, seed=args.seed)
+    hardware.check_devices(args.replicas * model.deployment.tp)
     settings = SimTESettings(dp=1, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                              max_model_len=args.max_model_len, prefix_caching=False)
     trace = trace_of(args, settings.max_model_len)
     python = vidur_python(args.vidur_python)
-    if args.kv_granularity < 1:
-        raise ValueError(f"--kv-granularity must be a positive number of tokens, got {args.kv_granularity}")
     try:
         vidur_args = shlex.split(args.vidur_args)
     except ValueError as exc:
         raise ValueError(f"--vidur-args {args.vidur_args!r}: {exc}") from None
-    return _Scenario(config, hardware, model, settings, trace, python, vidur_args)
+    return _Scenario(config, hardware, model, settings, trace, python, vidur, vidur_args)
 
 
 def _run_vidur(args: argparse.Namespace, scenario: _Scenario) -> tuple[dict, dict]:
@@ -145,16 +153,15 @@ def _run_vidur(args: argparse.Namespace, scenario: _Scenario) -> tuple[dict, dic
     )
     from meshserve.utils import envs
 
-    cache = vidur_cache(envs.cache_dir(), args.vidur_full_search)
+    cache = vidur_cache(envs.cache_dir(), scenario.vidur.full_search)
     ops, settings = scenario.model.ops, scenario.settings
-    datasets = write_profiles(ops, settings, cache, args.kv_granularity)
+    datasets = write_profiles(ops, settings, cache, scenario.vidur.granularity)
     work = Path(args.json).with_suffix("")
     work = work.parent / f"{work.name}-vidur"
     work.mkdir(parents=True, exist_ok=True)
     write_trace(scenario.trace, work / "trace.csv")
-    arguments = vidur_arguments(ops, settings, trace_file=work / "trace.csv", datasets=datasets,
-                                cache_dir=cache, out_dir=work / "runs", seed=args.seed,
-                                full_search=args.vidur_full_search, granularity=args.kv_granularity)
+    arguments = vidur_arguments(ops, settings, scenario.vidur, trace_file=work / "trace.csv", datasets=datasets,
+                                cache_dir=cache, out_dir=work / "runs")
     arguments += scenario.vidur_args
     logging.info("Vidur: %s -m vidur.main (log: %s)", scenario.python, work / "vidur.log")
     start = time.monotonic()
@@ -200,8 +207,8 @@ def plot_vidur(result: dict, path: Path) -> Path:
         ax.set_title(title)
         ax.legend()
     scenario = result["scenario"]
-    fig.suptitle(f"{scenario['model']} on {scenario['hardware']} ({scenario['parallel']}): {scenario['trace']}",
-                 fontsize=9)
+    fig.suptitle(f"{scenario['model']} on {scenario['hardware']}, {scenario['replicas']} x {scenario['parallel']} "
+                 f"({scenario['routing']}): {scenario['trace']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -22,6 +22,7 @@ import lzma
 import os
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshserve.sim.dense_op_model import DenseOps
@@ -37,6 +38,9 @@ TRACE_DATE = "2024-01-01"  # Vidur's trace replay keeps the rows of one date
 # the same SKU to Vidur, whose own figures for it are only the memory size)
 VIDUR_MODELS = {(32, 32, 8, 4096, 14336, 128256): "meta-llama/Llama-3-8B"}
 VIDUR_DEVICE, VIDUR_NETWORK = "h100", "h100_dgx"
+# meshserve's routing policy -> Vidur's global scheduler: the same rotation; the least loaded TE (`load`: queued
+# and running work) as the replica with the fewest outstanding requests (`lor`)
+VIDUR_ROUTING = {"round_robin": "round_robin", "load": "lor"}
 COMPUTE_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj", "mlp_act", "input_layernorm",
                "post_attention_layernorm", "attn_rope", "add")
 
@@ -176,17 +180,38 @@ def write_trace(trace: Sequence[TraceRequest], path: Path) -> None:
             writer.writerow([TRACE_DATE, f"{r.arrival_s:.6f}", r.prompt_len, r.output_len])
 
 
-def vidur_arguments(ops: DenseOps, settings: SimTESettings, *, trace_file: Path, datasets: tuple[str, str],
-                    cache_dir: Path, out_dir: Path, seed: int, full_search: bool = False,
-                    granularity: int = KV_GRANULARITY) -> list[str]:
-    """Vidur's command line for one replica of `ops` with the TE's `settings`, serving the trace with Sarathi's
-    chunked prefill (a token budget per step that decodes and prompt chunks share: meshserve's scheduler's
-    policy). Without `full_search` each op's random forest is fitted with one setting (250 trees, depth 32, splits
-    of 2: what Vidur's grid search picks on these tables for most ops) in 2 folds, not its 27 settings in 10."""
+@dataclass(frozen=True)
+class VidurRun:
+    """How Vidur serves the scenario: `replicas` replicas behind its global scheduler for meshserve's `routing`
+    policy, attention predicted every `granularity` KV tokens, each op's random forest fitted by Vidur's own grid
+    search (`full_search`: 27 settings in 10 folds) or with the one setting it picks on these tables for most ops,
+    in 2 folds."""
+
+    replicas: int = 1
+    routing: str = "round_robin"
+    granularity: int = KV_GRANULARITY
+    full_search: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.granularity < 1:
+            raise VidurError(f"Vidur needs a replica and a KV step of a token or more, got {self.replicas} and "
+                             f"{self.granularity}")
+        if self.routing not in VIDUR_ROUTING:
+            raise VidurError(f"Vidur has no global scheduler for routing {self.routing!r} (it has one for "
+                             f"{', '.join(VIDUR_ROUTING)})")
+
+
+def vidur_arguments(ops: DenseOps, settings: SimTESettings, run: VidurRun, *, trace_file: Path,
+                    datasets: tuple[str, str], cache_dir: Path, out_dir: Path) -> list[str]:
+    """Vidur's command line for `run.replicas` replicas of `ops`, each with the TE's `settings`, serving the trace
+    with Sarathi's chunked prefill (a token budget per step that decodes and prompt chunks share: meshserve's
+    scheduler's policy)."""
     flags = {
-        "seed": seed, "replica_config_model_name": vidur_model_name(ops), "replica_config_device": VIDUR_DEVICE,
+        "seed": run.seed, "replica_config_model_name": vidur_model_name(ops), "replica_config_device": VIDUR_DEVICE,
         "replica_config_network_device": VIDUR_NETWORK, "replica_config_tensor_parallel_size": ops.deployment.tp,
-        "replica_config_num_pipeline_stages": 1, "cluster_config_num_replicas": 1,
+        "replica_config_num_pipeline_stages": 1, "cluster_config_num_replicas": run.replicas,
+        "global_scheduler_config_type": VIDUR_ROUTING[run.routing],
         "cache_config_block_size": settings.block_size, "cache_config_num_blocks": settings.num_kv_blocks,
         "replica_scheduler_config_type": "sarathi", "sarathi_scheduler_config_batch_size_cap": settings.max_num_seqs,
         "sarathi_scheduler_config_chunk_size": settings.max_num_batched_tokens,
@@ -201,9 +226,9 @@ def vidur_arguments(ops: DenseOps, settings: SimTESettings, *, trace_file: Path,
         "prediction_max_tokens_per_request": settings.max_model_len,
         "prediction_max_batch_size": settings.max_num_seqs,
         "prediction_max_prefill_chunk_size": settings.max_num_batched_tokens,
-        "kv_cache_prediction_granularity": granularity,
+        "kv_cache_prediction_granularity": run.granularity,
     }
-    if not full_search:
+    if not run.full_search:
         predictor.update(num_estimators=250, max_depth=32, min_samples_split=2, k_fold_cv_splits=2)
     flags.update({f"random_forrest_execution_time_predictor_config_{key}": value for key, value in predictor.items()})
     return [part for flag, value in flags.items() for part in (f"--{flag}", str(value))] + [

@@ -20,6 +20,7 @@ from meshserve.sim.trace import TraceRequest
 from meshserve.sim.vidur import (
     COMPUTE_OPS,
     VidurError,
+    VidurRun,
     attention_rows,
     compute_rows,
     read_vidur_metrics,
@@ -81,9 +82,12 @@ def _faster_h800() -> dict:
 
 
 def test_the_command_line_carries_the_settings(tmp_path):
-    arguments = vidur_arguments(OPS, SETTINGS, trace_file=tmp_path / "t.csv", datasets=("a/b", "a/c"),
-                                cache_dir=tmp_path, out_dir=tmp_path / "out", seed=3)
+    arguments = vidur_arguments(OPS, SETTINGS, VidurRun(replicas=2, routing="load", seed=3),
+                                trace_file=tmp_path / "t.csv", datasets=("a/b", "a/c"), cache_dir=tmp_path,
+                                out_dir=tmp_path / "out")
     flags = dict(zip(arguments[:-1:2], arguments[1::2]))
+    assert flags["--cluster_config_num_replicas"] == "2" and flags["--global_scheduler_config_type"] == "lor"
+    assert flags["--seed"] == "3"
     assert flags["--replica_config_model_name"] == "meta-llama/Llama-3-8B"
     assert flags["--sarathi_scheduler_config_batch_size_cap"] == "8"
     assert flags["--sarathi_scheduler_config_chunk_size"] == "256"
@@ -120,7 +124,8 @@ def test_vidur_results_read_back_as_meshserve_metrics(tmp_path):
     (["--model-config", "deepseek-r1"], "not 'deepseek_v3'"),
     (["--parallel", "attn=DP2 moe=EP2"], "one replica at attn=TPk moe=TPk"),
     (["--input-len", "4000:4000"], "exceeds max_model_len 4096"),
-    (["--kv-granularity", "0"], "--kv-granularity"),
+    (["--kv-granularity", "0"], "a KV step of a token or more"),
+    (["--replicas", "300"], "needs 300 devices"),
 ])
 def test_simulate_vidur_refuses_bad_input_in_one_line(tmp_path, capsys, flags, message):
     python = tmp_path / "python"
