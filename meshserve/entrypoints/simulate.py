@@ -2,7 +2,8 @@
 speculation controller, a decode TE's P/D pulls) on virtual time, with steps timed by a profile fitted on this
 machine (`meshserve simulate calibrate`, from steps of the real engine) or by the op model of a hardware profile
 (`--hardware`); `meshserve simulate seeds` compares the op model with the papers' decode results, `meshserve
-simulate rank` the analyzer's ranking of parallel strategies with the simulator's."""
+simulate rank` the analyzer's ranking of parallel strategies with the simulator's, `meshserve simulate vidur` one
+scenario with Vidur (entrypoints/simulate_vidur.py)."""
 from __future__ import annotations
 
 import argparse
