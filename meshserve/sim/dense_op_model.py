@@ -8,7 +8,7 @@ rate of the weight format and their weights read at the HBM rate); attention pro
 request's K and V and scores them; a prompt token its (token, attended token) pairs); the elementwise ops (RMSNorm
 twice, rotary embedding, the KV cache write, SiLU-and-multiply, the two residual adds) at the HBM rate; and under
 TP two all-reduces of the layer's rows. A step adds the LM head (BF16, its vocabulary split over the TP devices)
-and the host's gap between steps.
+over the rows it samples, and the host's gap between steps.
 
 `DenseOps` prices each op alone, so the tables another simulator reads (`meshserve/sim/vidur.py`) and this
 model's steps come from one set of formulas.
@@ -218,7 +218,7 @@ class DenseStepModel:
             "elementwise": layers * (2 * ops.norm(rows) + ops.attn_rope(rows) + ops.kv_cache_save(rows)
                                      + ops.mlp_act(rows) + 2 * ops.add(rows)),
             "all_reduce": layers * 2 * ops.all_reduce(rows),
-            "lm_head": ops.lm_head(rows) if rows else 0.0,
+            "lm_head": ops.lm_head(work.sampled_rows) if work.sampled_rows else 0.0,
             "host": 1e-3 * self.hw.value("step_overhead_ms"),
         }
         return {part: seconds for part, seconds in parts.items() if part not in self.omit}

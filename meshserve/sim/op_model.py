@@ -19,7 +19,8 @@ A step waits for its slowest DP group at every dispatch (lockstep). With two mic
 one overlaps the MoE stream of the other; colocated, each stream has its share of a device's compute
 (`microbatch_compute_share`), disaggregated each kind of device runs its own stream. The second microbatch's MoE of
 the last layer is not overlapped. MTP: a step that drafts runs the MTP layer once per draft (one row per request)
-and its LM head. Every step adds the LM head (BF16) and the host's gap between steps.
+and its LM head. Every step adds the LM head (BF16) over the rows it samples (decode and draft rows, a prompt's
+last row) and the host's gap between steps.
 
 A simulation may run fewer DP groups than the deployment has: each then stands for `dp / groups` of them in the
 experts' load (the workload is the same on every group).
@@ -230,7 +231,7 @@ class OpStepModel:
         dense_ffn = self._gemm(s.hidden * s.dense_inter * 3 / d.attn_tp, rows, 1.0) + self._tp_all_reduce(rows)
         parts["dense_ffn"] = s.dense_layers * dense_ffn
         parts["mtp"] = self._mtp(busiest, groups)
-        parts["lm_head"] = self._head(rows)
+        parts["lm_head"] = self._head(max(w.sampled_rows for w in groups))
         parts["host"] = 1e-3 * self.hw.value("step_overhead_ms")
         return parts
 
@@ -337,7 +338,10 @@ class OpStepModel:
         return drafts * (layer + self._head(requests))
 
     def _head(self, rows: int) -> float:
-        """The LM head, its vocabulary split over the attention TP devices."""
+        """The LM head over `rows` sampled rows, its vocabulary split over the attention TP devices (none: the
+        step samples nothing, and the engine skips the head)."""
+        if rows <= 0:
+            return 0.0
         s = self.shape
         params = s.vocab * s.hidden / self.deployment.attn_tp
         return max(2.0 * params * rows / (1e12 * self.hw.value("gemm_bf16_tflops")), params * HEAD_BYTES / self.hbm)

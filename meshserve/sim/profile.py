@@ -42,11 +42,18 @@ class GroupWork:
     context_tokens: int = 0  # the tokens the decode rows attend to
     prefill_pairs: float = 0.0  # the prefill tokens' (token, attended token) pairs
     draft_rows: int = 0  # drafts the decode rows verify (speculative decoding: one more row each)
+    sampling_prompts: int = 0  # prompts whose last chunk this is: each samples its first token
 
     @property
     def rows(self) -> int:
         """Tokens through the step's GEMMs."""
         return self.decode_rows + self.draft_rows + self.prefill_tokens
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows through the LM head: the engine computes logits only for the rows it samples (every decode and
+        draft row, a prompt's last row), not for a prompt's other tokens."""
+        return self.decode_rows + self.draft_rows + self.sampling_prompts
 
     @property
     def rows_per_decode_request(self) -> float:
@@ -55,7 +62,7 @@ class GroupWork:
     @classmethod
     def prompt(cls, tokens: int) -> GroupWork:
         """A lone prompt's prefill in one step."""
-        return cls(prefill_tokens=tokens, prefill_pairs=tokens * tokens / 2)
+        return cls(prefill_tokens=tokens, prefill_pairs=tokens * tokens / 2, sampling_prompts=1)
 
 
 @dataclass(frozen=True)

@@ -249,7 +249,7 @@ def _plan(scheduler: Scheduler, out: SchedulerOutput) -> list[_Scheduled]:
 def _work(plan: list[_Scheduled]) -> GroupWork:
     """What a group's step computes: a decode row per request that only adds its last known token (attending to
     what came before) and the drafts it verifies, the rest prompt (or recomputed) tokens."""
-    decode_rows = prefill_tokens = context = drafts = 0
+    decode_rows = prefill_tokens = context = drafts = sampling = 0
     pairs = 0.0
     for item in plan:
         if item.num_tokens - item.drafts == 1 and item.computed_before >= item.request.num_tokens - 1:
@@ -259,4 +259,5 @@ def _work(plan: list[_Scheduled]) -> GroupWork:
         else:
             prefill_tokens += item.num_tokens
             pairs += item.num_tokens * (item.computed_before + item.num_tokens / 2)
-    return GroupWork(decode_rows, prefill_tokens, context, pairs, drafts)
+            sampling += item.computed_before + item.num_tokens >= item.request.num_tokens  # its last chunk
+    return GroupWork(decode_rows, prefill_tokens, context, pairs, drafts, sampling)

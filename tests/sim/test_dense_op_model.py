@@ -100,3 +100,14 @@ def test_simulate_run_serves_a_dense_model_and_refuses_expert_flags(tmp_path, ca
     assert code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dense model has no experts" in err[0]
+
+
+def test_the_lm_head_runs_over_the_sampled_rows_only():
+    model = DenseStepModel(LLAMA, H800, DenseDeployment())
+    chunk = GroupWork(prefill_tokens=2048, prefill_pairs=2048 * 1024)  # a prompt's middle chunk: nothing sampled
+    assert model.breakdown([chunk])["lm_head"] == 0.0
+    last = GroupWork(prefill_tokens=2048, prefill_pairs=2048 * 1024, sampling_prompts=1, decode_rows=8,
+                     context_tokens=8 * 100)
+    # nine sampled rows read the head's weights once: the same time as one row, not 2,056 rows' FLOPs
+    one = model.breakdown([GroupWork(decode_rows=1, context_tokens=100)])["lm_head"]
+    assert model.breakdown([last])["lm_head"] == pytest.approx(one)

@@ -202,3 +202,16 @@ def test_the_other_tes_load_runs_only_while_a_measurement_does():
         return during, len(ticks)
     during, after = asyncio.run(measure())
     assert during > 0 and after == during  # cancelled with the block
+
+
+def test_only_a_prompts_last_chunk_samples_a_token():
+    """The engine computes logits for the rows it samples: a prompt chunked over three steps samples in its
+    third, and the decode rows beside it in every step."""
+    te = SimTE(SimTESettings(max_num_batched_tokens=64, prefix_caching=False), PROFILE)
+    te.admit("long", TraceRequest(0.0, 150, 4), 0.0)
+    sampled = []
+    while te.has_work():
+        te.step(0.0)
+        sampled.append((te.last_work[0].prefill_tokens, te.last_work[0].sampled_rows))
+    assert sampled[:3] == [(64, 0), (64, 0), (22, 1)]  # 150 = 64 + 64 + 22
+    assert sampled[3:] == [(0, 1)] * 3  # then one decode row a step for the other three tokens
