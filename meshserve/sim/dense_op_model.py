@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from meshserve.parallel.strategy import ParallelStrategy
 from meshserve.sim.hardware import Hardware, HardwareError
-from meshserve.sim.op_model import ACTIVATION_BYTES, HEAD_BYTES, WEIGHT_FORMATS
+from meshserve.sim.op_model import ACTIVATION_BYTES, HEAD_BYTES, WEIGHT_FORMATS, gemm_seconds
 from meshserve.sim.profile import GroupWork
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -118,9 +118,7 @@ class DenseOps:
         self.hbm = 1e9 * hardware.value("hbm_read_gbps")
 
     def _gemm(self, params: float, rows: float) -> float:
-        if rows <= 0:
-            return 0.0
-        return max(2.0 * params * rows / self.gemm_flops, params * self.weight_bytes / self.hbm)
+        return gemm_seconds(params, rows, self.gemm_flops, self.weight_bytes, self.hbm)
 
     def _moved(self, elements: float) -> float:
         """An elementwise op moving `elements` BF16 values through HBM (read and written)."""
@@ -181,8 +179,9 @@ class DenseOps:
         return self.hw.link(tp).ring_seconds(rows * self.shape.hidden * ACTIVATION_BYTES, tp, passes=2)
 
     def lm_head(self, rows: float) -> float:
+        """The LM head over `rows` sampled rows (none: the engine skips it)."""
         params = self.shape.vocab * self.shape.hidden / self.deployment.tp
-        return max(2.0 * params * rows / (1e12 * self.hw.value("gemm_bf16_tflops")), params * HEAD_BYTES / self.hbm)
+        return gemm_seconds(params, rows, 1e12 * self.hw.value("gemm_bf16_tflops"), HEAD_BYTES, self.hbm)
 
 
 class DenseStepModel:
@@ -218,7 +217,7 @@ class DenseStepModel:
             "elementwise": layers * (2 * ops.norm(rows) + ops.attn_rope(rows) + ops.kv_cache_save(rows)
                                      + ops.mlp_act(rows) + 2 * ops.add(rows)),
             "all_reduce": layers * 2 * ops.all_reduce(rows),
-            "lm_head": ops.lm_head(work.sampled_rows) if work.sampled_rows else 0.0,
+            "lm_head": ops.lm_head(work.sampled_rows),
             "host": 1e-3 * self.hw.value("step_overhead_ms"),
         }
         return {part: seconds for part, seconds in parts.items() if part not in self.omit}

@@ -45,6 +45,14 @@ HEAD_BYTES = 2.0  # the LM head is priced in BF16: the INT8 figures are the deco
 ACTIVATION_BYTES = 2.0  # BF16 rows between devices (TP collectives)
 
 
+def gemm_seconds(params: float, rows: float, flops: float, weight_bytes: float, hbm: float) -> float:
+    """A GEMM of `params` weights over `rows` tokens on one device: the slower of its FLOPs at `flops` per second
+    and its weights (`weight_bytes` each) read at `hbm` bytes per second; nothing when no row goes through it."""
+    if rows <= 0:
+        return 0.0
+    return max(2.0 * params * rows / flops, params * weight_bytes / hbm)
+
+
 @dataclass(frozen=True)
 class MLAShape:
     """What the op model needs of an MLA model's config.json."""
@@ -248,9 +256,7 @@ class OpStepModel:
 
     def _gemm(self, params: int, rows: float, share: float) -> float:
         """A GEMM of `params` weights over `rows` tokens: compute- or weight-read-bound."""
-        if rows <= 0:
-            return 0.0
-        return max(2.0 * params * rows / (self.gemm_flops * share), params * self.weight_bytes / self.hbm)
+        return gemm_seconds(params, rows, self.gemm_flops * share, self.weight_bytes, self.hbm)
 
     def _attention(self, work: GroupWork, share: float) -> float:
         """One layer's attention path for one DP group."""
@@ -340,11 +346,9 @@ class OpStepModel:
     def _head(self, rows: int) -> float:
         """The LM head over `rows` sampled rows, its vocabulary split over the attention TP devices (none: the
         step samples nothing, and the engine skips the head)."""
-        if rows <= 0:
-            return 0.0
         s = self.shape
         params = s.vocab * s.hidden / self.deployment.attn_tp
-        return max(2.0 * params * rows / (1e12 * self.hw.value("gemm_bf16_tflops")), params * HEAD_BYTES / self.hbm)
+        return gemm_seconds(params, rows, 1e12 * self.hw.value("gemm_bf16_tflops"), HEAD_BYTES, self.hbm)
 
 
 def expert_imbalance(num_experts: int, expert_dies: int, redundant: int, top_k: int, *, hot_ratio: float = 30.0,
