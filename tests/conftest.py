@@ -16,6 +16,7 @@ loadscope`). A `unit` test that starts a process fails (`forbid_processes`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import multiprocessing.process
@@ -229,6 +230,13 @@ class ProcessInUnitTestError(RuntimeError):
     """A `unit` test (or a fixture it uses) tried to start a process."""
 
 
+@functools.cache
+def _list_fonts() -> None:
+    """matplotlib lists the system's fonts with `fc-list` the first time it draws on a machine (then caches them on
+    disk): not the test's doing either."""
+    import matplotlib.font_manager  # noqa: F401 - the import builds the font list
+
+
 @contextlib.contextmanager
 def forbid_processes(attempts: list[str]) -> Iterator[None]:
     """Every way this process could start another raises ProcessInUnitTestError (and is noted in `attempts`)."""
@@ -240,6 +248,7 @@ def forbid_processes(attempts: list[str]) -> Iterator[None]:
         return refuse
 
     platform.processor()  # runs `uname -p` once per process (then cached): not the test's doing
+    _list_fonts()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", refusing("subprocess"))  # run, check_output, asyncio
         patch.setattr(multiprocessing.process.BaseProcess, "start", refusing("multiprocessing"))  # every context
