@@ -88,10 +88,10 @@ class ParallelConfig(ConfigStruct, frozen=True):
                 strategy.attn_tp == 1 and strategy.moe_tp == 1 and strategy.moe_ep > 1):
             raise ConfigError(f"microbatches 2 overlaps the expert-parallel dispatch and combine: it needs "
                               f"attn=TP1+DPn moe=TP1+EPn with n > 1, not {strategy}")
-        if self.dp_groups == "self-contained":
-            if self.local_ranks is not None and self.local_ranks < world:
-                raise ConfigError("dp_groups self-contained starts every rank on this host (its ranks agree over a "
-                                  "Unix socket): drop local_ranks")
+        if self.dp_groups == "self-contained" and self.on_rank_failure == "shrink" and self.spans_hosts:
+            raise ConfigError("on_rank_failure shrink renumbers the ranks left, which ranks on other hosts cannot "
+                              "follow with self-contained DP groups: use restart, or start every rank here "
+                              "(drop local_ranks)")
         if self.local_ranks is not None and self.local_ranks > world:
             raise ConfigError(f"local_ranks must be between 1 and the world size {world} (rank 0 runs beside the "
                               f"master), got {self.local_ranks}")
@@ -123,3 +123,8 @@ class ParallelConfig(ConfigStruct, frozen=True):
     def num_local_ranks(self) -> int:
         """Ranks the master starts on its own host; the rest join with `meshserve worker`."""
         return self.world_size if self.local_ranks is None else self.local_ranks
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Some ranks join from other hosts (everything between the ranks then goes over TCP)."""
+        return self.num_local_ranks < self.world_size

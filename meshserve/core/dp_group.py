@@ -23,12 +23,14 @@ from meshserve.wire.worker import ModelRunnerOutput, SchedulerOutput, WorkerRead
 
 @dataclass
 class GroupPlace:
-    """Where a self-contained DP group's master sits in its TE (core/te_shell.py): its group's index, and the
-    torch.distributed world its ranks join with the other groups' (renamed by the shell after each failure)."""
+    """Where a self-contained DP group's master sits in its TE (core/te_shell.py): its group's index, the
+    torch.distributed world its ranks join with the other groups' (renamed by the shell after each failure), and
+    the port its ranks on other hosts join it on (0: it has none)."""
 
     index: int
     dist_init: str
     generation: int = 0
+    join_port: int = 0
     next_world: WorldRestart | None = None  # the world the shell named last, once it names a new one
 
 

@@ -135,8 +135,7 @@ class EngineCore(ClientMessages, WorkerResults):
         if self.recovery.state.total:  # the last ranks' sockets may not have let go of their names yet
             ipc_dir = os.path.join(self.ipc_dir, f"recovery-{self.recovery.state.total}")
             os.makedirs(ipc_dir, exist_ok=True)
-        world = None if self.place is None else (self.place.index, self.place.dist_init)
-        self.workers = WorkerGroup(self.ctx, config, ipc_dir, self.log_level, spare_workers, dp_group=world)
+        self.workers = WorkerGroup(self.ctx, config, ipc_dir, self.log_level, spare_workers, place=self.place)
         try:
             ready = self.workers.wait_ready(config.parallel_config.startup_timeout_s, on_wait)
         except BaseException:
@@ -224,7 +223,9 @@ class EngineCore(ClientMessages, WorkerResults):
             return
         place.next_world = item
         if self.recovery.state.in_progress is None and self.dead_error is None:
-            self._rank_failed(f"the TE's ranks restart ({item.reason or 'another DP group lost a rank'})", [])
+            # the group whose rank is gone may hear of the restart from the shell before it sees the loss itself
+            own = self.workers.failure()
+            self._rank_failed(f"the TE's ranks restart ({own or item.reason or 'another DP group lost a rank'})", [])
 
     def _serve_while_restarting(self) -> None:
         """While the new ranks start: heartbeats go on (saying `recovering`) and stats queries are answered; every

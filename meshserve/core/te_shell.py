@@ -15,7 +15,8 @@ process, does only what needs the whole TE:
   or with `on_rank_failure shrink` the world goes on without the lost ranks' groups and grows back later
   (core/group_world.py); a group master that dies fails the TE;
 - it speaks for the TE: readiness, stats and heartbeats summed over the groups, and one stream of prefix-cache
-  events for job executors (each group's, numbered again) with its snapshot.
+  events for job executors (each group's, numbered again) with its snapshot; ranks on other hosts knock at its
+  engine port and are sent on to their group's master (`JoinDirectory`).
 
 No per-step message passes through it: outputs go from each group straight to the clients.
 """
@@ -38,6 +39,7 @@ from meshserve.core.eplb_controller import EplbController, EplbError
 from meshserve.core.group_prefixes import GroupPrefixes
 from meshserve.core.group_world import GroupWorld
 from meshserve.core.kv_events import KVEventPublisher
+from meshserve.core.remote_ranks import JoinDirectory
 from meshserve.utils.processes import free_tcp_port, launch, stop_process
 from meshserve.wire import codec
 from meshserve.wire.base import Shutdown
@@ -71,6 +73,7 @@ _POLL_MS = 100
 # follows its group's failure within seconds; this many aborts cover that at any realistic rate)
 _RECENT_ABORTS = 4096
 _STOP_GRACE_S = 15.0
+_START_FAILURES_S = 2.0  # after a group fails to start, how long the others' reasons are awaited
 
 
 class GroupView:
@@ -134,7 +137,12 @@ class TEShell:
         self._ipc_dir, self._log_level = ipc_dir, log_level
         self._report_addr = f"ipc://{ipc_dir}/shell-reports"
         self.reports.bind(self._report_addr)
-        dist_init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        # ranks on other hosts knock at the TE's engine port and are sent on to their group's master
+        parallel = config.parallel_config
+        self._join_ports = {index: free_tcp_port(parallel.master_addr) for index in range(strategy.attn_dp)
+                            if (index + 1) * strategy.attn_tp > parallel.num_local_ranks}
+        self.join_directory = JoinDirectory(ctx, parallel, self._join_ports) if self._join_ports else None
+        dist_init = self._new_rendezvous()
         self.prefixes = GroupPrefixes(config.cache_config.block_size)
         self._recent_aborts: collections.deque[str] = collections.deque(maxlen=_RECENT_ABORTS)
         # what job executors subscribe to: every group's prefix-cache events, numbered again
@@ -151,6 +159,8 @@ class TEShell:
             self._wait_ready(config.parallel_config.startup_timeout_s)
         except BaseException:
             self._stop_groups(grace_s=2.0)
+            if self.join_directory is not None:
+                self.join_directory.close()
             raise
         ready = [g.ready for g in self.groups]
         self.max_model_len = min(r.max_model_len for r in ready)
@@ -164,6 +174,11 @@ class TEShell:
                     strategy, self.engine_ready.num_kv_blocks)
 
     # ------------------------------------------------------------------ start and stop
+    def _new_rendezvous(self) -> str:
+        """A torch.distributed rendezvous address for a new world of the groups' ranks (rank 0 runs here)."""
+        host = self.config.parallel_config.master_addr if self.join_directory is not None else "127.0.0.1"
+        return f"tcp://{host}:{free_tcp_port(host)}"
+
     def _group_inbox_addr(self, index: int) -> str:
         return f"ipc://{self._ipc_dir}/group-{index}-inbox"
 
@@ -176,7 +191,8 @@ class TEShell:
         events_addr = f"ipc://{group_dir}/kv-events"
         client_output = self.link.output_addr if isinstance(self.link, ClientLink) else ""
         proc = launch("group-master", config=_group_config(config).replace(kv_events_endpoint=events_addr).to_dict(),
-                      place={"index": index, "dist_init": dist_init, "generation": generation},
+                      place={"index": index, "dist_init": dist_init, "generation": generation,
+                             "join_port": self._join_ports.get(index, 0)},
                       shell_addr=self._group_inbox_addr(index), report_addr=self._report_addr,
                       client_output_addr=client_output, te_addr=self.link.listen_addr, ipc_dir=group_dir,
                       shell_pid=os.getpid(), log_level=self._log_level)
@@ -189,24 +205,34 @@ class TEShell:
         return proc, events
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while any(g.ready is None for g in self.groups):
-            if time.monotonic() > deadline:
-                missing = [g.index for g in self.groups if g.ready is None]
-                raise RuntimeError(f"DP group(s) {missing} not ready after {timeout_s:.0f} s")
-            for g in self.groups:
-                if g.proc.poll() is not None:
-                    raise RuntimeError(f"DP group {g.index}'s master exited during start-up (exit code "
-                                       f"{g.proc.returncode})")
-            if not self.reports.poll(200):
-                continue
-            item = recv_message(self.reports, _REPORTS)
-            if isinstance(item, EngineError):
-                raise RuntimeError(item.message)
-            if isinstance(item, EngineReady):
-                self._group_of_ready().ready = item
-            elif isinstance(item, WorkerReady):
-                self.rank0 = item
+        """Every group's EngineReady. A group's failure fails the start, named with the failures of the others
+        that follow within a moment (a group whose rank never joined from another host fails at the same time as
+        the groups whose ranks waited for it: its message is the one that says why)."""
+        settle_by = time.monotonic() + timeout_s + _START_FAILURES_S  # the groups' own verdicts come first
+        errors: list[str] = []
+        while any(g.ready is None for g in self.groups) and time.monotonic() < settle_by:
+            if self.join_directory is not None:
+                self.join_directory.answer()
+            if self.reports.poll(200):
+                item = recv_message(self.reports, _REPORTS)
+                if isinstance(item, EngineError):
+                    errors.append(item.message)
+                    settle_by = min(settle_by, time.monotonic() + _START_FAILURES_S)
+                elif isinstance(item, EngineReady):
+                    self._group_of_ready().ready = item
+                elif isinstance(item, WorkerReady):
+                    self.rank0 = item
+            elif not errors:
+                exited = next((g for g in self.groups if g.proc.poll() is not None), None)
+                if exited is not None:
+                    errors.append(f"DP group {exited.index}'s master exited during start-up (exit code "
+                                  f"{exited.proc.returncode})")
+                    settle_by = time.monotonic() + _START_FAILURES_S
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        missing = [g.index for g in self.groups if g.ready is None]
+        if missing:
+            raise RuntimeError(f"DP group(s) {missing} not ready after {timeout_s:.0f} s")
 
     def _group_of_ready(self) -> GroupView:
         """EngineReady names no group; every group sends one, in any order, and the groups' figures differ at
@@ -239,6 +265,8 @@ class TEShell:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.reports, zmq.POLLIN)
+        if self.join_directory is not None:
+            poller.register(self.join_directory.handshakes.sock, zmq.POLLIN)
         kv_sockets = self._watch_kv_events(poller, {})
         self.startup.ready = time.time()
         try:
@@ -255,6 +283,8 @@ class TEShell:
                         item = recv_message(self.inbox, _INBOX, MAX_INBOX_BYTES, self._answer_refused)
                         if item is not None:
                             self._on_client(item)
+                if self.join_directory is not None:
+                    self.join_directory.answer()
                 self._check_groups()
                 if self._tick_world(time.monotonic()):
                     kv_sockets = self._watch_kv_events(poller, kv_sockets)
@@ -265,6 +295,8 @@ class TEShell:
             logger.info("shutting down")
             self.link.say_goodbye(self._heartbeat())
             self._stop_groups(grace_s=_STOP_GRACE_S if self.dead_error is None else 2.0)
+            if self.join_directory is not None:
+                self.join_directory.close()
             self.reports.close(0)
             self.kv_events.close()
             self.link.close()
@@ -347,7 +379,7 @@ class TEShell:
         if self.dead_error is not None or not self.world.due(now):
             return False
         placement = self.eplb.placement
-        change = self.world.decide(now, f"tcp://127.0.0.1:{free_tcp_port()}", placement,
+        change = self.world.decide(now, self._new_rendezvous(), placement,
                                    self.eplb.record() if placement is not None else None)
         for g in change.relaunch:
             g.kv_events.close(0)

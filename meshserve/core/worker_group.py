@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -24,6 +24,9 @@ from meshserve.wire.base import Shutdown
 from meshserve.wire.heartbeat import StartupTimeline
 from meshserve.wire.receive import recv_message
 from meshserve.wire.worker import WorkerFailure, WorkerHandshake, WorkerReady
+
+if TYPE_CHECKING:
+    from meshserve.core.dp_group import GroupPlace
 
 RESULTS = "worker-results"  # the master's socket for the ranks' results, as dropped frames name it
 DEAD_GRACE_S = 2.0  # on a failed TE the other ranks may hang in a collective: stop them sooner
@@ -55,35 +58,39 @@ class WorkerGroup:
     """
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, ipc_dir: str, log_level: int,
-                 spare_workers: list[SpareWorker] = (), dp_group: tuple[int, str] | None = None) -> None:
-        """`dp_group`: (index, rendezvous address) of the one self-contained DP group whose ranks this master
-        starts; the other groups' masters start theirs into the same world."""
+                 spare_workers: list[SpareWorker] = (), place: GroupPlace | None = None) -> None:
+        """`place`: the one self-contained DP group whose ranks this master starts; the other groups' masters
+        start theirs into the same world."""
         parallel = config.parallel_config
         strategy = parallel.strategy
         # the world ranks this master starts and talks to: all of them, or its DP group's
-        self.first_rank = 0 if dp_group is None else dp_group[0] * strategy.attn_tp
-        self.world_size = parallel.world_size if dp_group is None else strategy.attn_tp
-        num_local = parallel.num_local_ranks if dp_group is None else self.world_size
+        self.first_rank = 0 if place is None else place.index * strategy.attn_tp
+        self.world_size = parallel.world_size if place is None else strategy.attn_tp
+        # those of this host (the world's first num_local_ranks) it starts itself; the others join from theirs
+        num_local = max(0, min(self.world_size, parallel.num_local_ranks - self.first_rank))
         self._tcp_host = parallel.master_addr if num_local < self.world_size else None
+        self._join_at = f"tcp://{parallel.master_addr}:{parallel.engine_port}"  # the TE's address for remote ranks
         self._ipc_dir = ipc_dir
         self.works: list[zmq.Socket] = []
         self.results = ctx.socket(zmq.PULL)
         result_addr = self._bind(self.results, "results")
         # the ranks meet in torch.distributed; rank 0's store listens here (MASTER_ADDR:MASTER_PORT)
-        dist_init = (dp_group[1] if dp_group is not None and parallel.world_size > 1 else
+        dist_init = (place.dist_init if place is not None and parallel.world_size > 1 else
                      f"tcp://{parallel.master_addr}:{parallel.master_port or free_tcp_port(parallel.master_addr)}"
                      if self.world_size > 1 else None)
+        ranks = range(self.first_rank, self.first_rank + self.world_size)
         work_addrs = []
-        for rank in range(self.first_rank, self.first_rank + self.world_size):
+        for rank in ranks:
             work = ctx.socket(zmq.PUSH)
             work.setsockopt(zmq.LINGER, 0)
-            if rank >= num_local:
+            if rank - self.first_rank >= num_local:
                 enable_heartbeats(work)
                 work.setsockopt(zmq.LINGER, 1000)  # let Shutdown reach the other host
                 work.setsockopt(zmq.SNDTIMEO, 1000)  # a rank that is gone must not block the master
             work_addrs.append(self._bind(work, f"work-{rank}"))
             self.works.append(work)
-        self.remote = (RemoteRanks(ctx, config, self.works, work_addrs, result_addr, dist_init)
+        self.remote = (RemoteRanks(ctx, config, ranks, self.works, work_addrs, result_addr, dist_init,
+                                   parallel.engine_port if place is None else place.join_port)
                        if num_local < self.world_size else None)
         self._unreachable: list[int] = []  # remote ranks whose work socket had no connection to send on
         self.early_results: list = []  # what ready ranks sent while others were still starting
@@ -144,7 +151,7 @@ class WorkerGroup:
         if self.remote is not None and self.remote.missing():
             raise RuntimeError(f"remote worker rank(s) {self.remote.missing()} did not join within "
                                f"{timeout_s:.0f}s; start each on its host with "
-                               f"`meshserve worker --engine {self.remote.endpoint} --rank R`")
+                               f"`meshserve worker --engine {self._join_at} --rank R`")
         missing = sorted(set(range(self.first_rank, self.first_rank + self.world_size)) - set(ready))
         raise RuntimeError(f"worker(s) {missing} not ready after {timeout_s:.0f}s")
 

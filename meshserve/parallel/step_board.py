@@ -6,8 +6,10 @@ went through torch.distributed's Python layer and gloo's transport threads: 0.6-
 at 8 ranks, which on a host with fewer cores than processes became the wall time of every step. Here the rows
 travel over Unix-domain `SOCK_SEQPACKET` connections from each rank to rank 0 (one message per rank and
 direction, message boundaries kept, a blocking receive that the kernel wakes): about 0.1 ms of CPU per rank.
-The sockets live in Linux's abstract namespace, so nothing is left on disk by a killed rank; self-contained
-groups keep every rank on one host, which is what a Unix socket reaches.
+The sockets live in Linux's abstract namespace, so nothing is left on disk by a killed rank. When the world spans
+hosts (`host`: rank 0's address as the others reach it), the rows travel over TCP instead (Nagle off, each
+message led by its length, since a stream keeps no boundaries), and every connection opens with the cluster
+secret's challenge-response (`cluster_auth.handshake_server`), so only the TE's own ranks take part.
 
 Failures are those of a collective: a rank that dies closes its connection, and the peers' next round fails at
 once (`ConnectionError`); one that hangs fails the round after the context's collective timeout
@@ -22,7 +24,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from meshserve.utils import cluster_auth
+
 _RANK = struct.Struct("<q")
+_LENGTH = struct.Struct("<I")  # leads each message on TCP
 _KEY_PREFIX = "meshserve/step-board"
 
 
@@ -35,19 +40,28 @@ class StepBoard:
 
     @classmethod
     def open(cls, store: dist.Store, rank: int, world_size: int, generation: int, round_timeout_s: float,
-             meet_timeout_s: float) -> StepBoard:
+             meet_timeout_s: float, host: str | None = None) -> StepBoard:
         """Collective over the world: rank 0 listens on a fresh address that it publishes in the world's store
         under `generation` (a new board after a rebuild gets a new one); every other rank connects to it. They
-        meet within `meet_timeout_s`; a round then fails after waiting `round_timeout_s` for a peer."""
+        meet within `meet_timeout_s`; a round then fails after waiting `round_timeout_s` for a peer. `host`:
+        rank 0's host address when ranks run on other hosts (TCP), None when all share one (a Unix socket)."""
         key = f"{_KEY_PREFIX}/{generation}"
         if rank == 0:
-            return cls._listen(store, key, world_size, round_timeout_s, meet_timeout_s)
+            return cls._listen(store, key, world_size, round_timeout_s, meet_timeout_s, host)
         store.wait([key], timedelta(seconds=meet_timeout_s))
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.settimeout(round_timeout_s)
+        address = store.get(key)
         try:
-            conn.connect(store.get(key))
-            conn.sendall(_RANK.pack(rank))
+            if host is None:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                conn.settimeout(round_timeout_s)
+                conn.connect(address)
+            else:
+                listen_host, port = address.decode().rsplit(":", 1)
+                conn = socket.create_connection((listen_host, int(port)), timeout=meet_timeout_s)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                cluster_auth.handshake_client(conn)
+                conn.settimeout(round_timeout_s)
+            _send(conn, _RANK.pack(rank))
         except OSError:
             conn.close()
             raise
@@ -55,17 +69,27 @@ class StepBoard:
 
     @classmethod
     def _listen(cls, store: dist.Store, key: str, world_size: int, round_timeout_s: float,
-                meet_timeout_s: float) -> StepBoard:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                meet_timeout_s: float, host: str | None) -> StepBoard:
+        if host is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(b"\0meshserve-step-board-" + secrets.token_hex(8).encode())
+            address = listener.getsockname()
+        else:
+            listener = socket.create_server((host, 0))
+            address = f"{host}:{listener.getsockname()[1]}".encode()
         peers: list[socket.socket | None] = [None] * (world_size - 1)
         try:
-            listener.bind(b"\0meshserve-step-board-" + secrets.token_hex(8).encode())
             listener.listen(world_size)
             listener.settimeout(meet_timeout_s)
-            store.set(key, listener.getsockname())
-            for _ in range(world_size - 1):
+            store.set(key, address)
+            while not all(peers):
                 conn, _ = listener.accept()
                 conn.settimeout(round_timeout_s)
+                if host is not None:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    if not cluster_auth.handshake_server(conn, purpose="step board"):
+                        conn.close()  # a stranger: refused and logged, the meeting goes on
+                        continue
                 (peer,) = _RANK.unpack(_receive(conn, _RANK.size, "a rank's greeting"))
                 if not 1 <= peer < world_size or peers[peer - 1] is not None:
                     conn.close()
@@ -99,11 +123,11 @@ class StepBoard:
         table = b"".join([packed, *(_receive(conn, len(packed), f"rank {peer}'s row")
                                     for peer, conn in enumerate(self._peers, start=1))])
         for conn in self._peers:
-            conn.sendall(table)
+            _send(conn, table)
         return table
 
     def _send_and_read(self, packed: bytes) -> bytes:
-        self._peers[0].sendall(packed)
+        _send(self._peers[0], packed)
         return _receive(self._peers[0], len(packed) * self.world_size, "the table")
 
     def close(self) -> None:
@@ -112,11 +136,30 @@ class StepBoard:
         self._peers = []
 
 
+def _send(conn: socket.socket, message: bytes) -> None:
+    conn.sendall(message if conn.type == socket.SOCK_SEQPACKET else _LENGTH.pack(len(message)) + message)
+
+
 def _receive(conn: socket.socket, size: int, what: str) -> bytes:
-    """One message of exactly `size` bytes (a larger one would be cut short, so one byte more is asked for)."""
-    data = conn.recv(size + 1)
-    if not data:
-        raise ConnectionError(f"step board: the connection closed while waiting for {what}")
-    if len(data) != size:
-        raise ConnectionError(f"step board: {what} has {len(data)} bytes, not {size} (the ranks' rows differ)")
+    """One message of exactly `size` bytes. On a Unix socket one byte more is asked for (a larger message would be
+    cut short); on TCP the message's length comes first."""
+    if conn.type == socket.SOCK_SEQPACKET:
+        data = conn.recv(size + 1)
+        if not data:
+            raise ConnectionError(f"step board: the connection closed while waiting for {what}")
+        length = len(data)
+    else:
+        (length,) = _LENGTH.unpack(_receive_exactly(conn, _LENGTH.size, what))
+    if length != size:
+        raise ConnectionError(f"step board: {what} has {length} bytes, not {size} (the ranks' rows differ)")
+    return data if conn.type == socket.SOCK_SEQPACKET else _receive_exactly(conn, size, what)
+
+
+def _receive_exactly(conn: socket.socket, size: int, what: str) -> bytes:
+    data = b""
+    while len(data) < size:
+        part = conn.recv(size - len(data))
+        if not part:
+            raise ConnectionError(f"step board: the connection closed while waiting for {what}")
+        data += part
     return data

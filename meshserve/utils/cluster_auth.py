@@ -324,9 +324,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def handshake_server(conn: socket.socket, secret: bytes | None = None) -> bool:
+def handshake_server(conn: socket.socket, secret: bytes | None = None, purpose: str = "transfer") -> bool:
     """The accepting side (the socket's timeout applies): True when the peer proved it holds the secret.
-    A peer that did not is counted and logged; the caller closes the connection."""
+    A peer that did not is counted and logged (as a refused `purpose` connection); the caller closes it."""
     key = _transfer_key(secret)
     server_nonce = secrets.token_bytes(_NONCE_BYTES)
     try:
@@ -338,7 +338,7 @@ def handshake_server(conn: socket.socket, secret: bytes | None = None) -> bool:
     if not answer or not hmac.compare_digest(proof, _proof(key, b"client", server_nonce, client_nonce)):
         stats.tcp_refused += 1
         peer = _peer_name(conn)
-        logger.warning("refused a transfer connection from %s: it does not hold the cluster secret", peer)
+        logger.warning("refused a %s connection from %s: it does not hold the cluster secret", purpose, peer)
         return False
     conn.sendall(_proof(key, b"server", server_nonce, client_nonce))
     return True

@@ -160,7 +160,9 @@ class InjectFault(Message):
 class WorkerHandshake(Message):
     """A rank on another host joining a TE: it sends only its `rank`; the master answers with
     the engine config and the rank's addresses, or with `error` when it cannot take that rank
-    (`retry`: not yet, the rank's previous process is gone and the master is about to take a new one)."""
+    (`retry`: not yet, the rank's previous process is gone and the master is about to take a new one),
+    or with `redirect`: ask there instead (a TE with self-contained DP groups sends each rank on to the
+    master of its group)."""
 
     rank: int
     config: EngineConfig | None = None
@@ -169,3 +171,4 @@ class WorkerHandshake(Message):
     dist_init_method: str | None = None
     error: str | None = None
     retry: bool = False
+    redirect: str = ""

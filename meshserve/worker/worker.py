@@ -61,6 +61,7 @@ _PARENT_CHECK_MS = 1000
 # a remote rank asks the master for its assignment again after this long without an answer, and this long
 # after a master recovering from the loss of its previous process told it to
 _HANDSHAKE_RESEND_S = 2.0
+_MAX_REDIRECTS = 2  # a TE shell sends a rank on once, to its group's master
 _HANDSHAKE_RETRY_S = 0.5
 _BACKGROUND_POLL_MS = 20
 
@@ -94,11 +95,35 @@ def join_engine(engine_addr: str, rank: int, timeout_s: float, log_level: int = 
 
 
 def _handshake(engine_addr: str, rank: int, timeout_s: float) -> WorkerHandshake:
-    """Ask the master for `rank`'s assignment until it answers or `timeout_s` passes. The question is asked
-    again every few seconds: a master recovering from the loss of this rank's previous process closes its
-    handshake socket with the question unread and binds a new one (ZMQ reconnects; answers come in order,
-    so the first one read is to the earliest question the master saw)."""
+    """Ask the master for `rank`'s assignment until it answers or `timeout_s` passes, following a TE shell's
+    `redirect` to the master of the rank's DP group."""
     deadline = time.monotonic() + timeout_s
+    reply = _ask(engine_addr, rank, deadline)
+    for _ in range(_MAX_REDIRECTS):
+        if reply is None or not reply.redirect:
+            break
+        logger.info("rank %d: the engine at %s sends it on to %s", rank, engine_addr, reply.redirect)
+        engine_addr = reply.redirect
+        reply = _ask(engine_addr, rank, deadline)
+    if reply is None or reply.retry:
+        refused = cluster_auth.handshake(engine_addr, 1.0) is cluster_auth.Handshake.REFUSED
+        raise WorkerJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s" + (
+            ": it refuses this host's cluster secret" if refused else "") + (
+            f" (last: {reply.error})" if reply is not None else ""))
+    if reply.error is not None:
+        raise WorkerJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
+    if reply.redirect:
+        raise WorkerJoinError(f"the engine at {engine_addr} sent rank {rank} on more than {_MAX_REDIRECTS} times")
+    if reply.config is None:
+        raise WorkerJoinError(f"the engine at {engine_addr} sent no engine config")
+    return reply
+
+
+def _ask(engine_addr: str, rank: int, deadline: float) -> WorkerHandshake | None:
+    """The master's last answer by `deadline` (None: none came). The question is asked again every few seconds:
+    a master recovering from the loss of this rank's previous process closes its handshake socket with the
+    question unread and binds a new one (ZMQ reconnects; answers come in order, so the first one read is to the
+    earliest question the master saw)."""
     ctx = zmq.Context()
     sock = cluster_auth.client(ctx.socket(zmq.DEALER), engine_addr)
     sock.setsockopt(zmq.LINGER, 0)
@@ -120,15 +145,6 @@ def _handshake(engine_addr: str, rank: int, timeout_s: float) -> WorkerHandshake
     finally:
         sock.close(0)
         ctx.term()
-    if reply is None or reply.retry:
-        refused = cluster_auth.handshake(engine_addr, 1.0) is cluster_auth.Handshake.REFUSED
-        raise WorkerJoinError(f"no answer from the engine at {engine_addr} within {timeout_s:.0f}s" + (
-            ": it refuses this host's cluster secret" if refused else "") + (
-            f" (last: {reply.error})" if reply is not None else ""))
-    if reply.error is not None:
-        raise WorkerJoinError(f"the engine at {engine_addr} refused rank {rank}: {reply.error}")
-    if reply.config is None:
-        raise WorkerJoinError(f"the engine at {engine_addr} sent no engine config")
     return reply
 
 
@@ -222,7 +238,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
         max_tokens_per_step=engine_config.scheduler_config.max_num_batched_tokens,
         redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts,
         collective_timeout_s=parallel_config.collective_timeout_s,
-        agree_steps=parallel_config.dp_groups == "self-contained")
+        agree_steps=parallel_config.dp_groups == "self-contained",
+        board_host=parallel_config.master_addr if parallel_config.spans_hosts else None)
     timeline = envs.a2e_timeline()
     if timeline:  # benchmarks only: the A2E timeline (a rank without it runs unwrapped code)
         from meshserve.moe import a2e_timeline

@@ -191,7 +191,7 @@ SAMPLES: dict[type, object] = {
     WorkerHandshake: WorkerHandshake(rank=3, config=EngineConfig.from_kwargs("/models/tiny", block_size=32),
                                              work_addr="tcp://10.0.0.1:6001", result_addr="tcp://10.0.0.1:6002",
                                              dist_init_method="tcp://10.0.0.1:29500", error="rank 3 is being recovered",
-                                             retry=True),
+                                             retry=True, redirect="tcp://10.0.0.1:41234"),
     PoolFetchDone: PoolFetchDone(req_id="r1", num_blocks=3),
     KVPullDone: KVPullDone(req_id="r3", error="ConnectionResetError"),
     KVConnectorReport: KVConnectorReport(rank=1, dp_rank=1, pool_fetches=[PoolFetchDone("r1", 3)],

@@ -307,7 +307,7 @@ def test_int8_weights_and_dispatch_give_the_lockstep_engines_tokens(model_dir, r
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(dp_groups="self-contained", local_ranks=2, parallel=DP4_EP4), "local_ranks"),
+    (dict(dp_groups="self-contained", local_ranks=2, on_rank_failure="shrink", parallel=DP4_EP4), "local_ranks"),
     (dict(dp_groups="together"), "dp_groups"),
 ])
 def test_what_self_contained_groups_do_not_run_is_refused_naming_the_setting(settings, named):

@@ -1,13 +1,16 @@
 """A TE spanning "hosts": the master starts rank 0 and rank 1 joins on its own with
 `meshserve worker --engine tcp://HOST:PORT --rank 1` (loopback here, as another host would).
+Each case runs on both kinds of TE: one master in lockstep, and self-contained DP groups, whose
+shell sends the rank on to its group's master and whose ranks agree on each step over TCP.
 
-One world serves every case that leaves it healthy (same greedy tokens as the single-rank
-engine, refused ranks); killing the remote rank comes last and ends it.
+One world of each kind serves every case that leaves it healthy (same greedy tokens as the
+single-rank engine, refused ranks); killing the remote rank comes last and ends it.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,7 +23,7 @@ import zmq
 
 from meshserve import LLM, SamplingParams
 from meshserve.config import EngineConfig
-from meshserve.core.remote_ranks import RemoteRanks
+from meshserve.core.remote_ranks import JoinDirectory, RemoteRanks
 from meshserve.utils import cluster_auth
 from meshserve.utils.processes import launch, stop_process
 from meshserve.wire import codec
@@ -66,16 +69,16 @@ def reference(model_dir):
         return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.fixture(scope="module")
-def remote_te(model_dir, tmp_path_factory):
-    """(LLM, the remote rank's process, the master's port for remote ranks)."""
+@pytest.fixture(scope="module", params=["lockstep", "self-contained"])
+def remote_te(model_dir, tmp_path_factory, request):
+    """(LLM, the remote rank's process, the master's port for remote ranks), for each way of running DP groups."""
     port = _free_port()
     log = open(tmp_path_factory.mktemp("remote") / "worker-1.log", "w")
     # started before the master on purpose: a rank waits for its master to come up
     remote = subprocess.Popen(_worker_command(port, 1), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         llm = LLM(model=model_dir, **ENGINE_ARGS, parallel=PARALLEL, local_ranks=1, engine_port=port,
-                  startup_timeout_s=60)
+                  startup_timeout_s=60, dp_groups=request.param)
     except BaseException:
         _stop(remote)
         log.close()
@@ -113,7 +116,11 @@ def test_wrong_ranks_are_refused_with_one_line(remote_te, reference):
             assert procs[rank].returncode == 2
             lines = err.strip().splitlines()
             assert len(lines) == 1, err
-            assert lines[0].startswith(f"meshserve: error: the engine at tcp://127.0.0.1:{port} refused rank {rank}")
+            # a self-contained TE sends rank 1 on to its group's master, which finds it joined
+            engine = f"tcp://127.0.0.1:{port}" if rank != 1 or llm.config.parallel_config.dp_groups == "lockstep" \
+                else "tcp://127.0.0.1:"
+            assert lines[0].startswith(f"meshserve: error: the engine at {engine}")
+            assert f" refused rank {rank}: " in lines[0]
             assert lines[0].endswith(expected)
     finally:
         for proc in procs.values():
@@ -146,7 +153,9 @@ def test_a_killed_remote_rank_that_joins_again_is_recovered_with_no_token_lost(r
         assert [out.outputs[0].token_ids for out in outs] == expected
         assert remote.returncode == -signal.SIGKILL  # it was killed mid-generation, not finished
         stats = llm.get_stats()
-        assert stats.num_recoveries == recoveries + 1 and "remote worker 1" in (stats.last_failure or "")
+        # lockstep: the master saw the rank go; self-contained: rank 0's step board saw its connection close
+        assert stats.num_recoveries == recoveries + 1
+        assert re.search(r"remote worker 1 disconnected|waiting for rank 1's row", stats.last_failure or "")
     finally:
         timer.cancel()
         timer.join()
@@ -155,10 +164,11 @@ def test_a_killed_remote_rank_that_joins_again_is_recovered_with_no_token_lost(r
             _stop(proc)
 
 
-def test_start_up_fails_naming_a_remote_rank_that_never_joins(model_dir, tmp_path):
+@pytest.mark.parametrize("dp_groups", ["lockstep", "self-contained"])
+def test_start_up_fails_naming_a_remote_rank_that_never_joins(model_dir, tmp_path, dp_groups):
     """The master's own verdict, read off its output socket (a client gives up on its own clock)."""
     config = EngineConfig.from_kwargs(model_dir, **ENGINE_ARGS, parallel=PARALLEL, local_ranks=1,
-                          engine_port=_free_port(), startup_timeout_s=3)
+                                      engine_port=_free_port(), startup_timeout_s=3, dp_groups=dp_groups)
     ctx = zmq.Context()
     to_master, from_master = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     to_master.bind(f"ipc://{tmp_path}/input")
@@ -186,7 +196,8 @@ def test_master_side_answers_strangers_and_notices_a_dropped_rank():
     ctx = zmq.Context()
     works = [ctx.socket(zmq.PUSH) for _ in range(2)]
     addrs = [f"tcp://127.0.0.1:{w.bind_to_random_port('tcp://127.0.0.1')}" for w in works]
-    ranks = RemoteRanks(ctx, config, works, addrs, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+    ranks = RemoteRanks(ctx, config, range(2), works, addrs, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2",
+                        config.parallel_config.engine_port)
     peer = cluster_auth.client(ctx.socket(zmq.DEALER))
     peer.connect(ranks.endpoint)
     rank_work = ctx.socket(zmq.PULL)
@@ -265,4 +276,55 @@ def test_a_joining_rank_asks_again_until_the_master_answers():
     finally:
         server.join(30)
         master.close(0)
+        ctx.term()
+
+
+def test_a_self_contained_te_sends_each_remote_rank_on_to_its_groups_master():
+    """The TE shell's join directory and a group master's handshake socket, without processes: a rank asking at
+    the TE's engine port is sent on to its group's port and joins there; ranks no master takes are refused at the
+    directory."""
+    from meshserve.worker.worker import WorkerJoinError, _handshake
+
+    config = EngineConfig.from_kwargs("unused", parallel="attn=TP1+DP4 moe=TP1+EP4", local_ranks=2,
+                                      dp_groups="self-contained", engine_port=_free_port())
+    ctx = zmq.Context()
+    works = [ctx.socket(zmq.PUSH) for _ in range(1)]
+    addrs = [f"tcp://127.0.0.1:{w.bind_to_random_port('tcp://127.0.0.1')}" for w in works]
+    group_ports = {2: _free_port(), 3: _free_port()}
+    directory = JoinDirectory(ctx, config.parallel_config, group_ports)
+    group_two = RemoteRanks(ctx, config, range(2, 3), works, addrs, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2",
+                            group_ports[2])
+    endpoint = f"tcp://127.0.0.1:{config.parallel_config.engine_port}"
+    answered: dict[int, object] = {}
+
+    def join(rank: int) -> None:
+        try:
+            answered[rank] = _handshake(endpoint, rank, timeout_s=20)
+        except WorkerJoinError as exc:
+            answered[rank] = exc
+
+    joiners = [threading.Thread(target=join, args=(rank,), daemon=True) for rank in (2, 0, 7)]
+    for thread in joiners:
+        thread.start()
+    try:
+        for _ in range(400):  # bounded: 20 s
+            directory.answer()
+            group_two.answer_handshakes()
+            if len(answered) == 3:
+                break
+            time.sleep(0.05)
+        assignment = answered[2]
+        assert isinstance(assignment, WorkerHandshake), assignment
+        assert assignment.work_addr == addrs[0] and assignment.config == config
+        assert group_two.missing() == []
+        assert str(answered[0]).endswith("rank 0 is started by the engine itself; it expects remote rank(s) 2..3")
+        assert str(answered[7]).endswith("rank 7 is outside this engine's world of 4 ranks (0..3)")
+        assert str(answered[0]).startswith(f"the engine at {endpoint} refused rank 0")
+    finally:
+        for thread in joiners:
+            thread.join(20)
+        directory.close()
+        group_two.close()
+        for sock in works:
+            sock.close(0)
         ctx.term()
