@@ -14,8 +14,11 @@ every group decodes its share together, one token per step) `--repeats` times. P
 - wall time per step (the run's wall time over its steps), on this host's cores.
 
 The medians over repeats are reported, with each DP degree's ratio against DP 1 of the same way of running (the
-goal: self-contained DP 8 within 1.2x of DP 1). Writes the JSON and a PNG (control CPU per step against the DP
-degree, both ways).
+goal: self-contained DP 8 within 1.2x of DP 1). With `--remote-ranks`, each engine of DP > 1 runs a second time
+with its ranks 1..d-1 started the way ranks on other hosts are (`meshserve worker --engine tcp://HOST:PORT --rank
+R`, here over loopback): every message between the masters and the ranks, and the self-contained ranks' step
+board, then go over authenticated TCP; those rows are compared with the same engine's ranks on one host. Writes
+the JSON and a PNG (control CPU per step against the DP degree, both ways).
 """
 from __future__ import annotations
 
@@ -25,14 +28,17 @@ import dataclasses
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from meshserve.bench.deployment_load import check_model_dir, log, one_line_errors, run_bench_cli
 from meshserve.config.base import ConfigError
 from meshserve.engine.core_client import EngineStartupError
 from meshserve.utils import envs, report
-from meshserve.utils.processes import process_tree
+from meshserve.utils.processes import free_tcp_port, process_tree, stop_process
 from meshserve.wire.errors import EngineDeadError
 from meshserve.wire.sampling_params import SamplingParams
 
@@ -41,6 +47,7 @@ LOG_PREFIX = "bench control-plane"
 DEFAULT_JSON = "bench-results/control_plane.json"
 LOCKSTEP, SELF_CONTAINED = "lockstep", "self-contained"
 MODES = (LOCKSTEP, SELF_CONTAINED)
+LOCAL, REMOTE = "local", "remote"  # where a row's ranks 1..d-1 run: started by the master, or joined over TCP
 _FULL = {"requests_per_group": 8, "output_len": 128, "prompt_len": 8, "repeats": 3}
 _QUICK = {"requests_per_group": 2, "output_len": 8, "prompt_len": 4, "repeats": 1}
 _ERRORS = (ConfigError, EngineStartupError, EngineDeadError, OSError, RuntimeError, TimeoutError)
@@ -63,6 +70,9 @@ def add_control_plane_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, help="tokens per request (default: 128; --quick: 8)")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens per request (default: 8; --quick: 4)")
     parser.add_argument("--repeats", type=int, help="runs per engine, medians reported (default: 3; --quick: 1)")
+    parser.add_argument("--remote-ranks", action="store_true",
+                        help="also run each engine of DP > 1 with ranks 1..d-1 joining over TCP as ranks on other "
+                             "hosts do (`meshserve worker`, loopback here)")
     parser.add_argument("--json", default=DEFAULT_JSON,
                         help=f"result file; a PNG with the same name is written next to it (default: {DEFAULT_JSON})")
     parser.set_defaults(func=control_plane_main)
@@ -78,6 +88,7 @@ class ControlPlaneSettings:
     prompt_len: int
     repeats: int
     json_path: str
+    remote_ranks: bool = False
 
     def engine_args(self, dp: int, mode: str) -> dict:
         return {"parallel": f"attn=TP1+DP{dp} moe=TP1+EP{dp}", "dp_groups": mode,
@@ -99,7 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> ControlPlaneSettings:
     if args.model_ms < 0:
         raise ValueError(f"--model-ms must be at least 0, got {args.model_ms:g}")
     return ControlPlaneSettings(model_dir=args.model, model_ms=None if args.real_model else args.model_ms,
-                                dp=tuple(sorted(dp)), json_path=args.json, **sizes)
+                                dp=tuple(sorted(dp)), json_path=args.json, remote_ranks=args.remote_ranks, **sizes)
 
 
 def control_plane_main(args: argparse.Namespace) -> int:
@@ -112,21 +123,38 @@ def run_control_plane_benchmark(settings: ControlPlaneSettings) -> dict:
     rows = []
     for dp in settings.dp:
         for mode in MODES:
-            log(LOG_PREFIX, f"DP{dp} {mode}: starting")
-            rows.append({"dp": dp, "mode": mode, **_measure(model, dp, mode, settings)})
-            log(LOG_PREFIX, f"DP{dp} {mode}: {rows[-1]['control_cpu_ms_per_step']:.3f} ms control CPU per step")
+            for ranks in (LOCAL, REMOTE) if settings.remote_ranks and dp > 1 else (LOCAL,):
+                name = f"DP{dp} {mode}" + (", remote ranks" if ranks == REMOTE else "")
+                log(LOG_PREFIX, f"{name}: starting")
+                rows.append({"dp": dp, "mode": mode, "ranks": ranks, **_measure(model, dp, mode, ranks, settings)})
+                log(LOG_PREFIX, f"{name}: {rows[-1]['control_cpu_ms_per_step']:.3f} ms control CPU per step")
     return _result(settings, model, rows)
 
 
-def _measure(model: str, dp: int, mode: str, settings: ControlPlaneSettings) -> dict:
+def _measure(model: str, dp: int, mode: str, ranks: str, settings: ControlPlaneSettings) -> dict:
     """The medians over repeats of one engine's figures per decode step."""
     null = envs.MESHSERVE_NULL_MODEL_MS.set_to(f"{settings.model_ms:g}") if settings.model_ms is not None \
         else contextlib.nullcontext()
-    with null:  # the engine's processes read it as they start
-        return _measure_engine(model, dp, mode, settings)
+    with null:  # the engine's processes (the remote ranks too) read it as they start
+        return _measure_engine(model, dp, mode, ranks, settings)
 
 
-def _measure_engine(model: str, dp: int, mode: str, settings: ControlPlaneSettings) -> dict:
+@contextlib.contextmanager
+def _remote_workers(port: int, ranks: range) -> Iterator[list[subprocess.Popen]]:
+    """Ranks started as on other hosts, each knocking at the TE's engine port until it answers; the TE's
+    shutdown ends them."""
+    workers = [subprocess.Popen([sys.executable, "-m", "meshserve.entrypoints.cli", "--log-level", "warning",
+                                 "worker", "--engine", f"tcp://127.0.0.1:{port}", "--rank", str(rank),
+                                 "--timeout", "300"], stdin=subprocess.DEVNULL)
+               for rank in ranks]
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            stop_process(worker, grace_s=15.0)
+
+
+def _measure_engine(model: str, dp: int, mode: str, ranks: str, settings: ControlPlaneSettings) -> dict:
     # start-up: the engine (torch, the tokenizer) only when the benchmark runs
     import torch
 
@@ -137,9 +165,16 @@ def _measure_engine(model: str, dp: int, mode: str, settings: ControlPlaneSettin
                for _ in range(settings.requests_per_group * dp)]
     params = SamplingParams(temperature=0.0, max_tokens=settings.output_len, ignore_eos=True)
     runs = []
-    with LLM(model=model, log_level=logging.WARNING, **settings.engine_args(dp, mode)) as llm:
+    engine_args = settings.engine_args(dp, mode)
+    with contextlib.ExitStack() as stack:
+        workers = []
+        if ranks == REMOTE:
+            port = free_tcp_port("127.0.0.1")
+            engine_args |= {"local_ranks": 1, "engine_port": port}
+            workers = stack.enter_context(_remote_workers(port, range(1, dp)))
+        llm = stack.enter_context(LLM(model=model, log_level=logging.WARNING, **engine_args))
         llm.generate(prompts[:dp], SamplingParams(temperature=0.0, max_tokens=2))  # first-call costs, not measured
-        processes = _processes(llm.engine.proc.pid, mode)
+        processes = _processes(llm.engine.proc.pid, mode, workers)
         for _ in range(settings.repeats):
             before = {name: _cpu_s(procs) for name, procs in processes.items()}
             t0 = time.perf_counter()
@@ -158,12 +193,14 @@ def medians(runs: list[dict]) -> dict:
     return {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
-def _processes(te_pid: int, mode: str) -> dict[str, list]:
-    """The TE's processes by part: the lockstep master, or the shell and each group's master; the ranks."""
+def _processes(te_pid: int, mode: str, remote: list[subprocess.Popen]) -> dict[str, list]:
+    """The TE's processes by part: the lockstep master, or the shell and each group's master; the ranks (those
+    the masters started, and the `remote` ones)."""
     import psutil
 
     te = psutil.Process(te_pid)
     ranks = [p for p in process_tree(te_pid) if "run_worker" in " ".join(p.cmdline())]
+    ranks += [psutil.Process(worker.pid) for worker in remote]
     if mode == LOCKSTEP:
         return {"master": [te], "ranks": ranks}
     masters = [p for p in te.children() if "run_group_master" in " ".join(p.cmdline())]
@@ -212,29 +249,36 @@ def _result(settings: ControlPlaneSettings, model: str, rows: list[dict]) -> dic
     """Each row's ratios against DP 1 of the same way of running; the headline: self-contained at the largest DP
     degree in control-plane CPU on the critical path (and, with null ranks, in non-model wall time)."""
     for row in rows:
-        base = next(r for r in rows if r["mode"] == row["mode"] and r["dp"] == 1)
+        base = next(r for r in rows if r["mode"] == row["mode"] and r["dp"] == 1)  # DP 1 has one rank: local
         for key in ("control_cpu_ms_per_step", "wall_ms_per_step", "non_model_ms_per_step", "rank_cpu_ms_per_step"):
             if row[key] is not None:
                 row[key.removesuffix("_ms_per_step") + "_vs_dp1"] = row[key] / max(1e-9, base[key])
     largest = max(settings.dp)
-    flat = next(r for r in rows if r["mode"] == SELF_CONTAINED and r["dp"] == largest)
+    flat = next(r for r in rows if r["mode"] == SELF_CONTAINED and r["dp"] == largest and r["ranks"] == LOCAL)
+    remote = next((r for r in rows if r["mode"] == SELF_CONTAINED and r["dp"] == largest and r["ranks"] == REMOTE),
+                  None)
     return {"config": {"model": model, **{k: v for k, v in dataclasses.asdict(settings).items()
                                           if k not in ("model_dir", "json_path")}},
             "rows": rows, "largest_dp": largest, "self_contained_largest_vs_dp1": flat["control_cpu_vs_dp1"],
             "self_contained_largest_non_model_vs_dp1": flat.get("non_model_vs_dp1"),
             "self_contained_largest_rank_cpu_vs_dp1": flat["rank_cpu_vs_dp1"], "cpu_count": os.cpu_count(),
+            # ranks joined over TCP against the same engine's ranks on one host, at the largest DP degree
+            "self_contained_remote_vs_local": None if remote is None else {
+                key: remote[key] / max(1e-9, flat[key]) for key in ("wall_ms_per_step", "rank_cpu_ms_per_step",
+                                                                    "control_cpu_ms_per_step")},
             "goal": 1.2}
 
 
 # ---------------------------------------------------------------- the report
 def table_lines(result: dict) -> list[str]:
-    lines = [f"{'DP':>3} {'groups':<15}{'non-model ms':>13}{'vs DP1':>8}{'floor':>7}{'ctl CPU ms':>11}{'vs DP1':>8}"
+    lines = [f"{'DP':>3} {'groups':<23}{'non-model ms':>13}{'vs DP1':>8}{'floor':>7}{'ctl CPU ms':>11}{'vs DP1':>8}"
              f"{'all masters':>12}{'rank CPU':>10}{'vs DP1':>8}{'wall ms':>9}"]
     for row in result["rows"]:
         non_model, floor = row["non_model_ms_per_step"], row["cpu_floor_ms_per_step"]
         shown = (f"{non_model:>13.2f}{row['non_model_vs_dp1']:>8.2f}{floor:>7.2f}" if non_model is not None
                  else f"{'-':>13}{'-':>8}{'-':>7}")
-        lines.append(f"{row['dp']:>3} {row['mode']:<15}{shown}{row['control_cpu_ms_per_step']:>11.3f}"
+        groups = row["mode"] + (", remote" if row["ranks"] == REMOTE else "")
+        lines.append(f"{row['dp']:>3} {groups:<23}{shown}{row['control_cpu_ms_per_step']:>11.3f}"
                      f"{row['control_cpu_vs_dp1']:>8.2f}{row['control_cpu_total_ms_per_step']:>12.3f}"
                      f"{row['rank_cpu_ms_per_step']:>10.3f}{row['rank_cpu_vs_dp1']:>8.2f}{row['wall_ms_per_step']:>9.2f}")
     config = result["config"]
@@ -248,6 +292,11 @@ def table_lines(result: dict) -> list[str]:
                  f"{result['self_contained_largest_rank_cpu_vs_dp1']:.2f}x in the busiest rank's CPU"
                  + ("" if non_model is None else f", {non_model:.2f}x in non-model time")
                  + f"; goal {result['goal']}x)")
+    remote = result["self_contained_remote_vs_local"]
+    if remote is not None:
+        lines.append(f"(self-contained DP{result['largest_dp']} with ranks 1.. joined over TCP against the same "
+                     f"ranks on one host: {remote['wall_ms_per_step']:.2f}x in wall time, "
+                     f"{remote['rank_cpu_ms_per_step']:.2f}x in the busiest rank's CPU)")
     return lines
 
 
@@ -256,10 +305,16 @@ def plot_control_plane(result: dict, path: Path) -> Path:
     time_ax, cpu = axes[0][0], axes[0][1]
     key = "non_model_ms_per_step" if result["config"]["model_ms"] is not None else "wall_ms_per_step"
     for mode in MODES:
-        rows = [r for r in result["rows"] if r["mode"] == mode]
-        dps = [r["dp"] for r in rows]
-        time_ax.plot(dps, [r[key] for r in rows], marker="o", label=mode)
-        cpu.plot(dps, [r["control_cpu_ms_per_step"] for r in rows], marker="o", label=mode)
+        for ranks in (LOCAL, REMOTE):
+            # the remote line starts from DP 1, which has no rank to join from elsewhere
+            rows = [r for r in result["rows"] if r["mode"] == mode and (r["ranks"] == ranks or r["dp"] == 1)]
+            if ranks == REMOTE and len(rows) < 2:
+                continue
+            dps = [r["dp"] for r in rows]
+            label = mode + (", remote ranks" if ranks == REMOTE else "")
+            style = "--" if ranks == REMOTE else "-"
+            time_ax.plot(dps, [r[key] for r in rows], style, marker="o", label=label)
+            cpu.plot(dps, [r["control_cpu_ms_per_step"] for r in rows], style, marker="o", label=label)
     for ax, title in ((time_ax, f"{key.removesuffix('_ms_per_step').replace('_', '-')} time per decode step"),
                       (cpu, "control-plane CPU per decode step (critical path)")):
         ax.set_xscale("log", base=2)
