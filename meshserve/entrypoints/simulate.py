@@ -36,6 +36,15 @@ def add_simulate_commands(sub) -> None:
                                                                      "as JSON, e.g. '{\"interval_s\": 2}'")
     scaling.add_argument("--te-start-s", type=float, default=30.0, help="from a scale-up to the TE serving "
                                                                         "(default: 30)")
+    scaling.add_argument("--prewarm-s", type=float, default=0.0, help="a pre-warmed pool: the replacement of the "
+                                                                     "pre-warmed process a new TE took starts this "
+                                                                     "long once the TE serves, busy on the host's "
+                                                                     "cores (default: 0, no pool)")
+    scaling.add_argument("--idle-before-s", type=float, default=0.0, help="the deployment idled this long before "
+                                                                         "the trace starts: the autoscaler's window "
+                                                                         "holds that idle time (default: 0)")
+    run.add_argument("--own-cores", action="store_true", help="each TE on cores of its own: without the fitted "
+                                                              "profile's term for TEs sharing this host's cores")
     _add_op_model_and_te_arguments(run)
     run.set_defaults(func=run_main)
     seeds = commands.add_parser("seeds", help="the papers' decode results (CloudMatrix-Infer Table 5, xDeepServe "
@@ -78,6 +87,11 @@ def add_simulate_commands(sub) -> None:
     calibrate.add_argument("--pd", action="store_true", help="with --url: the deployment hands prompts to other TEs "
                                                              "(P/D): no mixed workloads, and the TE not measured "
                                                              "works meanwhile (its host's cores are shared)")
+    calibrate.add_argument("--shared-tes", type=int, help="with --url and --alone: the deployment runs this many TEs "
+                                                          "on this host's cores; measure how much a TE's step "
+                                                          "stretches beside the others and write --alone with it")
+    calibrate.add_argument("--alone", help="with --shared-tes: the profile of one TE alone on this host (calibrated "
+                                           "first, through the same kind of server)")
     calibrate.set_defaults(func=calibrate_main)
     add_vidur_command(commands)
 
@@ -151,7 +165,7 @@ def _scaler(args: argparse.Namespace):
     except ValueError:
         raise ValueError(f"--autoscaler-settings is not JSON: {args.autoscaler_settings!r}") from None
     return SimScaler(Autoscaler(AutoscalerSettings.from_dict(mapping, "--autoscaler-settings"), bounds),
-                     start_s=args.te_start_s)
+                     start_s=args.te_start_s, prewarm_s=args.prewarm_s)
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
@@ -285,7 +299,8 @@ def run_main(args: argparse.Namespace) -> int:
     if specs is None:
         result = simulate(trace, SimTE(settings, profile, seed=args.seed), slo=slo)
     else:
-        result = SimCluster(specs, policy=args.routing, seed=args.seed, scaler=scaler).run(trace, slo=slo)
+        result = SimCluster(specs, policy=args.routing, seed=args.seed, scaler=scaler,
+                            share_cores=not args.own_cores).run(trace, slo=slo, idle_before_s=args.idle_before_s)
     result["config"] = _describe(args, profile, settings) | {"tes": args.tes, "routing": args.routing,
                                                              "autoscale": args.autoscale}
     report.publish(args.json, result, plot_simulation, summary_lines(result))
@@ -345,6 +360,8 @@ def summary_lines(result: dict) -> list[str]:
             f"TPOT ms p50 {ms(tpot, 'p50')} p90 {ms(tpot, 'p90')} p99 {ms(tpot, 'p99')}",
             f"{result['steps']} steps (mean {result['mean_step_ms']:.1f} ms); {result['events']} events in "
             f"{result['wall_s']:.2f} s wall ({result['events_per_s']:.0f} events/s)"] + _breakdown_lines(result) + (
+        [f"steps {result['shared_cores_slowdown_mean']:.2f}x longer on average on shared cores"]
+        if "shared_cores_slowdown_mean" in result else []) + (
         [f"SLO attainment {100 * result['slo_attainment']:.1f}%"] if result.get("slo_attainment") is not None else [])
 
 
@@ -503,7 +520,7 @@ def plot_ranking(result: dict, path: Path) -> Path:
 def calibrate_main(args: argparse.Namespace) -> int:
     from meshserve.bench.deployment_load import check_model_dir
     from meshserve.parallel.strategy import StrategyError, parse_strategy
-    from meshserve.sim.calibrate import EngineStreamer, HTTPStreamer, calibrate
+    from meshserve.sim.calibrate import EngineStreamer, HTTPStreamer, calibrate, calibrate_shared
 
     try:
         strategy = parse_strategy(args.parallel)
@@ -511,6 +528,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
             raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         if args.pd and args.url is None:
             raise ValueError("--pd describes the deployment behind --url")
+        alone = _shared_tes_inputs(args)
         if args.url is not None:
             streamer = HTTPStreamer(args.url, _served_model(args.url), "P/D deployment" if args.pd else "deployment")
         else:
@@ -518,12 +536,30 @@ def calibrate_main(args: argparse.Namespace) -> int:
     except (StrategyError, ValueError, OSError) as exc:
         print(f"meshserve simulate calibrate: error: {exc}", file=sys.stderr)
         return 2
-    profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd, keep_other_busy=args.pd)
+    if alone is not None:
+        profile = calibrate_shared(streamer, alone, args.shared_tes, args.repeats)
+    else:
+        profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd, keep_other_busy=args.pd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     print(json.dumps(profile.to_dict(), indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def _shared_tes_inputs(args: argparse.Namespace):
+    """The profile of a TE alone that `--shared-tes` extends (None without it); ValueError on a bad combination."""
+    from meshserve.sim.profile import StepProfile
+
+    if args.shared_tes is None:
+        if args.alone is not None:
+            raise ValueError("--alone goes with --shared-tes")
+        return None
+    if args.shared_tes < 2:
+        raise ValueError(f"--shared-tes counts the TEs sharing the host: at least 2, got {args.shared_tes}")
+    if args.url is None or args.alone is None or args.pd:
+        raise ValueError("--shared-tes measures a running colocated deployment: give --url and --alone, not --pd")
+    return StepProfile.load(args.alone)
 
 
 def _served_model(url: str) -> str:

@@ -14,11 +14,17 @@ executor's hops too). Workloads:
   holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE).
 
 Medians of `REPEATS` runs each, fitted by `meshserve.sim.profile.fit`; progress is logged per workload.
+
+TEs that share one host's cores slow each other: `calibrate_shared` measures by how much, on a running deployment of
+several TEs on this host. Decode batches of SHARED_ROWS requests per TE, sent at once, are spread over its TEs by the
+job executor's routing, so every TE steps beside the others; each step's time against what the profile of a TE
+alone (fitted first, on one TE) gives the same rows is the stretch (`stretch_beside_tes`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import statistics
@@ -39,6 +45,7 @@ MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
 BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
 REPEATS = 3
+SHARED_ROWS = (8, 16, 32)  # decode rows per TE while every TE of a shared host steps
 
 
 class EngineStreamer:
@@ -154,6 +161,35 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
         f" and {len(MIXED_POINTS)} mixed" if mixed else "")
     return fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
                f"{streamer.path}: {workloads} workloads, medians of {repeats}", steps, first_tokens)
+
+
+def calibrate_shared(streamer, alone: StepProfile, tes: int, repeats: int = REPEATS) -> StepProfile:
+    """`alone` with the stretch of a step beside the other TEs of the deployment behind `streamer`: `tes` TEs
+    sharing this host's cores (the stretch beside fewer TEs taken on the line from 1 alone)."""
+    rng = random.Random(1)
+    prompt_len, output_len = 32, 48
+
+    async def measure() -> list[float]:
+        await streamer.open()
+        try:
+            await asyncio.gather(*(streamer(draw_prompt(rng, prompt_len), 8) for _ in range(2 * tes)))  # warm-up
+            ratios = []
+            for rows in SHARED_ROWS:
+                gaps = [(last - first) / (n - 1) for _ in range(repeats)
+                        for _, first, last, n in await asyncio.gather(*(
+                            streamer(draw_prompt(rng, prompt_len), output_len) for _ in range(rows * tes)))]
+                work = GroupWork(decode_rows=rows, context_tokens=rows * (prompt_len + output_len // 2))
+                ratios.append(statistics.median(gaps) / alone.group_seconds(work))
+                _log(f"{tes} TEs decoding {rows} rows each: each step {ratios[-1]:.2f}x a TE's alone")
+            return ratios
+        finally:
+            await streamer.close()
+    stretch = max(1.0, statistics.median(asyncio.run(measure())))
+    others = tes - 1
+    return dataclasses.replace(alone, source=f"{alone.source}; beside {others} other TE(s) on {streamer.path}: "
+                                             f"{stretch:.2f}x, medians of {repeats}",
+                               stretch_beside_tes=tuple(1.0 + (stretch - 1.0) * k / others
+                                                        for k in range(1, others + 1)))
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,11 @@ Events, in time order:
   ends (and reaches the client `delivery_ms` later);
 - with the master's pipelining (`pipeline_depth` 2, its default: step n + 1 is scheduled as step n starts) a busy
   TE's next step holds only the requests that had reached it when the step before began; an idle TE takes a
-  request at once.
+  request at once;
+- TEs whose profile shares one host's cores (calibrated on this machine with `--shared-tes`) slow each other: a step
+  that starts while k other TEs step or start (loading and warming up), or pre-warmed processes start (the
+  autoscaler's), takes the profile's time times `StepProfile.shared_cores_factor(k)` (`share_cores=False`: each TE
+  on cores of its own).
 
 Each request's first and last token times give TTFT and TPOT as the benchmarks report them (`meshserve bench
 serve`): TTFT from arrival to the first token, TPOT the mean gap between its later tokens. Garbage is collected on
@@ -100,6 +104,7 @@ class _Member:
     inbox: list[tuple[float, Callable[[float], None]]] = field(default_factory=list)  # (reached it at, admit)
     stepping: bool = False  # a step (or its start) is scheduled
     last_start: float = 0.0
+    step_ends: float = 0.0  # when its step under way ends
     steps: list[float] = field(default_factory=list)
     state: str = "serving"  # starting (not routable yet) | serving | draining (finishes its requests) | gone
     since: float = 0.0  # when it entered its state
@@ -116,9 +121,11 @@ class _Member:
 
 class SimCluster:
     def __init__(self, specs: Sequence[TESpec], policy: str = "load", seed: int = 0,
-                 built: dict[str, SimTE] | None = None, scaler: SimScaler | None = None) -> None:
+                 built: dict[str, SimTE] | None = None, scaler: SimScaler | None = None, share_cores: bool = True
+                 ) -> None:
         """`built`: TEs made by the caller, by name (the others are made from their specs). `scaler`: the cluster
-        manager's autoscaling (meshserve/sim/scaling.py); without one the TEs stay as they are."""
+        manager's autoscaling (meshserve/sim/scaling.py); without one the TEs stay as they are. `share_cores`:
+        TEs whose profile names a host share its cores (False: each has cores of its own)."""
         names = [spec.name for spec in specs]
         if not specs or len(set(names)) != len(names):
             raise ValueError("a simulated deployment needs at least one TE, each with its own name")
@@ -127,6 +134,8 @@ class SimCluster:
         self._events: list[tuple] = []  # (at, kind, sequence, payload), a heap
         self._seq = 0
         self.scaler = scaler
+        self.share_cores = share_cores
+        self.slowdowns: list[float] = []  # each step's shared-cores factor
         self.routing = RoutingPolicy(policy)
         self.loads = LoadTracker(clock=lambda: self.now)
         self.routes: Counter[str] = Counter()  # decision kind -> requests
@@ -163,15 +172,17 @@ class SimCluster:
 
     # ------------------------------------------------------------ the run
     def run(self, trace: Sequence[TraceRequest], progress: bool = True,
-            slo: tuple[float | None, float | None] = (None, None)) -> dict:
-        """Serve `trace`; `slo`: a (TTFT, TPOT) objective in seconds, either None, whose attainment is reported."""
+            slo: tuple[float | None, float | None] = (None, None), idle_before_s: float = 0.0) -> dict:
+        """Serve `trace`; `slo`: a (TTFT, TPOT) objective in seconds, either None, whose attainment is reported;
+        `idle_before_s`: the deployment served nothing this long before the trace's start, as its heartbeats and
+        autoscaler saw (a deployment that idled before its load came)."""
         started = time.perf_counter()
         self._trace = trace
         for index, request in enumerate(trace):
             self._push(request.arrival_s, _ARRIVAL, index)
-        self._push(0.0, _HEARTBEAT, None)
+        self._push(-idle_before_s, _HEARTBEAT, None)
         if self.scaler is not None:
-            self._push(self.scaler.interval_s, _SCALE, None)
+            self._push(self.scaler.interval_s - idle_before_s, _SCALE, None)
         collector = StepCollector(GC_EVERY_STEPS)  # automatic passes would walk every simulated request's objects
         collector.start()
         try:
@@ -191,6 +202,8 @@ class SimCluster:
         metrics["te_seconds"] = dict(te_seconds)  # per pool: TEs held (starting, serving, draining) x seconds
         if self.scaler is not None:
             metrics["scaling"] = [{"at_s": at, "serving": pools} for at, pools in self.scaler.timeline]
+        if self.slowdowns and max(self.slowdowns) > 1.0:
+            metrics["shared_cores_slowdown_mean"] = statistics.fmean(self.slowdowns)
         if self.breakdown:
             metrics["step_breakdown_ms"] = {part: 1e3 * total / len(steps) for part, total in self.breakdown.items()}
         return metrics
@@ -256,6 +269,8 @@ class SimCluster:
         if member.state == "starting":
             member.state, member.since = "serving", self.now
             self.loads.report(member.spec.name, self.load_of(member))
+            if self.scaler is not None:
+                self.scaler.on_ready(self.now)
 
     def _arrive(self, index: int) -> None:
         request, req_id = self._trace[index], f"sim-{index}"
@@ -321,13 +336,28 @@ class SimCluster:
             self._leave_if_drained(member)
             return
         seconds, deltas = te.step(self.now)
-        member.last_start = self.now
+        slowdown = self._shared_cores_factor(member)
+        seconds *= slowdown
+        self.slowdowns.append(slowdown)
+        member.last_start, member.step_ends = self.now, self.now + seconds
         member.steps.append(seconds)
         timed_parts = getattr(te.profile, "breakdown", None)
         if timed_parts is not None and te.last_work:
             for part, part_seconds in timed_parts(te.last_work).items():
                 self.breakdown[part] = self.breakdown.get(part, 0.0) + part_seconds
         self._push(self.now + seconds, _STEP_END, (member.spec.name, deltas))
+
+    def _shared_cores_factor(self, member: _Member) -> float:
+        """How much longer `member`'s step takes on cores it shares with the other TEs whose step is under way or
+        that are starting (a TE loading and warming up keeps the cores as busy as one that steps)."""
+        profile = member.te.profile
+        if not self.share_cores or not getattr(profile, "stretch_beside_tes", ()):
+            return 1.0
+        busy = sum(other is not member and (other.step_ends > self.now or other.state == "starting")
+                   for other in self.members.values())
+        if self.scaler is not None:
+            busy += self.scaler.warming(self.now)
+        return profile.shared_cores_factor(busy)
 
     def _step_end(self, name: str, deltas: list[RequestDelta]) -> None:
         member = self.members[name]

@@ -16,6 +16,11 @@ request to the master, each token back through the output path): it delays every
 adds to the time to the first token and not to the time between tokens. A profile is fitted to one model and
 layout (`fit`, from steps measured on the real engine: `meshserve simulate calibrate`), and names where its
 numbers come from (`source`).
+
+TEs on devices of their own step independently. TEs sharing one host's CPU cores do not: a profile calibrated on a
+deployment of several TEs on one host says how much longer a TE's step takes while another TE steps beside it
+(`stretch_beside_tes`, `meshserve simulate calibrate --shared-tes`); the simulator applies it to every step that
+starts while other TEs step or start (`shared_cores_factor`).
 """
 from __future__ import annotations
 
@@ -75,12 +80,21 @@ class StepProfile:
     per_context_kilotoken_ms: float = 0.0
     per_prefill_megapair_ms: float = 0.0
     delivery_ms: float = 0.0
+    # optional, on a host whose cores TEs share: a step's time beside 1, 2, ... other busy TEs over its time alone
+    # (empty: each TE has devices of its own)
+    stretch_beside_tes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for term in TERMS:
             value = getattr(self, term)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ProfileError(f"profile {self.name!r}: {term} must be a number >= 0, got {value!r}")
+        stretch = self.stretch_beside_tes
+        if not isinstance(stretch, (list, tuple)) or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 1 for x in stretch):
+            raise ProfileError(f"profile {self.name!r}: stretch_beside_tes must be a list of numbers >= 1, "
+                               f"got {stretch!r}")
+        object.__setattr__(self, "stretch_beside_tes", tuple(float(x) for x in stretch))
 
     def group_seconds(self, work: GroupWork) -> float:
         return 1e-3 * (self.base_ms + self.per_decode_row_ms * (work.decode_rows + work.draft_rows)
@@ -91,6 +105,16 @@ class StepProfile:
     def step_seconds(self, groups: Sequence[GroupWork]) -> float:
         """A lockstep step: its slowest DP group's part."""
         return max(self.group_seconds(work) for work in groups)
+
+    def shared_cores_factor(self, other_tes: float) -> float:
+        """How much longer a step takes while `other_tes` other TEs are busy on this profile's host: the measured
+        stretch, on straight lines between the counts measured and along the last one beyond them. 1 alone, and for
+        a profile without a shared host (TEs with devices of their own)."""
+        stretch = (1.0, *self.stretch_beside_tes)
+        if other_tes <= 0 or len(stretch) == 1:
+            return 1.0
+        below = min(int(other_tes), len(stretch) - 2)
+        return stretch[below] + (other_tes - below) * (stretch[below + 1] - stretch[below])
 
     def kv_pull_seconds(self, tokens: int) -> float:
         """A P/D pull of `tokens` tokens' KV: not calibrated on this machine (it lands by the next step)."""
@@ -104,7 +128,7 @@ class StepProfile:
         missing = [key for key in ("name", "source", *TERMS) if key not in data]
         if missing:
             raise ProfileError(f"{where} lacks {', '.join(missing)}")
-        unknown = sorted(set(data) - {"name", "source", *TERMS})
+        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes"})
         if unknown:
             raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")
         return cls(**data)

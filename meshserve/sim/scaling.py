@@ -2,7 +2,9 @@
 (meshserve/cluster/autoscaler.py) sets each pool's target from its TEs' heartbeat loads and the job executor's
 demand (arrivals, TTFT and TPOT samples per pool since the last tick, as `meshserve.router.demand` reports them);
 then, as the manager reconciles, a pool below its target starts TEs (serving `start_s` later: a TE's cold start)
-and a pool above it drains its least busy (a starting one first), which finish their requests and leave."""
+and a pool above it drains its least busy (a starting one first), which finish their requests and leave. With a
+pre-warmed pool (`prewarm_s`), the manager replaces the pre-warmed process a new TE took once that TE serves; the
+replacement works `prewarm_s` (imports, native kernels) on the host's cores meanwhile."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -19,12 +21,25 @@ JOB_EXECUTOR = "je-sim"
 class SimScaler:
     autoscaler: Autoscaler
     start_s: float = 30.0  # from a scale-up to the new TE serving
+    prewarm_s: float = 0.0  # a replacement pre-warmed process's start, after a new TE serves (0: no pre-warm pool)
+    warming_until: list[float] = field(default_factory=list)  # when each replacement is warm
     demand: dict[str, PoolDemand] = field(default_factory=lambda: defaultdict(PoolDemand))
     timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # (when, pool -> TEs serving)
 
     def __post_init__(self) -> None:
         if not self.start_s >= 0:
             raise ValueError(f"a TE's start time must be zero or more, got {self.start_s}")
+        if not self.prewarm_s >= 0:
+            raise ValueError(f"a pre-warmed process's start time must be zero or more, got {self.prewarm_s}")
+
+    def on_ready(self, now: float) -> None:
+        """A TE the autoscaler started serves: the pre-warmed process it took is replaced."""
+        if self.prewarm_s > 0:
+            self.warming_until.append(now + self.prewarm_s)
+
+    def warming(self, now: float) -> int:
+        """Replacement pre-warmed processes still starting (each keeps the host's cores as busy as a TE)."""
+        return sum(until > now for until in self.warming_until)
 
     @property
     def interval_s(self) -> float:

@@ -12,7 +12,7 @@ from meshserve.cluster.autoscaler import Autoscaler, AutoscalerSettings, ScaleDe
 from meshserve.entrypoints.cli import main
 from meshserve.router import routing as served_routing
 from meshserve.sim.cluster import SimCluster, TESpec, deployment_specs
-from meshserve.sim.profile import StepProfile
+from meshserve.sim.profile import ProfileError, StepProfile
 from meshserve.sim.scaling import SimScaler
 from meshserve.sim.te import SimTESettings
 from meshserve.sim.trace import poisson
@@ -156,7 +156,8 @@ def test_the_command_autoscales_and_refuses_a_pool_it_does_not_have(tmp_path, ca
     assert "TE-seconds" in capsys.readouterr().out and out.with_suffix(".png").stat().st_size > 0
     for bad, message in ((["--autoscale", "p=1:2"], "names pool(s) group-0/prefill that --tes does not have"),
                          (["--autoscale", "c=3:1"], "each pool is ROLE=MIN:MAX"),
-                         (["--autoscale", "c=1:2", "--autoscaler-settings", '{"interval_s": -1}'], "interval_s")):
+                         (["--autoscale", "c=1:2", "--autoscaler-settings", '{"interval_s": -1}'], "interval_s"),
+                         (["--autoscale", "c=1:2", "--prewarm-s", "-1"], "pre-warmed process's start time")):
         assert main([*flags, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
@@ -169,3 +170,71 @@ def test_slo_attainment_counts_the_requests_that_met_both_objectives():
     both = _cluster("2c").run(TRACE, progress=False, slo=(0.05, 0.001))
     assert both["slo_attainment"] < result["slo_attainment"]
     assert _cluster("2c").run(TRACE, progress=False)["slo_attainment"] is None
+
+
+def test_tes_on_one_hosts_cores_slow_each_other_only_while_both_step():
+    """A profile fitted on a shared host: one TE alone steps at the fitted times; two TEs stepping at once each
+    step beside another (1.7x), and with cores of their own (`share_cores=False`) neither slows."""
+    shared = replace(PROFILE, stretch_beside_tes=(1.7, 2.2))
+    alone = SimCluster(deployment_specs("1c", SETTINGS, shared)).run(TRACE, progress=False)
+    assert alone["mean_step_ms"] == pytest.approx(
+        SimCluster(deployment_specs("1c", SETTINGS, PROFILE)).run(TRACE, progress=False)["mean_step_ms"])
+    assert "shared_cores_slowdown_mean" not in alone
+    busy = poisson(200.0, 96, (64, 128), (48, 64), seed=3)  # both TEs step nearly all the time
+    own = SimCluster(deployment_specs("2c", SETTINGS, shared), share_cores=False).run(busy, progress=False)
+    sharing = SimCluster(deployment_specs("2c", SETTINGS, shared)).run(busy, progress=False)
+    assert 1.4 < sharing["shared_cores_slowdown_mean"] <= 1.7 + 1e-9
+    assert sharing["tpot_s"]["p50"] > 1.3 * own["tpot_s"]["p50"]
+    assert sharing["completed"] == own["completed"] == 96
+
+
+def test_a_starting_te_keeps_the_cores_as_busy_as_one_that_steps():
+    shared = replace(PROFILE, stretch_beside_tes=(1.7, 2.2))
+    cluster = SimCluster(deployment_specs("1c", SETTINGS, shared))
+    cluster.add(TESpec("c1", "colocated", SETTINGS, shared), ready_in=60.0)  # loading the whole trace (2.4 s)
+    result = cluster.run(TRACE, progress=False)
+    assert result["shared_cores_slowdown_mean"] == pytest.approx(1.7)
+    assert result["tes"]["c1"]["steps"] == 0
+
+
+def test_the_shared_cores_factor_is_the_measured_stretch_continued_along_its_last_slope():
+    shared = replace(PROFILE, stretch_beside_tes=(1.7, 2.2))
+    assert [shared.shared_cores_factor(n) for n in range(4)] == pytest.approx([1.0, 1.7, 2.2, 2.7])
+    assert replace(PROFILE, stretch_beside_tes=(1.5,)).shared_cores_factor(2) == pytest.approx(2.0)
+    assert PROFILE.shared_cores_factor(5) == 1.0  # no shared host: devices of its own
+    with pytest.raises(ProfileError, match="stretch_beside_tes"):
+        replace(PROFILE, stretch_beside_tes=(0.5,))
+    # written to a file and read back; a file without the field (fitted elsewhere, or before it) still loads
+    assert StepProfile.from_dict(json.loads(json.dumps(shared.to_dict()))) == shared
+    assert StepProfile.from_dict({k: v for k, v in shared.to_dict().items() if k != "stretch_beside_tes"}) \
+        == PROFILE
+
+
+def test_a_pre_warmed_replacement_keeps_the_cores_busy_after_a_scale_up():
+    """The manager replaces the pre-warmed process a scale-up took once the new TE serves: on a shared host it
+    stretches the TEs' steps for `prewarm_s`, and nowhere else."""
+    shared = replace(PROFILE, stretch_beside_tes=(1.7,))
+    pools = {"group-0/colocated": (1, 2)}
+
+    def run(prewarm_s: float) -> tuple[dict, SimScaler]:
+        scaler = SimScaler(Autoscaler(SCALING, dict(pools)), start_s=2.0, prewarm_s=prewarm_s)
+        result = SimCluster(deployment_specs("1c", SETTINGS, shared), scaler=scaler).run(_burst(), progress=False)
+        return result, scaler
+    without, _ = run(0.0)
+    with_pool, scaler = run(3.0)
+    ready = scaler.warming_until[0] - 3.0  # when the new TE served
+    assert scaler.warming(ready + 1.0) == 1 and scaler.warming(ready + 3.5) == 0
+    assert with_pool["mean_step_ms"] > without["mean_step_ms"] and with_pool["tpot_s"]["p50"] > without["tpot_s"]["p50"]
+
+
+def test_an_idle_history_delays_the_autoscalers_first_scale_up():
+    """A deployment that idled before its load judges the load over a window that still holds the idle time."""
+    pools = {"group-0/colocated": (1, 3)}
+
+    def first_scale_up(idle_before_s: float) -> float:
+        scaler = SimScaler(Autoscaler(SCALING, dict(pools)), start_s=1.0)
+        loaded_from_the_start = poisson(30.0, 300, (64, 256), (16, 64), seed=5)
+        result = SimCluster(deployment_specs("1c", SETTINGS, PROFILE), scaler=scaler).run(
+            loaded_from_the_start, progress=False, idle_before_s=idle_before_s)
+        return min(tick["at_s"] for tick in result["scaling"] if tick["serving"]["group-0/colocated"] > 1)
+    assert first_scale_up(2 * SCALING.window_s) > first_scale_up(0.0)

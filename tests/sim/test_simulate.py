@@ -4,6 +4,7 @@ one line."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -215,3 +216,47 @@ def test_only_a_prompts_last_chunk_samples_a_token():
         sampled.append((te.last_work[0].prefill_tokens, te.last_work[0].sampled_rows))
     assert sampled[:3] == [(64, 0), (64, 0), (22, 1)]  # 150 = 64 + 64 + 22
     assert sampled[3:] == [(0, 1)] * 3  # then one decode row a step for the other three tokens
+
+
+def test_calibrating_tes_on_shared_cores_measures_each_steps_stretch_over_a_te_alone():
+    """Each TE of the deployment steps 10 ms per token beside the other (a made-up server); the profile of a TE
+    alone gives 4 ms for the same rows: the stretch is 2.5x, kept with the rest of the profile."""
+    from meshserve.sim.calibrate import SHARED_ROWS, calibrate_shared
+
+    class Streamer:
+        path = "a made-up server"
+
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        async def open(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def __call__(self, prompt, output_len, arrivals=None):
+            self.asked.append(output_len)
+            return 0.0, 0.1, 0.1 + 0.010 * (output_len - 1), output_len
+
+    def alone_seconds(rows: int) -> float:  # what the alone profile below gives a step of `rows`
+        return 1e-3 * (2.0 + 0.1 * rows)
+    alone = StepProfile(name="alone", source="made up", base_ms=2.0, per_decode_row_ms=0.1, per_prefill_token_ms=0.1)
+    streamer = Streamer()
+    shared = calibrate_shared(streamer, alone, tes=2, repeats=1)
+    expected = statistics.median(0.010 / alone_seconds(rows) for rows in SHARED_ROWS)
+    assert shared.stretch_beside_tes == pytest.approx((expected,))
+    assert shared.base_ms == alone.base_ms and "beside 1 other TE(s) on a made-up server" in shared.source
+    assert streamer.asked.count(48) == 2 * sum(SHARED_ROWS)  # every TE decoded each point's rows
+    three = calibrate_shared(Streamer(), alone, tes=3, repeats=1)  # beside one TE: on the line from 1 alone
+    assert three.stretch_beside_tes == pytest.approx((1 + (expected - 1) / 2, expected))
+
+
+def test_calibrating_shared_tes_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
+    out = str(tmp_path / "profile.json")
+    for flags, message in ((["--shared-tes", "2", "--alone", "a.json"], "give --url and --alone"),
+                           (["--url", "http://127.0.0.1:9", "--shared-tes", "1", "--alone", "a.json"], "at least 2"),
+                           (["--alone", "a.json"], "--alone goes with --shared-tes"),
+                           (["--url", "http://127.0.0.1:9", "--shared-tes", "2", "--alone", str(tmp_path / "no.json")],
+                            "cannot read profile")):
+        assert main(["simulate", "calibrate", "--out", out, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]
