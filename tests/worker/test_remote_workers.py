@@ -328,3 +328,20 @@ def test_a_self_contained_te_sends_each_remote_rank_on_to_its_groups_master():
         for sock in works:
             sock.close(0)
         ctx.term()
+
+
+def test_a_self_contained_group_with_one_rank_here_and_one_on_another_host(model_dir, reference, tmp_path):
+    """attn=TP2+DP2: group 0's ranks 0-1 run here; group 1 has rank 2 here and rank 3 on "another host", which the
+    shell sends on to group 1's master. Its attention TP spans the hosts; the tokens are the single rank's."""
+    port = _free_port()
+    log = open(tmp_path / "worker-3.log", "w")
+    remote = subprocess.Popen(_worker_command(port, 3), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        with LLM(model=model_dir, **ENGINE_ARGS, parallel="attn=TP2+DP2 moe=TP2+EP2", local_ranks=3,
+                 engine_port=port, startup_timeout_s=60, dp_groups="self-contained") as llm:
+            outs = llm.generate(PROMPTS, GREEDY)
+            assert [out.outputs[0].token_ids for out in outs] == reference
+        remote.wait(15)  # the TE's shutdown ended it
+    finally:
+        _stop(remote)
+        log.close()
