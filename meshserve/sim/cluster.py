@@ -135,7 +135,7 @@ class SimCluster:
         self._seq = 0
         self.scaler = scaler
         self.share_cores = share_cores
-        self.slowdowns: list[float] = []  # each step's shared-cores factor
+        self._slowdown_sum, self._slowed_steps = 0.0, 0  # the steps' shared-cores factors, and the steps above 1
         self.routing = RoutingPolicy(policy)
         self.loads = LoadTracker(clock=lambda: self.now)
         self.routes: Counter[str] = Counter()  # decision kind -> requests
@@ -202,8 +202,8 @@ class SimCluster:
         metrics["te_seconds"] = dict(te_seconds)  # per pool: TEs held (starting, serving, draining) x seconds
         if self.scaler is not None:
             metrics["scaling"] = [{"at_s": at, "serving": pools} for at, pools in self.scaler.timeline]
-        if self.slowdowns and max(self.slowdowns) > 1.0:
-            metrics["shared_cores_slowdown_mean"] = statistics.fmean(self.slowdowns)
+        if self._slowed_steps:
+            metrics["shared_cores_slowdown_mean"] = self._slowdown_sum / len(steps)
         if self.breakdown:
             metrics["step_breakdown_ms"] = {part: 1e3 * total / len(steps) for part, total in self.breakdown.items()}
         return metrics
@@ -338,7 +338,8 @@ class SimCluster:
         seconds, deltas = te.step(self.now)
         slowdown = self._shared_cores_factor(member)
         seconds *= slowdown
-        self.slowdowns.append(slowdown)
+        self._slowdown_sum += slowdown
+        self._slowed_steps += slowdown > 1.0
         member.last_start, member.step_ends = self.now, self.now + seconds
         member.steps.append(seconds)
         timed_parts = getattr(te.profile, "breakdown", None)
