@@ -53,6 +53,9 @@ BENCH_COMMANDS = (
     ("control-plane", "the control plane's CPU per decode step at DP 1, 2, 4, 8: one master for every DP group "
                       "against self-contained DP groups, each ratio against DP 1",
      "meshserve.bench.control_plane:add_control_plane_arguments"),
+    ("step-board", "what a round of the self-contained DP groups' step board costs rank 0 as the world grows: a "
+                   "host per rank against ranks grouped by host",
+     "meshserve.bench.step_board:add_step_board_arguments"),
     ("a2e", "A2E / E2A between attention ranks and expert ranks (attention-expert disaggregation): latency per "
             "direction against tokens per rank and expert ranks, direct and two-stage routing",
      "meshserve.bench.a2e:add_a2e_arguments"),

@@ -143,9 +143,11 @@ def _measure(model: str, dp: int, mode: str, ranks: str, settings: ControlPlaneS
 def _remote_workers(port: int, ranks: range) -> Iterator[list[subprocess.Popen]]:
     """Ranks started as on other hosts, each knocking at the TE's engine port until it answers; the TE's
     shutdown ends them."""
+    # each on a host of its own as the step board sees it (its rows go to rank 0 over TCP)
     workers = [subprocess.Popen([sys.executable, "-m", "meshserve.entrypoints.cli", "--log-level", "warning",
                                  "worker", "--engine", f"tcp://127.0.0.1:{port}", "--rank", str(rank),
-                                 "--timeout", "300"], stdin=subprocess.DEVNULL)
+                                 "--timeout", "300"], stdin=subprocess.DEVNULL,
+                                env={**os.environ, envs.MESHSERVE_HOST_ID.name: f"remote-host-{rank}"})
                for rank in ranks]
     try:
         yield workers

@@ -74,6 +74,7 @@ class ParallelContext:
     # self-contained DP groups: the ranks agree on every step over `step_board` (`agree_on_step`)
     agree_steps: bool = False
     board_host: str | None = None  # rank 0's address when ranks run on other hosts (a TCP board); None: one host
+    board_host_id: str | None = None  # the host this rank counts itself on (None: its hostname and boot id)
     step_board: StepBoard | None = None
     attn_tp_group: dist.ProcessGroup | None = None
     oproj_group: dist.ProcessGroup | None = None  # None with oproj TP1
@@ -112,11 +113,12 @@ class ParallelContext:
     def build(cls, strategy: ParallelStrategy, moe_comm: str = "fused", int8_dispatch: bool = False,
               max_tokens_per_step: int = 2048, redundant_experts_per_rank: int = 0,
               collective_timeout_s: float | None = None, agree_steps: bool = False,
-              board_host: str | None = None) -> ParallelContext:
+              board_host: str | None = None, board_host_id: str | None = None) -> ParallelContext:
         """Create every group on an initialised world; collective: every rank calls it in the same order."""
         settings = dict(moe_comm=moe_comm, int8_dispatch=int8_dispatch, max_tokens_per_step=max_tokens_per_step,
                         redundant_experts_per_rank=redundant_experts_per_rank,
-                        collective_timeout_s=collective_timeout_s, agree_steps=agree_steps, board_host=board_host)
+                        collective_timeout_s=collective_timeout_s, agree_steps=agree_steps, board_host=board_host,
+                        board_host_id=board_host_id)
         if not dist.is_initialized():
             if strategy.world_size == 1:
                 return cls(strategy, **settings)
@@ -182,7 +184,8 @@ class ParallelContext:
         self._boards_opened += 1
         self.step_board = StepBoard.open(self.rollback.store, self.rank, self.world_size, self._boards_opened,
                                          round_timeout_s=self.collective_timeout_s or _DEFAULT_TIMEOUT_S,
-                                         meet_timeout_s=_DEFAULT_TIMEOUT_S, host=self.board_host)
+                                         meet_timeout_s=_DEFAULT_TIMEOUT_S, host=self.board_host,
+                                         host_id=self.board_host_id)
 
     def agree_on_step(self, row: list[int]) -> list[list[int]]:
         """Every rank's `row` (all of one length), in rank order: how self-contained DP groups agree on each step

@@ -6,21 +6,29 @@ went through torch.distributed's Python layer and gloo's transport threads: 0.6-
 at 8 ranks, which on a host with fewer cores than processes became the wall time of every step. Here the rows
 travel over Unix-domain `SOCK_SEQPACKET` connections from each rank to rank 0 (one message per rank and
 direction, message boundaries kept, a blocking receive that the kernel wakes): about 0.1 ms of CPU per rank.
-The sockets live in Linux's abstract namespace, so nothing is left on disk by a killed rank. When the world spans
-hosts (`host`: rank 0's address as the others reach it), the rows travel over TCP instead (Nagle off, each
-message led by its length, since a stream keeps no boundaries), and every connection opens with the cluster
-secret's challenge-response (`cluster_auth.handshake_server`), so only the TE's own ranks take part.
+The sockets live in Linux's abstract namespace, so nothing is left on disk by a killed rank.
+
+When the world spans hosts (`host`: rank 0's address as the others reach it), the ranks meet per host: each host's
+lowest rank leads it, its other ranks send their rows to it over Unix sockets, and the leaders send their host's
+rows to rank 0 over TCP and pass the table back. Rank 0 then handles one connection per host and its own host's
+ranks, not one per rank: at 320 ranks on 40 hosts of 8, 46 connections a round where a flat board has 319. On TCP
+Nagle is off, each message is led by its length (a stream keeps no boundaries), and every connection opens with
+the cluster secret's challenge-response (`cluster_auth.handshake_server`), so only the TE's own ranks take part.
+Which ranks share a host comes from each rank's `host_id`, gathered through the world's store.
 
 Failures are those of a collective: a rank that dies closes its connection, and the peers' next round fails at
-once (`ConnectionError`); one that hangs fails the round after the context's collective timeout
-(`TimeoutError`). Either ends the rank's loop, and its group's master restarts the world.
+once (`ConnectionError`, passed on as each failed rank closes its own connections); one that hangs fails the round
+after the context's collective timeout (`TimeoutError`). Either ends the rank's loop, and its group's master
+restarts the world.
 """
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import struct
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -31,109 +39,202 @@ _LENGTH = struct.Struct("<I")  # leads each message on TCP
 _KEY_PREFIX = "meshserve/step-board"
 
 
-class StepBoard:
-    """One rank's side of the board. Rank 0 holds a connection to every other rank; the others one to rank 0."""
+def this_host_id() -> str:
+    """Which host this process runs on: its hostname and the kernel's boot id (two containers of one machine have
+    their own hostnames, and their own network namespaces, which Unix sockets do not cross)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
-    def __init__(self, rank: int, world_size: int, peers: list[socket.socket]) -> None:
+
+class StepBoard:
+    """One rank's side of the board: the connection to the rank it sends its rows to (`up`: its host's leader, or
+    rank 0 for a leader; None at rank 0) and those of the ranks that send theirs to it, each with the ranks whose
+    rows it carries, in rank order."""
+
+    def __init__(self, rank: int, world_size: int, up: socket.socket | None,
+                 children: list[tuple[socket.socket, list[int]]]) -> None:
         self.rank, self.world_size = rank, world_size
-        self._peers = peers  # rank 0: the connections of ranks 1..world-1, in rank order; else [rank 0's]
+        self._up, self._children = up, children
+        # the rows this rank gathers (its own, then its children's) come in rank order: joined as they come
+        carried = [rank, *(r for _, ranks in children for r in ranks)]
+        self._in_order = carried == sorted(carried)
 
     @classmethod
     def open(cls, store: dist.Store, rank: int, world_size: int, generation: int, round_timeout_s: float,
-             meet_timeout_s: float, host: str | None = None) -> StepBoard:
-        """Collective over the world: rank 0 listens on a fresh address that it publishes in the world's store
-        under `generation` (a new board after a rebuild gets a new one); every other rank connects to it. They
-        meet within `meet_timeout_s`; a round then fails after waiting `round_timeout_s` for a peer. `host`:
-        rank 0's host address when ranks run on other hosts (TCP), None when all share one (a Unix socket)."""
+             meet_timeout_s: float, host: str | None = None, host_id: str | None = None) -> StepBoard:
+        """Collective over the world: the ranks publish where they listen in the world's store under `generation`
+        (a new board after a rebuild gets new addresses) and connect. They meet within `meet_timeout_s`; a round
+        then fails after waiting `round_timeout_s` for a peer. `host`: rank 0's host address when ranks run on
+        other hosts (None: every rank on one host); `host_id`: this rank's host (default: `this_host_id()`)."""
         key = f"{_KEY_PREFIX}/{generation}"
-        if rank == 0:
-            return cls._listen(store, key, world_size, round_timeout_s, meet_timeout_s, host)
-        store.wait([key], timedelta(seconds=meet_timeout_s))
-        address = store.get(key)
+        if world_size == 1:
+            return cls(0, 1, None, [])
+        hosts = [list(range(world_size))] if host is None else _hosts(
+            store, key, rank, world_size, host_id or this_host_id(), meet_timeout_s)
+        mine = next(ranks for ranks in hosts if rank in ranks)
+        leader = mine[0]
+        children: list[tuple[socket.socket, list[int]]] = []
+        up = None
         try:
-            if host is None:
-                conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                conn.settimeout(round_timeout_s)
-                conn.connect(address)
-            else:
-                listen_host, port = address.decode().rsplit(":", 1)
-                conn = socket.create_connection((listen_host, int(port)), timeout=meet_timeout_s)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                cluster_auth.handshake_client(conn)
-                conn.settimeout(round_timeout_s)
-            _send(conn, _RANK.pack(rank))
-        except OSError:
-            conn.close()
-            raise
-        return cls(rank, world_size, [conn])
-
-    @classmethod
-    def _listen(cls, store: dist.Store, key: str, world_size: int, round_timeout_s: float,
-                meet_timeout_s: float, host: str | None) -> StepBoard:
-        if host is None:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            listener.bind(b"\0meshserve-step-board-" + secrets.token_hex(8).encode())
-            address = listener.getsockname()
-        else:
-            listener = socket.create_server((host, 0))
-            address = f"{host}:{listener.getsockname()[1]}".encode()
-        peers: list[socket.socket | None] = [None] * (world_size - 1)
-        try:
-            listener.listen(world_size)
-            listener.settimeout(meet_timeout_s)
-            store.set(key, address)
-            while not all(peers):
-                conn, _ = listener.accept()
-                conn.settimeout(round_timeout_s)
-                if host is not None:
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    if not cluster_auth.handshake_server(conn, purpose="step board"):
-                        conn.close()  # a stranger: refused and logged, the meeting goes on
-                        continue
-                (peer,) = _RANK.unpack(_receive(conn, _RANK.size, "a rank's greeting"))
-                if not 1 <= peer < world_size or peers[peer - 1] is not None:
-                    conn.close()
-                    raise ConnectionError(f"step board: unexpected greeting from rank {peer}")
-                peers[peer - 1] = conn
+            if rank == leader:
+                other_hosts = hosts[1:] if rank == 0 else []
+                children = _accept(store, key, rank, mine[1:], other_hosts, host, round_timeout_s, meet_timeout_s)
+            if rank != leader:
+                up = _connect(store, f"{key}/unix/{leader}", None, rank, round_timeout_s, meet_timeout_s)
+            elif rank != 0:
+                up = _connect(store, f"{key}/tcp", host, rank, round_timeout_s, meet_timeout_s)
         except BaseException:
-            for conn in peers:
-                if conn is not None:
-                    conn.close()
+            for conn, _ in children:
+                conn.close()
             raise
-        finally:
-            listener.close()  # every rank is connected: the address is no longer needed
-        return cls(0, world_size, peers)
+        return cls(rank, world_size, up, children)
 
     def exchange(self, row: list[int]) -> list[list[int]]:
         """Every rank's `row` (all of one length), in rank order. Collective over the world. A failed round
         closes the board, so the peers' rounds fail at once too instead of at their timeout."""
-        if self.world_size > 1 and not self._peers:
+        if self.world_size > 1 and self._up is None and not self._children:
             raise ConnectionError("step board: closed after a failed round")
         width = len(row)
         packed = struct.pack(f"<{width}q", *row)
         try:
-            table = self._gather_and_send(packed) if self.rank == 0 else self._send_and_read(packed)
+            carried = self._gather(packed)
+            if self._up is not None:
+                _send(self._up, carried)
+                table = _receive(self._up, len(packed) * self.world_size, "the table")
+            else:
+                table = carried
+            for conn, _ in self._children:
+                _send(conn, table)
         except OSError:
             self.close()
             raise
         values = struct.unpack(f"<{width * self.world_size}q", table)
         return [list(values[i:i + width]) for i in range(0, len(values), width)]
 
-    def _gather_and_send(self, packed: bytes) -> bytes:
-        table = b"".join([packed, *(_receive(conn, len(packed), f"rank {peer}'s row")
-                                    for peer, conn in enumerate(self._peers, start=1))])
-        for conn in self._peers:
-            _send(conn, table)
-        return table
-
-    def _send_and_read(self, packed: bytes) -> bytes:
-        _send(self._peers[0], packed)
-        return _receive(self._peers[0], len(packed) * self.world_size, "the table")
+    def _gather(self, packed: bytes) -> bytes:
+        """This rank's row and its children's, in rank order."""
+        size = len(packed)
+        blocks = [_receive(conn, size * len(ranks), f"rank {ranks[0]}'s row" if len(ranks) == 1 else
+                           f"the rows of rank {ranks[0]}'s host") for conn, ranks in self._children]
+        if self._in_order:
+            return b"".join([packed, *blocks])
+        rows = {self.rank: packed}
+        for (_, ranks), block in zip(self._children, blocks):
+            rows.update((r, block[i * size:(i + 1) * size]) for i, r in enumerate(ranks))
+        return b"".join(rows[r] for r in sorted(rows))
 
     def close(self) -> None:
-        for conn in self._peers:
+        for conn in [*(conn for conn, _ in self._children), *([self._up] if self._up is not None else [])]:
             conn.close()
-        self._peers = []
+        self._up, self._children = None, []
+
+
+def _hosts(store: dist.Store, key: str, rank: int, world_size: int, host_id: str, timeout_s: float) -> list[list[int]]:
+    """The world's ranks by host, each host's in rank order, rank 0's host first: rank 0 gathers every rank's host
+    and publishes the layout once, so the store answers 2 x world requests, not world^2."""
+    store.set(f"{key}/host/{rank}", host_id)
+    if rank != 0:
+        _wait(store, [f"{key}/hosts"], timeout_s)
+        return json.loads(store.get(f"{key}/hosts"))
+    names = [f"{key}/host/{r}" for r in range(world_size)]
+    _wait(store, names, timeout_s)
+    by_host: dict[bytes, list[int]] = {}
+    for r, name in enumerate(names):
+        by_host.setdefault(store.get(name), []).append(r)
+    hosts = list(by_host.values())  # first seen first: rank 0's host leads
+    store.set(f"{key}/hosts", json.dumps(hosts))
+    return hosts
+
+
+def _accept(store: dist.Store, key: str, rank: int, members: list[int], other_hosts: list[list[int]],
+            host: str | None, round_timeout_s: float, meet_timeout_s: float) -> list[tuple[socket.socket, list[int]]]:
+    """A leader's children: its host's other ranks (over a Unix socket), and at rank 0 the other hosts' leaders
+    (over TCP, each carrying its host's rows); members first, each kind in rank order."""
+    listeners = []
+    if members:
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        unix.bind(b"\0meshserve-step-board-" + secrets.token_hex(8).encode())
+        listeners.append((unix, f"{key}/unix/{rank}", unix.getsockname(), {m: [m] for m in members}))
+    if other_hosts:
+        tcp = socket.create_server((host, 0))
+        listeners.append((tcp, f"{key}/tcp", f"{host}:{tcp.getsockname()[1]}".encode(),
+                          {ranks[0]: ranks for ranks in other_hosts}))
+    accepted: dict[int, socket.socket] = {}
+    try:
+        for listener, name, address, expected in listeners:
+            listener.listen(len(expected))
+            listener.settimeout(meet_timeout_s)
+            store.set(name, address)
+        for listener, _, _, expected in listeners:
+            _accept_from(listener, expected, accepted, round_timeout_s)
+    except BaseException:
+        for conn in accepted.values():
+            conn.close()
+        raise
+    finally:
+        for listener, *_ in listeners:
+            listener.close()  # every child is connected: the addresses are no longer needed
+    order = [*members, *(ranks[0] for ranks in other_hosts)]
+    carried = {m: [m] for m in members} | {ranks[0]: ranks for ranks in other_hosts}
+    return [(accepted[child], carried[child]) for child in order]
+
+
+def _accept_from(listener: socket.socket, expected: dict[int, list[int]], accepted: dict[int, socket.socket],
+                 round_timeout_s: float) -> None:
+    """Take every rank `expected` names on `listener`; on TCP a connection without the cluster secret is refused
+    (and logged) and the meeting goes on."""
+    tcp = listener.family != socket.AF_UNIX
+    waiting = set(expected)
+    while waiting:
+        conn, _ = listener.accept()
+        conn.settimeout(round_timeout_s)
+        if tcp:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not cluster_auth.handshake_server(conn, purpose="step board"):
+                conn.close()
+                continue
+        (peer,) = _RANK.unpack(_receive(conn, _RANK.size, "a rank's greeting"))
+        if peer not in waiting:
+            conn.close()
+            raise ConnectionError(f"step board: unexpected greeting from rank {peer}")
+        waiting.discard(peer)
+        accepted[peer] = conn
+
+
+def _connect(store: dist.Store, name: str, host: str | None, rank: int, round_timeout_s: float,
+             meet_timeout_s: float) -> socket.socket:
+    """This rank's connection to the rank it sends its rows to: its host's leader over a Unix socket (`host`
+    None), or rank 0 over TCP."""
+    _wait(store, [name], meet_timeout_s)
+    address = store.get(name)
+    if host is None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    else:
+        listen_host, port = address.decode().rsplit(":", 1)
+        conn = socket.create_connection((listen_host, int(port)), timeout=meet_timeout_s)
+    try:
+        if host is None:
+            conn.settimeout(round_timeout_s)
+            conn.connect(address)
+        else:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            cluster_auth.handshake_client(conn)
+            conn.settimeout(round_timeout_s)
+        _send(conn, _RANK.pack(rank))
+    except OSError:
+        conn.close()
+        raise
+    return conn
+
+
+def _wait(store: dist.Store, names: list[str], timeout_s: float) -> None:
+    try:
+        store.wait(names, timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:
+        raise TimeoutError(f"step board: the ranks did not meet within {timeout_s:g} s ({exc})") from None
 
 
 def _send(conn: socket.socket, message: bytes) -> None:

@@ -77,6 +77,10 @@ MESHSERVE_RANK_TEMPLATE = EnvVar(
     "MESHSERVE_RANK_TEMPLATE", None,
     "the unix socket of this host's rank template (`meshserve rank-template`): each TE's forkserver is forked "
     "from it, torch already imported, instead of started anew (about 5 s of CPU a TE start)")
+MESHSERVE_HOST_ID = EnvVar(
+    "MESHSERVE_HOST_ID", None,
+    "the host a rank counts itself on when self-contained DP groups span hosts: ranks of one host meet on the "
+    "step board through their host's lowest rank (default: the hostname and the kernel's boot id)")
 MESHSERVE_FAULTS = EnvVar(
     "MESHSERVE_FAULTS", None,
     "tests and benchmarks only: faults to inject, `kind:key=value:...;...` (see meshserve/utils/faults.py); "
@@ -101,7 +105,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     MESHSERVE_API_KEY, MESHSERVE_ADMIN_KEY, MESHSERVE_CLUSTER_SECRET, MESHSERVE_CLUSTER_SECRET_FILE,
     MESHSERVE_CACHE, MESHSERVE_CPU_KERNELS, MESHSERVE_FUSED_DECODE, MESHSERVE_INT8_KV_SCORES, MESHSERVE_NUM_THREADS,
     MESHSERVE_RANK_TEMPLATE,
-    MASTER_ADDR, RANK,
+    MASTER_ADDR, RANK, MESHSERVE_HOST_ID,
     MESHSERVE_FAULTS, MESHSERVE_FAULT_INJECTION, MESHSERVE_EMULATED_LINK_LATENCY_MS, MESHSERVE_A2E_TIMELINE,
     MESHSERVE_NULL_MODEL_MS,
 )
@@ -179,6 +183,10 @@ def rank_template_socket() -> str | None:
 
 def master_addr() -> str | None:
     return MASTER_ADDR.get() or None
+
+
+def host_id() -> str | None:
+    return MESHSERVE_HOST_ID.get() or None
 
 
 def rank() -> int | None:

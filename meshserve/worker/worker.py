@@ -239,7 +239,8 @@ def _start_runner(rank: int, engine_config: EngineConfig, dist_init_method: str 
         redundant_experts_per_rank=engine_config.eplb_config.eplb_redundant_experts,
         collective_timeout_s=parallel_config.collective_timeout_s,
         agree_steps=parallel_config.dp_groups == "self-contained",
-        board_host=parallel_config.master_addr if parallel_config.spans_hosts else None)
+        board_host=parallel_config.master_addr if parallel_config.spans_hosts else None,
+        board_host_id=envs.host_id())
     timeline = envs.a2e_timeline()
     if timeline:  # benchmarks only: the A2E timeline (a rank without it runs unwrapped code)
         from meshserve.moe import a2e_timeline

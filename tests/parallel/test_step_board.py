@@ -1,7 +1,8 @@
 """The step board (parallel/step_board.py): every rank's row reaches every rank in rank order, and a rank that
-leaves, hangs or sends a different row fails its peers' round rather than leaving them waiting, on one host
-(Unix sockets) and across hosts (TCP, loopback here). Ranks are threads here, each with its own sockets, meeting
-in one in-process store."""
+leaves, hangs or sends a different row fails its peers' round rather than leaving them waiting, on one host (Unix
+sockets), with every rank on a host of its own (TCP to rank 0, loopback here) and with two ranks per host (each
+host's leader gathers its rows over a Unix socket and meets rank 0 over TCP). Ranks are threads here, each with its
+own sockets and a host id it is told, meeting in one in-process store."""
 from __future__ import annotations
 
 import socket
@@ -18,18 +19,26 @@ from meshserve.utils import cluster_auth
 MEET_S = 10.0
 
 
-@pytest.fixture(params=[None, "127.0.0.1"], ids=["unix", "tcp"])
-def host(request) -> str | None:
-    """Where rank 0's board listens: None on one host (a Unix socket), an address when ranks span hosts."""
+LAYOUTS = {  # name: (rank 0's TCP address or None on one host, the host id of a rank)
+    "unix": (None, None),
+    "tcp": ("127.0.0.1", lambda rank: f"host-{rank}"),
+    "two-per-host": ("127.0.0.1", lambda rank: f"host-{rank // 2}"),
+}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def host(request) -> str:
+    """How the ranks are laid out on hosts (a LAYOUTS name)."""
     return request.param
 
 
-def open_boards(world: int, host: str | None, round_timeout_s: float = 5.0, generation: int = 1,
+def open_boards(world: int, host: str, round_timeout_s: float = 5.0, generation: int = 1,
                 store: dist.Store | None = None) -> list[StepBoard]:
     store = store or dist.HashStore()
+    address, host_id = LAYOUTS[host]
     with ThreadPoolExecutor(world) as pool:
-        futures = [pool.submit(StepBoard.open, store, rank, world, generation, round_timeout_s, MEET_S, host)
-                   for rank in range(world)]
+        futures = [pool.submit(StepBoard.open, store, rank, world, generation, round_timeout_s, MEET_S, address,
+                               host_id and host_id(rank)) for rank in range(world)]
         return [future.result(timeout=MEET_S) for future in futures]
 
 
@@ -99,7 +108,8 @@ def test_each_generation_meets_on_its_own_address(host):
     first = open_boards(2, host, store=store, generation=1)
     second = open_boards(2, host, store=store, generation=2)  # what a rebuild after a rollback opens
     try:
-        assert store.get("meshserve/step-board/1") != store.get("meshserve/step-board/2")
+        where = "tcp" if host == "tcp" else "unix/0"  # rank 0's listener: for other hosts, or its own host's ranks
+        assert store.get(f"meshserve/step-board/1/{where}") != store.get(f"meshserve/step-board/2/{where}")
         assert exchange_all(second, [[7], [8]]) == [[[7], [8]]] * 2
         assert exchange_all(first, [[1], [2]]) == [[[1], [2]]] * 2
     finally:
@@ -116,8 +126,9 @@ def test_a_rank_that_never_arrives_fails_the_meeting(host):
     errors = []
 
     def rank_zero():
+        address, host_id = LAYOUTS[host]
         try:
-            StepBoard.open(dist.HashStore(), 0, 2, 1, 1.0, 0.3, host)
+            StepBoard.open(dist.HashStore(), 0, 2, 1, 1.0, 0.3, address, host_id and host_id(0))
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -142,17 +153,41 @@ def test_across_hosts_a_connection_without_the_cluster_secret_is_refused_and_the
     """Rank 0 listens on a TCP port: a stranger who finds it first is turned away, not taken for rank 1."""
     store, world = dist.HashStore(), 2
     with ThreadPoolExecutor(world) as pool:
-        zero = pool.submit(StepBoard.open, store, 0, world, 1, 5.0, MEET_S, "127.0.0.1")
-        store.wait(["meshserve/step-board/1"])
-        listen_host, port = store.get("meshserve/step-board/1").decode().rsplit(":", 1)
+        zero = pool.submit(StepBoard.open, store, 0, world, 1, 5.0, MEET_S, "127.0.0.1", "host-0")
+        store.set("meshserve/step-board/1/host/1", "host-1")
+        store.wait(["meshserve/step-board/1/tcp"])
+        listen_host, port = store.get("meshserve/step-board/1/tcp").decode().rsplit(":", 1)
         refused_before = cluster_auth.stats.tcp_refused
         with socket.create_connection((listen_host, int(port)), timeout=MEET_S) as stranger:
             with pytest.raises(cluster_auth.ClusterAuthError):
                 cluster_auth.handshake_client(stranger, secret=b"not the cluster's secret")
-        one = pool.submit(StepBoard.open, store, 1, world, 1, 5.0, MEET_S, "127.0.0.1")
+        one = pool.submit(StepBoard.open, store, 1, world, 1, 5.0, MEET_S, "127.0.0.1", "host-1")
         boards = [zero.result(timeout=MEET_S), one.result(timeout=MEET_S)]
     try:
         assert cluster_auth.stats.tcp_refused == refused_before + 1
         assert exchange_all(boards, [[1, 2], [3, 4]]) == [[[1, 2], [3, 4]]] * 2
+    finally:
+        close_all(boards)
+
+
+def test_ranks_of_one_host_meet_through_its_leader_and_rank_0_only_talks_to_the_leaders():
+    """Eight ranks on three hosts, interleaved (host of rank r: r mod 3): the table is the same rank-ordered one
+    on every rank, rank 0 holds one connection per other host plus its own host's ranks, and a member of another
+    host talks only to its leader."""
+    store, world = dist.HashStore(), 8
+    with ThreadPoolExecutor(world) as pool:
+        futures = [pool.submit(StepBoard.open, store, rank, world, 1, 5.0, MEET_S, "127.0.0.1", f"host-{rank % 3}")
+                   for rank in range(world)]
+        boards = [future.result(timeout=MEET_S) for future in futures]
+    try:
+        assert [ranks for _, ranks in boards[0]._children] == [[3], [6], [1, 4, 7], [2, 5]]
+        assert [ranks for _, ranks in boards[1]._children] == [[4], [7]] and boards[4]._children == []
+        assert boards[1]._up.family == socket.AF_INET and boards[4]._up.family == socket.AF_UNIX
+        for round_ in range(30):
+            rows = [[rank, round_, rank * round_] for rank in range(world)]
+            assert exchange_all(boards, rows) == [rows] * world
+        boards[5].close()  # a member of the third host leaves: every rank's next round fails
+        results = exchange_all(boards[:5] + boards[6:], [[r] for r in range(world) if r != 5])
+        assert all(isinstance(result, ConnectionError) for result in results), results
     finally:
         close_all(boards)

@@ -43,6 +43,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# what the remote ranks count themselves on: a host of their own (a self-contained TE's step board then reaches them
+# over TCP, as it reaches ranks of other hosts)
+ANOTHER_HOST = {**os.environ, "MESHSERVE_HOST_ID": "another-host"}
+
+
 def _worker_command(port: int, rank: int) -> list[str]:
     return [sys.executable, "-m", "meshserve.entrypoints.cli", "--log-level", "warning", "worker",
             "--engine", f"tcp://127.0.0.1:{port}", "--rank", str(rank), "--timeout", "60"]
@@ -75,7 +80,8 @@ def remote_te(model_dir, tmp_path_factory, request):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("remote") / "worker-1.log", "w")
     # started before the master on purpose: a rank waits for its master to come up
-    remote = subprocess.Popen(_worker_command(port, 1), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    remote = subprocess.Popen(_worker_command(port, 1), env=ANOTHER_HOST, stdin=subprocess.DEVNULL, stdout=log,
+                              stderr=log)
     try:
         llm = LLM(model=model_dir, **ENGINE_ARGS, parallel=PARALLEL, local_ranks=1, engine_port=port,
                   startup_timeout_s=60, dp_groups=request.param)
@@ -107,7 +113,7 @@ def test_wrong_ranks_are_refused_with_one_line(remote_te, reference):
     cases = {5: "rank 5 is outside this engine's world of 2 ranks (0..1)",
              0: "rank 0 is started by the engine itself; it expects remote rank(s) 1",
              1: "rank 1 has already joined this engine"}
-    procs = {rank: subprocess.Popen(_worker_command(port, rank), stdin=subprocess.DEVNULL,
+    procs = {rank: subprocess.Popen(_worker_command(port, rank), env=ANOTHER_HOST, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in cases}
     try:
@@ -141,8 +147,8 @@ def test_a_killed_remote_rank_that_joins_again_is_recovered_with_no_token_lost(r
         os.kill(remote.pid, signal.SIGKILL)
         remote.wait(10)
         log = open(tmp_path / "worker-1-again.log", "w")
-        replacement.append(subprocess.Popen(_worker_command(port, 1), stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=log))
+        replacement.append(subprocess.Popen(_worker_command(port, 1), env=ANOTHER_HOST, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=log))
 
     recoveries = llm.get_stats().num_recoveries
     expected = [out.outputs[0].token_ids for out in llm.generate([[5, 6, 7], [8, 9, 10, 11]], long)]
@@ -335,7 +341,8 @@ def test_a_self_contained_group_with_one_rank_here_and_one_on_another_host(model
     shell sends on to group 1's master. Its attention TP spans the hosts; the tokens are the single rank's."""
     port = _free_port()
     log = open(tmp_path / "worker-3.log", "w")
-    remote = subprocess.Popen(_worker_command(port, 3), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    remote = subprocess.Popen(_worker_command(port, 3), env=ANOTHER_HOST, stdin=subprocess.DEVNULL, stdout=log,
+                              stderr=log)
     try:
         with LLM(model=model_dir, **ENGINE_ARGS, parallel="attn=TP2+DP2 moe=TP2+EP2", local_ranks=3,
                  engine_port=port, startup_timeout_s=60, dp_groups="self-contained") as llm:
