@@ -39,6 +39,10 @@ def _worker(args: argparse.Namespace) -> int:
     rank = args.rank if args.rank is not None else envs.rank()
     if rank is None:
         raise ConfigError("give this worker's rank: --rank R (or set RANK)")
+    if args.rejoin:
+        from meshserve.worker.rejoin import run_rejoining
+
+        return run_rejoining(engine, rank, args.timeout, args.rejoin_timeout, args.log_level)
     try:
         join_engine(engine, rank, args.timeout, getattr(logging, args.log_level.upper()))
     except WorkerJoinError as exc:
@@ -88,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, default=None, help="this worker's rank (default: RANK)")
     worker.add_argument("--timeout", type=float, default=300.0,
                           help="seconds to wait for the master to answer (it may start later)")
+    worker.add_argument("--rejoin", action="store_true",
+                        help="join the TE again each time this rank's world ends (the TE restarts its ranks after a "
+                             "failure), until the TE no longer answers: the rank's own supervisor")
+    worker.add_argument("--rejoin-timeout", type=float, default=60.0,
+                        help="with --rejoin: seconds to wait for the TE's next world before stopping (default: 60)")
     worker.set_defaults(func=_worker)
 
     template = sub.add_parser("rank-template", help="keep torch imported for this host's TEs: their forkservers "

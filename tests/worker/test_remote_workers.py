@@ -352,3 +352,29 @@ def test_a_self_contained_group_with_one_rank_here_and_one_on_another_host(model
     finally:
         _stop(remote)
         log.close()
+
+
+def test_a_rank_on_another_host_that_rejoins_keeps_the_te_serving_through_a_failure_here(model_dir, tmp_path):
+    """Self-contained DP2+EP2, rank 1 on "another host" under `meshserve worker --rejoin`: rank 0 (here) is
+    killed mid-generation, the world restarts, rank 1's world ends with it and it joins the next one on its own;
+    no token is lost. Once the TE stops, the rejoining rank finds no TE and stops too."""
+    port = _free_port()
+    log = open(tmp_path / "worker-1.log", "w")
+    remote = subprocess.Popen([*_worker_command(port, 1), "--rejoin", "--rejoin-timeout", "5"], env=ANOTHER_HOST,
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    try:
+        with LLM(model=model_dir, **ENGINE_ARGS, parallel=PARALLEL, local_ranks=1, engine_port=port,
+                 startup_timeout_s=60, dp_groups="self-contained") as llm:
+            expected = [out.outputs[0].token_ids for out in llm.generate(prompts, long)]
+            llm.admin("fault.inject", {"fault": {"kind": "kill", "rank": 0, "after_steps": 6}})
+            outs = llm.generate(prompts, long)
+            assert [out.outputs[0].token_ids for out in outs] == expected
+            assert llm.get_stats().num_recoveries == 1
+        assert remote.wait(60) == 0  # the TE is gone: no world to join
+    finally:
+        _stop(remote)
+        log.close()
+    lines = (tmp_path / "worker-1.log").read_text()
+    assert "rank 1's world 1 ended" in lines and "served 2 world(s)" in lines
