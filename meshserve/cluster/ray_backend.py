@@ -314,8 +314,10 @@ class RayBackend(Backend):
             if remote_bundles and kind == "te":
                 for rank, bundle in enumerate(remote_bundles, start=resources.num_ranks - len(remote_bundles)):
                     rank_name = _rank_actor_name(name, rank)
+                    # --rejoin: the rank joins the TE's next world itself after a restart (the master cannot
+                    # start a process on another node)
                     argv = [sys.executable, "-m", "meshserve.entrypoints.cli", "worker", "--engine",
-                            status["engine_addr"], "--rank", str(rank)]
+                            status["engine_addr"], "--rank", str(rank), "--rejoin"]
                     rank_actor = self._actor(rank_name, resources.cpus_per_rank, (pg, bundle)).remote(
                         argv, "worker", {}, str(self.log_dir / f"{rank_name}.log"), env)
                     self._first_status(rank_name, rank_actor)

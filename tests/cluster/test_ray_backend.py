@@ -124,14 +124,17 @@ def test_a_te_lives_dies_restarts_and_is_adopted_through_ray(ray_address, heartb
         backend.close()
 
 
-def test_a_te_larger_than_a_node_spans_two_nodes_with_a_rank_actor(heartbeats, tiny_model, tmp_path):
+@pytest.mark.parametrize("dp_groups", ["lockstep", "self-contained"])
+def test_a_te_larger_than_a_node_spans_two_nodes_with_a_rank_actor(heartbeats, tiny_model, tmp_path, dp_groups):
     """Two Ray nodes of one core each (two raylets on this machine): a TE of two ranks gets a PACK placement
-    group over both; rank 1 runs as a rank actor on the other node and joins the master over TCP."""
+    group over both; rank 1 runs as a rank actor on the other node and joins the master over TCP (a self-contained
+    TE's shell sends it on to its group's master)."""
     from ray.cluster_utils import Cluster
 
     heartbeats, register_addr = heartbeats
     model = str(tiny_model("deepseek_v3", seed=0))
-    config = EngineConfig.from_kwargs(model, num_threads=1, te_name="wide-te", parallel="attn=TP1+DP2 moe=TP1+EP2")
+    config = EngineConfig.from_kwargs(model, num_threads=1, te_name="wide-te", parallel="attn=TP1+DP2 moe=TP1+EP2",
+                                      dp_groups=dp_groups)
     kwargs = {**_te_kwargs(model, register_addr), "config": config.to_dict()}
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 1024**2})
