@@ -157,11 +157,11 @@ def _accept(store: dist.Store, key: str, rank: int, members: list[int], other_ho
     if members:
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         unix.bind(b"\0meshserve-step-board-" + secrets.token_hex(8).encode())
-        listeners.append((unix, f"{key}/unix/{rank}", unix.getsockname(), {m: [m] for m in members}))
+        listeners.append((unix, f"{key}/unix/{rank}", unix.getsockname(), members))
     if other_hosts:
         tcp = socket.create_server((host, 0))
         listeners.append((tcp, f"{key}/tcp", f"{host}:{tcp.getsockname()[1]}".encode(),
-                          {ranks[0]: ranks for ranks in other_hosts}))
+                          [ranks[0] for ranks in other_hosts]))
     accepted: dict[int, socket.socket] = {}
     try:
         for listener, name, address, expected in listeners:
@@ -182,10 +182,10 @@ def _accept(store: dist.Store, key: str, rank: int, members: list[int], other_ho
     return [(accepted[child], carried[child]) for child in order]
 
 
-def _accept_from(listener: socket.socket, expected: dict[int, list[int]], accepted: dict[int, socket.socket],
+def _accept_from(listener: socket.socket, expected: list[int], accepted: dict[int, socket.socket],
                  round_timeout_s: float) -> None:
-    """Take every rank `expected` names on `listener`; on TCP a connection without the cluster secret is refused
-    (and logged) and the meeting goes on."""
+    """Take every rank of `expected` on `listener` into `accepted`; on TCP a connection without the cluster secret
+    is refused (and logged) and the meeting goes on."""
     tcp = listener.family != socket.AF_UNIX
     waiting = set(expected)
     while waiting:
