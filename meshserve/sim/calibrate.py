@@ -19,6 +19,13 @@ TEs that share one host's cores slow each other: `calibrate_shared` measures by 
 several TEs on this host. Decode batches of SHARED_ROWS requests per TE, sent at once, are spread over its TEs by the
 job executor's routing, so every TE steps beside the others; each step's time against what the profile of a TE
 alone (fitted first, on one TE) gives the same rows is the stretch (`stretch_beside_tes`).
+
+A scale-up costs the serving TEs too: `calibrate_scale_up` asks the cluster manager of a running deployment to add
+a TE to a pool while a batch decodes on the TEs serving, and times the batch's steps alone, while the new TE starts
+(a pre-warmed process loading its weights, its KV cache and warm-up), and while the manager's replacement
+pre-warmed process starts. Each window's stretch over the steps alone, read on the stretch beside stepping TEs,
+is what a starting TE and a starting pre-warmed process count as (`starting_te_weight`, `prewarm_weight`: in
+stepping TEs), which the simulator adds to the TEs stepping beside a step.
 """
 from __future__ import annotations
 
@@ -46,6 +53,10 @@ IDLE_S = 0.25  # how long the engine idles before each lone prompt
 BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
 REPEATS = 3
 SHARED_ROWS = (8, 16, 32)  # decode rows per TE while every TE of a shared host steps
+# the batch that decodes through a scale-up: requests, prompt tokens, output tokens (still decoding when the new TE
+# and the replacement pre-warmed process have started)
+SCALE_UP_BATCH = (16, 32, 2000)
+SCALE_UP_WAIT_S = 120.0  # the longest a scale-up's starts are followed
 
 
 class EngineStreamer:
@@ -190,6 +201,68 @@ def calibrate_shared(streamer, alone: StepProfile, tes: int, repeats: int = REPE
                                              f"{stretch:.2f}x, medians of {repeats}",
                                stretch_beside_tes=tuple(1.0 + (stretch - 1.0) * k / others
                                                         for k in range(1, others + 1)))
+
+
+def calibrate_scale_up(streamer, shared: StepProfile, ask_manager, pool: str, repeats: int = REPEATS
+                       ) -> StepProfile:
+    """`shared` with what a scale-up of `pool` costs its serving TEs (`starting_te_weight`, `prewarm_weight`), from
+    `repeats` scale-ups through `ask_manager(op, **fields)` (the cluster manager's `ClusterStatus` answers)."""
+    rng = random.Random(2)
+    size, prompt_len, output_len = SCALE_UP_BATCH
+
+    def ready(status) -> int:
+        return sum(te.state == "ready" and f"{te.group}/{te.role}" == pool for te in status.tes)
+
+    async def scale_up() -> tuple[float, float, float]:
+        """One scale-up: the median step alone, while the TE starts, while the pre-warmed replacement starts."""
+        status = await asyncio.to_thread(ask_manager, "status")
+        serving, warm = ready(status), status.warm
+        arrivals: list[list[float]] = [[] for _ in range(size)]
+        decoding = [asyncio.ensure_future(streamer(draw_prompt(rng, prompt_len), output_len, arrivals=arrivals[i]))
+                    for i in range(size)]
+        while min(len(a) for a in arrivals) < 64:  # the batch decodes: steps alone
+            await asyncio.sleep(0.005)
+        scaled = time.monotonic()
+        await asyncio.to_thread(ask_manager, "scale", pool=pool, target=serving + 1)
+        started = warmed = None
+        while warmed is None and time.monotonic() < scaled + SCALE_UP_WAIT_S:
+            status = await asyncio.to_thread(ask_manager, "status")
+            if started is None and ready(status) > serving:
+                started = time.monotonic()
+            if started is not None and status.warm >= warm:
+                warmed = time.monotonic()
+            await asyncio.sleep(0.05)
+        ends = [a[-1] if a else 0.0 for a in arrivals]
+        await asyncio.gather(*decoding)
+        await asyncio.to_thread(ask_manager, "scale", pool=pool, target=serving)
+        while ready(await asyncio.to_thread(ask_manager, "status")) > serving:  # the added TE drains and leaves
+            await asyncio.sleep(0.2)
+        if warmed is None or min(ends) < warmed:
+            raise RuntimeError(f"the scale-up of {pool} took longer than the batch decodes ({SCALE_UP_WAIT_S:g} s "
+                               f"at most): is a TE of the pool free to start, and its pre-warmed pool full?")
+        windows = ((0.0, scaled), (scaled, started), (started, warmed))
+        gaps = [[b - a for times in arrivals for a, b in zip(times, times[1:]) if low <= a and b < high]
+                for low, high in windows]
+        _log(f"scale-up: the TE served {started - scaled:.1f} s after it, its pre-warmed replacement was warm "
+             f"{warmed - started:.1f} s later")
+        return tuple(statistics.median(window) for window in gaps)
+
+    async def measure() -> list[tuple[float, float, float]]:
+        await streamer.open()
+        try:
+            return [await scale_up() for _ in range(repeats)]
+        finally:
+            await streamer.close()
+    runs = asyncio.run(measure())
+    per_te = shared.shared_cores_factor(1) - 1.0  # the stretch one stepping TE adds
+    alone, starting, warming = (statistics.median(run[i] for run in runs) for i in range(3))
+    weights = [max(0.0, (window / alone - 1.0) / per_te) for window in (starting, warming)]
+    _log(f"a starting TE stretched the serving one's steps {starting / alone:.2f}x ({weights[0]:.2f} stepping TEs), "
+         f"a starting pre-warmed process {warming / alone:.2f}x ({weights[1]:.2f})")
+    return dataclasses.replace(shared, starting_te_weight=weights[0], prewarm_weight=weights[1],
+                               source=f"{shared.source}; a scale-up of {pool}: {starting / alone:.2f}x while the "
+                                      f"TE starts, {warming / alone:.2f}x while its pre-warmed replacement does, "
+                                      f"medians of {repeats}")
 
 
 @contextlib.asynccontextmanager

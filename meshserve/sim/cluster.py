@@ -349,15 +349,19 @@ class SimCluster:
         self._push(self.now + seconds, _STEP_END, (member.spec.name, deltas))
 
     def _shared_cores_factor(self, member: _Member) -> float:
-        """How much longer `member`'s step takes on cores it shares with the other TEs whose step is under way or
-        that are starting (a TE loading and warming up keeps the cores as busy as one that steps)."""
+        """How much longer `member`'s step takes on cores it shares with the other TEs whose step is under way, and
+        those starting and the pre-warmed processes starting, each weighed in stepping TEs as the profile says."""
         profile = member.te.profile
         if not self.share_cores or not getattr(profile, "stretch_beside_tes", ()):
             return 1.0
-        busy = sum(other is not member and (other.step_ends > self.now or other.state == "starting")
-                   for other in self.members.values())
+        busy = 0.0
+        for other in self.members.values():
+            if other is not member and other.step_ends > self.now:
+                busy += 1.0
+            elif other.state == "starting":
+                busy += profile.starting_te_weight
         if self.scaler is not None:
-            busy += self.scaler.warming(self.now)
+            busy += profile.prewarm_weight * self.scaler.warming(self.now)
         return profile.shared_cores_factor(busy)
 
     def _step_end(self, name: str, deltas: list[RequestDelta]) -> None:

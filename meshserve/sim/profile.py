@@ -19,8 +19,9 @@ numbers come from (`source`).
 
 TEs on devices of their own step independently. TEs sharing one host's CPU cores do not: a profile calibrated on a
 deployment of several TEs on one host says how much longer a TE's step takes while another TE steps beside it
-(`stretch_beside_tes`, `meshserve simulate calibrate --shared-tes`); the simulator applies it to every step that
-starts while other TEs step or start (`shared_cores_factor`).
+(`stretch_beside_tes`, `meshserve simulate calibrate --shared-tes`), and what a starting TE and a starting pre-warmed
+process count as, in stepping TEs (`starting_te_weight`, `prewarm_weight`: `calibrate --scale-up`); the simulator
+applies them to every step that starts while other TEs step or start (`shared_cores_factor`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "per_prefill_megapair_ms",
          "delivery_ms")
+SCALE_UP_WEIGHTS = ("starting_te_weight", "prewarm_weight")  # optional, with stretch_beside_tes
 
 
 class ProfileError(ValueError):
@@ -83,9 +85,11 @@ class StepProfile:
     # optional, on a host whose cores TEs share: a step's time beside 1, 2, ... other busy TEs over its time alone
     # (empty: each TE has devices of its own)
     stretch_beside_tes: tuple[float, ...] = ()
+    starting_te_weight: float = 1.0  # a TE starting (its load, KV cache, warm-up), in stepping TEs
+    prewarm_weight: float = 1.0  # a pre-warmed process starting (imports, native kernels), in stepping TEs
 
     def __post_init__(self) -> None:
-        for term in TERMS:
+        for term in (*TERMS, *SCALE_UP_WEIGHTS):
             value = getattr(self, term)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ProfileError(f"profile {self.name!r}: {term} must be a number >= 0, got {value!r}")
@@ -128,7 +132,7 @@ class StepProfile:
         missing = [key for key in ("name", "source", *TERMS) if key not in data]
         if missing:
             raise ProfileError(f"{where} lacks {', '.join(missing)}")
-        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes"})
+        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes", *SCALE_UP_WEIGHTS})
         if unknown:
             raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")
         return cls(**data)

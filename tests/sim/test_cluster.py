@@ -195,6 +195,11 @@ def test_a_starting_te_keeps_the_cores_as_busy_as_one_that_steps():
     result = cluster.run(TRACE, progress=False)
     assert result["shared_cores_slowdown_mean"] == pytest.approx(1.7)
     assert result["tes"]["c1"]["steps"] == 0
+    # a start calibrated at half a stepping TE (`calibrate --scale-up`) stretches half as much
+    light = replace(shared, starting_te_weight=0.5)
+    cluster = SimCluster(deployment_specs("1c", SETTINGS, light))
+    cluster.add(TESpec("c1", "colocated", SETTINGS, light), ready_in=60.0)
+    assert cluster.run(TRACE, progress=False)["shared_cores_slowdown_mean"] == pytest.approx(1.35)
 
 
 def test_the_shared_cores_factor_is_the_measured_stretch_continued_along_its_last_slope():

@@ -252,11 +252,72 @@ def test_calibrating_tes_on_shared_cores_measures_each_steps_stretch_over_a_te_a
 
 def test_calibrating_shared_tes_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
     out = str(tmp_path / "profile.json")
+    alone = tmp_path / "alone.json"  # fitted alone, without the stretch beside other TEs
+    alone.write_text(json.dumps(StepProfile(name="alone", source="made up", base_ms=2.0, per_decode_row_ms=0.1,
+                                            per_prefill_token_ms=0.1).to_dict()))
     for flags, message in ((["--shared-tes", "2", "--alone", "a.json"], "give --url and --alone"),
                            (["--url", "http://127.0.0.1:9", "--shared-tes", "1", "--alone", "a.json"], "at least 2"),
                            (["--alone", "a.json"], "--alone goes with --shared-tes"),
                            (["--url", "http://127.0.0.1:9", "--shared-tes", "2", "--alone", str(tmp_path / "no.json")],
-                            "cannot read profile")):
+                            "cannot read profile"),
+                           (["--url", "http://127.0.0.1:9", "--scale-up", "main/colocated"], "give --url and --alone"),
+                           (["--url", "http://127.0.0.1:9", "--scale-up", "main/colocated", "--alone", str(alone)],
+                            "has no stretch_beside_tes")):
         assert main(["simulate", "calibrate", "--out", out, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+
+
+def test_a_scale_ups_cost_to_the_serving_te_is_weighed_in_stepping_tes(monkeypatch):
+    """A made-up managed deployment: its TE steps every 10 ms alone, 13 ms while the added TE starts, 16 ms while
+    the pre-warmed replacement starts; beside one stepping TE the profile says 1.6x. A starting TE then weighs 0.5
+    stepping TEs and a starting pre-warmed process 1.0; the pool is scaled back to its one TE after."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from meshserve.sim import calibrate as calibration
+
+    monkeypatch.setattr(calibration, "SCALE_UP_BATCH", (2, 8, 200))
+    start_s, warm_s = 0.4, 0.4
+    manager = {"scaled_at": None, "target": 1, "asked": []}
+
+    def phase(now: float) -> str:
+        if manager["scaled_at"] is None or manager["target"] == 1:
+            return "alone"
+        since = now - manager["scaled_at"]
+        return "starting" if since < start_s else "warming" if since < start_s + warm_s else "both ready"
+
+    def ask_manager(op: str, **fields):
+        manager["asked"].append((op, fields))
+        if op == "scale":
+            manager["target"] = fields["target"]
+            manager["scaled_at"] = time.monotonic() if fields["target"] == 2 else manager["scaled_at"]
+        now_phase = phase(time.monotonic())
+        ready = 1 if now_phase in ("alone", "starting") else 2
+        te = SimpleNamespace(state="ready", group="main", role="colocated")
+        return SimpleNamespace(tes=[te] * ready, warm=0 if now_phase in ("starting", "warming") else 1)
+
+    class Streamer:
+        path = "a made-up deployment"
+
+        async def open(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def __call__(self, prompt, output_len, arrivals=None):
+            sent = time.monotonic()
+            for _ in range(output_len):
+                step = {"alone": 0.010, "starting": 0.013, "warming": 0.016}.get(phase(time.monotonic()), 0.010)
+                await asyncio.sleep(step)
+                arrivals.append(time.monotonic())
+            return sent, arrivals[0], arrivals[-1], output_len
+
+    shared = StepProfile(name="shared", source="made up", base_ms=2.0, per_decode_row_ms=0.1,
+                         per_prefill_token_ms=0.1, stretch_beside_tes=(1.6,))
+    scaled = calibration.calibrate_scale_up(Streamer(), shared, ask_manager, "main/colocated", repeats=1)
+    assert scaled.starting_te_weight == pytest.approx(0.5, abs=0.15)
+    assert scaled.prewarm_weight == pytest.approx(1.0, abs=0.15)
+    assert scaled.stretch_beside_tes == shared.stretch_beside_tes and "a scale-up of main/colocated" in scaled.source
+    scales = [fields for op, fields in manager["asked"] if op == "scale"]
+    assert scales == [{"pool": "main/colocated", "target": 2}, {"pool": "main/colocated", "target": 1}]
