@@ -78,6 +78,7 @@ TIER_EXCEPTIONS = {
     "sim/test_calibrate.py": "engine",  # fits a profile from the real engine's steps
     **dict.fromkeys([
         "cluster/test_autoscaler.py",
+        "cluster/test_dram_preload.py",
         "docs/test_blocks.py",
         "docs/test_dependencies.py",
         "docs/test_links.py",

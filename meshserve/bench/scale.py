@@ -180,7 +180,8 @@ def managed(model: str, deployment: dict, work_dir: Path, autoscale: bool, prelo
     """A ClusterManager with the local backend, its loop on a thread; everything it started is stopped on exit."""
     # start-up: the manager only when the benchmark runs
     from meshserve.cluster.backends import LocalBackend
-    from meshserve.cluster.manager import ClusterManager, serving_in_background
+    from meshserve.cluster.manager import ClusterManager
+    from meshserve.cluster.run import serving_in_background
     from meshserve.router.deployment import MultiDeployment
     from meshserve.utils.processes import free_tcp_port
 

@@ -17,17 +17,9 @@ A new TE comes from a pre-warmed process when one is idle (`prewarm: N` keeps N 
 forks its weights from a running TE of the same pool when there is one (`ModelConfig.fork_from`); the
 models of pools that may scale are kept in the page cache (DRAM preload).
 
-Capacity and kill-P-to-preserve-D (xdeepserve §6.2, stage 2): a deployment may give `devices: N`, the ranks
-its TEs may hold at once (absent: no limit). The model is plain: a live TE holds its world size in devices, a
-dead one holds none, and the capacity is what an operator says is usable now (the file's `devices`, lowered
-with `set_capacity` or the control socket's `capacity` query when devices are lost; lowering it stops nothing,
-it bounds what starts). No TE starts or restarts beyond it; a dead decode TE's restart comes before any other
-start (its devices are reserved while it waits). When a decode TE must restart and its ranks do not fit, the
-manager stops the least loaded prefill TE(s) to free theirs: at once when the decode pool has no other serving
-TE (the JEs move the prefill TE's jobs), else by a drain; never the last TE able to prefill (a serving prefill
-or colocated TE), so new requests always have somewhere to go. Each decision is an event and counts in
-`meshserve_cluster_prefill_stopped_for_decode_total`; the prefill pool waits below its target until devices
-are back. Pre-warmed processes hold no devices here.
+Capacity and kill-P-to-preserve-D (xdeepserve §6.2, stage 2, `capacity.py`): a deployment may give `devices: N`,
+the ranks its TEs may hold at once; a dead decode TE that does not fit has prefill TEs stopped to free devices. Each
+such decision is an event and counts in `meshserve_cluster_prefill_stopped_for_decode_total`.
 
 High availability: every process outlives the manager, and the state file (`state.py`) holds what the
 manager cannot ask again; a manager restarted on the same state directory adopts the running processes
@@ -41,21 +33,21 @@ default: metrics_http.py).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources, make_backend
+from meshserve.cluster.backends import Backend, ProcessResources
+from meshserve.cluster.capacity import DeviceCapacity
+from meshserve.cluster.dram_preload import DramPreloader
+from meshserve.cluster.managed import ManagedProcess, ScaleUp
 from meshserve.cluster.metrics_http import serve_metrics_http
 from meshserve.cluster.state import ClusterState, ProcessRecord, load_state, manager_running, save_state
 from meshserve.config import ClusterConfig, ConfigError, EngineConfig, RouterConfig
@@ -75,7 +67,7 @@ from meshserve.wire.cluster import (
     WarmReady,
 )
 from meshserve.wire.codec import MessageError
-from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole, StartupTimeline
+from meshserve.wire.heartbeat import EngineHeartbeat, EngineRole
 from meshserve.wire.receive import drop_frame, recv_message
 
 logger = logging.getLogger(__name__)
@@ -87,99 +79,6 @@ QUICK_DEATH_S = 30.0  # a process that dies sooner than this after its start cou
 MAX_EVENTS = 50
 
 
-TREND_WINDOW_S = 30.0  # the load trend the DRAM preloader predicts scale-ups from
-
-
-class DramPreloader:
-    """Reads a model's checkpoint into the page cache in the background (one model at a time), and again
-    when most of it was evicted since; checked at most every `RECHECK_S` per model."""
-
-    RECHECK_S = 10.0
-    RESIDENT_ENOUGH = 0.9
-
-    def __init__(self) -> None:
-        self._checked: dict[str, float] = {}
-        self._busy: threading.Thread | None = None
-        self.preloaded: list[tuple[str, int, float]] = []  # (model, bytes, seconds), for status and benchmarks
-
-    def keep(self, model: str, now: float) -> None:
-        if self._busy is not None and self._busy.is_alive():
-            return
-        if now - self._checked.get(model, -self.RECHECK_S) < self.RECHECK_S:
-            return
-        self._checked[model] = now
-        self._busy = threading.Thread(target=self._load, args=(model,), name="meshserve-preload", daemon=True)
-        self._busy.start()
-
-    def _load(self, model: str) -> None:
-        # start-up: the page-cache helpers only when preloading
-        from meshserve.utils import page_cache
-
-        try:
-            files = page_cache.checkpoint_files(model)
-            if page_cache.resident_fraction(files) >= self.RESIDENT_ENOUGH:
-                return
-            nbytes, seconds = page_cache.preload(files)
-            self.preloaded.append((model, nbytes, seconds))
-            logger.info("DRAM preload: %s in the page cache (%.0f MB in %.1f s)", model, nbytes / 1e6, seconds)
-        except OSError as exc:
-            logger.warning("DRAM preload of %s failed: %s", model, exc)
-
-
-@dataclass
-class ScaleUp:
-    """One TE start, timed step by step (wall clock)."""
-
-    te: str
-    pool: str
-    process: str  # cold | prewarmed
-    weights: str  # checkpoint | fork
-    reason: str
-    decided_at: float
-    launched_at: float = 0.0
-    timeline: StartupTimeline | None = None
-    registered_at: float = 0.0
-
-    @property
-    def done(self) -> bool:
-        return self.registered_at > 0
-
-    def steps(self) -> dict[str, float]:
-        """Seconds per step (deepserve §6: Scaler-Pre, TE-Pre-Load, TE-Load, TE-Post-Load, Scaler-Post)."""
-        t = self.timeline
-        if t is None or not (t.load_start and t.load_end and t.ready and self.registered_at):
-            return {}
-        return {"scaler_pre": self.launched_at - self.decided_at, "te_pre_load": t.load_start - self.launched_at,
-                "te_load": t.load_end - t.load_start, "te_post_load": t.ready - t.load_end,
-                "scaler_post": self.registered_at - t.ready, "total": self.registered_at - self.decided_at}
-
-    def to_dict(self) -> dict[str, Any]:
-        t = self.timeline
-        return {"te": self.te, "pool": self.pool, "process": self.process, "weights": self.weights,
-                "reason": self.reason, "load_source": t.load_source if t else "",
-                "load_bytes": t.load_bytes if t else 0, "steps": self.steps(),
-                "pre_load_parts": t.pre_load_parts(self.launched_at) if t and self.steps() else {}}
-
-
-@dataclass
-class _Process:
-    """A process the manager runs: its record (what the state file keeps) and the live handle."""
-
-    record: ProcessRecord
-    handle: ProcessHandle | None
-    last_seen: float = 0.0  # its last heartbeat / report (monotonic); 0: none yet
-    heartbeat: EngineHeartbeat | None = None  # TEs
-    report: JobExecutorReport | None = None  # JEs
-    assign_addr: str = ""  # warm TEs: where to send WarmAssign (from its WarmReady)
-    draining: bool = False  # a TE told to drain: its exit is expected
-    quick_deaths: int = 0
-    restart_at: float = 0.0  # a dead process waits for its restart until then (backoff)
-    preempted: bool = False  # a prefill TE stopped to free its devices for a decode TE (kill-P-to-preserve-D)
-    started_mono: float = field(default_factory=time.monotonic)
-
-    @property
-    def name(self) -> str:
-        return self.record.name
 
 
 class ClusterManager:
@@ -202,20 +101,18 @@ class ClusterManager:
             raise ConfigError(f"the deployment starts TEs of {initial} ranks, more than its {deployment.devices} "
                               "devices")
         self.warm_workers = max((c.parallel_config.num_local_ranks for c in self.configs.values()), default=1)
-        self.tes: dict[str, _Process] = {}
-        self.jes: dict[str, _Process] = {}
-        self.warm: dict[str, _Process] = {}
+        self.tes: dict[str, ManagedProcess] = {}
+        self.jes: dict[str, ManagedProcess] = {}
+        self.warm: dict[str, ManagedProcess] = {}
         self.targets: dict[str, int] = {pool: spec.count for pool, spec in self.specs.items()}
         self.next_index: dict[str, int] = {}
         self.scale_ups: list[ScaleUp] = []
         self._pending_scale_ups: dict[str, ScaleUp] = {}  # TE name -> its scale-up, until registered
         self.events: deque[str] = deque(maxlen=MAX_EVENTS)
         self.last_reason: dict[str, str] = {}
-        self.capacity: int | None = deployment.devices  # devices the TEs may hold now (None: no limit)
-        self._waiting_for_devices: set[str] = set()  # TEs and pools told to wait for devices (one event each)
+        self.capacity = DeviceCapacity(self, deployment.devices)  # the devices the TEs may hold now
         self.autoscaler = None  # built in start() when the deployment asks for scaling (and `config.autoscale`)
         self.preloader = DramPreloader() if config.preload else None
-        self._load_history: dict[str, deque[tuple[float, float]]] = {pool: deque() for pool in self.specs}
         self._last_decision = 0.0
         self.metrics = None  # the Prometheus registry served on the state's metrics port (start())
         self.ctx = zmq.Context()
@@ -260,7 +157,7 @@ class ClusterManager:
     def http_addrs(self) -> list[str]:
         return [self._http_addr(je) for je in self.jes.values()]
 
-    def _http_addr(self, je: _Process) -> str:
+    def _http_addr(self, je: ManagedProcess) -> str:
         """Where a JE serves HTTP: its host, unless it runs on the manager's machine (then --host)."""
         host = je.handle.host if je.handle is not None and je.handle.host != "localhost" else self.config.host
         return f"http://{host}:{je.record.port}"
@@ -320,7 +217,7 @@ class ClusterManager:
         self.metrics = self.autoscaler.registry if self.autoscaler is not None else CollectorRegistry()
         self._restarts_metric = Counter("meshserve_cluster_restarts", "Processes restarted after a failure.",
                                         ["kind"], registry=self.metrics)
-        self._prefill_stopped_metric = Counter(
+        self.prefill_stopped_metric = Counter(
             "meshserve_cluster_prefill_stopped_for_decode", "Prefill TEs stopped to free devices for restarting a "
             "decode TE (kill-P-to-preserve-D).", registry=self.metrics)
         self._step_metric = Histogram("meshserve_cluster_scale_up_step_seconds", "Seconds per scale-up step.",
@@ -332,17 +229,17 @@ class ClusterManager:
         kept = gone = 0
         for record in previous.processes:
             handle = self.backend.adopt(record.handle)
-            proc = _Process(record, handle)
+            proc = ManagedProcess(record, handle)
             if handle is None:
                 gone += 1
-                self._event(f"{record.kind} {record.name} is gone since the last manager: "
+                self.event(f"{record.kind} {record.name} is gone since the last manager: "
                             + ("restarting it" if record.kind != "warm-te" else "dropped"))
                 if record.kind == "warm-te":
                     continue
             else:
                 kept += 1
             {"te": self.tes, "frontend": self.jes, "warm-te": self.warm}[record.kind][record.name] = proc
-        self._event(f"took over the deployment: {kept} process(es) still running, {gone} gone")
+        self.event(f"took over the deployment: {kept} process(es) still running, {gone} gone")
 
     def _build_autoscaler(self) -> None:
         if self.deployment.autoscaler is None or not self.config.autoscale:
@@ -364,7 +261,7 @@ class ClusterManager:
                       predictor=spec.predictor, max_queue_hint=spec.waiting_room(),
                       log_level=self.log_level, server=self.server)
         handle = self.backend.launch("frontend", name, kwargs)
-        self.jes[name] = _Process(ProcessRecord("frontend", name, handle.record(), port=port,
+        self.jes[name] = ManagedProcess(ProcessRecord("frontend", name, handle.record(), port=port,
                                                 register_port=register_port, started_at=time.time(),
                                                 restarts=restarts), handle)
 
@@ -382,7 +279,7 @@ class ClusterManager:
         best = min(ready, key=lambda te: te.heartbeat.stats.num_running + te.heartbeat.stats.num_waiting)
         return list(best.heartbeat.weights_addrs)
 
-    def _idle_warm(self) -> _Process | None:
+    def _idle_warm(self) -> ManagedProcess | None:
         for warm in self.warm.values():
             if warm.assign_addr and warm.handle is not None and warm.handle.alive():
                 return warm
@@ -437,11 +334,11 @@ class ClusterManager:
         source = ("prewarmed" if warm is not None else "cold") + ("+fork" if fork else "")
         record = ProcessRecord("te", name, handle.record(), pool=pool, started_at=time.time(), restarts=restarts,
                                source=source)
-        self.tes[name] = _Process(record, handle)
+        self.tes[name] = ManagedProcess(record, handle)
         scale_up = ScaleUp(name, pool, "prewarmed" if warm is not None else "cold", "fork" if fork else "checkpoint",
                            reason, decided_at, launched_at=time.time())
         self._pending_scale_ups[name] = scale_up
-        self._event(f"{'restart' if restarts else 'start'} TE {name} ({source}): {reason}")
+        self.event(f"{'restart' if restarts else 'start'} TE {name} ({source}): {reason}")
         return scale_up
 
     def _launch_warm(self) -> None:
@@ -452,9 +349,10 @@ class ClusterManager:
             name=name, manager_addr=self.register_addr, host=self.backend.advertise_host(),
             num_workers=self.warm_workers, log_level=self.log_level),
             ProcessResources(num_ranks=self.warm_workers))
-        self.warm[name] = _Process(ProcessRecord("warm-te", name, handle.record(), started_at=time.time()), handle)
+        record = ProcessRecord("warm-te", name, handle.record(), started_at=time.time())
+        self.warm[name] = ManagedProcess(record, handle)
 
-    def _drain(self, te: _Process, reason: str) -> None:
+    def drain(self, te: ManagedProcess, reason: str) -> None:
         te.draining = True
         hb = te.heartbeat
         if hb is None or te.handle is None:  # not registered yet: nothing to finish
@@ -467,10 +365,10 @@ class ClusterManager:
             sock.connect(hb.input_addr)
             sock.send(codec.encode(AdminRequest(query_id=0, op=AdminOp.DRAIN)))
             sock.close()
-        self._event(f"drain TE {te.name}: {reason}")
+        self.event(f"drain TE {te.name}: {reason}")
 
     # ------------------------------------------------------------------ the loop
-    def _pool_tes(self, pool: str, include_draining: bool = False) -> list[_Process]:
+    def _pool_tes(self, pool: str, include_draining: bool = False) -> list[ManagedProcess]:
         return [te for te in self.tes.values() if te.record.pool == pool and (include_draining or not te.draining)]
 
     def step(self) -> None:
@@ -535,7 +433,7 @@ class ClusterManager:
                 continue
             reply = self.status()
             if query.op == "down":
-                self._event("asked to stop the deployment")
+                self.event("asked to stop the deployment")
                 self._stop.set()
                 self.down_requested = True
             elif query.op == "scale":
@@ -555,111 +453,33 @@ class ClusterManager:
                                      error=f"pool {query.pool} scales between {low} and {high} TEs, not "
                                            f"{query.target}")
         self.set_target(query.pool, query.target, "operator: meshserve cluster scale")
-        self._event(f"scale {query.pool} to {query.target}: asked by an operator")
+        self.event(f"scale {query.pool} to {query.target}: asked by an operator")
         return self.status()
 
     # ------------------------------------------------------------------ capacity (kill-P-to-preserve-D)
     def set_capacity(self, devices: int | None, reason: str = "asked") -> None:
         """The devices the deployment's TEs may hold from now on (None: no limit); what runs keeps running."""
         with self._lock:
-            self.capacity = devices
-            self._waiting_for_devices.clear()  # a wait that goes on is announced again
-            self._event(f"capacity {'unlimited' if devices is None else f'{devices} device(s)'}: {reason}")
+            self.capacity.set(devices, reason)
 
     def _operator_capacity(self, query: ClusterQuery) -> ClusterStatus:
         if query.target < 1:
             return ClusterStatus(name=self.config.name, backend=self.backend.name, manager_pid=os.getpid(), ok=False,
-                                     error=f"capacity must be at least 1 device, not {query.target}")
+                                 error=f"capacity must be at least 1 device, not {query.target}")
         self.set_capacity(query.target, "asked by an operator")
         return self.status()
 
-    def _ranks(self, pool: str) -> int:
-        return self.configs[pool].parallel_config.world_size
-
-    def _free_devices(self, for_decode_restart: bool = False) -> float:
-        """Devices no live TE holds; a start other than a decode TE's restart also leaves the devices of the
-        dead decode TEs waiting for theirs."""
-        if self.capacity is None:
-            return float("inf")
-        held = sum(self._ranks(t.record.pool) for t in self.tes.values() if t.handle is not None and t.handle.alive())
-        reserved = 0 if for_decode_restart else sum(
-            self._ranks(t.record.pool) for t in self.tes.values()
-            if self.specs[t.record.pool].role == "decode" and not t.draining
-            and (t.handle is None or not t.handle.alive()))
-        return self.capacity - held - reserved
-
-    def _fits(self, pool: str, waiter: str, for_decode_restart: bool = False) -> bool:
-        """Whether one more TE of `pool` fits the capacity now; `waiter` (a TE or a pool) is told once if not."""
-        free, need = self._free_devices(for_decode_restart), self._ranks(pool)
-        if free >= need:
-            self._waiting_for_devices.discard(waiter)
-            return True
-        if waiter not in self._waiting_for_devices:
-            self._waiting_for_devices.add(waiter)
-            self._event(f"{waiter} waits for devices: needs {need}, {max(0, int(free))} free of {self.capacity}")
-        return False
-
-    def _room_to_restart(self, te: _Process) -> bool:
-        """Whether the dead `te` may restart now; a decode TE that does not fit has prefill TEs stopped to free
-        their devices (kill-P-to-preserve-D) and restarts once they are gone."""
-        pool = te.record.pool
-        decode = self.specs[pool].role == "decode"
-        if self._fits(pool, f"TE {te.name}", for_decode_restart=decode):
-            return True
-        if decode:
-            self._stop_prefill_for(te, self._ranks(pool) - int(self._free_devices(for_decode_restart=True)))
-        return False
-
-    def _stop_prefill_for(self, decode_te: _Process, short: int) -> None:
-        """Free `short` devices for `decode_te`'s restart by stopping the least loaded prefill TEs (those already
-        stopping count), never leaving no serving TE able to prefill (a prefill or colocated TE)."""
-        live = [t for t in self.tes.values() if t.handle is not None and t.handle.alive()]
-        short -= sum(self._ranks(t.record.pool) for t in live if t.preempted)
-        if short <= 0:
-            return  # the prefill TEs already stopping free enough
-        role = lambda t: self.specs[t.record.pool].role  # noqa: E731
-        able = {t.name for t in live if not t.draining and t.heartbeat is not None
-                and role(t) in ("prefill", "colocated")}
-        candidates = sorted((t for t in live if role(t) == "prefill" and not t.draining),
-                            key=lambda t: (t.heartbeat is not None, t.heartbeat.stats.num_running +
-                                           t.heartbeat.stats.num_waiting if t.heartbeat else 0))
-        # urgent when the decode pool has nothing else serving: stop at once (the JEs move its jobs), else drain
-        urgent = not any(t.heartbeat is not None and not t.draining for t in live
-                         if t.record.pool == decode_te.record.pool)
-        for victim in candidates:
-            if short <= 0:
-                return
-            if not able - {victim.name}:
-                waiter = f"TE {decode_te.name} (no prefill TE to spare)"
-                if waiter not in self._waiting_for_devices:
-                    self._waiting_for_devices.add(waiter)
-                    self._event(f"TE {decode_te.name} waits for devices: {victim.name} is the last TE able to "
-                                "prefill, it is not stopped")
-                return
-            able.discard(victim.name)
-            victim.preempted = True
-            reason = (f"kill-P-to-preserve-D: frees {self._ranks(victim.record.pool)} device(s) for restarting "
-                      f"decode TE {decode_te.name}")
-            if urgent or victim.heartbeat is None:
-                victim.draining = True
-                victim.handle.stop()
-                self._event(f"stop TE {victim.name} at once: {reason}")
-            else:
-                self._drain(victim, reason)
-            self._prefill_stopped_metric.inc()
-            short -= self._ranks(victim.record.pool)
-
-    def _heal_te(self, te: _Process, now: float) -> None:
+    def _heal_te(self, te: ManagedProcess, now: float) -> None:
         """One TE's turn: forget it if it drained, kill it if it hung, restart it (after a back-off when it keeps
         dying young) once it is dead and there is room."""
         alive = te.handle is not None and te.handle.alive()
         if not alive and te.draining:
             self._forget_te(te)
-            self._event(f"TE {te.name} drained and left")
+            self.event(f"TE {te.name} drained and left")
             return
         hung = alive and te.heartbeat is not None and now - te.last_seen > self.config.heartbeat_timeout_s
         if hung:
-            self._event(f"TE {te.name} sent no heartbeat for {now - te.last_seen:.0f} s: killing it")
+            self.event(f"TE {te.name} sent no heartbeat for {now - te.last_seen:.0f} s: killing it")
             te.handle.kill()
         if alive and not hung:
             return
@@ -669,16 +489,16 @@ class ClusterManager:
             delay = RESTART_BACKOFF_S[min(te.quick_deaths, len(RESTART_BACKOFF_S) - 1)]
             te.restart_at = now + delay
             code = te.handle.exit_code() if te.handle is not None else None
-            self._event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
+            self.event(f"TE {te.name} died" + (f" (exit code {code})" if code is not None else "")
                         + (f"; restarting in {delay:.0f} s" if delay else "; restarting"))
-        if now < te.restart_at or not self._room_to_restart(te):
+        if now < te.restart_at or not self.capacity.room_to_restart(te):
             return  # a restart without room waits for devices (a decode TE has a prefill TE's freed for it)
         self._forget_te(te)
         self._restarts_metric.labels("te").inc()
         self._scale_up(te.record.pool, "restart after a failure", name=te.name, restarts=te.record.restarts + 1)
         self.tes[te.name].quick_deaths = te.quick_deaths
 
-    def _forget_te(self, te: _Process) -> None:
+    def _forget_te(self, te: ManagedProcess) -> None:
         del self.tes[te.name]
         if te.handle is not None:
             self.backend.release(te.handle)
@@ -693,7 +513,7 @@ class ClusterManager:
                 continue
             if je.handle is not None:
                 self.backend.release(je.handle)
-            self._event(f"JE {je.name} died: restarting it on port {je.record.port}")
+            self.event(f"JE {je.name} died: restarting it on port {je.record.port}")
             self._restarts_metric.labels("frontend").inc()
             if self.autoscaler is not None:
                 self.autoscaler.forget(je.name)  # what it held died with it
@@ -712,7 +532,7 @@ class ClusterManager:
             if decision.target != self.targets.get(decision.key):
                 self.targets[decision.key] = decision.target
                 self.last_reason[decision.key] = decision.reason
-                self._event(f"scale {decision.key} to {decision.target}: {decision.reason}")
+                self.event(f"scale {decision.key} to {decision.target}: {decision.reason}")
 
     def _signals(self) -> dict:
         """Per pool: the loads its TEs report and how many run and start (the autoscaler's inputs)."""
@@ -730,7 +550,7 @@ class ClusterManager:
             tes = self._pool_tes(pool)
             want = self.targets[pool]
             for _ in range(want - len(tes)):
-                if not self._fits(pool, pool):
+                if not self.capacity.fits(pool, pool):
                     break
                 self._scale_up(pool, self.last_reason.get(pool, "below target"))
             if len(tes) > want:
@@ -738,26 +558,18 @@ class ClusterManager:
                 order = sorted(tes, key=lambda te: (te.heartbeat is not None, te.heartbeat.stats.num_running +
                                                     te.heartbeat.stats.num_waiting if te.heartbeat else 0))
                 for te in order[:len(tes) - want]:
-                    self._drain(te, self.last_reason.get(pool, "above target"))
+                    self.drain(te, self.last_reason.get(pool, "above target"))
 
     def _preload(self, now: float) -> None:
-        """DRAM preload: keep the checkpoint of every model whose pool is predicted to scale up in the page
-        cache, so the TE that scale-up starts loads from memory, not disk. Predicted: the pool can grow
-        (below its max) and its load rose over the last `TREND_WINDOW_S`, or it waits at zero."""
+        """DRAM preload: keep the checkpoint of every model whose pool is predicted to scale up in the page cache,
+        so the TE that scale-up starts loads from memory, not disk."""
         if self.preloader is None:
             return
         for pool, spec in self.specs.items():
-            tes = self._pool_tes(pool)
-            load = sum(te.heartbeat.stats.num_running + te.heartbeat.stats.num_waiting for te in tes
+            load = sum(te.heartbeat.stats.num_running + te.heartbeat.stats.num_waiting for te in self._pool_tes(pool)
                        if te.heartbeat is not None) + self._held(pool)
-            history = self._load_history[pool]
-            history.append((now, load))
-            while history and now - history[0][0] > TREND_WINDOW_S:
-                history.popleft()
-            can_grow = self.targets[pool] < spec.bounds[1]
-            rising = len(history) > 1 and history[-1][1] > history[0][1]
-            at_zero = self.targets[pool] == 0
-            if can_grow and (rising or at_zero or self._held(pool)):
+            if self.preloader.predicts_scale_up(pool, now, load, target=self.targets[pool], held=self._held(pool),
+                                                most=spec.bounds[1]):
                 self.preloader.keep(self.configs[pool].model_config.model, now)
 
     def _held(self, pool: str) -> int:
@@ -792,10 +604,10 @@ class ClusterManager:
             for step, seconds in steps.items():
                 self._step_metric.labels(step, scale_up.process, scale_up.weights).observe(max(0.0, seconds))
             if steps:
-                self._event(f"TE {name} serving {steps['total']:.2f} s after the decision (" + ", ".join(
+                self.event(f"TE {name} serving {steps['total']:.2f} s after the decision (" + ", ".join(
                     f"{k} {v:.2f}" for k, v in steps.items() if k != "total") + ")")
 
-    def _event(self, text: str) -> None:
+    def event(self, text: str) -> None:
         logger.info("%s", text)
         self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
 
@@ -884,67 +696,4 @@ class ClusterManager:
             self.tes.clear(), self.warm.clear(), self.jes.clear()
             state_file = self.state_dir / "state.json"
             state_file.unlink(missing_ok=True)
-            self._event("deployment stopped")
-
-
-@contextlib.contextmanager
-def serving_in_background(manager: ClusterManager, timeout_s: float = 600.0):
-    """Start the manager's deployment, wait until it serves, run the manager's loop on a thread; on exit stop
-    the loop and take down everything it started (benchmarks and tests)."""
-    loop = None
-    try:
-        manager.start()
-        manager.wait_serving(timeout_s)
-        loop = threading.Thread(target=manager.run, name="cluster-manager", daemon=True)
-        loop.start()
-        yield manager
-    finally:
-        manager.stop()
-        if loop is not None:
-            loop.join(10)
-        manager.down()
-        manager.close()
-
-
-def run_manager(deployment: str, model: str, state_dir: str, cluster: dict[str, Any] | None = None,
-                engine_overrides: dict | None = None, log_level: int = logging.INFO, server: dict | None = None,
-                ready_file: str | None = None) -> None:
-    """`meshserve cluster up` (also run as its own process with `--detach`): start or take over the
-    deployment and manage it until SIGTERM/SIGINT (which stop the deployment) or `cluster down`.
-    `cluster`: the ClusterConfig settings (by name; the rest keep their defaults)."""
-    # start-up: the deployment loader only here
-    from meshserve.router.deployment import load_multi
-
-    logging.basicConfig(level=log_level, format="%(asctime)s manager %(levelname)s %(message)s", force=True)
-    config = ClusterConfig.from_dict(cluster or {})
-    spec = load_multi(deployment)
-    backend_impl = make_backend(config.backend, Path(state_dir) / "logs", host=config.host,
-                                ray_address=config.ray_address, namespace=f"meshserve-{config.name}")
-    manager = ClusterManager(spec, deployment, model, backend_impl, state_dir, config,
-                             engine_overrides=engine_overrides, log_level=log_level, server=server)
-
-    def on_signal(signum, frame):
-        manager.down_requested = True
-        manager.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    taking_over = load_state(state_dir) is not None
-    try:
-        try:
-            manager.start()
-            timeout = max((c.parallel_config.startup_timeout_s for c in manager.configs.values()), default=0) + 60
-            manager.wait_serving(timeout)
-        except BaseException:
-            # a deployment that never served is stopped again; one taken over keeps running
-            manager.down_requested |= not taking_over and manager.state is not None
-            raise
-        logger.info("serving %s on %s (manager: %s, status: `meshserve status --state-dir %s`)", model,
-                    ", ".join(manager.http_addrs()), manager.control_addr, state_dir)
-        if ready_file:
-            Path(ready_file).write_text(" ".join(manager.http_addrs()))
-        manager.run()
-    finally:
-        if manager.down_requested:
-            manager.down()
-        manager.close()
+            self.event("deployment stopped")

@@ -35,18 +35,18 @@ Works on token ids and block ids only; the worker owns every tensor.
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from meshserve.config import SchedulerConfig
+from meshserve.core.context_cache_pins import ContextCachePin, ContextCachePins
 from meshserve.core.dp_balancer import DPGroupLoad
 from meshserve.core.fair_queue import FairWaitingQueue
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.base import FinishedLoad, KVConnectorScheduler
 from meshserve.core.request import Request, RequestStatus
+from meshserve.core.step_plan import BookedProgress, StepPlan
 from meshserve.wire.client import EngineStats, RequestDelta
 from meshserve.wire.errors import QueueFullError, RequestTooLongError
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVTransferParams
@@ -54,52 +54,6 @@ from meshserve.wire.worker import CachedRequestData, ModelRunnerOutput, NewReque
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _Scheduled:
-    req: Request
-    num_tokens: int
-    num_computed_before: int
-    num_drafts: int = 0  # of num_tokens, drafts to verify (speculative decoding)
-
-
-@dataclass
-class _Progress:
-    """What a scheduled step books for one request, checked when its output comes back."""
-
-    incarnation: int  # the request's preemption count then: a preempted request's output is stale
-    num_kv_ready: int  # positions whose KV the step leaves computed (shifted by verifications before it)
-    num_drafts: int
-
-
-@dataclass
-class _StepPlan:
-    """The step being built; entries can be withdrawn when their request is preempted."""
-
-    budget: int
-    entries: dict[str, _Scheduled] = field(default_factory=dict)
-
-    def add(self, req: Request, num_tokens: int, num_drafts: int = 0) -> None:
-        self.entries[req.req_id] = _Scheduled(req, num_tokens, req.num_computed_tokens, num_drafts)
-        self.budget -= num_tokens
-
-    def withdraw(self, req: Request) -> None:
-        entry = self.entries.pop(req.req_id, None)
-        if entry is not None:
-            self.budget += entry.num_tokens
-
-
-@dataclass
-class _ContextCachePin:
-    """A named context cache's blocks, pinned in the RTC's id index until `deadline` (time.monotonic)."""
-
-    token_ids: list[int]  # the tokens of the pinned full blocks, to check a request's prompt really starts with them
-    deadline: float
-    num_blocks: int = 0
-
-
-# named context caches may pin at most this share of a DP group's KV blocks: the rest keeps serving requests
-MAX_PINNED_FRACTION = 0.5
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -140,17 +94,13 @@ class Scheduler:
         self._front_seq = 0  # preempted requests go to the front of their priority class
         self._step_id = 0
         # per in-flight step: what it booked for each of its requests
-        self._step_progress: dict[int, dict[str, _Progress]] = {}
+        self._step_progress: dict[int, dict[str, BookedProgress]] = {}
         self._worker_must_drop: list[str] = []
         self.num_preemptions = 0
         # requests whose blocks a connector is loading (WAITING_FOR_REMOTE_KV), aborted ones included until the
         # load ends: the ranks write into their blocks until then
         self._num_loading = 0
-        # explicit context caching (deepserve MatchByID): cache id -> its pinned prompt blocks' tokens and expiry
-        self.context_caches: dict[str, _ContextCachePin] = {}
-        # kept as the caches come and go, so admission and expiry cost O(log n), not a scan of every cache
-        self._num_pinned = 0
-        self._pin_deadlines: list[tuple[float, str]] = []  # heap; an entry whose pin is gone or renewed is skipped
+        self.pins = ContextCachePins(kv_manager)  # explicit context caching (deepserve MatchByID)
 
     # ------------------------------------------------------------ queue
     @property
@@ -179,14 +129,15 @@ class Scheduler:
             raise ValueError(f"request {req.req_id!r} has already been scheduled; add a fresh Request")
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        self._check_fits(req)
+        self.check_fits(req)
         req.arrival_seq = self._add_seq
         req.queue_key = (req.priority, 1, req.arrival_time, self._add_seq)
         self._add_seq += 1
         self._requests[req.req_id] = req
         self._waiting.add(req)
 
-    def _check_fits(self, req: Request) -> None:
+    def check_fits(self, req: Request) -> None:
+        """Raise RequestTooLongError when `req` could never run here (also asked before a request is queued)."""
         cfg = self.config
         prompt = req.num_prompt_tokens
         max_tokens = req.sampling_params.max_tokens
@@ -221,13 +172,13 @@ class Scheduler:
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         self._step_id += 1
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         preempted_now: set[str] = set()
         self._schedule_running(plan, preempted_now)
         self._schedule_waiting(plan, preempted_now)
         return self._finalize(plan)
 
-    def _schedule_running(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+    def _schedule_running(self, plan: StepPlan, preempted_now: set[str]) -> None:
         # in victim order, so a victim is always the current request or one not yet scheduled
         self._running.sort(key=_victim_key)
         for req in list(self._running):
@@ -269,7 +220,7 @@ class Scheduler:
             return 0
         return max(0, min(self.num_speculative_tokens - 1, self.max_model_len - num_tokens))
 
-    def _schedule_waiting(self, plan: _StepPlan, preempted_now: set[str]) -> None:
+    def _schedule_waiting(self, plan: StepPlan, preempted_now: set[str]) -> None:
         # by priority, the tenants taking turns within one (fair_queue.py); the order counts each request as
         # taken, so it holds for the whole step until a preemption puts victims back
         order = self._waiting.ordered()
@@ -306,7 +257,7 @@ class Scheduler:
                 return num_external, connector
         return 0, None
 
-    def _start_compute(self, req: Request, hit_blocks: list[int], plan: _StepPlan, preempted_now: set[str]) -> bool:
+    def _start_compute(self, req: Request, hit_blocks: list[int], plan: StepPlan, preempted_now: set[str]) -> bool:
         """Schedule a waiting request's prompt (past its prefix-cache hit) into this step; False when it
         does not fit yet."""
         num_local = len(hit_blocks)
@@ -330,7 +281,7 @@ class Scheduler:
         plan.add(req, num_new)
         return True
 
-    def _take_blocks(self, req: Request, hit_blocks: list[int], num_tokens: int, plan: _StepPlan,
+    def _take_blocks(self, req: Request, hit_blocks: list[int], num_tokens: int, plan: StepPlan,
                      preempted_now: set[str], may_preempt: bool = True) -> bool:
         """Take a waiting request's cached blocks and grow its table to `num_tokens`, and move it off the
         waiting queue; False (nothing taken) when the blocks cannot be had."""
@@ -347,7 +298,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ remote KV (KV connectors)
     def _start_load(self, req: Request, hit_blocks: list[int], num_external: int, connector: KVConnectorScheduler,
-                    plan: _StepPlan, preempted_now: set[str]) -> bool:
+                    plan: StepPlan, preempted_now: set[str]) -> bool:
         """Allocate the blocks `connector` loads `num_external` tokens into and have it order the load; the
         request waits (WAITING_FOR_REMOTE_KV) while the ranks load in the background and the TE keeps stepping
         its other requests. False when the blocks cannot be had yet."""
@@ -407,7 +358,7 @@ class Scheduler:
             params = connector.request_finished(req) or params
         return params
 
-    def _allocate(self, req: Request, num_tokens: int, plan: _StepPlan, preempted_now: set[str],
+    def _allocate(self, req: Request, num_tokens: int, plan: StepPlan, preempted_now: set[str],
                   may_preempt: bool = True) -> bool:
         """Grow req's block table to hold num_tokens, preempting lower-ranked running requests
         while blocks are short (if it may). False when req itself ranks lowest (nothing is allocated)."""
@@ -424,7 +375,7 @@ class Scheduler:
             self._preempt(victim, plan, preempted_now)
         return True
 
-    def _preempt(self, req: Request, plan: _StepPlan, preempted_now: set[str]) -> None:
+    def _preempt(self, req: Request, plan: StepPlan, preempted_now: set[str]) -> None:
         plan.withdraw(req)
         self._release(req, cache=True)
         self._running.remove(req)
@@ -456,13 +407,13 @@ class Scheduler:
             self._worker_must_drop.append(req.req_id)
             req.in_worker = False
 
-    def _finalize(self, plan: _StepPlan) -> SchedulerOutput:
+    def _finalize(self, plan: StepPlan) -> SchedulerOutput:
         out = SchedulerOutput(step_id=self._step_id,
                               num_draft_tokens=self.num_speculative_tokens if self.speculating else 0,
                               mtp_catch_up=self.mtp_catch_up or self.speculating)
         if not plan.entries:
             return out  # the drop list waits for a step that reaches the worker
-        progress: dict[str, _Progress] = {}
+        progress: dict[str, BookedProgress] = {}
         for req_id, entry in plan.entries.items():
             req = entry.req
             if req.in_worker:
@@ -489,7 +440,7 @@ class Scheduler:
                 req.num_output_placeholders += 1
                 req.pending_sample_steps.append(self._step_id)
             out.num_scheduled_tokens[req_id] = entry.num_tokens
-            progress[req_id] = _Progress(req.num_preemptions, req.num_computed_tokens, entry.num_drafts)
+            progress[req_id] = BookedProgress(req.num_preemptions, req.num_computed_tokens, entry.num_drafts)
         out.finished_req_ids = self._worker_must_drop
         self._worker_must_drop = []
         self._step_progress[self._step_id] = progress
@@ -512,7 +463,7 @@ class Scheduler:
                 continue
             req.num_kv_ready_tokens = max(req.num_kv_ready_tokens, kv_ready)
             if req.context_cache_ttl_s is not None:
-                self._pin_context_cache(req)  # before the token: a request that finishes now frees its blocks
+                self.pins.pin(req)  # before the token: a request that finishes now frees its blocks
             if req.pending_sample_steps and req.pending_sample_steps[0] == sched.step_id:
                 req.pending_sample_steps.popleft()
                 req.num_output_placeholders -= 1
@@ -687,7 +638,7 @@ class Scheduler:
         if self.kv_manager.enable_prefix_caching:
             prefix = self.kv_manager.match_by_prefix(tokens, max_tokens=limit, record=False,
                                                      cache_salt=req.tenancy.cache_salt)
-        pinned = self._match_context_cache(req.context_cache_id, tokens, limit)
+        pinned = self.pins.match(req.context_cache_id, tokens, limit)
         # a block's KV depends only on the tokens up to it, so pinned and tree blocks of equal tokens mix freely
         hit = pinned + prefix[len(pinned):]
         if self.num_speculative_tokens and hit:
@@ -696,53 +647,22 @@ class Scheduler:
             hit = hit[:-1]
         return hit
 
-    def _match_context_cache(self, cache_id: str | None, tokens: list[int], limit: int) -> list[int]:
-        """The pinned blocks of `cache_id` that lead `tokens` (within `limit` tokens); none for an id this
-        engine does not know (it restarted, or another engine made it): prefix matching alone serves it."""
-        pin = self.context_caches.get(cache_id) if cache_id is not None else None
-        if pin is None:
-            return []
-        blocks = self.kv_manager.match_by_id(cache_id) or []
-        bs = self.block_size
-        n = 0
-        while (n < len(blocks) and (n + 1) * bs <= limit
-               and tokens[n * bs:(n + 1) * bs] == pin.token_ids[n * bs:(n + 1) * bs]):
-            n += 1
-        return blocks[:n]
+    @property
+    def context_caches(self) -> dict[str, ContextCachePin]:
+        return self.pins.pins
 
     @property
     def num_pinned_blocks(self) -> int:
-        return self._num_pinned
+        return self.pins.num_pinned_blocks
 
     def can_pin(self, num_blocks: int) -> bool:
         """Whether named context caches may pin `num_blocks` more blocks here."""
-        return self.num_pinned_blocks + num_blocks <= int(MAX_PINNED_FRACTION * self.kv_manager.num_blocks)
-
-    def _pin_context_cache(self, req: Request) -> None:
-        """Once a creating request's prompt KV is computed, pin its full prompt blocks under the cache id."""
-        bs = self.block_size
-        num_full = req.num_prompt_tokens // bs
-        if req.num_kv_ready_tokens < num_full * bs:
-            return
-        if not self.can_pin(num_full):  # others were pinned since its admission: it stays a plain prefix
-            logger.warning("context cache %s not pinned: named caches would hold over %.0f%% of the KV blocks",
-                           req.context_cache_id, 100 * MAX_PINNED_FRACTION)
-            req.context_cache_ttl_s = None
-            return
-        self.kv_manager.register_id(req.context_cache_id, req.block_ids[:num_full])  # one reference each: never evicted
-        pin = _ContextCachePin(token_ids=list(req.prompt_token_ids[:num_full * bs]),
-                               deadline=time.monotonic() + req.context_cache_ttl_s, num_blocks=num_full)
-        self._forget_pin(req.context_cache_id)
-        self.context_caches[req.context_cache_id] = pin
-        self._num_pinned += num_full
-        heapq.heappush(self._pin_deadlines, (pin.deadline, req.context_cache_id))
-        req.context_cache_ttl_s = None
-        logger.debug("context cache %s: %d blocks pinned", req.context_cache_id, num_full)
+        return self.pins.can_pin(num_blocks)
 
     def drop_context_cache(self, cache_id: str) -> bool:
         """Unpin a named cache (deleted or expired), and stop a request still creating it from pinning;
         False when this scheduler knew nothing of it."""
-        known = self._forget_pin(cache_id)
+        known = self.pins.forget(cache_id)
         known = self.kv_manager.unregister_id(cache_id) or known
         for req in self._requests.values():
             if req.context_cache_id == cache_id and req.context_cache_ttl_s is not None:
@@ -752,25 +672,10 @@ class Scheduler:
 
     def expire_context_caches(self, now: float | None = None) -> list[str]:
         """Unpin the named caches whose ttl has passed."""
-        now = time.monotonic() if now is None else now
-        expired = []
-        while self._pin_deadlines and self._pin_deadlines[0][0] <= now:
-            deadline, cache_id = heapq.heappop(self._pin_deadlines)
-            pin = self.context_caches.get(cache_id)
-            if pin is not None and pin.deadline == deadline:
-                self.drop_context_cache(cache_id)
-                expired.append(cache_id)
+        expired = self.pins.expired(time.monotonic() if now is None else now)
+        for cache_id in expired:
+            self.drop_context_cache(cache_id)
         return expired
-
-    def _forget_pin(self, cache_id: str) -> bool:
-        pin = self.context_caches.pop(cache_id, None)
-        if pin is not None:
-            self._num_pinned -= pin.num_blocks
-        return pin is not None
-
-    def check_fits(self, req: Request) -> None:
-        """Raise RequestTooLongError when `req` could never run here (used before a request is queued)."""
-        self._check_fits(req)
 
     def stats(self) -> EngineStats:
         waiting_tokens = sum(r.num_tokens for r in self._waiting)

@@ -78,7 +78,7 @@ def _add_state_dir_argument(parser: argparse.ArgumentParser) -> None:
 
 def cluster_up(args: argparse.Namespace) -> int:
     # start-up: the manager, the deployment reader and the server options only for this command
-    from meshserve.cluster.manager import run_manager
+    from meshserve.cluster.run import run_manager
     from meshserve.entrypoints.openai.server_options import check_bind, server_options_from_args
     from meshserve.entrypoints.serve import resolve_model
     from meshserve.router.deployment import load_multi

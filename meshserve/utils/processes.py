@@ -44,7 +44,7 @@ PROCESS_ENTRY_POINTS: dict[str, str] = {
     "pool-server": "meshserve.pool.server:run_server",  # one memory pool server
     "warm-te": "meshserve.cluster.warm:run_warm_te",  # a pre-warmed TE shell, handed a model and role later
     "warm-worker": "meshserve.cluster.warm:run_warm_worker",  # a spare rank of a pre-warmed TE
-    "cluster-manager": "meshserve.cluster.manager:run_manager",  # `meshserve cluster up` in the background
+    "cluster-manager": "meshserve.cluster.run:run_manager",  # `meshserve cluster up` in the background
     "rank-template": "meshserve.core.rank_template:run_rank_template",  # forkservers for a host's TEs
 }
 RUNNER_MODULE = "meshserve.utils.processes"  # this module, run as `python -m`

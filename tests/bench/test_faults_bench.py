@@ -15,14 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from meshserve.bench.faults import (
-    FAULT_NAMES,
-    QUICK_FAULTS,
-    detection,
-    plot_faults,
-    summary_lines,
-    throughput_effect,
-)
+from meshserve.bench.faults import FAULT_NAMES, QUICK_FAULTS, plot_faults, summary_lines
 from meshserve.bench.faults_load import (
     COMPLETED,
     FAILED,
@@ -33,6 +26,7 @@ from meshserve.bench.faults_load import (
     reference_tokens,
     throughput_series,
 )
+from meshserve.bench.faults_observe import detection, throughput_effect
 from meshserve.entrypoints.cli import main
 from meshserve.utils.processes import free_tcp_port
 

@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from meshserve.cluster.backends import Backend, ProcessHandle, ProcessResources
-from meshserve.cluster.manager import ClusterManager, serving_in_background
+from meshserve.cluster.manager import ClusterManager
+from meshserve.cluster.run import serving_in_background
 from meshserve.config import ClusterConfig, ConfigError
 from meshserve.router.deployment import MultiDeployment
 from meshserve.utils import cluster_auth
