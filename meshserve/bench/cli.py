@@ -157,6 +157,11 @@ def serve_command(args: argparse.Namespace) -> int:
         write_jsonl([TraceRequest(r["send_time_s"], r["prompt_tokens"], r["requested_output_tokens"]) for r in sent],
                     args.record_trace)
         print(f"wrote the trace of {len(sent)} requests to {args.record_trace}")
+        cached = result.get("cached_prompt_tokens_total", 0)
+        if cached:  # e.g. an earlier run's prompts, sent again with the same --seed to the same server
+            print(f"warning: the server took {cached} of {result['prompt_tokens_total']} prompt tokens from its prefix "
+                  "cache; the trace does not hold them, and a simulation of it prefills every prompt (send prompts "
+                  "the server has not seen: another --seed)", file=sys.stderr)
     return 0
 
 

@@ -68,6 +68,7 @@ class RequestRecord:
     e2e_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (its usage's cached_tokens)
     ok: bool = False
     error: str | None = None
 
@@ -132,6 +133,8 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float,
         "goodput": goodput(records, duration_s, slo_ttft_ms, slo_tpot_ms),
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
         "output_tokens_total": output_tokens,
+        "prompt_tokens_total": prompt_tokens,
+        "cached_prompt_tokens_total": sum(r.cached_tokens for r in ok),
         "ttft_ms": report.summarize(ms(r.ttft_s for r in ok if r.ttft_s is not None)),
         "tpot_ms": report.summarize(ms(r.tpot_s for r in ok if r.tpot_s is not None)),
         "itl_ms": report.summarize(ms(itl for r in ok for itl in r.itls_s)),
@@ -199,6 +202,8 @@ async def send_request(client: httpx.AsyncClient, model: str, request: WorkloadR
                     chunks += 1
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
+                    record.cached_tokens = int((event["usage"].get("prompt_tokens_details") or {})
+                                               .get("cached_tokens") or 0)
         record.e2e_s = time.perf_counter() - start
         record.output_tokens = int(usage_tokens) if usage_tokens is not None else chunks
         if not done:

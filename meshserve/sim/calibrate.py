@@ -10,10 +10,15 @@ executor's hops too). Workloads:
 - prefill: lone prompts of 64 to 1024 tokens, each sent to an idle engine as a lone request finds it: the time
   to the first token is one prefill step of that prompt and the delivery (an idle engine's master and ranks wait
   in their polls, and waking them is part of it);
-- mixed: a prompt arriving while a batch decodes: the longest gap between the batch's tokens is the step that
-  holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE).
+- mixed: a prompt arriving while a batch decodes: the batch's gap that ends with the prompt's first token is the
+  step that holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE);
+- waking: the shortest lone prompt sent as soon as the one before it ended, and after WAKE_IDLE_S of idling: what
+  the time to the first token gains after IDLE_S and WAKE_IDLE_S is the profile's `wake_after_idle`, and the lone
+  prompts' times are fitted without it (a host whose cores clock down when idle makes a TE's first step after a
+  pause slower, which an engine under load never pays).
 
-Medians of `REPEATS` runs each, fitted by `meshserve.sim.profile.fit`; progress is logged per workload.
+Medians of `REPEATS` runs each, taken in rounds (every workload once per round, so that a host's drift moves every
+point alike), fitted by `meshserve.sim.profile.fit`; progress is logged per round.
 
 TEs that share one host's cores slow each other: `calibrate_shared` measures by how much, on a running deployment of
 several TEs on this host. Decode batches of SHARED_ROWS requests per TE, sent at once, are spread over its TEs by the
@@ -45,11 +50,12 @@ from meshserve.sim.te import draw_prompt
 from meshserve.utils import report
 
 # (requests at once, prompt tokens, output tokens)
-DECODE_POINTS = ((1, 32, 48), (4, 32, 48), (16, 32, 48), (64, 32, 48), (4, 512, 48))
+DECODE_POINTS = ((1, 32, 48), (4, 32, 48), (16, 32, 48), (64, 32, 48), (4, 512, 48), (16, 512, 48))
 PREFILL_POINTS = (64, 256, 512, 1024)
 MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tokens)
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
+WAKE_IDLE_S = 1.0  # ... and before one more of the shortest, against one sent as the last one ends: the waking cost
 BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
 REPEATS = 3
 SHARED_ROWS = (8, 16, 32)  # decode rows per TE while every TE of a shared host steps
@@ -112,18 +118,18 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
         return await asyncio.gather(*(streamer(draw_prompt(rng, prompt_len), output_len) for _ in range(size)))
 
     async def mixed_step(size: int, prompt_len: int) -> float:
-        """The longest gap between a decoding batch's tokens while a prompt joins it (the mixed step)."""
+        """The step that holds a decoding batch and a prompt joining it (the mixed step): each decoding request's
+        gap that ends with the prompt's first token (the step that prefilled the prompt delivered both), the
+        median over the batch. Not the longest gap after the prompt came: of the dozens of steps that follow, the
+        longest is whichever a hiccup of the host stretched."""
         arrivals: list[list[float]] = [[] for _ in range(size)]
         decoding = [asyncio.ensure_future(streamer(draw_prompt(rng, 32), MIXED_OUTPUT, arrivals=arrivals[i]))
                     for i in range(size)]
         while min(len(a) for a in arrivals) < MIXED_OUTPUT // 4:  # the batch is decoding
             await asyncio.sleep(0.001)
-        joined = time.monotonic()
-        await streamer(draw_prompt(rng, prompt_len), 1)
+        _, first, _, _ = await streamer(draw_prompt(rng, prompt_len), 1)
         await asyncio.gather(*decoding)
-        # the gap of the first request's tokens that spans the prompt's arrival and prefill
-        times = arrivals[0]
-        return max(b - a for a, b in zip(times, times[1:]) if b >= joined)
+        return statistics.median(_gap_ending_at(times, first) for times in arrivals)
 
     async def prompts_elsewhere() -> None:
         """Prompts of one token each: only a P/D deployment's prefill TE runs them."""
@@ -136,42 +142,77 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
             await batch(BUSY_DECODES, 32, BUSY_OUTPUT)
 
     async def measure() -> tuple[list, list]:
+        """Every workload once per round, `repeats` rounds: each point's median spans the whole calibration, so
+        a host that runs faster or slower for a while moves every point alike, not the points measured then (the
+        terms are fitted from the points' differences)."""
         await streamer.open()
         try:
             await batch(2, 32, 8)  # warm-up
-            steps, first_tokens = [], []
-            for size, prompt_len, output_len in DECODE_POINTS:
-                async with _busy(keep_other_busy and prompts_elsewhere):  # P/D: the prefill TE works meanwhile
-                    gaps = [(last - first) / (n - 1) for _ in range(repeats)
-                            for _, first, last, n in await batch(size, prompt_len, output_len)]
-                per_group = max(1, size // dp)
-                work = GroupWork(decode_rows=per_group, context_tokens=per_group * (prompt_len + output_len // 2))
-                steps.append((work, statistics.median(gaps)))
-                _log(f"decode batch {size} prompt {prompt_len}: {1e3 * steps[-1][1]:.1f} ms per step")
-            for prompt_len in PREFILL_POINTS:
-                ttfts = []
-                for _ in range(repeats):
+            decode_gaps: list[list[float]] = [[] for _ in DECODE_POINTS]
+            ttfts: list[list[float]] = [[] for _ in PREFILL_POINTS]
+            mixed_gaps: list[list[float]] = [[] for _ in MIXED_POINTS]
+            woken: dict[float, list[float]] = {0.0: [], WAKE_IDLE_S: []}  # idle s -> the shortest prompt's times
+            for round_ in range(repeats):
+                for i, (size, prompt_len, output_len) in enumerate(DECODE_POINTS):
+                    async with _busy(keep_other_busy and prompts_elsewhere):  # P/D: the prefill TE works meanwhile
+                        decode_gaps[i] += [(last - first) / (n - 1)
+                                           for _, first, last, n in await batch(size, prompt_len, output_len)]
+                for i, prompt_len in enumerate(PREFILL_POINTS):
                     await asyncio.sleep(IDLE_S)
                     async with _busy(keep_other_busy and decodes_elsewhere):  # P/D: the decode TE works meanwhile
                         (sent, first, _, _), = await batch(1, prompt_len, 1)
-                    ttfts.append(first - sent)
-                first_tokens.append((GroupWork.prompt(prompt_len), statistics.median(ttfts)))
-                _log(f"prefill {prompt_len} tokens: {1e3 * first_tokens[-1][1]:.1f} ms to the first token")
-            for size, prompt_len in MIXED_POINTS if mixed else ():
-                gaps = [await mixed_step(size, prompt_len) for _ in range(repeats)]
-                per_group = max(1, size // dp)
-                work = GroupWork(decode_rows=per_group, context_tokens=per_group * (32 + MIXED_OUTPUT // 2),
-                                 prefill_tokens=prompt_len, prefill_pairs=prompt_len * prompt_len / 2)
-                steps.append((work, statistics.median(gaps)))
-                _log(f"{size} decoding + a {prompt_len}-token prompt: {1e3 * steps[-1][1]:.1f} ms for that step")
-            return steps, first_tokens
+                    ttfts[i].append(first - sent)
+                for idle_s, times in woken.items():  # 0: right after the last lone prompt ended
+                    await asyncio.sleep(idle_s)
+                    async with _busy(keep_other_busy and decodes_elsewhere):
+                        (sent, first, _, _), = await batch(1, PREFILL_POINTS[0], 1)
+                    times.append(first - sent)
+                for i, (size, prompt_len) in enumerate(MIXED_POINTS if mixed else ()):
+                    mixed_gaps[i].append(await mixed_step(size, prompt_len))
+                _log(f"round {round_ + 1} of {repeats} done")
+            return _medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken)
         finally:
             await streamer.close()
-    steps, first_tokens = asyncio.run(measure())
+    steps, first_tokens, wake = asyncio.run(measure())
     workloads = f"{len(DECODE_POINTS)} decode, {len(PREFILL_POINTS)} prefill" + (
         f" and {len(MIXED_POINTS)} mixed" if mixed else "")
-    return fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
-               f"{streamer.path}: {workloads} workloads, medians of {repeats}", steps, first_tokens)
+    profile = fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
+                  f"{streamer.path}: {workloads} workloads and waking, medians of {repeats}", steps, first_tokens)
+    return dataclasses.replace(profile, wake_after_idle=wake)
+
+
+def _gap_ending_at(times: list[float], moment: float) -> float:
+    """The gap between consecutive `times` whose end is nearest `moment`."""
+    end = min(range(1, len(times)), key=lambda i: abs(times[i] - moment))
+    return times[end] - times[end - 1]
+
+
+def _medians(dp: int, decode_gaps: list[list[float]], ttfts: list[list[float]], mixed_gaps: list[list[float]],
+             woken: dict[float, list[float]]) -> tuple[list, list, tuple]:
+    """The fit's points from every round's samples: (group work, median step) for the decode and mixed
+    workloads, (prompt, median time to the first token, less the waking after IDLE_S) for the prefill ones, and
+    the waking cost ((idle s, ms) points); each logged."""
+    steps, first_tokens = [], []
+    for (size, prompt_len, output_len), gaps in zip(DECODE_POINTS, decode_gaps):
+        per_group = max(1, size // dp)
+        work = GroupWork(decode_rows=per_group, context_tokens=per_group * (prompt_len + output_len // 2))
+        steps.append((work, statistics.median(gaps)))
+        _log(f"decode batch {size} prompt {prompt_len}: {1e3 * steps[-1][1]:.1f} ms per step")
+    awake = statistics.median(woken[0.0])
+    wake = ((IDLE_S, max(0.0, statistics.median(ttfts[0]) - awake)),
+            (WAKE_IDLE_S, max(0.0, statistics.median(woken[WAKE_IDLE_S]) - awake)))
+    _log(f"prefill {PREFILL_POINTS[0]} tokens: {1e3 * awake:.1f} ms to the first token right after another, "
+         + ", ".join(f"{1e3 * extra:.1f} ms more after {idle_s:g} s idle" for idle_s, extra in wake))
+    for prompt_len, times in zip(PREFILL_POINTS, ttfts):
+        first_tokens.append((GroupWork.prompt(prompt_len), max(1e-4, statistics.median(times) - wake[0][1])))
+        _log(f"prefill {prompt_len} tokens: {1e3 * statistics.median(times):.1f} ms to the first token")
+    for (size, prompt_len), gaps in zip(MIXED_POINTS, mixed_gaps):
+        per_group = max(1, size // dp)
+        work = GroupWork(decode_rows=per_group, context_tokens=per_group * (32 + MIXED_OUTPUT // 2),
+                         prefill_tokens=prompt_len, prefill_pairs=prompt_len * prompt_len / 2)
+        steps.append((work, statistics.median(gaps)))
+        _log(f"{size} decoding + a {prompt_len}-token prompt: {1e3 * steps[-1][1]:.1f} ms for that step")
+    return steps, first_tokens, tuple((idle_s, 1e3 * extra) for idle_s, extra in wake)
 
 
 def calibrate_shared(streamer, alone: StepProfile, tes: int, repeats: int = REPEATS) -> StepProfile:

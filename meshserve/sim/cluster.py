@@ -338,6 +338,9 @@ class SimCluster:
         seconds, deltas = te.step(self.now)
         slowdown = self._shared_cores_factor(member)
         seconds *= slowdown
+        wake = getattr(te.profile, "wake_seconds", None)
+        if wake is not None:  # a TE that idled since its last step (or since the start) wakes slower
+            seconds += wake(max(0.0, self.now - member.step_ends))
         self._slowdown_sum += slowdown
         self._slowed_steps += slowdown > 1.0
         member.last_start, member.step_ends = self.now, self.now + seconds

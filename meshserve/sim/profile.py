@@ -22,6 +22,12 @@ deployment of several TEs on one host says how much longer a TE's step takes whi
 (`stretch_beside_tes`, `meshserve simulate calibrate --shared-tes`), and what a starting TE and a starting pre-warmed
 process count as, in stepping TEs (`starting_te_weight`, `prewarm_weight`: `calibrate --scale-up`); the simulator
 applies them to every step that starts while other TEs step or start (`shared_cores_factor`).
+
+A host may also run slower for a while after it idled (cores clocked down, caches and the scheduler's state cold):
+`wake_after_idle` says how much longer a TE's first step after `idle_s` seconds without work takes (points of
+(idle_s, extra_ms), on straight lines from (0, 0), the last one's beyond them; `calibrate` measures it with lone
+prompts after different idle times). Without it, `delivery_ms` holds whatever waking cost the prompts it was fitted
+from paid, at every load.
 """
 from __future__ import annotations
 
@@ -87,6 +93,8 @@ class StepProfile:
     stretch_beside_tes: tuple[float, ...] = ()
     starting_te_weight: float = 1.0  # a TE starting (its load, KV cache, warm-up), in stepping TEs
     prewarm_weight: float = 1.0  # a pre-warmed process starting (imports, native kernels), in stepping TEs
+    # optional: (idle_s, extra_ms) points, how much longer the first step after idling that long takes
+    wake_after_idle: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for term in (*TERMS, *SCALE_UP_WEIGHTS):
@@ -99,6 +107,14 @@ class StepProfile:
             raise ProfileError(f"profile {self.name!r}: stretch_beside_tes must be a list of numbers >= 1, "
                                f"got {stretch!r}")
         object.__setattr__(self, "stretch_beside_tes", tuple(float(x) for x in stretch))
+        wake = self.wake_after_idle
+        if not isinstance(wake, (list, tuple)) or any(
+                not isinstance(point, (list, tuple)) or len(point) != 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 for x in point)
+                for point in wake) or [p[0] for p in wake] != sorted({p[0] for p in wake}):
+            raise ProfileError(f"profile {self.name!r}: wake_after_idle must be a list of [idle_s, extra_ms] pairs "
+                               f"of numbers >= 0, idle_s rising, got {wake!r}")
+        object.__setattr__(self, "wake_after_idle", tuple((float(i), float(ms)) for i, ms in wake))
 
     def group_seconds(self, work: GroupWork) -> float:
         return 1e-3 * (self.base_ms + self.per_decode_row_ms * (work.decode_rows + work.draft_rows)
@@ -120,6 +136,17 @@ class StepProfile:
         below = min(int(other_tes), len(stretch) - 2)
         return stretch[below] + (other_tes - below) * (stretch[below + 1] - stretch[below])
 
+    def wake_seconds(self, idle_s: float) -> float:
+        """How much longer a TE's first step after `idle_s` seconds without work takes (0 without `wake_after_idle`):
+        on straight lines from (0, 0) through the measured points, the last point's beyond them."""
+        below_s, below_ms = 0.0, 0.0
+        for point_s, point_ms in self.wake_after_idle:
+            if idle_s <= point_s:
+                share = (idle_s - below_s) / (point_s - below_s) if point_s > below_s else 1.0
+                return 1e-3 * (below_ms + max(0.0, share) * (point_ms - below_ms))
+            below_s, below_ms = point_s, point_ms
+        return 1e-3 * below_ms
+
     def kv_pull_seconds(self, tokens: int) -> float:
         """A P/D pull of `tokens` tokens' KV: not calibrated on this machine (it lands by the next step)."""
         return 0.0
@@ -132,7 +159,8 @@ class StepProfile:
         missing = [key for key in ("name", "source", *TERMS) if key not in data]
         if missing:
             raise ProfileError(f"{where} lacks {', '.join(missing)}")
-        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes", *SCALE_UP_WEIGHTS})
+        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes", *SCALE_UP_WEIGHTS,
+                                      "wake_after_idle"})
         if unknown:
             raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")
         return cls(**data)

@@ -3,7 +3,8 @@
 The requested model name picks the timing, so one server covers every case:
   "fake-model": first token after FIRST_TOKEN_S, then one every TOKEN_S;
   "slow-model": one token every SLOW_TOKEN_S (for time-limit tests).
-Requests with max_tokens above MAX_TOKENS are refused with an OpenAI error (HTTP 400).
+Requests with max_tokens above MAX_TOKENS are refused with an OpenAI error (HTTP 400). A prompt sent before is
+reported as cached, all but its last token (usage.prompt_tokens_details.cached_tokens), as a prefix cache would.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ MAX_TOKENS = 8
 
 def build_app(received: list[dict]) -> FastAPI:
     app = FastAPI()
+    seen_prompts: set[tuple] = set()
 
     @app.get("/v1/models")
     async def models():
@@ -41,6 +43,9 @@ def build_app(received: list[dict]) -> FastAPI:
                 "message": f"max_tokens {max_tokens} is too large", "type": "invalid_request_error"}})
         first, gap = (SLOW_TOKEN_S, SLOW_TOKEN_S) if body.get("model") == "slow-model" else (FIRST_TOKEN_S, TOKEN_S)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        prompt = tuple(body["prompt"]) if isinstance(body.get("prompt"), list) else (body.get("prompt"),)
+        cached = len(prompt) - 1 if prompt in seen_prompts else 0
+        seen_prompts.add(prompt)
 
         async def events():
             await asyncio.sleep(first)
@@ -51,7 +56,8 @@ def build_app(received: list[dict]) -> FastAPI:
                 yield f"data: {json.dumps({'object': 'text_completion', 'choices': [choice]})}\n\n"
             if include_usage:
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": max_tokens,
-                         "total_tokens": len(body["prompt"]) + max_tokens}
+                         "total_tokens": len(body["prompt"]) + max_tokens,
+                         "prompt_tokens_details": {"cached_tokens": cached}}
                 yield f"data: {json.dumps({'object': 'text_completion', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -87,6 +87,23 @@ def _run(tmp_path, url, *extra, name="out/serve.json"):
     return rc, path
 
 
+def test_a_trace_of_prompts_the_server_had_cached_comes_with_a_warning(server, tmp_path, capsys):
+    """The same --seed sent twice to one server: the second run's prompts come from its prefix cache, which a trace
+    cannot hold; the run says so and counts them. Fresh prompts (another seed) are not counted."""
+    url, _ = server
+    args = ("--concurrency", "4", "--requests", "6", "--input-len", "4:8", "--output-len", "2:3")
+    first = [_run(tmp_path, url, *args, "--seed", str(seed), "--record-trace", str(tmp_path / f"t{seed}.jsonl"),
+                  name=f"r{seed}.json") for seed in (101, 102)]
+    assert all(rc == 0 for rc, _ in first) and "prefix cache" not in capsys.readouterr().err
+    rc, path = _run(tmp_path, url, *args, "--seed", "101", "--record-trace", str(tmp_path / "again.jsonl"),
+                    name="again.json")
+    result = json.loads(path.read_text())
+    assert rc == 0 and result["cached_prompt_tokens_total"] == result["prompt_tokens_total"] - 6
+    assert all(r["cached_tokens"] == r["prompt_tokens"] - 1 for r in result["requests"])
+    assert "warning: the server took" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r102.json").read_text())["cached_prompt_tokens_total"] == 0
+
+
 def test_bench_serve_concurrency_measures_latency_and_writes_reports(server, tmp_path, capsys):
     url, received = server
     received.clear()

@@ -18,6 +18,9 @@ def test_calibrate_fits_a_profile_of_this_machine(tiny_model, tmp_path, capsys):
     # a larger batch and a longer prompt never cost less
     assert profile.group_seconds(GroupWork(decode_rows=16)) >= profile.group_seconds(GroupWork(decode_rows=1))
     assert profile.group_seconds(GroupWork(prefill_tokens=1024)) > profile.group_seconds(GroupWork(prefill_tokens=64))
+    # the waking cost after the two idle times measured (>= 0: it may be none on an idle host)
+    assert [idle_s for idle_s, _ in profile.wake_after_idle] == [0.25, 1.0]
+    assert all(extra_ms >= 0 for _, extra_ms in profile.wake_after_idle)
     assert json.loads(out.read_text())["name"].endswith("attn=TP1+DP1 moe=TP1+EP1")
     err = capsys.readouterr().err
     assert "[calibrate] decode batch 16" in err and "8 decoding + a 128-token prompt" in err

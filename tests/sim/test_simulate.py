@@ -77,6 +77,26 @@ def test_the_simulated_te_runs_the_schedulers_and_queue_that_serve():
     assert type(te.queue) is served_queue.DPWaitingQueue
 
 
+def test_a_te_that_idled_wakes_slower_by_the_profiles_waking_cost():
+    """Two lone requests 2 s apart: with a waking cost of 40 ms after 1 s idle (20 ms after 0.5 s), each first
+    step after an idle second pays it; a request of 5 tokens pays it once, not in the steps that follow its first;
+    the profile refuses waking points that are not (idle_s rising, extra_ms) pairs >= 0."""
+    import dataclasses
+
+    woken = dataclasses.replace(PROFILE, wake_after_idle=((1.0, 40.0),))
+    assert woken.wake_seconds(0.5) == pytest.approx(0.020) and woken.wake_seconds(5.0) == pytest.approx(0.040)
+    assert PROFILE.wake_seconds(5.0) == 0.0
+    apart = [TraceRequest(2.0, 16, 1), TraceRequest(4.0, 16, 1)]
+    plain, slow = (simulate(apart, SimTE(SimTESettings(), p), progress=False)["ttfts"] for p in (PROFILE, woken))
+    assert slow == pytest.approx([t + 0.040 for t in plain])
+    longer = [TraceRequest(2.0, 16, 5)]
+    plain, slow = (simulate(longer, SimTE(SimTESettings(), p), progress=False)["virtual_s"] for p in (PROFILE, woken))
+    assert slow == pytest.approx(plain + 0.040)
+    for bad in (((1.0, -2.0),), ((1.0, 5.0), (0.5, 9.0)), ((1.0,),)):
+        with pytest.raises(ProfileError, match="wake_after_idle"):
+            dataclasses.replace(PROFILE, wake_after_idle=bad)
+
+
 def _run(trace, **settings) -> dict:
     return simulate(trace, SimTE(SimTESettings(**settings), PROFILE), progress=False)
 
@@ -216,6 +236,64 @@ def test_only_a_prompts_last_chunk_samples_a_token():
         sampled.append((te.last_work[0].prefill_tokens, te.last_work[0].sampled_rows))
     assert sampled[:3] == [(64, 0), (64, 0), (22, 1)]  # 150 = 64 + 64 + 22
     assert sampled[3:] == [(0, 1)] * 3  # then one decode row a step for the other three tokens
+
+
+def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came_out_of(capsys, monkeypatch):
+    """A made-up server: every workload comes once per round (a host's drift moves every point alike); a decoding
+    batch's tokens come every 10 ms but for the step that prefilled the joining prompt (40 ms, ending when the
+    prompt's first token comes) and a later hiccup of the host (60 ms): the mixed step is the 40 ms one. A lone
+    prompt takes 30 ms more after the server idled: the waking cost, fitted apart from the prefill."""
+    import time
+
+    from meshserve.sim import calibrate as calibration
+    from meshserve.sim.calibrate import DECODE_POINTS, MIXED_OUTPUT, MIXED_POINTS, PREFILL_POINTS, calibrate
+
+    monkeypatch.setattr(calibration, "IDLE_S", 0.0)  # lone prompts one after another
+    monkeypatch.setattr(calibration, "WAKE_IDLE_S", 0.05)  # ... but this one after 50 ms of idling
+    gaps = [0.010] * (MIXED_OUTPUT - 1)
+    gaps[20], gaps[40] = 0.040, 0.060  # the prompt's step; a hiccup
+    times = [sum(gaps[:i]) for i in range(MIXED_OUTPUT)]
+
+    class Streamer:
+        name, path = "made up", "a made-up server"
+
+        def __init__(self) -> None:
+            self.asked: list[tuple[int, int]] = []  # (prompt tokens, output tokens)
+            self.batch_decoding = False
+            self.last_end = time.monotonic()
+
+        async def open(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def __call__(self, prompt, output_len, arrivals=None):
+            self.asked.append((len(prompt), output_len))
+            idle_s, self.last_end = time.monotonic() - self.last_end, time.monotonic()
+            if arrivals is not None:  # a decoding batch of the mixed workload
+                arrivals.extend(times)
+                self.batch_decoding = True
+                return 0.0, times[0], times[-1], MIXED_OUTPUT
+            if output_len == 1 and self.batch_decoding:  # the prompt joining it: out with the 40 ms step
+                self.batch_decoding = False
+                return 0.0, times[21], times[21], 1
+            if output_len == 1:  # a lone prompt: 2 ms + 0.1 ms a token, 30 ms more after idling
+                ttft = 0.002 + 1e-4 * len(prompt) + (0.030 if idle_s > 0.04 else 0.0)
+                return 0.0, ttft, ttft, 1
+            return 0.0, 0.1, 0.1 + 0.010 * (output_len - 1), output_len
+
+    streamer = Streamer()
+    profile = calibrate(streamer, dp=1, repeats=2)
+    # every workload once per round, in the same order each round
+    one_round = [prompt for size, prompt, _ in DECODE_POINTS for _ in range(size)]
+    assert [prompt for prompt, out in streamer.asked if out == 48] == one_round * 2
+    one_round = [*PREFILL_POINTS, PREFILL_POINTS[0], PREFILL_POINTS[0], *(prompt for _, prompt in MIXED_POINTS)]
+    assert [prompt for prompt, out in streamer.asked if out == 1] == one_round * 2
+    err = capsys.readouterr().err
+    assert "round 1 of 2 done" in err and "round 2 of 2 done" in err
+    for size, prompt_len in MIXED_POINTS:
+        assert f"{size} decoding + a {prompt_len}-token prompt: 40.0 ms for that step" in err
+    assert [x for point in profile.wake_after_idle for x in point] == pytest.approx([0.0, 0.0, 0.05, 30.0], abs=1e-6)
+    assert profile.wake_seconds(1.0) == pytest.approx(0.030) and profile.wake_seconds(0.025) == pytest.approx(0.015)
 
 
 def test_calibrating_tes_on_shared_cores_measures_each_steps_stretch_over_a_te_alone():
