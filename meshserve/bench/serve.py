@@ -157,6 +157,14 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {detail}"
 
 
+def _take_usage(record: RequestRecord, usage: dict) -> Any:
+    """A stream's usage: the prompt tokens the server took from its prefix cache go to `record`; the completion
+    tokens it counted are returned."""
+    details = usage.get("prompt_tokens_details")
+    record.cached_tokens = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    return usage.get("completion_tokens")
+
+
 async def send_request(client: httpx.AsyncClient, model: str, request: WorkloadRequest,
                        record: RequestRecord, run_start: float) -> None:
     """Stream one completion, filling `record`; any failure lands in `record.error`."""
@@ -188,6 +196,8 @@ async def send_request(client: httpx.AsyncClient, model: str, request: WorkloadR
                     done = True
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    raise ValueError(f"a stream event that is not a JSON object: {data[:80]}")
                 if event.get("error"):
                     error = event["error"]
                     record.error = f"stream error: {error.get('message', error) if isinstance(error, dict) else error}"
@@ -200,10 +210,8 @@ async def send_request(client: httpx.AsyncClient, model: str, request: WorkloadR
                         record.itls_s.append(now - last)
                     last = now
                     chunks += 1
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-                    record.cached_tokens = int((event["usage"].get("prompt_tokens_details") or {})
-                                               .get("cached_tokens") or 0)
+                if isinstance(event.get("usage"), dict):
+                    usage_tokens = _take_usage(record, event["usage"])
         record.e2e_s = time.perf_counter() - start
         record.output_tokens = int(usage_tokens) if usage_tokens is not None else chunks
         if not done:
