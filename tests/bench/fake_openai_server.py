@@ -2,7 +2,8 @@
 
 The requested model name picks the timing, so one server covers every case:
   "fake-model": first token after FIRST_TOKEN_S, then one every TOKEN_S;
-  "slow-model": one token every SLOW_TOKEN_S (for time-limit tests).
+  "slow-model": one token every SLOW_TOKEN_S (for time-limit tests);
+  "garbage-model": a stream event that is a JSON list, not an object.
 Requests with max_tokens above MAX_TOKENS are refused with an OpenAI error (HTTP 400). A prompt sent before is
 reported as cached, all but its last token (usage.prompt_tokens_details.cached_tokens), as a prefix cache would.
 """
@@ -48,6 +49,9 @@ def build_app(received: list[dict]) -> FastAPI:
         seen_prompts.add(prompt)
 
         async def events():
+            if body.get("model") == "garbage-model":
+                yield "data: [1, 2]\n\n"
+                return
             await asyncio.sleep(first)
             for i in range(max_tokens):
                 if i:

@@ -104,6 +104,15 @@ def test_a_trace_of_prompts_the_server_had_cached_comes_with_a_warning(server, t
     assert json.loads((tmp_path / "r102.json").read_text())["cached_prompt_tokens_total"] == 0
 
 
+def test_a_stream_event_that_is_not_an_object_fails_its_request_not_the_run(server, tmp_path):
+    url, _ = server
+    rc, path = _run(tmp_path, url, "--model", "garbage-model", "--concurrency", "2", "--requests", "3",
+                    "--input-len", "4:8", "--output-len", "2:3", name="garbage.json")
+    result = json.loads(path.read_text())
+    assert rc == 0 and result["completed"] == 0 and result["failed"] == 3
+    assert all("not a JSON object" in r["error"] for r in result["requests"])
+
+
 def test_bench_serve_concurrency_measures_latency_and_writes_reports(server, tmp_path, capsys):
     url, received = server
     received.clear()
