@@ -23,7 +23,7 @@ deployment of several TEs on one host says how much longer a TE's step takes whi
 process count as, in stepping TEs (`starting_te_weight`, `prewarm_weight`: `calibrate --scale-up`); the simulator
 applies them to every step that starts while other TEs step or start (`shared_cores_factor`).
 
-A host may also run slower for a while after it idled (cores clocked down, caches and the scheduler's state cold):
+A host may also run slower for a while after it idled (cores clocked down or lent elsewhere, caches cold):
 `wake_after_idle` says how much longer a TE's first step after `idle_s` seconds without work takes (points of
 (idle_s, extra_ms), on straight lines from (0, 0), the last one's beyond them; `calibrate` measures it with lone
 prompts after different idle times). Without it, `delivery_ms` holds whatever waking cost the prompts it was fitted
