@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -106,12 +107,21 @@ def run_warm_te(name: str, manager_addr: str, host: str = "127.0.0.1", num_worke
                 log_level: int = logging.INFO) -> None:
     """A pre-warmed TE: warm up, start spare workers, announce itself to the manager, become the TE it is given."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s warm[{name}] %(levelname)s %(message)s", force=True)
+    ipc_dir = tempfile.mkdtemp(prefix="meshserve-warm-")
+    try:
+        _warm_and_become(name, manager_addr, host, num_workers, log_level, ipc_dir)
+    finally:
+        # the spares' sockets, there for as long as the TE they became runs
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _warm_and_become(name: str, manager_addr: str, host: str, num_workers: int, log_level: int,
+                     ipc_dir: str) -> None:
     # start-up: the TE entry point only in a process that will be one
     from meshserve.core.te_process import run_te
 
     t0 = time.monotonic()
     ctx = zmq.Context()
-    ipc_dir = tempfile.mkdtemp(prefix="meshserve-warm-")
     spares_ready = ctx.socket(zmq.PULL)
     spares_ready.bind(f"ipc://{ipc_dir}/spares-ready")
     spares = [_SpareWorker(ctx, ipc_dir, i, f"ipc://{ipc_dir}/spares-ready", log_level) for i in range(num_workers)]

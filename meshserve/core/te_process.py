@@ -9,6 +9,7 @@ that sent it, and heartbeats its registration and load to every `register` addre
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import tempfile
 import time
@@ -57,20 +58,23 @@ def run_te(config: dict, role: str, group: str, listen: str, register: list[str]
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        core = engine_class(engine_config)(engine_config, ctx, link, ipc_dir, log_level, role=role, group=group,
-                          watch_parent=watch_parent,
-                          startup=startup,
-                          spare_workers=spare_workers or [])
-    except Exception as exc:
-        logging.getLogger(__name__).error("TE start-up failed: %s", traceback.format_exc())
-        link.close()
-        raise SystemExit(1) from exc
-    logging.getLogger(__name__).info("TE %s (%s, group %s) listening on %s, registering with %s",
-                                     engine_config.te_name, role, group, link.listen_addr, ", ".join(register) or
-                                     "no job executor")
-    core.run(warmup=warmup)
-    if core.dead_error is not None:  # its owner (the cluster manager) starts a new one; the JEs moved its jobs
-        raise SystemExit(1)
+        try:
+            core = engine_class(engine_config)(engine_config, ctx, link, ipc_dir, log_level, role=role,
+                                               group=group, watch_parent=watch_parent, startup=startup,
+                                               spare_workers=spare_workers or [])
+        except Exception as exc:
+            logging.getLogger(__name__).error("TE start-up failed: %s", traceback.format_exc())
+            link.close()
+            raise SystemExit(1) from exc
+        logging.getLogger(__name__).info("TE %s (%s, group %s) listening on %s, registering with %s",
+                                         engine_config.te_name, role, group, link.listen_addr,
+                                         ", ".join(register) or "no job executor")
+        core.run(warmup=warmup)
+        if core.dead_error is not None:  # its owner (the cluster manager) starts a new one; the JEs moved its jobs
+            raise SystemExit(1)
+    finally:
+        # the ranks' and groups' sockets: a host that restarts TEs all day would collect a directory per start
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def _process_start_time() -> float:

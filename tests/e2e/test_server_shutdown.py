@@ -9,9 +9,11 @@ the server, wherever its group) to end, checking meanwhile that no process joine
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -123,3 +125,28 @@ def _kill_group(pgid: int, proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+
+
+def test_a_deployment_s_tes_leave_no_socket_directories_behind(model_dir, tmp_path):
+    """Each TE keeps its ranks' sockets in a temporary directory; a stopped TE removes it (a host that restarts
+    TEs all day would otherwise collect one per start)."""
+    log_path, port = tmp_path / "server.log", free_port()
+    sockets_root = Path(tempfile.mkdtemp(prefix="ms-", dir="/tmp"))  # short: a socket's path must fit 107 bytes
+    command = [sys.executable, "-m", "meshserve.entrypoints.cli", "serve", "--model", str(model_dir),
+               "--deployment", "colocated", "--host", "127.0.0.1", "--port", str(port),
+               "--shutdown-grace-s", str(SHUTDOWN_GRACE_S), "--num-threads", "1"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "TMPDIR": str(sockets_root)})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log_path, STARTUP_TIMEOUT_S)
+        te_dirs = list(sockets_root.glob("meshserve-te-*"))
+        assert len(te_dirs) == 1, f"expected the TE's socket directory in {sockets_root}: {te_dirs}"
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=STOP_WAIT_S) == 0, log_tail(log_path)
+        alive, _ = _wait_until_gone(proc.pid, proc.pid, set())
+        assert not alive, f"still running after the server ended: {alive}"
+        assert not list(sockets_root.glob("meshserve-te-*")), log_tail(log_path)
+    finally:
+        _kill_group(proc.pid, proc)
+        shutil.rmtree(sockets_root, ignore_errors=True)

@@ -9,6 +9,7 @@ runner's per-request isolation, and the engine client's health when its reader t
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import threading
 import time
@@ -143,6 +144,7 @@ class _TE:
         for sock in (self.push, self.replies):
             sock.close(0)
         self.client_ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
