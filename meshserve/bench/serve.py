@@ -243,7 +243,8 @@ async def run_load(options: ServeOptions, model: str, workload: Sequence[Workloa
     """Send `workload`; returns every request's record and the run's wall time (start to last finish or time limit)."""
     records = [RequestRecord(i, len(r.prompt_token_ids), r.output_len) for i, r in enumerate(workload)]
     width = options.concurrency or len(workload)
-    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    # idle connections dropped before the server's keep-alive (uvicorn: 5 s) closes them under a request sent on one
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width, keepalive_expiry=3.0)
     timeout = httpx.Timeout(options.timeout_s, connect=min(options.timeout_s, 30.0))
     async with httpx.AsyncClient(base_url=base_url(options.url), limits=limits, timeout=timeout,
                                  trust_env=False) as client:
