@@ -86,8 +86,8 @@ def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_le
                        profile_required: bool = False) -> None:
     parser.add_argument("--profile", required=profile_required,
                         help="the step-time profile fitted on this machine (JSON; `meshserve simulate calibrate`)")
-    parser.add_argument("--dp", type=int, help="DP groups in lockstep (default: 1; with --hardware: the DP groups "
-                                               "simulated, default every one)")
+    parser.add_argument("--dp", type=int, help="DP groups in lockstep (default: the profile's; with --hardware: the "
+                                               "DP groups simulated, default every one)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per group per step (default: 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per group per step")
     parser.add_argument("--num-kv-blocks", type=int, default=4096, help="KV blocks per group (default: 4096)")
@@ -167,7 +167,10 @@ def _inputs(args: argparse.Namespace, dp: int | None = None):
     from meshserve.sim.te import SimTESettings
 
     timer, groups = _step_timer(args)
-    if dp is not None:
+    if dp is not None:  # (`compare`: a fitted profile)
+        if timer.dp != dp:
+            raise ValueError(f"--parallel has {dp} DP group(s): profile {args.profile} was fitted on a TE of "
+                             f"{timer.dp} (calibrate one with this --parallel)")
         groups = dp
     settings = SimTESettings(dp=groups, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
@@ -201,7 +204,11 @@ def _step_timer(args: argparse.Namespace):
     if (args.profile is None) == (hardware is None):
         raise ValueError("give one of --profile (fitted on this machine) and --hardware (op-level figures)")
     if hardware is None:
-        return StepProfile.load(args.profile), 1 if args.dp is None else args.dp
+        profile = StepProfile.load(args.profile)
+        if args.dp is not None and args.dp >= 1 and args.dp != profile.dp:  # (< 1: the settings refuse it)
+            raise ValueError(f"--dp {args.dp}: profile {args.profile} was fitted on a TE of {profile.dp} DP group(s) "
+                             f"(calibrate one with that layout's --parallel)")
+        return profile, profile.dp if args.dp is None else args.dp
     from meshserve.parallel.strategy import parse_strategy
     from meshserve.sim.dense_op_model import DENSE_MODEL_TYPES, DenseStepModel, dense_deployment_of
     from meshserve.sim.hardware import Hardware

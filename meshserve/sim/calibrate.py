@@ -12,10 +12,14 @@ executor's hops too). Workloads:
   in their polls, and waking them is part of it);
 - mixed: a prompt arriving while a batch decodes: the batch's gap that ends with the prompt's first token is the
   step that holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE);
-- waking: the shortest lone prompt sent as soon as the one before it ended, and after WAKE_IDLE_S of idling: what
-  the time to the first token gains after IDLE_S and WAKE_IDLE_S is the profile's `wake_after_idle`, and the lone
+- waking: the shortest lone prompt sent as soon as the one before it ended, and after each of WAKE_IDLE_TIMES_S of
+  idling: what the time to the first token gains after IDLE_S and those is the profile's `wake_after_idle`, and the lone
   prompts' times are fitted without it (a host whose cores clock down when idle makes a TE's first step after a
-  pause slower, which an engine under load never pays).
+  pause slower, which an engine under load never pays);
+- arrivals: a decoding batch alone, while lone short requests keep arriving (ARRIVAL_RATE a second), and alone
+  again: how much longer the batch's steps take, per request that arrived, beyond the requests' own prefill and
+  decode, is the profile's `per_request_ms` (their frontend, routing and admission take the cores from the steps).
+  Not with `keep_other_busy` (P/D on a shared host): there every step is timed beside the other TE's requests.
 
 Medians of `REPEATS` runs each, taken in rounds (every workload once per round, so that a host's drift moves every
 point alike), fitted by `meshserve.sim.profile.fit`; progress is logged per round.
@@ -55,9 +59,17 @@ PREFILL_POINTS = (64, 256, 512, 1024)
 MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tokens)
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
-WAKE_IDLE_S = 1.0  # ... and before one more of the shortest, against one sent as the last one ends: the waking cost
+# ... and before one more of the shortest each, against one sent as the last one ends: the waking cost. Several: it
+# is not a line (on this host it grows about as fast from 0.25 s to 0.5 s as from 0.5 s to 2 s)
+WAKE_IDLE_TIMES_S = (0.1, 0.5, 1.0, 2.0)
 BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
+# the arrivals workload: a batch (requests, prompt tokens, output tokens) decodes while lone requests (prompt
+# tokens, output tokens: a whole request, intake to end) arrive; the batch's steps between two of its tokens
+# (ARRIVAL_WINDOW) are timed
+ARRIVAL_BATCH, ARRIVAL_REQUEST, ARRIVAL_RATE = (16, 32, 160), (32, 2), 40.0
+ARRIVAL_WINDOW = (24, 144)
 REPEATS = 3
+KEEPALIVE_S = 3.0  # how long the HTTP client keeps an idle connection (a server's keep-alive is 5 s by default)
 SHARED_ROWS = (8, 16, 32)  # decode rows per TE while every TE of a shared host steps
 # the batch that decodes through a scale-up: requests, prompt tokens, output tokens (still decoding when the new TE
 # and the replacement pre-warmed process have started)
@@ -97,7 +109,10 @@ class HTTPStreamer:
     async def open(self) -> None:
         import httpx
 
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(60.0))
+        # idle connections dropped well before a server closes them (uvicorn: after 5 s): a request sent on one
+        # the server is closing at that moment fails
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(60.0),
+                                        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
 
     async def __call__(self, prompt: list[int], output_len: int, arrivals: list[float] | None = None) -> tuple:
         return await stream_http(self.client, self.model, prompt, output_len, arrivals=arrivals)
@@ -106,79 +121,147 @@ class HTTPStreamer:
         await self.client.aclose()
 
 
+class _Workloads:
+    """The calibration's workloads through `streamer`, with prompts drawn from one seeded generator."""
+
+    def __init__(self, streamer) -> None:
+        self.streamer, self.rng = streamer, random.Random(0)
+
+    async def batch(self, size: int, prompt_len: int, output_len: int) -> list[tuple]:
+        return await asyncio.gather(*(self.streamer(draw_prompt(self.rng, prompt_len), output_len)
+                                      for _ in range(size)))
+
+    def decoding(self, size: int, prompt_len: int, output_len: int) -> tuple[list, list[list[float]]]:
+        """A batch sent now and left decoding: its requests' futures and each one's token arrivals."""
+        arrivals: list[list[float]] = [[] for _ in range(size)]
+        futures = [asyncio.ensure_future(self.streamer(draw_prompt(self.rng, prompt_len), output_len,
+                                                       arrivals=arrivals[i])) for i in range(size)]
+        return futures, arrivals
+
+    async def mixed_step(self, size: int, prompt_len: int) -> float | None:
+        """The step that holds a decoding batch and a prompt joining it (the mixed step): each decoding request's
+        gap that ends with the prompt's first token (the step that prefilled the prompt delivered both), the
+        median over the batch. Not the longest gap after the prompt came: of the dozens of steps that follow, the
+        longest is whichever a hiccup of the host stretched. None if the prompt's first token came after the
+        batch's last ones (it did not join the batch: its last gap is no mixed step)."""
+        decoding, arrivals = self.decoding(size, 32, MIXED_OUTPUT)
+        while min(len(a) for a in arrivals) < MIXED_OUTPUT // 4:  # the batch is decoding
+            await asyncio.sleep(0.001)
+        _, first, _, _ = await self.streamer(draw_prompt(self.rng, prompt_len), 1)
+        await asyncio.gather(*decoding)
+        joined = [_gap_ending_at(times, first) for times in arrivals if first < times[-1]]
+        return statistics.median(joined) if joined else None
+
+    async def batch_window(self, arrive: bool) -> tuple[float, int]:
+        """The arrivals workload, with or without its lone requests: the batch's time between its tokens
+        ARRIVAL_WINDOW (median over the batch), and how many lone requests were sent within it."""
+        decoding, arrivals = self.decoding(*ARRIVAL_BATCH)
+        lone = []
+        if arrive:
+            while min(len(a) for a in arrivals) < ARRIVAL_WINDOW[0] // 2:  # the batch is decoding
+                await asyncio.sleep(0.001)
+            start = time.monotonic()
+            while not any(request.done() for request in decoding):
+                prompt_len, output_len = ARRIVAL_REQUEST
+                lone.append(asyncio.ensure_future(self.streamer(draw_prompt(self.rng, prompt_len), output_len)))
+                await asyncio.sleep(max(0.0, start + len(lone) / ARRIVAL_RATE - time.monotonic()))
+        await asyncio.gather(*decoding)
+        sent = [sent for sent, *_ in await asyncio.gather(*lone)]
+        first, last = ARRIVAL_WINDOW
+        spans = [(times[first], times[last]) for times in arrivals if len(times) > last]
+        begin, end = statistics.median(b for b, _ in spans), statistics.median(e for _, e in spans)
+        return end - begin, sum(begin <= moment <= end for moment in sent)
+
+    async def prompts_elsewhere(self) -> None:
+        """Prompts of one token each: only a P/D deployment's prefill TE runs them."""
+        while True:
+            await self.streamer(draw_prompt(self.rng, BUSY_PROMPT), 1)
+
+    async def decodes_elsewhere(self) -> None:
+        """Long outputs of short prompts: a P/D deployment's decode TE runs them."""
+        while True:
+            await self.batch(BUSY_DECODES, 32, BUSY_OUTPUT)
+
+
 def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
               keep_other_busy: bool = False) -> StepProfile:
     """The profile fitted from `streamer`'s requests (an `EngineStreamer` or an `HTTPStreamer`, opened and closed
     here) to a deployment of `dp` DP groups per TE; `mixed`: a prompt joins a decoding batch on the same TE (not
     with P/D); `keep_other_busy` (P/D on shared hosts): the TE not measured works meanwhile, as it does in a
     loaded deployment, so the steps are timed with the host's cores shared as they are then."""
-    rng = random.Random(0)
+    work = _Workloads(streamer)
+    # the arrivals workload: not with the other TE kept busy, whose requests' host work the steps are timed beside
+    arrivals = not keep_other_busy
+    prompts_elsewhere = keep_other_busy and work.prompts_elsewhere
+    decodes_elsewhere = keep_other_busy and work.decodes_elsewhere
 
-    async def batch(size: int, prompt_len: int, output_len: int) -> list[tuple]:
-        return await asyncio.gather(*(streamer(draw_prompt(rng, prompt_len), output_len) for _ in range(size)))
-
-    async def mixed_step(size: int, prompt_len: int) -> float:
-        """The step that holds a decoding batch and a prompt joining it (the mixed step): each decoding request's
-        gap that ends with the prompt's first token (the step that prefilled the prompt delivered both), the
-        median over the batch. Not the longest gap after the prompt came: of the dozens of steps that follow, the
-        longest is whichever a hiccup of the host stretched."""
-        arrivals: list[list[float]] = [[] for _ in range(size)]
-        decoding = [asyncio.ensure_future(streamer(draw_prompt(rng, 32), MIXED_OUTPUT, arrivals=arrivals[i]))
-                    for i in range(size)]
-        while min(len(a) for a in arrivals) < MIXED_OUTPUT // 4:  # the batch is decoding
-            await asyncio.sleep(0.001)
-        _, first, _, _ = await streamer(draw_prompt(rng, prompt_len), 1)
-        await asyncio.gather(*decoding)
-        return statistics.median(_gap_ending_at(times, first) for times in arrivals)
-
-    async def prompts_elsewhere() -> None:
-        """Prompts of one token each: only a P/D deployment's prefill TE runs them."""
-        while True:
-            await streamer(draw_prompt(rng, BUSY_PROMPT), 1)
-
-    async def decodes_elsewhere() -> None:
-        """Long outputs of short prompts: a P/D deployment's decode TE runs them."""
-        while True:
-            await batch(BUSY_DECODES, 32, BUSY_OUTPUT)
-
-    async def measure() -> tuple[list, list]:
+    async def measure() -> tuple:
         """Every workload once per round, `repeats` rounds: each point's median spans the whole calibration, so
         a host that runs faster or slower for a while moves every point alike, not the points measured then (the
         terms are fitted from the points' differences)."""
         await streamer.open()
         try:
-            await batch(2, 32, 8)  # warm-up
+            await work.batch(2, 32, 8)  # warm-up
             decode_gaps: list[list[float]] = [[] for _ in DECODE_POINTS]
             ttfts: list[list[float]] = [[] for _ in PREFILL_POINTS]
             mixed_gaps: list[list[float]] = [[] for _ in MIXED_POINTS]
-            woken: dict[float, list[float]] = {0.0: [], WAKE_IDLE_S: []}  # idle s -> the shortest prompt's times
+            # idle s -> the shortest prompt's times
+            woken: dict[float, list[float]] = {0.0: [], **{idle_s: [] for idle_s in WAKE_IDLE_TIMES_S}}
+            per_arrival: list[float] = []  # the batch's stretch over its window, per request that arrived in it
             for round_ in range(repeats):
                 for i, (size, prompt_len, output_len) in enumerate(DECODE_POINTS):
-                    async with _busy(keep_other_busy and prompts_elsewhere):  # P/D: the prefill TE works meanwhile
+                    async with _busy(prompts_elsewhere):  # P/D: the prefill TE works meanwhile
                         decode_gaps[i] += [(last - first) / (n - 1)
-                                           for _, first, last, n in await batch(size, prompt_len, output_len)]
+                                           for _, first, last, n in await work.batch(size, prompt_len, output_len)]
                 for i, prompt_len in enumerate(PREFILL_POINTS):
                     await asyncio.sleep(IDLE_S)
-                    async with _busy(keep_other_busy and decodes_elsewhere):  # P/D: the decode TE works meanwhile
-                        (sent, first, _, _), = await batch(1, prompt_len, 1)
+                    async with _busy(decodes_elsewhere):  # P/D: the decode TE works meanwhile
+                        (sent, first, _, _), = await work.batch(1, prompt_len, 1)
                     ttfts[i].append(first - sent)
                 for idle_s, times in woken.items():  # 0: right after the last lone prompt ended
                     await asyncio.sleep(idle_s)
-                    async with _busy(keep_other_busy and decodes_elsewhere):
-                        (sent, first, _, _), = await batch(1, PREFILL_POINTS[0], 1)
+                    async with _busy(decodes_elsewhere):
+                        (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], 1)
                     times.append(first - sent)
                 for i, (size, prompt_len) in enumerate(MIXED_POINTS if mixed else ()):
-                    mixed_gaps[i].append(await mixed_step(size, prompt_len))
+                    gap = await work.mixed_step(size, prompt_len)
+                    mixed_gaps[i] += [] if gap is None else [gap]
+                if arrivals:  # alone before and after the run with arrivals: a drift moves both alike
+                    before, _ = await work.batch_window(arrive=False)
+                    joined_window, joined = await work.batch_window(arrive=True)
+                    after, _ = await work.batch_window(arrive=False)
+                    if joined:
+                        per_arrival.append((joined_window - (before + after) / 2) / joined)
                 _log(f"round {round_ + 1} of {repeats} done")
-            return _medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken)
+            return (*_medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken), per_arrival)
         finally:
             await streamer.close()
-    steps, first_tokens, wake = asyncio.run(measure())
+    steps, first_tokens, wake, per_arrival = asyncio.run(measure())
     workloads = f"{len(DECODE_POINTS)} decode, {len(PREFILL_POINTS)} prefill" + (
         f" and {len(MIXED_POINTS)} mixed" if mixed else "")
     profile = fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
-                  f"{streamer.path}: {workloads} workloads and waking, medians of {repeats}", steps, first_tokens)
-    return dataclasses.replace(profile, wake_after_idle=wake)
+                  f"{streamer.path}: {workloads} workloads, waking and arrivals, medians of {repeats}", steps,
+                  first_tokens)
+    per_request_ms = _per_request_ms(profile, per_arrival, mixed)
+    return dataclasses.replace(profile, wake_after_idle=wake, per_request_ms=per_request_ms, dp=dp)
+
+
+def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_batch: bool) -> float:
+    """The host work per request (ms) from the arrivals workload's stretch per arriving request: less what the
+    profile's steps charge for the request itself (its decode rows, and its prefill where it joins the batch's
+    steps)."""
+    if not per_arrival:
+        return 0.0
+    prompt_len, output_len = ARRIVAL_REQUEST
+    own = GroupWork(decode_rows=output_len - 1, prefill_tokens=prompt_len if prefill_in_batch else 0,
+                    prefill_pairs=prompt_len * prompt_len / 2 if prefill_in_batch else 0.0)
+    own_ms = 1e3 * profile.group_seconds(own) - profile.base_ms  # the rows and tokens, not another step
+    stretch_ms = 1e3 * statistics.median(per_arrival)
+    per_request_ms = max(0.0, stretch_ms - own_ms)
+    rounds = ", ".join(f"{1e3 * x:.1f}" for x in per_arrival)
+    _log(f"{ARRIVAL_RATE:g} lone requests a second beside a decoding batch: its steps {stretch_ms:.1f} ms longer per "
+         f"request (rounds: {rounds}), {per_request_ms:.1f} ms of it host work (the rest the requests' own rows)")
+    return per_request_ms
 
 
 def _gap_ending_at(times: list[float], moment: float) -> float:
@@ -199,14 +282,18 @@ def _medians(dp: int, decode_gaps: list[list[float]], ttfts: list[list[float]], 
         steps.append((work, statistics.median(gaps)))
         _log(f"decode batch {size} prompt {prompt_len}: {1e3 * steps[-1][1]:.1f} ms per step")
     awake = statistics.median(woken[0.0])
-    wake = ((IDLE_S, max(0.0, statistics.median(ttfts[0]) - awake)),
-            (WAKE_IDLE_S, max(0.0, statistics.median(woken[WAKE_IDLE_S]) - awake)))
+    after_idle = {IDLE_S: ttfts[0], **{idle_s: times for idle_s, times in woken.items() if idle_s > 0}}
+    wake = tuple((idle_s, max(0.0, statistics.median(after_idle[idle_s]) - awake)) for idle_s in sorted(after_idle))
+    idle_extra = dict(wake)
     _log(f"prefill {PREFILL_POINTS[0]} tokens: {1e3 * awake:.1f} ms to the first token right after another, "
          + ", ".join(f"{1e3 * extra:.1f} ms more after {idle_s:g} s idle" for idle_s, extra in wake))
     for prompt_len, times in zip(PREFILL_POINTS, ttfts):
-        first_tokens.append((GroupWork.prompt(prompt_len), max(1e-4, statistics.median(times) - wake[0][1])))
+        first_tokens.append((GroupWork.prompt(prompt_len), max(1e-4, statistics.median(times) - idle_extra[IDLE_S])))
         _log(f"prefill {prompt_len} tokens: {1e3 * statistics.median(times):.1f} ms to the first token")
     for (size, prompt_len), gaps in zip(MIXED_POINTS, mixed_gaps):
+        if not gaps:
+            _log(f"{size} decoding + a {prompt_len}-token prompt: the prompt never joined the batch; not fitted")
+            continue
         per_group = max(1, size // dp)
         work = GroupWork(decode_rows=per_group, context_tokens=per_group * (32 + MIXED_OUTPUT // 2),
                          prefill_tokens=prompt_len, prefill_pairs=prompt_len * prompt_len / 2)

@@ -109,6 +109,7 @@ class _Member:
     state: str = "serving"  # starting (not routable yet) | serving | draining (finishes its requests) | gone
     since: float = 0.0  # when it entered its state
     joined: float = 0.0
+    host_work_s: float = 0.0  # the host work of the requests that joined its running work at the last start
 
     @property
     def pool(self) -> str:
@@ -324,10 +325,12 @@ class SimCluster:
         te = member.te
         pipelined = te.settings.pipeline_depth == 2 and te.has_work()
         horizon = member.last_start if pipelined else self.now
-        waiting = []
+        busy = te.has_work()
+        waiting, joined = [], 0
         for reached, admit in member.inbox:
             if reached <= horizon:
                 admit(self.now)
+                joined += 1
             else:
                 waiting.append((reached, admit))
         member.inbox = waiting
@@ -341,6 +344,10 @@ class SimCluster:
         wake = getattr(te.profile, "wake_seconds", None)
         if wake is not None:  # a TE that idled since its last step (or since the start) wakes slower
             seconds += wake(max(0.0, self.now - member.step_ends))
+        # the host work of requests that joined running work takes the cores from the steps around them: charged to
+        # the step after the one that admits them (their intake before it is their delivery, as for a lone request)
+        seconds += member.host_work_s
+        member.host_work_s = 1e-3 * getattr(te.profile, "per_request_ms", 0.0) * joined if busy else 0.0
         self._slowdown_sum += slowdown
         self._slowed_steps += slowdown > 1.0
         member.last_start, member.step_ends = self.now, self.now + seconds

@@ -15,7 +15,8 @@ control plane. `delivery_ms` is the trip of a request and its tokens between the
 request to the master, each token back through the output path): it delays every token a client sees, so it
 adds to the time to the first token and not to the time between tokens. A profile is fitted to one model and
 layout (`fit`, from steps measured on the real engine: `meshserve simulate calibrate`), and names where its
-numbers come from (`source`).
+numbers come from (`source`) and the DP groups of the TE it was fitted on (`dp`: its terms are per group, and
+simulated for another number of groups they would time steps that never ran).
 
 TEs on devices of their own step independently. TEs sharing one host's CPU cores do not: a profile calibrated on a
 deployment of several TEs on one host says how much longer a TE's step takes while another TE steps beside it
@@ -28,6 +29,12 @@ A host may also run slower for a while after it idled (cores clocked down or len
 (idle_s, extra_ms), on straight lines from (0, 0), the last one's beyond them; `calibrate` measures it with lone
 prompts after different idle times). Without it, `delivery_ms` holds whatever waking cost the prompts it was fitted
 from paid, at every load.
+
+A request costs the host work besides its steps: the frontend takes it in and streams it out, the job executor
+routes it, the master admits it. On a host whose cores the TE's ranks use, that work takes cores from the steps
+under way: `per_request_ms` is how much longer a TE's steps take, together, for each request that joins work
+already running (`calibrate` measures it from a decoding batch's steps while lone requests keep arriving). A
+request that finds its TE idle pays its host work as latency, which `delivery_ms` holds.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from pathlib import Path
 TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "per_prefill_megapair_ms",
          "delivery_ms")
 SCALE_UP_WEIGHTS = ("starting_te_weight", "prewarm_weight")  # optional, with stretch_beside_tes
+OPTIONAL_TERMS = ("per_request_ms", *SCALE_UP_WEIGHTS)
 
 
 class ProfileError(ValueError):
@@ -95,9 +103,12 @@ class StepProfile:
     prewarm_weight: float = 1.0  # a pre-warmed process starting (imports, native kernels), in stepping TEs
     # optional: (idle_s, extra_ms) points, how much longer the first step after idling that long takes
     wake_after_idle: tuple[tuple[float, float], ...] = ()
+    # optional: the steps' time, together, that each request joining running work takes from them (host work)
+    per_request_ms: float = 0.0
+    dp: int = 1  # the DP groups of the TE the profile was fitted on
 
     def __post_init__(self) -> None:
-        for term in (*TERMS, *SCALE_UP_WEIGHTS):
+        for term in (*TERMS, *OPTIONAL_TERMS):
             value = getattr(self, term)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ProfileError(f"profile {self.name!r}: {term} must be a number >= 0, got {value!r}")
@@ -115,6 +126,8 @@ class StepProfile:
             raise ProfileError(f"profile {self.name!r}: wake_after_idle must be a list of [idle_s, extra_ms] pairs "
                                f"of numbers >= 0, idle_s rising, got {wake!r}")
         object.__setattr__(self, "wake_after_idle", tuple((float(i), float(ms)) for i, ms in wake))
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise ProfileError(f"profile {self.name!r}: dp must be a whole number >= 1, got {self.dp!r}")
 
     def group_seconds(self, work: GroupWork) -> float:
         return 1e-3 * (self.base_ms + self.per_decode_row_ms * (work.decode_rows + work.draft_rows)
@@ -159,8 +172,8 @@ class StepProfile:
         missing = [key for key in ("name", "source", *TERMS) if key not in data]
         if missing:
             raise ProfileError(f"{where} lacks {', '.join(missing)}")
-        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes", *SCALE_UP_WEIGHTS,
-                                      "wake_after_idle"})
+        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes", *OPTIONAL_TERMS,
+                                      "wake_after_idle", "dp"})
         if unknown:
             raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")
         return cls(**data)

@@ -18,12 +18,14 @@ def test_calibrate_fits_a_profile_of_this_machine(tiny_model, tmp_path, capsys):
     # a larger batch and a longer prompt never cost less
     assert profile.group_seconds(GroupWork(decode_rows=16)) >= profile.group_seconds(GroupWork(decode_rows=1))
     assert profile.group_seconds(GroupWork(prefill_tokens=1024)) > profile.group_seconds(GroupWork(prefill_tokens=64))
-    # the waking cost after the two idle times measured (>= 0: it may be none on an idle host)
-    assert [idle_s for idle_s, _ in profile.wake_after_idle] == [0.25, 1.0]
+    # the waking cost after the idle times measured (>= 0: it may be none on an idle host)
+    assert [idle_s for idle_s, _ in profile.wake_after_idle] == [0.1, 0.25, 0.5, 1.0, 2.0]
     assert all(extra_ms >= 0 for _, extra_ms in profile.wake_after_idle)
     assert json.loads(out.read_text())["name"].endswith("attn=TP1+DP1 moe=TP1+EP1")
     err = capsys.readouterr().err
     assert "[calibrate] decode batch 16" in err and "8 decoding + a 128-token prompt" in err
+    # the arrivals workload ran: lone requests were sent beside its batch (a cost >= 0 either way)
+    assert "lone requests a second beside a decoding batch" in err and profile.per_request_ms >= 0
 
 
 def test_compare_serves_one_trace_on_the_real_engine_and_the_simulation(tiny_model, tmp_path, capsys):

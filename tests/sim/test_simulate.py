@@ -3,6 +3,7 @@ on virtual time — the same scheduler class that serves, results that follow it
 one line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 
@@ -81,8 +82,6 @@ def test_a_te_that_idled_wakes_slower_by_the_profiles_waking_cost():
     """Two lone requests 2 s apart: with a waking cost of 40 ms after 1 s idle (20 ms after 0.5 s), each first
     step after an idle second pays it; a request of 5 tokens pays it once, not in the steps that follow its first;
     the profile refuses waking points that are not (idle_s rising, extra_ms) pairs >= 0."""
-    import dataclasses
-
     woken = dataclasses.replace(PROFILE, wake_after_idle=((1.0, 40.0),))
     assert woken.wake_seconds(0.5) == pytest.approx(0.020) and woken.wake_seconds(5.0) == pytest.approx(0.040)
     assert PROFILE.wake_seconds(5.0) == 0.0
@@ -95,6 +94,23 @@ def test_a_te_that_idled_wakes_slower_by_the_profiles_waking_cost():
     for bad in (((1.0, -2.0),), ((1.0, 5.0), (0.5, 9.0)), ((1.0,),)):
         with pytest.raises(ProfileError, match="wake_after_idle"):
             dataclasses.replace(PROFILE, wake_after_idle=bad)
+
+
+def test_a_request_joining_running_work_takes_its_host_work_from_the_step_after_its_first():
+    """30 ms of host work per request: a lone request pays none (its intake is its delivery, as calibrated); one
+    that joins a decoding request stretches the step after the one that prefills it, so its first token comes as
+    without it, and the run ends 30 ms later."""
+    busy = dataclasses.replace(PROFILE, per_request_ms=30.0)
+    lone = [TraceRequest(0.0, 16, 4)]
+    plain, charged = (simulate(lone, SimTE(SimTESettings(), p), progress=False) for p in (PROFILE, busy))
+    assert charged["virtual_s"] == pytest.approx(plain["virtual_s"])
+    joining = [TraceRequest(0.0, 16, 40), TraceRequest(0.05, 16, 4)]
+    plain, charged = (simulate(joining, SimTE(SimTESettings(), p), progress=False) for p in (PROFILE, busy))
+    assert charged["ttfts"] == pytest.approx(plain["ttfts"])
+    assert charged["virtual_s"] == pytest.approx(plain["virtual_s"] + 0.030)
+    assert charged["tpot_s"]["max"] > plain["tpot_s"]["max"]
+    with pytest.raises(ProfileError, match="per_request_ms must be a number >= 0"):
+        dataclasses.replace(PROFILE, per_request_ms=-1.0)
 
 
 def _run(trace, **settings) -> dict:
@@ -127,10 +143,27 @@ def test_the_command_writes_json_and_png_and_refuses_bad_input_in_one_line(tmp_p
     for flags, message in ((["--profile", str(tmp_path / "missing.json")], "cannot read profile"),
                            (["--profile", str(profile), "--input-len", "9"], "--input-len must be LOW:HIGH"),
                            (["--profile", str(profile), "--output-len", "5:2"], "output_len range 5:2"),
-                           (["--profile", str(profile), "--dp", "0"], "dp must be a positive integer")):
+                           (["--profile", str(profile), "--dp", "0"], "dp must be a positive integer"),
+                           (["--profile", str(profile), "--dp", "2"], "fitted on a TE of 1 DP group(s)")):
         assert main(["simulate", "run", *flags, "--json", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_profile_simulates_the_dp_groups_it_was_fitted_on(tmp_path, capsys):
+    """A profile's terms are per DP group of the TE it was fitted on: `run` simulates that many groups unless told,
+    and `compare` refuses a layout of another DP degree."""
+    profile = tmp_path / "dp2.json"
+    profile.write_text(json.dumps(dataclasses.replace(PROFILE, dp=2).to_dict()))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "run", "--profile", str(profile), "--rate", "8", "--requests", "8",
+                 "--input-len", "16:64", "--output-len", "4:16", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["te"]["dp"] == 2
+    assert main(["simulate", "compare", "--profile", str(profile), "--requests", "4", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--parallel has 1 DP group(s)" in err and len(err.splitlines()) == 1
+    with pytest.raises(ProfileError, match="dp must be a whole number"):
+        dataclasses.replace(PROFILE, dp=0)
 
 
 def test_a_change_to_the_served_dp_balancer_changes_the_simulated_result(monkeypatch):
@@ -242,17 +275,31 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     """A made-up server: every workload comes once per round (a host's drift moves every point alike); a decoding
     batch's tokens come every 10 ms but for the step that prefilled the joining prompt (40 ms, ending when the
     prompt's first token comes) and a later hiccup of the host (60 ms): the mixed step is the 40 ms one. A lone
-    prompt takes 30 ms more after the server idled: the waking cost, fitted apart from the prefill."""
+    prompt takes 30 ms more after the server idled 50 ms, 50 ms more after 100 ms: the waking cost, fitted apart
+    from the prefill. Each lone request sent while the arrivals workload's batch decodes stretches the batch's
+    steps by 8 ms in all: the host work per request, less the request's own prefill and row."""
+    import asyncio
     import time
 
     from meshserve.sim import calibrate as calibration
-    from meshserve.sim.calibrate import DECODE_POINTS, MIXED_OUTPUT, MIXED_POINTS, PREFILL_POINTS, calibrate
+    from meshserve.sim.calibrate import (
+        ARRIVAL_BATCH,
+        ARRIVAL_REQUEST,
+        ARRIVAL_WINDOW,
+        DECODE_POINTS,
+        MIXED_OUTPUT,
+        MIXED_POINTS,
+        PREFILL_POINTS,
+        calibrate,
+    )
 
     monkeypatch.setattr(calibration, "IDLE_S", 0.0)  # lone prompts one after another
-    monkeypatch.setattr(calibration, "WAKE_IDLE_S", 0.05)  # ... but this one after 50 ms of idling
+    monkeypatch.setattr(calibration, "WAKE_IDLE_TIMES_S", (0.05, 0.1))  # ... but these after 50 and 100 ms idle
     gaps = [0.010] * (MIXED_OUTPUT - 1)
     gaps[20], gaps[40] = 0.040, 0.060  # the prompt's step; a hiccup
     times = [sum(gaps[:i]) for i in range(MIXED_OUTPUT)]
+    monkeypatch.setattr(calibration, "ARRIVAL_RATE", 200.0)  # a lone request every 5 ms ...
+    token_s, per_lone_s = 0.001, 0.008  # ... beside a batch stepping every 1 ms, each one 8 ms more in all
 
     class Streamer:
         name, path = "made up", "a made-up server"
@@ -261,6 +308,21 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
             self.asked: list[tuple[int, int]] = []  # (prompt tokens, output tokens)
             self.batch_decoding = False
             self.last_end = time.monotonic()
+            self.batch_start, self.lone_sent = 0.0, []  # the arrivals workload's batch; its lone requests' sends
+
+        def stretched(self, moment: float) -> float:
+            """`moment` once the lone requests sent before it stretched the batch's steps."""
+            return moment + per_lone_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
+
+        async def arrivals_batch(self, arrivals: list[float]) -> tuple:
+            """A request of the arrivals workload's batch: a token every `token_s`, later by the lone requests."""
+            start = self.batch_start = time.monotonic()
+            nominal = [start + i * token_s for i in range(ARRIVAL_BATCH[2])]
+            early = ARRIVAL_WINDOW[0] // 2
+            arrivals.extend(nominal[:early])  # decoding: the workload starts sending its lone requests
+            await asyncio.sleep(nominal[-1] - start)
+            arrivals.extend(self.stretched(moment) for moment in nominal[early:])
+            return start, arrivals[0], arrivals[-1], len(arrivals)
 
         async def open(self) -> None: ...
 
@@ -269,6 +331,12 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
         async def __call__(self, prompt, output_len, arrivals=None):
             self.asked.append((len(prompt), output_len))
             idle_s, self.last_end = time.monotonic() - self.last_end, time.monotonic()
+            if output_len == ARRIVAL_BATCH[2]:
+                return await self.arrivals_batch(arrivals)
+            if output_len == ARRIVAL_REQUEST[1]:  # a lone request beside it
+                self.lone_sent.append(time.monotonic())
+                sent = self.stretched(self.lone_sent[-1])
+                return sent, sent + 0.002, sent + 0.003, output_len
             if arrivals is not None:  # a decoding batch of the mixed workload
                 arrivals.extend(times)
                 self.batch_decoding = True
@@ -276,8 +344,8 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
             if output_len == 1 and self.batch_decoding:  # the prompt joining it: out with the 40 ms step
                 self.batch_decoding = False
                 return 0.0, times[21], times[21], 1
-            if output_len == 1:  # a lone prompt: 2 ms + 0.1 ms a token, 30 ms more after idling
-                ttft = 0.002 + 1e-4 * len(prompt) + (0.030 if idle_s > 0.04 else 0.0)
+            if output_len == 1:  # a lone prompt: 2 ms + 0.1 ms a token, 30 or 50 ms more after idling
+                ttft = 0.002 + 1e-4 * len(prompt) + (0.050 if idle_s > 0.09 else 0.030 if idle_s > 0.04 else 0.0)
                 return 0.0, ttft, ttft, 1
             return 0.0, 0.1, 0.1 + 0.010 * (output_len - 1), output_len
 
@@ -286,14 +354,41 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     # every workload once per round, in the same order each round
     one_round = [prompt for size, prompt, _ in DECODE_POINTS for _ in range(size)]
     assert [prompt for prompt, out in streamer.asked if out == 48] == one_round * 2
-    one_round = [*PREFILL_POINTS, PREFILL_POINTS[0], PREFILL_POINTS[0], *(prompt for _, prompt in MIXED_POINTS)]
+    one_round = [*PREFILL_POINTS, *[PREFILL_POINTS[0]] * 3, *(prompt for _, prompt in MIXED_POINTS)]
     assert [prompt for prompt, out in streamer.asked if out == 1] == one_round * 2
     err = capsys.readouterr().err
     assert "round 1 of 2 done" in err and "round 2 of 2 done" in err
     for size, prompt_len in MIXED_POINTS:
         assert f"{size} decoding + a {prompt_len}-token prompt: 40.0 ms for that step" in err
-    assert [x for point in profile.wake_after_idle for x in point] == pytest.approx([0.0, 0.0, 0.05, 30.0], abs=1e-6)
-    assert profile.wake_seconds(1.0) == pytest.approx(0.030) and profile.wake_seconds(0.025) == pytest.approx(0.015)
+    assert [x for point in profile.wake_after_idle for x in point] == pytest.approx(
+        [0.0, 0.0, 0.05, 30.0, 0.1, 50.0], abs=1e-6)
+    assert profile.wake_seconds(0.025) == pytest.approx(0.015) and profile.wake_seconds(0.075) == pytest.approx(0.040)
+    assert profile.wake_seconds(1.0) == pytest.approx(0.050)
+    prompt_len, output_len = ARRIVAL_REQUEST
+    own_ms = (profile.per_decode_row_ms * (output_len - 1) + profile.per_prefill_token_ms * prompt_len
+              + profile.per_prefill_megapair_ms * prompt_len ** 2 / 2e6)
+    assert profile.per_request_ms == pytest.approx(1e3 * per_lone_s - own_ms, abs=0.5)
+    assert "lone requests a second beside a decoding batch" in err
+
+
+def test_a_prompt_that_never_joined_the_decoding_batch_gives_no_mixed_step():
+    """Its first token after the batch's last: the batch's last gap is no mixed step, and the sample is dropped."""
+    import asyncio
+
+    from meshserve.sim.calibrate import MIXED_OUTPUT, _Workloads
+
+    times = [0.01 * i for i in range(MIXED_OUTPUT)]
+
+    def streamer_with_first_token_at(moment: float):
+        async def streamer(prompt, output_len, arrivals=None):
+            if arrivals is not None:
+                arrivals.extend(times)
+                return 0.0, times[0], times[-1], MIXED_OUTPUT
+            return 0.0, moment, moment, 1
+        return streamer
+
+    for first_token, expected in ((times[-1] + 0.5, None), (times[30] + 1e-4, pytest.approx(0.01))):
+        assert asyncio.run(_Workloads(streamer_with_first_token_at(first_token)).mixed_step(8, 128)) == expected
 
 
 def test_calibrating_tes_on_shared_cores_measures_each_steps_stretch_over_a_te_alone():
