@@ -60,7 +60,7 @@ MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tok
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
 # ... and before one more of the shortest each, against one sent as the last one ends: the waking cost. Several: it
-# is not a line (on this host it grows about as fast from 0.25 s to 0.5 s as from 0.5 s to 2 s)
+# is no straight line (measured at 0.25 s and 1 s alone, a 2/s run's prompts after 0.5 s idle paid 30 ms more)
 WAKE_IDLE_TIMES_S = (0.1, 0.5, 1.0, 2.0)
 BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
 # the arrivals workload: a batch (requests, prompt tokens, output tokens) decodes while lone requests (prompt
@@ -152,9 +152,10 @@ class _Workloads:
         joined = [_gap_ending_at(times, first) for times in arrivals if first < times[-1]]
         return statistics.median(joined) if joined else None
 
-    async def batch_window(self, arrive: bool) -> tuple[float, int]:
+    async def batch_window(self, arrive: bool) -> tuple[float, int] | None:
         """The arrivals workload, with or without its lone requests: the batch's time between its tokens
-        ARRIVAL_WINDOW (median over the batch), and how many lone requests were sent within it."""
+        ARRIVAL_WINDOW (median over the batch), and how many lone requests were sent within it. None if no request
+        of the batch streamed that many chunks (a stream that delivers several tokens at once)."""
         decoding, arrivals = self.decoding(*ARRIVAL_BATCH)
         lone = []
         if arrive:
@@ -169,6 +170,8 @@ class _Workloads:
         sent = [sent for sent, *_ in await asyncio.gather(*lone)]
         first, last = ARRIVAL_WINDOW
         spans = [(times[first], times[last]) for times in arrivals if len(times) > last]
+        if not spans:
+            return None
         begin, end = statistics.median(b for b, _ in spans), statistics.median(e for _, e in spans)
         return end - begin, sum(begin <= moment <= end for moment in sent)
 
@@ -227,10 +230,9 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
                     gap = await work.mixed_step(size, prompt_len)
                     mixed_gaps[i] += [] if gap is None else [gap]
                 if arrivals:  # alone before and after the run with arrivals: a drift moves both alike
-                    before, _ = await work.batch_window(arrive=False)
-                    joined_window, joined = await work.batch_window(arrive=True)
-                    after, _ = await work.batch_window(arrive=False)
-                    if joined:
+                    runs = [await work.batch_window(arrive=arrive) for arrive in (False, True, False)]
+                    if None not in runs and runs[1][1]:
+                        (before, _), (joined_window, joined), (after, _) = runs
                         per_arrival.append((joined_window - (before + after) / 2) / joined)
                 _log(f"round {round_ + 1} of {repeats} done")
             return (*_medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken), per_arrival)

@@ -391,6 +391,20 @@ def test_a_prompt_that_never_joined_the_decoding_batch_gives_no_mixed_step():
         assert asyncio.run(_Workloads(streamer_with_first_token_at(first_token)).mixed_step(8, 128)) == expected
 
 
+def test_an_arrivals_batch_whose_stream_came_in_fewer_chunks_than_its_window_gives_no_window():
+    """A stream that delivered its tokens several at a time has no chunk at the window's end: no window (the
+    round is left out), not a failed calibration."""
+    import asyncio
+
+    from meshserve.sim.calibrate import ARRIVAL_WINDOW, _Workloads
+
+    async def streamer(prompt, output_len, arrivals=None):
+        arrivals.extend(0.01 * i for i in range(ARRIVAL_WINDOW[1]))  # one chunk short
+        return 0.0, arrivals[0], arrivals[-1], output_len
+
+    assert asyncio.run(_Workloads(streamer).batch_window(arrive=False)) is None
+
+
 def test_calibrating_tes_on_shared_cores_measures_each_steps_stretch_over_a_te_alone():
     """Each TE of the deployment steps 10 ms per token beside the other (a made-up server); the profile of a TE
     alone gives 4 ms for the same rows: the stretch is 2.5x, kept with the rest of the profile."""
