@@ -336,6 +336,7 @@ class SimCluster:
         member.inbox = waiting
         if not te.has_work():  # (an idle TE took everything that reached it)
             member.stepping = False
+            member.host_work_s = 0.0  # done while the cores had nothing else to do
             self._leave_if_drained(member)
             return
         seconds, deltas = te.step(self.now)
