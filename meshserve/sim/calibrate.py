@@ -244,7 +244,7 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
     profile = fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
                   f"{streamer.path}: {workloads} workloads, waking and arrivals, medians of {repeats}", steps,
                   first_tokens)
-    per_request_ms = _per_request_ms(profile, per_arrival, mixed)
+    per_request_ms = _per_request_ms(profile, per_arrival, mixed) if arrivals else 0.0
     return dataclasses.replace(profile, wake_after_idle=wake, per_request_ms=per_request_ms, dp=dp)
 
 
@@ -253,6 +253,8 @@ def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_b
     profile's steps charge for the request itself (its decode rows, and its prefill where it joins the batch's
     steps)."""
     if not per_arrival:
+        _log(f"{ARRIVAL_RATE:g} lone requests a second beside a decoding batch: no round's stream came in as many "
+             f"chunks as its window; no host work per request")
         return 0.0
     prompt_len, output_len = ARRIVAL_REQUEST
     own = GroupWork(decode_rows=output_len - 1, prefill_tokens=prompt_len if prefill_in_batch else 0,

@@ -127,7 +127,7 @@ def _kill_group(pgid: int, proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_a_deployment_s_tes_leave_no_socket_directories_behind(model_dir, tmp_path):
+def test_a_deployments_te_leaves_no_socket_directory_behind(model_dir, tmp_path):
     """Each TE keeps its ranks' sockets in a temporary directory; a stopped TE removes it (a host that restarts
     TEs all day would otherwise collect one per start)."""
     log_path, port = tmp_path / "server.log", free_port()
