@@ -89,6 +89,7 @@ TIER_EXCEPTIONS = {
         "engine/test_sampler.py",
         "models/test_draft_vocab.py",
         "worker/test_step_agreement.py",
+        "worker/test_worker_wakeup.py",
         "moe/test_eplb.py",
     ], "unit"),
     **dict.fromkeys([

@@ -6,7 +6,8 @@ from a peer's shared-memory region (same host, "shm"), over TCP from the peer's 
 ("tcp"), or with torch.distributed send/recv in a 2-rank group per linked pair ("dist": Gloo
 between CPU regions, NCCL between CUDA regions; see `dist.py`).
 Transfers run on worker threads; results arrive on a completion queue (`poll`) and per handle
-(`status`, `wait`).
+(`status`, `wait`), and `on_complete` (if given) is called as each arrives, so a loop waiting on other things can
+poll at once.
 
 Link probing (xdeepserve §6.1): `probe(peer)` sends a tiny dummy payload to a linked peer's block server,
 the end a pull from it reaches, and times the round trip under a short timeout of its own; it reads no
@@ -21,6 +22,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -132,6 +134,7 @@ class TransferEngine:
         chunk_size: int = tcp_mod.DEFAULT_CHUNK_BYTES,
         io_timeout: float = 10.0,
         max_workers: int = 2,
+        on_complete: Callable[[], None] | None = None,
     ):
         if not name:
             raise ValueError("TransferEngine needs a non-empty name")
@@ -143,6 +146,7 @@ class TransferEngine:
         self.force_tcp = force_tcp
         self.chunk_size = chunk_size
         self.io_timeout = io_timeout
+        self.on_complete = on_complete  # told, from the finishing thread, that `poll` has something
         self._lock = threading.Lock()
         self._regions: dict[str, list[torch.Tensor]] = {}
         self._descriptors: dict[str, RegionDescriptor] = {}
@@ -474,6 +478,8 @@ class TransferEngine:
         pending.completion = completion
         self._completions.put(completion)
         pending.done.set()
+        if self.on_complete is not None:
+            self.on_complete()
 
     def poll(self) -> list[Completion]:
         """Completions since the last poll, in finishing order."""

@@ -54,6 +54,7 @@ class ExpertRankRunner:
         # no KV cache: the master sizes the DP groups' caches from the attention ranks alone
         self.num_blocks, self.layout, self.kv_region = 0, SimpleNamespace(bytes_per_token=0), None
         self.weights_addr = ""
+        self.background_wakeup = None  # no KV connectors: expert moves are polled for (`background_busy`)
         self.num_rollbacks = 0
         self.rows_served = 0  # A2E rows computed here (logs, benchmarks)
         self._rollback_events: list[str] = []

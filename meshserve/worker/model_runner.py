@@ -52,6 +52,7 @@ from meshserve.models.loader import load_hf_config, resolve_dtype
 from meshserve.parallel.context import ParallelContext
 from meshserve.parallel.rollback import is_transient
 from meshserve.utils import envs
+from meshserve.utils.wakeup import Wakeup
 from meshserve.wire.eplb import EplbCommand
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport, KVRegion
 from meshserve.wire.worker import (
@@ -166,7 +167,9 @@ class ModelRunner:
             self.num_blocks = kv_blocks_for_budget(self.layout.bytes_per_token, cache.block_size,
                                                    cache.kv_cache_memory_gb * 2**30)
         self.block_size = cache.block_size
-        # KV connectors' worker halves: P/D transfer (its region is the KV cache), the memory pool
+        # KV connectors' worker halves: P/D transfer (its region is the KV cache), the memory pool; their threads
+        # wake the rank's loop as a pull or fetch ends
+        self.background_wakeup = Wakeup()
         self.kv_connectors: list[KVConnectorWorker] = []
         self.pd_connector = None  # disaggregated prefill/decode: this rank's KV cache as a transfer region
         if config.kv_transfer_config.kv_transfer != "none":
@@ -186,6 +189,8 @@ class ModelRunner:
         self.kv_connectors.append(PoolConnectorWorker(
             self.pool, config.pool_config.pool_namespace, self.parallel.attn_tp_rank, self.parallel.attn_tp_size,
             self.kv_caches))
+        for connector in self.kv_connectors:
+            connector.wake_with(self.background_wakeup.notify)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB, %d B/token, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
                     self.layout.bytes_per_token, str(self.layout.dtype).removeprefix("torch."))
@@ -250,6 +255,7 @@ class ModelRunner:
             self.grammar.close()
         for connector in self.kv_connectors:
             connector.close()  # the P/D one unlinks the shared-memory KV cache
+        self.background_wakeup.close()
         if self.weight_server is not None:
             self.weight_server.close()
 

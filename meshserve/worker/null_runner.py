@@ -39,6 +39,7 @@ class NullRunner:
         self.load_info = SimpleNamespace(start=0.0, end=0.0, source="", nbytes=0)
         self.weights_addr = ""
         self.background_busy = False
+        self.background_wakeup = None  # no background work to wake the loop for
         self._held: dict[str, _Held] = {}
 
     def run_batch(self, batch: StepBatch, agreed=None) -> ModelRunnerOutput | None:

@@ -281,6 +281,9 @@ def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket
     fault_hooks.install(runner, rank, master_gone)  # wraps nothing until a fault is armed
     poller = zmq.Poller()
     poller.register(work, zmq.POLLIN)
+    wakeup = runner.background_wakeup  # a KV pull or pool fetch that ends between steps wakes the loop at once
+    if wakeup is not None:
+        poller.register(wakeup.fileno(), zmq.POLLIN)
     while True:
         for kind, detail in runner.poll_background():
             results.send(codec.encode(WorkerEvent(rank=rank, kind=kind, detail=detail)))
@@ -288,8 +291,11 @@ def _serve(rank: int, runner: ModelRunner, work: zmq.Socket, results: zmq.Socket
         if report is not None:
             results.send(codec.encode(report))
         # background work (expert reconfiguration, remote KV) is reported promptly even when no step comes
-        if not poller.poll(_BACKGROUND_POLL_MS if runner.background_busy else _PARENT_CHECK_MS):
-            if master_gone():
+        events = dict(poller.poll(_BACKGROUND_POLL_MS if runner.background_busy else _PARENT_CHECK_MS))
+        if wakeup is not None and wakeup.fileno() in events:
+            wakeup.clear()  # before the report at the top: a pull that ends after it wakes the loop again
+        if work not in events:
+            if not events and master_gone():
                 logger.warning("master is gone; exiting")
                 return
             continue

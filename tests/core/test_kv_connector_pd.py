@@ -2,6 +2,8 @@
 reports; the worker half pulling real blocks between two transfer engines."""
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import pytest
 import torch
@@ -132,10 +134,13 @@ def test_a_decode_rank_pulls_its_blocks_from_the_prefill_rank():
             kv.copy_(torch.arange(kv.numel(), dtype=torch.float32).view(kv.shape) + 1000 * layer)
         region = prefill.region
         assert region.engine == "p/rank0" and region.tcp_address is not None
+        pulled = threading.Event()
+        decode.wake_with(pulled.set)  # the rank's loop is woken as the pull ends, not at its next poll
         # the second of the pull's sources is this rank's (attention-TP rank 1)
         decode.start_load_kv(KVConnectorMetadata(kv_pulls=[
             KVPull(req_id="r", src_block_ids=[1, 4], dst_block_ids=[0, 2], sources=[REGION, region])]))
         assert decode.busy
+        assert pulled.wait(15), "the pull's end did not wake the rank"
         assert finished(decode) == [KVPullDone("r")] and not decode.busy
         for layer in range(2):
             assert torch.equal(decode.kv_caches[layer][0], prefill.kv_caches[layer][1])

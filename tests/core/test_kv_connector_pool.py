@@ -194,10 +194,13 @@ def test_a_rank_stores_blocks_another_rank_populates_from_them(pool_address):
         assert not any(b.exists("ns", [rank_key("k0", 0, 2)]))  # each TP rank stores its own part
 
         dest = PoolConnectorWorker(b, "ns", 1, 2, kv_caches(seed=None))
+        answered = threading.Event()
+        dest.wake_with(answered.set)  # the rank's loop is woken as the pool answers, not at its next poll
         dest.start_load_kv(KVConnectorMetadata(pool_fetches=[
             PoolFetch(req_id="r", blocks=[PoolBlock(0, "k0"), PoolBlock(1, "k1"), PoolBlock(4, "lost")]),
         ]))
         assert dest.busy
+        assert answered.wait(10), "the fetch's answer did not wake the rank"
         report = finished(dest)
         assert report.pool_fetches == [PoolFetchDone("r", 2)] and not dest.busy  # up to the first miss
         for layer in range(2):

@@ -438,3 +438,18 @@ def test_bad_requests_raise_clear_errors(engine):
     with pytest.raises(ValueError, match="belongs to engine"):
         engine.link("other", engine.descriptor("a"))
     assert engine.descriptor("c").shm is None  # plain tensors are not shareable by name
+
+
+def test_each_completion_calls_on_complete_from_the_finishing_thread():
+    """A loop that waits on its sockets is told as each transfer ends, not at its next poll."""
+    told = []
+    engine = TransferEngine("told", serve_tcp=False, on_complete=lambda: told.append(threading.current_thread()))
+    try:
+        engine.allocate_region("src", 1, SRC_BLOCKS, BLOCK_SIZE, (8,), torch.float32)
+        engine.allocate_region("dst", 1, DST_BLOCKS, BLOCK_SIZE, (8,), torch.float32)
+        first = engine.wait(engine.transfer(BlockRef("src", [1]), BlockRef("dst", [2])), WAIT_S)
+        second = engine.wait(engine.transfer(BlockRef("src", [4, 0]), BlockRef("dst", [0, 7])), WAIT_S)
+        assert len(told) == 2 and threading.current_thread() not in told  # the transfer threads told it
+        assert engine.poll() == [first, second]  # and what they told of is there to poll
+    finally:
+        engine.close()

@@ -251,6 +251,7 @@ class StepCounter:
     """Stands in for a rank's runner in its loop: counts the steps it is given."""
 
     background_busy = False
+    background_wakeup = None
 
     def __init__(self) -> None:
         self.steps: list[int] = []

@@ -7,6 +7,8 @@ of the group's ranks. The shape of vLLM's `KVConnectorBase_V1` worker side, at s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from meshserve.wire.kv import KVConnectorMetadata, KVConnectorReport
 
 
@@ -23,6 +25,10 @@ class KVConnectorWorker:
     def busy(self) -> bool:
         """Background work is in flight: the rank reports promptly even when no step comes."""
         return False
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from any thread) when background work ends, so that the rank's loop, waiting for its next
+        step, reports it at once (a connector without background threads never needs to)."""
 
     def close(self) -> None:
         """Let go of what it holds (shared memory, sockets)."""

@@ -6,7 +6,8 @@ the same host maps it and copies blocks with one memcpy per layer), and always b
 block server, which also sets up the torch.distributed groups of the "dist" backend (Gloo between CPU
 ranks; NCCL between ranks on different GPUs). A decode rank pulls a request's blocks from the prefill
 rank the scheduler half chose for it (`meshserve.core.pd_mapping`); pulls run on the transfer engine's
-threads while the rank keeps decoding, and their completions are reported to the master.
+threads while the rank keeps decoding, and their completions are reported to the master (the thread that ends a
+pull wakes the rank's loop, which would otherwise see it only at its next step or poll timeout).
 
 Link probing (xdeepserve §6.1): every prefill rank this rank has linked to is probed every few seconds
 (`meshserve.transfer.probe.LinkProber`), and at once when a pull from it fails or has been in flight for
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -68,6 +70,9 @@ class PDConnectorWorker(KVConnectorWorker):
     @property
     def busy(self) -> bool:
         return bool(self._pulls or self._failed_now)
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        self.engine.on_complete = wake  # the transfer thread that ends a pull calls it
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         for pull in meta.kv_pulls:

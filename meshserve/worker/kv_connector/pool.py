@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -35,10 +36,14 @@ class PoolConnectorWorker(KVConnectorWorker):
         self.block_nbytes = sum(kv[0].nbytes for kv in kv_caches)  # one block, every layer: as stored
         self._fetches: dict[str, tuple[list[PoolBlock], Future | None]] = {}  # req_id -> (blocks, the pool's answer)
         self._stores: list[Future] = []  # puts not yet answered
+        self._wake: Callable[[], None] | None = None  # the pool client's thread calls it as a fetch is answered
 
     @property
     def busy(self) -> bool:
         return bool(self._fetches)
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         if meta.pool_stores:
@@ -71,6 +76,8 @@ class PoolConnectorWorker(KVConnectorWorker):
         keys = [self._key(block.key) for block in fetch.blocks]
         future = self.pool.get_async(self.namespace, keys) if self.pool is not None else None
         self._fetches[fetch.req_id] = (fetch.blocks, future)
+        if future is not None and self._wake is not None:
+            future.add_done_callback(lambda _: self._wake())
 
     def get_finished(self, report: KVConnectorReport) -> None:
         """Write the blocks of finished fetches; report how many leading blocks each wrote."""
