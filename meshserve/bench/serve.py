@@ -138,6 +138,8 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float,
         "ttft_ms": report.summarize(ms(r.ttft_s for r in ok if r.ttft_s is not None)),
         "tpot_ms": report.summarize(ms(r.tpot_s for r in ok if r.tpot_s is not None)),
         "itl_ms": report.summarize(ms(itl for r in ok for itl in r.itls_s)),
+        # the gap before a request's second token: on a P/D deployment, its hand-off to the decode TE
+        "second_token_ms": report.summarize(ms(r.itls_s[0] for r in ok if r.itls_s)),
         "e2e_ms": report.summarize(ms(r.e2e_s for r in ok if r.e2e_s is not None)),
         "output_tokens": report.summarize(r.output_tokens for r in ok),
     }
@@ -360,5 +362,6 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"TTFT ms {p('ttft_ms')}",
         f"TPOT ms {p('tpot_ms')}",
         f"ITL ms  {p('itl_ms')}",
+        f"2nd token gap ms {p('second_token_ms')}",
         f"E2E ms  {p('e2e_ms')}",
     ]

@@ -19,8 +19,8 @@ def add_calibrate_command(commands) -> None:
     calibrate.add_argument("--url", help="measure a running server instead (`meshserve serve`, any deployment), "
                                          "through its HTTP API as `meshserve bench serve` loads it")
     calibrate.add_argument("--pd", action="store_true", help="with --url: the deployment hands prompts to other TEs "
-                                                             "(P/D): no mixed workloads, and the TE not measured "
-                                                             "works meanwhile (its host's cores are shared)")
+                                                             "(P/D) on this host: no mixed workloads, and how much "
+                                                             "each TE's steps stretch while the other works")
     calibrate.add_argument("--shared-tes", type=int, help="with --url and --alone: the deployment runs this many TEs "
                                                           "on this host's cores; measure how much a TE's step "
                                                           "stretches beside the others and write --alone with it")
@@ -73,7 +73,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     elif alone is not None:
         profile = calibrate_shared(streamer, alone, args.shared_tes, args.repeats)
     else:
-        profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd, keep_other_busy=args.pd)
+        profile = calibrate(streamer, strategy.attn_dp, args.repeats, mixed=not args.pd, pd=args.pd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     print(json.dumps(profile.to_dict(), indent=2))

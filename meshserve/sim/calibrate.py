@@ -19,7 +19,13 @@ executor's hops too). Workloads:
 - arrivals: a decoding batch alone, while lone short requests keep arriving (ARRIVAL_RATE a second), and alone
   again: how much longer the batch's steps take, per request that arrived, beyond the requests' own prefill and
   decode, is the profile's `per_request_ms` (their frontend, routing and admission take the cores from the steps).
-  Not with `keep_other_busy` (P/D on a shared host): there every step is timed beside the other TE's requests.
+  On a P/D deployment (`pd`) the requests' prompts run on the prefill TE: what its steps stretch the batch's (the
+  stretch below, while it prefills them) is subtracted instead of their prefill;
+- P/D on a shared host (`pd`): every point above is timed with the TE not measured idle, and how much longer a
+  step takes while the other TE works is measured apart: a decoding batch's step while the prefill TE prefills
+  prompt after prompt, over alone (`stretch_beside_tes`), and a lone prompt's time to its first token while the
+  decode TE decodes a batch, over alone (`prompt_stretch_beside_tes`: its delivery through the frontend and the
+  job executor is slowed as much as its step). The simulator stretches a step only while the other TE steps.
 
 Medians of `REPEATS` runs each, taken in rounds (every workload once per round, so that a host's drift moves every
 point alike), fitted by `meshserve.sim.profile.fit`; progress is logged per round.
@@ -62,7 +68,11 @@ IDLE_S = 0.25  # how long the engine idles before each lone prompt
 # ... and before one more of the shortest each, against one sent as the last one ends: the waking cost. Several: it
 # is no straight line (measured at 0.25 s and 1 s alone, a 2/s run's prompts after 0.5 s idle paid 30 ms more)
 WAKE_IDLE_TIMES_S = (0.1, 0.5, 1.0, 2.0)
-BUSY_PROMPT, BUSY_DECODES, BUSY_OUTPUT = 256, 4, 256  # the other TE's work while one is measured (P/D)
+# P/D: the decoding batch (requests, prompt tokens, output tokens) timed alone and beside the prefill TE's prompts
+# of BUSY_PROMPT tokens; PD_PROMPTS lone prompts of PD_PROMPT tokens, each PD_PAUSE_S after the one before, timed
+# alone and while a batch (PD_DECODING) decodes
+PD_DECODE_BATCH, BUSY_PROMPT = (16, 32, 48), 256
+PD_PROMPT, PD_PROMPTS, PD_PAUSE_S, PD_DECODING = 128, 3, 0.1, (8, 32, 200)
 # the arrivals workload: a batch (requests, prompt tokens, output tokens) decodes while lone requests (prompt
 # tokens, output tokens: a whole request, intake to end) arrive; the batch's steps between two of its tokens
 # (ARRIVAL_WINDOW) are timed
@@ -145,8 +155,7 @@ class _Workloads:
         longest is whichever a hiccup of the host stretched. None if the prompt's first token came after the
         batch's last ones (it did not join the batch: its last gap is no mixed step)."""
         decoding, arrivals = self.decoding(size, 32, MIXED_OUTPUT)
-        while min(len(a) for a in arrivals) < MIXED_OUTPUT // 4:  # the batch is decoding
-            await asyncio.sleep(0.001)
+        await _decoding_past(decoding, arrivals, MIXED_OUTPUT // 4)
         _, first, _, _ = await self.streamer(draw_prompt(self.rng, prompt_len), 1)
         await asyncio.gather(*decoding)
         joined = [_gap_ending_at(times, first) for times in arrivals if first < times[-1]]
@@ -159,8 +168,7 @@ class _Workloads:
         decoding, arrivals = self.decoding(*ARRIVAL_BATCH)
         lone = []
         if arrive:
-            while min(len(a) for a in arrivals) < ARRIVAL_WINDOW[0] // 2:  # the batch is decoding
-                await asyncio.sleep(0.001)
+            await _decoding_past(decoding, arrivals, ARRIVAL_WINDOW[0] // 2)
             start = time.monotonic()
             while not any(request.done() for request in decoding):
                 prompt_len, output_len = ARRIVAL_REQUEST
@@ -180,23 +188,41 @@ class _Workloads:
         while True:
             await self.streamer(draw_prompt(self.rng, BUSY_PROMPT), 1)
 
-    async def decodes_elsewhere(self) -> None:
-        """Long outputs of short prompts: a P/D deployment's decode TE runs them."""
-        while True:
-            await self.batch(BUSY_DECODES, 32, BUSY_OUTPUT)
+    async def decode_beside_prompts(self) -> float:
+        """P/D: a decoding batch's step while the prefill TE prefills prompt after prompt, over its step alone."""
+        steps = []
+        for load in (None, self.prompts_elsewhere):
+            async with _busy(load):
+                steps.append(statistics.median((last - first) / (n - 1)
+                                               for _, first, last, n in await self.batch(*PD_DECODE_BATCH)))
+        alone, beside = steps
+        return beside / alone
+
+    async def prompt_beside_decodes(self) -> float | None:
+        """P/D: a lone prompt's time to its first token while the decode TE decodes a batch, over alone (the
+        medians of PD_PROMPTS each). None if no prompt's first token came while the batch decoded."""
+        alone = [ttft for _, ttft in [await self._paused_prompt() for _ in range(PD_PROMPTS)]]
+        decoding, arrivals = self.decoding(*PD_DECODING)
+        await _decoding_past(decoding, arrivals, 8)
+        beside = [await self._paused_prompt() for _ in range(PD_PROMPTS)]
+        await asyncio.gather(*decoding)
+        decoded_until = min(a[-1] for a in arrivals)
+        kept = [ttft for first, ttft in beside if first < decoded_until]
+        return statistics.median(kept) / statistics.median(alone) if kept else None
+
+    async def _paused_prompt(self) -> tuple[float, float]:
+        """A lone prompt of PD_PROMPT tokens, PD_PAUSE_S after the last: (its first token's time, its TTFT)."""
+        await asyncio.sleep(PD_PAUSE_S)
+        sent, first, _, _ = await self.streamer(draw_prompt(self.rng, PD_PROMPT), 1)
+        return first, first - sent
 
 
-def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
-              keep_other_busy: bool = False) -> StepProfile:
+def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd: bool = False) -> StepProfile:
     """The profile fitted from `streamer`'s requests (an `EngineStreamer` or an `HTTPStreamer`, opened and closed
     here) to a deployment of `dp` DP groups per TE; `mixed`: a prompt joins a decoding batch on the same TE (not
-    with P/D); `keep_other_busy` (P/D on shared hosts): the TE not measured works meanwhile, as it does in a
-    loaded deployment, so the steps are timed with the host's cores shared as they are then."""
+    with P/D); `pd`: a P/D deployment sharing this host's cores (how much each TE's steps stretch while the other
+    works is measured too)."""
     work = _Workloads(streamer)
-    # the arrivals workload: not with the other TE kept busy, whose requests' host work the steps are timed beside
-    arrivals = not keep_other_busy
-    prompts_elsewhere = keep_other_busy and work.prompts_elsewhere
-    decodes_elsewhere = keep_other_busy and work.decodes_elsewhere
 
     async def measure() -> tuple:
         """Every workload once per round, `repeats` rounds: each point's median spans the whole calibration, so
@@ -211,47 +237,68 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True,
             # idle s -> the shortest prompt's times
             woken: dict[float, list[float]] = {0.0: [], **{idle_s: [] for idle_s in WAKE_IDLE_TIMES_S}}
             per_arrival: list[float] = []  # the batch's stretch over its window, per request that arrived in it
+            stretches: tuple[list[float], list[float]] = ([], [])  # P/D: a decode step's, a prompt's
             for round_ in range(repeats):
                 for i, (size, prompt_len, output_len) in enumerate(DECODE_POINTS):
-                    async with _busy(prompts_elsewhere):  # P/D: the prefill TE works meanwhile
-                        decode_gaps[i] += [(last - first) / (n - 1)
-                                           for _, first, last, n in await work.batch(size, prompt_len, output_len)]
+                    decode_gaps[i] += [(last - first) / (n - 1)
+                                       for _, first, last, n in await work.batch(size, prompt_len, output_len)]
                 for i, prompt_len in enumerate(PREFILL_POINTS):
                     await asyncio.sleep(IDLE_S)
-                    async with _busy(decodes_elsewhere):  # P/D: the decode TE works meanwhile
-                        (sent, first, _, _), = await work.batch(1, prompt_len, 1)
+                    (sent, first, _, _), = await work.batch(1, prompt_len, 1)
                     ttfts[i].append(first - sent)
                 for idle_s, times in woken.items():  # 0: right after the last lone prompt ended
                     await asyncio.sleep(idle_s)
-                    async with _busy(decodes_elsewhere):
-                        (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], 1)
+                    (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], 1)
                     times.append(first - sent)
                 for i, (size, prompt_len) in enumerate(MIXED_POINTS if mixed else ()):
                     gap = await work.mixed_step(size, prompt_len)
                     mixed_gaps[i] += [] if gap is None else [gap]
-                if arrivals:  # alone before and after the run with arrivals: a drift moves both alike
-                    runs = [await work.batch_window(arrive=arrive) for arrive in (False, True, False)]
-                    if None not in runs and runs[1][1]:
-                        (before, _), (joined_window, joined), (after, _) = runs
-                        per_arrival.append((joined_window - (before + after) / 2) / joined)
+                # the arrivals workload, alone before and after the run with arrivals: a drift moves both alike
+                runs = [await work.batch_window(arrive=arrive) for arrive in (False, True, False)]
+                if None not in runs and runs[1][1]:
+                    (before, _), (joined_window, joined), (after, _) = runs
+                    per_arrival.append((joined_window - (before + after) / 2) / joined)
+                if pd:
+                    stretches[0].append(await work.decode_beside_prompts())
+                    prompt_stretch = await work.prompt_beside_decodes()
+                    if prompt_stretch is not None:
+                        stretches[1].append(prompt_stretch)
                 _log(f"round {round_ + 1} of {repeats} done")
-            return (*_medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken), per_arrival)
+            return (*_medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken), per_arrival, stretches)
         finally:
             await streamer.close()
-    steps, first_tokens, wake, per_arrival = asyncio.run(measure())
+    steps, first_tokens, wake, per_arrival, stretches = asyncio.run(measure())
     workloads = f"{len(DECODE_POINTS)} decode, {len(PREFILL_POINTS)} prefill" + (
         f" and {len(MIXED_POINTS)} mixed" if mixed else "")
     profile = fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
                   f"{streamer.path}: {workloads} workloads, waking and arrivals, medians of {repeats}", steps,
                   first_tokens)
-    per_request_ms = _per_request_ms(profile, per_arrival, mixed) if arrivals else 0.0
-    return dataclasses.replace(profile, wake_after_idle=wake, per_request_ms=per_request_ms, dp=dp)
+    profile = dataclasses.replace(profile, wake_after_idle=wake, dp=dp)
+    if pd:
+        profile = _with_pd_stretches(profile, *stretches)
+    return dataclasses.replace(profile, per_request_ms=_per_request_ms(profile, per_arrival, mixed, pd))
 
 
-def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_batch: bool) -> float:
+def _with_pd_stretches(profile: StepProfile, decode: list[float], prompt: list[float]) -> StepProfile:
+    """`profile` with the P/D stretches (each round's ratio; their medians, at least 1), each logged."""
+    tables = {}
+    for table, what, ratios in (("stretch_beside_tes", "a decode step beside the prefill TE's prompts", decode),
+                                ("prompt_stretch_beside_tes", "a prompt beside the decode TE's batch", prompt)):
+        rounds = ", ".join(f"{x:.2f}" for x in ratios)
+        if not ratios:
+            _log(f"{what}: no round's prompt came out while the batch decoded; not stretched")
+            continue
+        tables[table] = (max(1.0, statistics.median(ratios)),)
+        _log(f"{what}: {tables[table][0]:.2f}x alone (rounds: {rounds})")
+    return dataclasses.replace(profile, **tables, source=f"{profile.source}; beside the other TE: a decode step "
+                               f"{tables.get('stretch_beside_tes', (1.0,))[0]:.2f}x, a prompt "
+                               f"{tables.get('prompt_stretch_beside_tes', (1.0,))[0]:.2f}x")
+
+
+def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_batch: bool, pd: bool) -> float:
     """The host work per request (ms) from the arrivals workload's stretch per arriving request: less what the
     profile's steps charge for the request itself (its decode rows, and its prefill where it joins the batch's
-    steps)."""
+    steps), and on P/D (`pd`) what the prefill TE's step for it stretches the batch's steps beside it."""
     if not per_arrival:
         _log(f"{ARRIVAL_RATE:g} lone requests a second beside a decoding batch: no round's stream came in as many "
              f"chunks as its window; no host work per request")
@@ -260,6 +307,8 @@ def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_b
     own = GroupWork(decode_rows=output_len - 1, prefill_tokens=prompt_len if prefill_in_batch else 0,
                     prefill_pairs=prompt_len * prompt_len / 2 if prefill_in_batch else 0.0)
     own_ms = 1e3 * profile.group_seconds(own) - profile.base_ms  # the rows and tokens, not another step
+    if pd:  # the batch's steps beside the prefill TE's step for it
+        own_ms += 1e3 * profile.group_seconds(GroupWork.prompt(prompt_len)) * (profile.shared_cores_factor(1) - 1.0)
     stretch_ms = 1e3 * statistics.median(per_arrival)
     per_request_ms = max(0.0, stretch_ms - own_ms)
     rounds = ", ".join(f"{1e3 * x:.1f}" for x in per_arrival)
@@ -395,6 +444,12 @@ def calibrate_scale_up(streamer, shared: StepProfile, ask_manager, pool: str, re
                                source=f"{shared.source}; a scale-up of {pool}: {starting / alone:.2f}x while the "
                                       f"TE starts, {warming / alone:.2f}x while its pre-warmed replacement does, "
                                       f"medians of {repeats}")
+
+
+async def _decoding_past(decoding: list, arrivals: list[list[float]], tokens: int) -> None:
+    """Until every request of a batch sent now has `tokens` tokens (the batch is decoding), or one has ended."""
+    while min(len(a) for a in arrivals) < tokens and not any(request.done() for request in decoding):
+        await asyncio.sleep(0.001)
 
 
 @contextlib.asynccontextmanager

@@ -11,10 +11,11 @@ Events, in time order:
 - with the master's pipelining (`pipeline_depth` 2, its default: step n + 1 is scheduled as step n starts) a busy
   TE's next step holds only the requests that had reached it when the step before began; an idle TE takes a
   request at once;
-- TEs whose profile shares one host's cores (calibrated on this machine with `--shared-tes`) slow each other: a step
-  that starts while k other TEs step or start (loading and warming up), or pre-warmed processes start (the
-  autoscaler's), takes the profile's time times `StepProfile.shared_cores_factor(k)` (`share_cores=False`: each TE
-  on cores of its own).
+- TEs whose profile shares one host's cores (calibrated on this machine with `--shared-tes`, or `--pd`) slow each
+  other: a step that starts while k other TEs step or start (loading and warming up), or pre-warmed processes start
+  (the autoscaler's), takes the profile's time times `StepProfile.shared_cores_factor(k)` (a step that holds prompt
+  tokens: its prompt table, which stretches its outputs' delivery too; `share_cores=False`: each TE on cores of its
+  own).
 
 Each request's first and last token times give TTFT and TPOT as the benchmarks report them (`meshserve bench
 serve`): TTFT from arrival to the first token, TPOT the mean gap between its later tokens. Garbage is collected on
@@ -110,6 +111,7 @@ class _Member:
     since: float = 0.0  # when it entered its state
     joined: float = 0.0
     host_work_s: float = 0.0  # the host work of the requests that joined its running work at the last start
+    delivery_stretch: float = 1.0  # its step under way delivers its outputs this much slower (a prompt's, shared)
 
     @property
     def pool(self) -> str:
@@ -340,8 +342,11 @@ class SimCluster:
             self._leave_if_drained(member)
             return
         seconds, deltas = te.step(self.now)
-        slowdown = self._shared_cores_factor(member)
+        prompt = any(work.prefill_tokens for work in te.last_work)
+        slowdown = self._shared_cores_factor(member, prompt)
         seconds *= slowdown
+        # a prompt's stretch, where the profile has one of its own, holds its delivery too
+        member.delivery_stretch = slowdown if prompt and getattr(te.profile, "prompt_stretch_beside_tes", ()) else 1.0
         wake = getattr(te.profile, "wake_seconds", None)
         if wake is not None:  # a TE that idled since its last step (or since the start) wakes slower
             seconds += wake(max(0.0, self.now - member.step_ends))
@@ -359,9 +364,10 @@ class SimCluster:
                 self.breakdown[part] = self.breakdown.get(part, 0.0) + part_seconds
         self._push(self.now + seconds, _STEP_END, (member.spec.name, deltas))
 
-    def _shared_cores_factor(self, member: _Member) -> float:
+    def _shared_cores_factor(self, member: _Member, prompt: bool = False) -> float:
         """How much longer `member`'s step takes on cores it shares with the other TEs whose step is under way, and
-        those starting and the pre-warmed processes starting, each weighed in stepping TEs as the profile says."""
+        those starting and the pre-warmed processes starting, each weighed in stepping TEs as the profile says
+        (`prompt`: the step holds prompt tokens)."""
         profile = member.te.profile
         if not self.share_cores or not getattr(profile, "stretch_beside_tes", ()):
             return 1.0
@@ -373,11 +379,11 @@ class SimCluster:
                 busy += profile.starting_te_weight
         if self.scaler is not None:
             busy += profile.prewarm_weight * self.scaler.warming(self.now)
-        return profile.shared_cores_factor(busy)
+        return profile.shared_cores_factor(busy, prompt)
 
     def _step_end(self, name: str, deltas: list[RequestDelta]) -> None:
         member = self.members[name]
-        seen = self.now + 1e-3 * member.te.profile.delivery_ms
+        seen = self.now + 1e-3 * member.te.profile.delivery_ms * member.delivery_stretch
         for delta in deltas:
             served = self.served[delta.req_id]
             if delta.new_token_ids:

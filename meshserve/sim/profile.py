@@ -22,7 +22,11 @@ TEs on devices of their own step independently. TEs sharing one host's CPU cores
 deployment of several TEs on one host says how much longer a TE's step takes while another TE steps beside it
 (`stretch_beside_tes`, `meshserve simulate calibrate --shared-tes`), and what a starting TE and a starting pre-warmed
 process count as, in stepping TEs (`starting_te_weight`, `prewarm_weight`: `calibrate --scale-up`); the simulator
-applies them to every step that starts while other TEs step or start (`shared_cores_factor`).
+applies them to every step that starts while other TEs step or start (`shared_cores_factor`). A prompt's step may
+stretch otherwise: on a P/D deployment sharing one host, a prefill TE's prompt beside a decoding TE took 1.6-1.9x
+as long to its first token (its delivery through the frontend and the job executor as much as its step), a decode
+step beside a prefilling TE 1.3x; `prompt_stretch_beside_tes` (`calibrate --pd`) is the prompts' table, applied to
+a step holding prompt tokens and to its outputs' delivery.
 
 A host may also run slower for a while after it idled (cores clocked down or lent elsewhere, caches cold):
 `wake_after_idle` says how much longer a TE's first step after `idle_s` seconds without work takes (points of
@@ -48,6 +52,7 @@ TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_ki
          "delivery_ms")
 SCALE_UP_WEIGHTS = ("starting_te_weight", "prewarm_weight")  # optional, with stretch_beside_tes
 OPTIONAL_TERMS = ("per_request_ms", *SCALE_UP_WEIGHTS)
+STRETCH_TABLES = ("stretch_beside_tes", "prompt_stretch_beside_tes")  # optional
 
 
 class ProfileError(ValueError):
@@ -99,6 +104,9 @@ class StepProfile:
     # optional, on a host whose cores TEs share: a step's time beside 1, 2, ... other busy TEs over its time alone
     # (empty: each TE has devices of its own)
     stretch_beside_tes: tuple[float, ...] = ()
+    # optional, the same for a step that holds prompt tokens, its outputs' delivery included: a prompt's time to
+    # its first token beside busy TEs over alone (P/D on a shared host; empty: stretch_beside_tes, delivery as is)
+    prompt_stretch_beside_tes: tuple[float, ...] = ()
     starting_te_weight: float = 1.0  # a TE starting (its load, KV cache, warm-up), in stepping TEs
     prewarm_weight: float = 1.0  # a pre-warmed process starting (imports, native kernels), in stepping TEs
     # optional: (idle_s, extra_ms) points, how much longer the first step after idling that long takes
@@ -112,12 +120,12 @@ class StepProfile:
             value = getattr(self, term)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ProfileError(f"profile {self.name!r}: {term} must be a number >= 0, got {value!r}")
-        stretch = self.stretch_beside_tes
-        if not isinstance(stretch, (list, tuple)) or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 1 for x in stretch):
-            raise ProfileError(f"profile {self.name!r}: stretch_beside_tes must be a list of numbers >= 1, "
-                               f"got {stretch!r}")
-        object.__setattr__(self, "stretch_beside_tes", tuple(float(x) for x in stretch))
+        for table in STRETCH_TABLES:
+            stretch = getattr(self, table)
+            if not isinstance(stretch, (list, tuple)) or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 1 for x in stretch):
+                raise ProfileError(f"profile {self.name!r}: {table} must be a list of numbers >= 1, got {stretch!r}")
+            object.__setattr__(self, table, tuple(float(x) for x in stretch))
         wake = self.wake_after_idle
         if not isinstance(wake, (list, tuple)) or any(
                 not isinstance(point, (list, tuple)) or len(point) != 2
@@ -139,11 +147,13 @@ class StepProfile:
         """A lockstep step: its slowest DP group's part."""
         return max(self.group_seconds(work) for work in groups)
 
-    def shared_cores_factor(self, other_tes: float) -> float:
+    def shared_cores_factor(self, other_tes: float, prompt: bool = False) -> float:
         """How much longer a step takes while `other_tes` other TEs are busy on this profile's host: the measured
         stretch, on straight lines between the counts measured and along the last one beyond them. 1 alone, and for
-        a profile without a shared host (TEs with devices of their own)."""
-        stretch = (1.0, *self.stretch_beside_tes)
+        a profile without a shared host (TEs with devices of their own). `prompt`: a step that holds prompt tokens
+        (`prompt_stretch_beside_tes` where the profile has it)."""
+        stretch = (1.0, *(self.prompt_stretch_beside_tes if prompt and self.prompt_stretch_beside_tes
+                          else self.stretch_beside_tes))
         if other_tes <= 0 or len(stretch) == 1:
             return 1.0
         below = min(int(other_tes), len(stretch) - 2)
@@ -172,7 +182,7 @@ class StepProfile:
         missing = [key for key in ("name", "source", *TERMS) if key not in data]
         if missing:
             raise ProfileError(f"{where} lacks {', '.join(missing)}")
-        unknown = sorted(set(data) - {"name", "source", *TERMS, "stretch_beside_tes", *OPTIONAL_TERMS,
+        unknown = sorted(set(data) - {"name", "source", *TERMS, *STRETCH_TABLES, *OPTIONAL_TERMS,
                                       "wake_after_idle", "dp"})
         if unknown:
             raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")

@@ -65,6 +65,7 @@ def test_summarize_run_on_hand_made_records():
     assert summary["ttft_ms"]["p50"] == pytest.approx(200.0)
     assert summary["tpot_ms"]["max"] == pytest.approx(200.0)  # (0.9-0.3)/3
     assert summary["itl_ms"]["count"] == 7
+    assert summary["second_token_ms"]["count"] == 2 and summary["second_token_ms"]["max"] == pytest.approx(200.0)
     assert summary["e2e_ms"]["p90"] == pytest.approx(500 + 0.9 * 400)
 
 

@@ -215,6 +215,33 @@ def test_the_shared_cores_factor_is_the_measured_stretch_continued_along_its_las
         == PROFILE
 
 
+def test_a_prompt_beside_a_decoding_te_takes_its_own_stretch_delivery_included():
+    """P/D on a shared host (`calibrate --pd`): a prompt's step and its first token's delivery take the prompt
+    table's stretch while the decode TE steps, and nothing while it idles; without a prompt table a prompt's step
+    takes the steps' stretch and its delivery none."""
+    from meshserve.sim.profile import GroupWork
+    from meshserve.sim.trace import TraceRequest
+
+    long_decode, beside, alone = (TraceRequest(0.0, 64, 400), TraceRequest(0.5, 256, 2),
+                                  TraceRequest(3.0, 256, 2))  # the second comes while the first decodes
+
+    def ttfts(profile: StepProfile) -> list[float]:
+        result = SimCluster(deployment_specs("1p+1d", SETTINGS, profile)).run([long_decode, beside, alone],
+                                                                              progress=False)
+        assert result["completed"] == 3
+        return result["ttfts"]
+    prompt_s = PROFILE.group_seconds(GroupWork.prompt(256)) + 1e-3 * PROFILE.delivery_ms
+    pd = replace(PROFILE, stretch_beside_tes=(1.3,), prompt_stretch_beside_tes=(2.0,))
+    assert ttfts(pd)[1:] == pytest.approx([2.0 * prompt_s, prompt_s], rel=1e-6)
+    steps_only = replace(PROFILE, stretch_beside_tes=(1.3,))
+    assert ttfts(steps_only)[1:] == pytest.approx(
+        [1.3 * PROFILE.group_seconds(GroupWork.prompt(256)) + 1e-3 * PROFILE.delivery_ms, prompt_s], rel=1e-6)
+    assert pd.shared_cores_factor(1, prompt=True) == 2.0 and pd.shared_cores_factor(1) == 1.3
+    assert StepProfile.from_dict(json.loads(json.dumps(pd.to_dict()))) == pd
+    with pytest.raises(ProfileError, match="prompt_stretch_beside_tes"):
+        replace(PROFILE, prompt_stretch_beside_tes=(0.9,))
+
+
 def test_a_pre_warmed_replacement_keeps_the_cores_busy_after_a_scale_up():
     """The manager replaces the pre-warmed process a scale-up took once the new TE serves: on a shared host it
     stretches the TEs' steps for `prewarm_s`, and nowhere else."""

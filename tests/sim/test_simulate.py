@@ -234,7 +234,7 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path, capsys):
 
 
 def test_the_other_tes_load_runs_only_while_a_measurement_does():
-    """`calibrate --pd` keeps the TE not measured working through each measurement, and only then."""
+    """`calibrate --pd` keeps the prefill TE prefilling while a decode step is timed beside it, and only then."""
     import asyncio
 
     from meshserve.sim.calibrate import _busy
@@ -369,6 +369,103 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
               + profile.per_prefill_megapair_ms * prompt_len ** 2 / 2e6)
     assert profile.per_request_ms == pytest.approx(1e3 * per_lone_s - own_ms, abs=0.5)
     assert "lone requests a second beside a decoding batch" in err
+
+
+def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_beside_the_other(capsys, monkeypatch):
+    """A made-up P/D server: a decoding batch steps every 10 ms, 13 ms while the prefill TE prefills; a lone prompt
+    takes 20 ms to its first token, 34 ms while the decode TE decodes a batch. The fit's points are taken alone, the
+    stretches (1.3x, 1.7x) go to the profile's two tables. Each lone request of the arrivals workload stretches the
+    batch's steps by 6 ms in all: the host work per request, less its own decode row and what the prefill TE's step
+    for it stretches the batch's beside it (its prompt runs there)."""
+    import asyncio
+    import time
+
+    from meshserve.sim import calibrate as calibration
+    from meshserve.sim.calibrate import (
+        ARRIVAL_BATCH,
+        ARRIVAL_REQUEST,
+        ARRIVAL_WINDOW,
+        PD_DECODE_BATCH,
+        PD_DECODING,
+        PD_PROMPT,
+        calibrate,
+    )
+
+    for constant in ("IDLE_S", "PD_PAUSE_S"):
+        monkeypatch.setattr(calibration, constant, 0.0)
+    monkeypatch.setattr(calibration, "WAKE_IDLE_TIMES_S", (0.01,))
+    monkeypatch.setattr(calibration, "ARRIVAL_RATE", 200.0)
+    token_s, per_lone_s = 0.001, 0.006
+
+    class Streamer:
+        name, path = "made up", "a made-up P/D server"
+
+        def __init__(self) -> None:
+            self.prompts_in_flight = self.batches_decoding = 0
+            self.asked: list[tuple[int, int]] = []
+            self.batch_start, self.lone_sent = 0.0, []  # the arrivals workload's batch; its lone requests' sends
+
+        async def open(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        def stretched(self, moment: float) -> float:
+            """`moment` once the lone requests sent before it stretched the batch's steps."""
+            return moment + per_lone_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
+
+        async def arrivals_batch(self, arrivals: list[float]) -> tuple:
+            """The arrivals workload's batch: a token every `token_s`, later by the lone requests sent before."""
+            start = self.batch_start = time.monotonic()
+            nominal = [start + i * token_s for i in range(ARRIVAL_BATCH[2])]
+            early = ARRIVAL_WINDOW[0] // 2
+            arrivals.extend(nominal[:early])
+            await asyncio.sleep(nominal[-1] - start)
+            arrivals.extend(self.stretched(moment) for moment in nominal[early:])
+            return start, arrivals[0], arrivals[-1], len(arrivals)
+
+        async def __call__(self, prompt, output_len, arrivals=None):
+            self.asked.append((len(prompt), output_len))
+            now = time.monotonic()
+            if output_len == ARRIVAL_BATCH[2]:
+                return await self.arrivals_batch(arrivals)
+            if output_len == ARRIVAL_REQUEST[1]:
+                self.lone_sent.append(now)
+                sent = self.stretched(now)
+                return sent, sent + 0.002, sent + 0.003, output_len
+            if output_len == 1:  # a prompt: the prefill TE's only
+                self.prompts_in_flight += 1
+                try:
+                    await asyncio.sleep(0.002)
+                finally:
+                    self.prompts_in_flight -= 1
+                ttft = (0.034 if self.batches_decoding else 0.020) if len(prompt) == PD_PROMPT \
+                    else 0.002 + 1e-4 * len(prompt)
+                return now, now + ttft, now + ttft, 1
+            if output_len == PD_DECODING[2]:  # the batch the lone prompts are timed beside
+                arrivals.extend(now + 0.001 * i for i in range(8))
+                self.batches_decoding += 1
+                await asyncio.sleep(0.2)
+                self.batches_decoding -= 1
+                arrivals.extend(time.monotonic() + 0.001 * i for i in range(output_len - 8))
+                return now, arrivals[0], arrivals[-1], output_len
+            gap = 0.013 if self.prompts_in_flight else 0.010
+            return now, now + 0.01, now + 0.01 + gap * (output_len - 1), output_len
+
+    streamer = Streamer()
+    profile = calibrate(streamer, dp=1, repeats=2, mixed=False, pd=True)
+    assert profile.stretch_beside_tes == pytest.approx((1.3,)) and profile.prompt_stretch_beside_tes == \
+        pytest.approx((1.7,), rel=0.01)
+    prompt_len, output_len = ARRIVAL_REQUEST
+    own_ms = profile.per_decode_row_ms * (output_len - 1) + 1e3 * profile.group_seconds(
+        GroupWork.prompt(prompt_len)) * (1.3 - 1.0)
+    assert profile.per_request_ms == pytest.approx(1e3 * per_lone_s - own_ms, abs=0.5)
+    batch, prompt_len, output_len = PD_DECODE_BATCH
+    assert streamer.asked.count((prompt_len, output_len)) >= 2 * 2 * batch  # alone and beside, each round
+    err = capsys.readouterr().err
+    assert "a decode step beside the prefill TE's prompts: 1.30x alone (rounds: 1.30, 1.30)" in err
+    assert "a prompt beside the decode TE's batch: 1.70x alone" in err
+    # the fit's points alone: a decode step of any batch 10 ms, not 13
+    assert "decode batch 16 prompt 32: 10.0 ms per step" in err and "13.0 ms per step" not in err
 
 
 def test_a_prompt_that_never_joined_the_decoding_batch_gives_no_mixed_step():
