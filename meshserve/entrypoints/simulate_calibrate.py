@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
         calibrate_shared,
     )
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the rounds' lines
     try:
         strategy = parse_strategy(args.parallel)
         if args.repeats < 1:

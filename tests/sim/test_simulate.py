@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import statistics
 
 import pytest
@@ -231,6 +232,8 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path, capsys):
         assert main(["simulate", "calibrate", "--out", out, *flags]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+    # a calibration through a server logs its rounds, not a line per request of its thousands
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
 
 
 def test_the_other_tes_load_runs_only_while_a_measurement_does():
