@@ -274,6 +274,42 @@ def test_only_a_prompts_last_chunk_samples_a_token():
     assert sampled[3:] == [(0, 1)] * 3  # then one decode row a step for the other three tokens
 
 
+class ArrivalsWorkload:
+    """A made-up server's part for the calibration's arrivals workload: the batch steps every `token_s`, and each
+    lone request sent while it decodes makes its later steps `per_lone_s` longer in all."""
+
+    def __init__(self, token_s: float, per_lone_s: float) -> None:
+        self.token_s, self.per_lone_s = token_s, per_lone_s
+        self.batch_start, self.lone_sent = 0.0, []  # the batch's start; its lone requests' sends
+
+    def stretched(self, moment: float) -> float:
+        """`moment` once the lone requests sent before it stretched the batch's steps."""
+        return moment + self.per_lone_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
+
+    async def batch(self, arrivals: list[float]) -> tuple:
+        """A request of the batch: its tokens, later by the lone requests sent before each."""
+        import asyncio
+        import time
+
+        from meshserve.sim.calibrate import ARRIVAL_BATCH, ARRIVAL_WINDOW
+
+        start = self.batch_start = time.monotonic()
+        nominal = [start + i * self.token_s for i in range(ARRIVAL_BATCH[2])]
+        early = ARRIVAL_WINDOW[0] // 2
+        arrivals.extend(nominal[:early])  # decoding: the workload starts sending its lone requests
+        await asyncio.sleep(nominal[-1] - start)
+        arrivals.extend(self.stretched(moment) for moment in nominal[early:])
+        return start, arrivals[0], arrivals[-1], len(arrivals)
+
+    def lone(self, output_len: int) -> tuple:
+        """A lone request sent now: its (sent, first, last, tokens) on the batch's stretched clock."""
+        import time
+
+        self.lone_sent.append(time.monotonic())
+        sent = self.stretched(self.lone_sent[-1])
+        return sent, sent + 0.002, sent + 0.003, output_len
+
+
 def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came_out_of(capsys, monkeypatch):
     """A made-up server: every workload comes once per round (a host's drift moves every point alike); a decoding
     batch's tokens come every 10 ms but for the step that prefilled the joining prompt (40 ms, ending when the
@@ -281,14 +317,12 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     prompt takes 30 ms more after the server idled 50 ms, 50 ms more after 100 ms: the waking cost, fitted apart
     from the prefill. Each lone request sent while the arrivals workload's batch decodes stretches the batch's
     steps by 8 ms in all: the host work per request, less the request's own prefill and row."""
-    import asyncio
     import time
 
     from meshserve.sim import calibrate as calibration
     from meshserve.sim.calibrate import (
         ARRIVAL_BATCH,
         ARRIVAL_REQUEST,
-        ARRIVAL_WINDOW,
         DECODE_POINTS,
         MIXED_OUTPUT,
         MIXED_POINTS,
@@ -311,21 +345,7 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
             self.asked: list[tuple[int, int]] = []  # (prompt tokens, output tokens)
             self.batch_decoding = False
             self.last_end = time.monotonic()
-            self.batch_start, self.lone_sent = 0.0, []  # the arrivals workload's batch; its lone requests' sends
-
-        def stretched(self, moment: float) -> float:
-            """`moment` once the lone requests sent before it stretched the batch's steps."""
-            return moment + per_lone_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
-
-        async def arrivals_batch(self, arrivals: list[float]) -> tuple:
-            """A request of the arrivals workload's batch: a token every `token_s`, later by the lone requests."""
-            start = self.batch_start = time.monotonic()
-            nominal = [start + i * token_s for i in range(ARRIVAL_BATCH[2])]
-            early = ARRIVAL_WINDOW[0] // 2
-            arrivals.extend(nominal[:early])  # decoding: the workload starts sending its lone requests
-            await asyncio.sleep(nominal[-1] - start)
-            arrivals.extend(self.stretched(moment) for moment in nominal[early:])
-            return start, arrivals[0], arrivals[-1], len(arrivals)
+            self.arrivals_workload = ArrivalsWorkload(token_s, per_lone_s)
 
         async def open(self) -> None: ...
 
@@ -335,11 +355,9 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
             self.asked.append((len(prompt), output_len))
             idle_s, self.last_end = time.monotonic() - self.last_end, time.monotonic()
             if output_len == ARRIVAL_BATCH[2]:
-                return await self.arrivals_batch(arrivals)
+                return await self.arrivals_workload.batch(arrivals)
             if output_len == ARRIVAL_REQUEST[1]:  # a lone request beside it
-                self.lone_sent.append(time.monotonic())
-                sent = self.stretched(self.lone_sent[-1])
-                return sent, sent + 0.002, sent + 0.003, output_len
+                return self.arrivals_workload.lone(output_len)
             if arrivals is not None:  # a decoding batch of the mixed workload
                 arrivals.extend(times)
                 self.batch_decoding = True
@@ -387,7 +405,6 @@ def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_bes
     from meshserve.sim.calibrate import (
         ARRIVAL_BATCH,
         ARRIVAL_REQUEST,
-        ARRIVAL_WINDOW,
         PD_DECODE_BATCH,
         PD_DECODING,
         PD_PROMPT,
@@ -406,35 +423,19 @@ def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_bes
         def __init__(self) -> None:
             self.prompts_in_flight = self.batches_decoding = 0
             self.asked: list[tuple[int, int]] = []
-            self.batch_start, self.lone_sent = 0.0, []  # the arrivals workload's batch; its lone requests' sends
+            self.arrivals_workload = ArrivalsWorkload(token_s, per_lone_s)
 
         async def open(self) -> None: ...
 
         async def close(self) -> None: ...
 
-        def stretched(self, moment: float) -> float:
-            """`moment` once the lone requests sent before it stretched the batch's steps."""
-            return moment + per_lone_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
-
-        async def arrivals_batch(self, arrivals: list[float]) -> tuple:
-            """The arrivals workload's batch: a token every `token_s`, later by the lone requests sent before."""
-            start = self.batch_start = time.monotonic()
-            nominal = [start + i * token_s for i in range(ARRIVAL_BATCH[2])]
-            early = ARRIVAL_WINDOW[0] // 2
-            arrivals.extend(nominal[:early])
-            await asyncio.sleep(nominal[-1] - start)
-            arrivals.extend(self.stretched(moment) for moment in nominal[early:])
-            return start, arrivals[0], arrivals[-1], len(arrivals)
-
         async def __call__(self, prompt, output_len, arrivals=None):
             self.asked.append((len(prompt), output_len))
             now = time.monotonic()
             if output_len == ARRIVAL_BATCH[2]:
-                return await self.arrivals_batch(arrivals)
+                return await self.arrivals_workload.batch(arrivals)
             if output_len == ARRIVAL_REQUEST[1]:
-                self.lone_sent.append(now)
-                sent = self.stretched(now)
-                return sent, sent + 0.002, sent + 0.003, output_len
+                return self.arrivals_workload.lone(output_len)
             if output_len == 1:  # a prompt: the prefill TE's only
                 self.prompts_in_flight += 1
                 try:
