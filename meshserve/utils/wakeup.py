@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 
 class Wakeup:
@@ -19,14 +20,19 @@ class Wakeup:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
+        # a notify racing close must not write to a descriptor number the process has reused meanwhile
+        self._lock = threading.Lock()
+        self._closed = False
 
     def fileno(self) -> int:
         return self._read
 
     def notify(self) -> None:
-        # a full pipe already holds a wake-up the loop has not taken; a closed one has no loop to wake
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._write, b"\0")
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up the loop has not taken
+                os.write(self._write, b"\0")
 
     def clear(self) -> None:
         """Take every wake-up written so far (before looking at the work: one written after is kept)."""
@@ -35,6 +41,9 @@ class Wakeup:
                 pass
 
     def close(self) -> None:
-        for fd in (self._read, self._write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._read)
+            os.close(self._write)

@@ -42,9 +42,25 @@ def test_many_notifies_never_block_and_one_clear_takes_them_all():
         wakeup.close()
 
 
-def test_notify_after_close_is_harmless():
-    """A pool client's thread may answer a fetch after its rank closed the runner."""
+def test_notify_after_close_writes_nowhere_even_to_a_reused_descriptor():
+    """A pool client's thread may answer a fetch after its rank closed the runner, when the pipe's descriptor
+    numbers may already belong to a file the process opened since."""
+    import os
+
     wakeup = Wakeup()
+    write_end = wakeup._write
     wakeup.close()
-    wakeup.notify()
-    wakeup.clear()
+    reader, writer = os.pipe()  # the lowest free numbers: the closed pipe's
+    try:
+        assert write_end in (reader, writer)
+        wakeup.notify()
+        wakeup.close()  # twice: harmless
+        os.set_blocking(reader, False)
+        try:
+            leaked = os.read(reader, 16)
+        except BlockingIOError:
+            leaked = b""
+        assert leaked == b""
+    finally:
+        os.close(reader)
+        os.close(writer)
