@@ -7,18 +7,19 @@ executor's hops too). Workloads:
 
 - decode: batches of 1, 4, 16 and 64 requests submitted at once (and 4 with long prompts): the time between a
   request's tokens is one decode step of that batch (each DP group holding its share of the requests);
-- prefill: lone prompts of 64 to 1024 tokens, each sent to an idle engine as a lone request finds it: the time
-  to the first token is one prefill step of that prompt and the delivery (an idle engine's master and ranks wait
-  in their polls, and waking them is part of it);
+- prefill: lone prompts of 64 to 1024 tokens (PREFILL_OUTPUT tokens each), each sent to an idle engine as a lone
+  request finds it: the time to the first token is one prefill step of that prompt and the delivery (an idle
+  engine's master and ranks wait in their polls, and waking them is part of it);
 - mixed: a prompt arriving while a batch decodes: the batch's gap that ends with the prompt's first token is the
   step that holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE);
-- waking: the shortest lone prompt sent as soon as the one before it ended, and after each of WAKE_IDLE_TIMES_S of
-  idling: what the time to the first token gains after IDLE_S and those is the profile's `wake_after_idle`, and the lone
-  prompts' times are fitted without it (a host whose cores clock down when idle makes a TE's first step after a
-  pause slower, which an engine under load never pays);
-- arrivals: a decoding batch alone, while lone short requests keep arriving (ARRIVAL_RATE a second), and alone
-  again: how much longer the batch's steps take, per request that arrived, beyond the requests' own prefill and
-  decode, is the profile's `per_request_ms` (their frontend, routing and admission take the cores from the steps).
+- waking: the shortest lone prompt sent as soon as the one before it ended (AWAKE_PAUSE_S after), and after each of
+  WAKE_IDLE_TIMES_S of idling: what the time to the first token gains after IDLE_S and those is the profile's
+  `wake_after_idle`, and the lone prompts' times are fitted without it (a host whose cores clock down when idle
+  makes a TE's first step after a pause slower, which an engine under load never pays);
+- arrivals: a decoding batch alone, while lone short requests keep arriving, and alone again, at each of two rates
+  (ARRIVAL_RUNS): how much longer the batch's steps take, per request that arrived, beyond the requests' own
+  prefill and decode, is the profile's host work per request (their frontend, routing and admission take the cores
+  from the steps), `per_request_after_gap` at the two rates' gaps between requests, `per_request_ms` at the faster's.
   On a P/D deployment (`pd`) the requests' prompts run on the prefill TE: what its steps stretch the batch's (the
   stretch below, while it prefills them) is subtracted instead of their prefill;
 - P/D on a shared host (`pd`): every point above is timed with the TE not measured idle, and how much longer a
@@ -62,22 +63,30 @@ from meshserve.utils import report
 # (requests at once, prompt tokens, output tokens)
 DECODE_POINTS = ((1, 32, 48), (4, 32, 48), (16, 32, 48), (64, 32, 48), (4, 512, 48), (16, 512, 48))
 PREFILL_POINTS = (64, 256, 512, 1024)
+# the lone prompts' output tokens: their TE decodes on after the first, as a served request's does (a prompt asked
+# for one token leaves its TE idle, and on one TE of 2 cores its first token came 2-3 ms sooner than the same
+# prompt's asked for 8, whose second token came with it: the next steps take the cores its delivery needs)
+PREFILL_OUTPUT = 8
 MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tokens)
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
 # ... and before one more of the shortest each, against one sent as the last one ends: the waking cost. Several: it
 # is no straight line (measured at 0.25 s and 1 s alone, a 2/s run's prompts after 0.5 s idle paid 30 ms more)
 WAKE_IDLE_TIMES_S = (0.1, 0.5, 1.0, 2.0)
+# ... the one sent as soon as the one before ended waits this long: the engine's pipelined step after a request's last
+# token (scheduled before the token was known) ends first (back to back, a DP2+EP2 TE's prompt waited its 9 ms)
+AWAKE_PAUSE_S = 0.02
 # P/D: the decoding batch (requests, prompt tokens, output tokens) timed alone and beside the prefill TE's prompts
 # of BUSY_PROMPT tokens; PD_PROMPTS lone prompts of PD_PROMPT tokens, each PD_PAUSE_S after the one before, timed
 # alone and while a batch (PD_DECODING) decodes
 PD_DECODE_BATCH, BUSY_PROMPT = (16, 32, 48), 256
 PD_PROMPT, PD_PROMPTS, PD_PAUSE_S, PD_DECODING = 128, 3, 0.1, (8, 32, 200)
 # the arrivals workload: a batch (requests, prompt tokens, output tokens) decodes while lone requests (prompt
-# tokens, output tokens: a whole request, intake to end) arrive; the batch's steps between two of its tokens
-# (ARRIVAL_WINDOW) are timed
-ARRIVAL_BATCH, ARRIVAL_REQUEST, ARRIVAL_RATE = (16, 32, 160), (32, 2), 40.0
-ARRIVAL_WINDOW = (24, 144)
+# tokens, output tokens: a whole request, intake to end) arrive at each rate; the batch's steps between two of its
+# tokens (its window) are timed. (lone requests a second, the batch, its window): the slower rate's batch decodes
+# longer, for as many arrivals
+ARRIVAL_REQUEST = (32, 2)
+ARRIVAL_RUNS = ((40.0, (16, 32, 160), (24, 144)), (10.0, (16, 32, 480), (24, 464)))
 REPEATS = 3
 KEEPALIVE_S = 3.0  # how long the HTTP client keeps an idle connection (a server's keep-alive is 5 s by default)
 SHARED_ROWS = (8, 16, 32)  # decode rows per TE while every TE of a shared host steps
@@ -161,22 +170,24 @@ class _Workloads:
         joined = [_gap_ending_at(times, first) for times in arrivals if first < times[-1]]
         return statistics.median(joined) if joined else None
 
-    async def batch_window(self, arrive: bool) -> tuple[float, int] | None:
-        """The arrivals workload, with or without its lone requests: the batch's time between its tokens
-        ARRIVAL_WINDOW (median over the batch), and how many lone requests were sent within it. None if no request
-        of the batch streamed that many chunks (a stream that delivers several tokens at once)."""
-        decoding, arrivals = self.decoding(*ARRIVAL_BATCH)
+    async def batch_window(self, rate: float, batch_shape: tuple[int, int, int], window: tuple[int, int],
+                           arrive: bool) -> tuple[float, int] | None:
+        """The arrivals workload's batch of `batch_shape`, with or without its lone requests (`rate` a second): the
+        batch's time between its tokens `window` (median over the batch), and how many lone requests were sent
+        within it. None if no request of the batch streamed that many chunks (a stream that delivers several tokens
+        at once)."""
+        decoding, arrivals = self.decoding(*batch_shape)
         lone = []
         if arrive:
-            await _decoding_past(decoding, arrivals, ARRIVAL_WINDOW[0] // 2)
+            await _decoding_past(decoding, arrivals, window[0] // 2)
             start = time.monotonic()
             while not any(request.done() for request in decoding):
                 prompt_len, output_len = ARRIVAL_REQUEST
                 lone.append(asyncio.ensure_future(self.streamer(draw_prompt(self.rng, prompt_len), output_len)))
-                await asyncio.sleep(max(0.0, start + len(lone) / ARRIVAL_RATE - time.monotonic()))
+                await asyncio.sleep(max(0.0, start + len(lone) / rate - time.monotonic()))
         await asyncio.gather(*decoding)
         sent = [sent for sent, *_ in await asyncio.gather(*lone)]
-        first, last = ARRIVAL_WINDOW
+        first, last = window
         spans = [(times[first], times[last]) for times in arrivals if len(times) > last]
         if not spans:
             return None
@@ -236,7 +247,8 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd:
             mixed_gaps: list[list[float]] = [[] for _ in MIXED_POINTS]
             # idle s -> the shortest prompt's times
             woken: dict[float, list[float]] = {0.0: [], **{idle_s: [] for idle_s in WAKE_IDLE_TIMES_S}}
-            per_arrival: list[float] = []  # the batch's stretch over its window, per request that arrived in it
+            # rate -> the batch's stretch over its window, per request that arrived in it
+            per_arrival: dict[float, list[float]] = {rate: [] for rate, *_ in ARRIVAL_RUNS}
             stretches: tuple[list[float], list[float]] = ([], [])  # P/D: a decode step's, a prompt's
             for round_ in range(repeats):
                 for i, (size, prompt_len, output_len) in enumerate(DECODE_POINTS):
@@ -244,20 +256,22 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd:
                                        for _, first, last, n in await work.batch(size, prompt_len, output_len)]
                 for i, prompt_len in enumerate(PREFILL_POINTS):
                     await asyncio.sleep(IDLE_S)
-                    (sent, first, _, _), = await work.batch(1, prompt_len, 1)
+                    (sent, first, _, _), = await work.batch(1, prompt_len, PREFILL_OUTPUT)
                     ttfts[i].append(first - sent)
                 for idle_s, times in woken.items():  # 0: right after the last lone prompt ended
-                    await asyncio.sleep(idle_s)
-                    (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], 1)
+                    await asyncio.sleep(idle_s or AWAKE_PAUSE_S)
+                    (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], PREFILL_OUTPUT)
                     times.append(first - sent)
                 for i, (size, prompt_len) in enumerate(MIXED_POINTS if mixed else ()):
                     gap = await work.mixed_step(size, prompt_len)
                     mixed_gaps[i] += [] if gap is None else [gap]
                 # the arrivals workload, alone before and after the run with arrivals: a drift moves both alike
-                runs = [await work.batch_window(arrive=arrive) for arrive in (False, True, False)]
-                if None not in runs and runs[1][1]:
-                    (before, _), (joined_window, joined), (after, _) = runs
-                    per_arrival.append((joined_window - (before + after) / 2) / joined)
+                for rate, batch_shape, window in ARRIVAL_RUNS:
+                    runs = [await work.batch_window(rate, batch_shape, window, arrive)
+                            for arrive in (False, True, False)]
+                    if None not in runs and runs[1][1]:
+                        (before, _), (joined_window, joined), (after, _) = runs
+                        per_arrival[rate].append((joined_window - (before + after) / 2) / joined)
                 if pd:
                     stretches[0].append(await work.decode_beside_prompts())
                     prompt_stretch = await work.prompt_beside_decodes()
@@ -276,7 +290,9 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd:
     profile = dataclasses.replace(profile, wake_after_idle=wake, dp=dp)
     if pd:
         profile = _with_pd_stretches(profile, *stretches)
-    return dataclasses.replace(profile, per_request_ms=_per_request_ms(profile, per_arrival, mixed, pd))
+    by_gap = tuple((1.0 / rate, _per_request_ms(profile, rate, per_arrival[rate], mixed, pd))
+                   for rate in sorted(per_arrival, reverse=True))
+    return dataclasses.replace(profile, per_request_ms=by_gap[0][1], per_request_after_gap=by_gap)
 
 
 def _with_pd_stretches(profile: StepProfile, decode: list[float], prompt: list[float]) -> StepProfile:
@@ -295,13 +311,14 @@ def _with_pd_stretches(profile: StepProfile, decode: list[float], prompt: list[f
                                f"{tables.get('prompt_stretch_beside_tes', (1.0,))[0]:.2f}x")
 
 
-def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_batch: bool, pd: bool) -> float:
-    """The host work per request (ms) from the arrivals workload's stretch per arriving request: less what the
-    profile's steps charge for the request itself (its decode rows, and its prefill where it joins the batch's
-    steps), and on P/D (`pd`) what the prefill TE's step for it stretches the batch's steps beside it."""
+def _per_request_ms(profile: StepProfile, rate: float, per_arrival: list[float], prefill_in_batch: bool, pd: bool
+                    ) -> float:
+    """The host work per request (ms) from the arrivals workload's stretch per request arriving `rate` a second:
+    less what the profile's steps charge for the request itself (its decode rows, and its prefill where it joins the
+    batch's steps), and on P/D (`pd`) what the prefill TE's step for it stretches the batch's steps beside it."""
     if not per_arrival:
-        _log(f"{ARRIVAL_RATE:g} lone requests a second beside a decoding batch: no round's stream came in as many "
-             f"chunks as its window; no host work per request")
+        _log(f"{rate:g} lone requests a second beside a decoding batch: no round's stream came in as many chunks as "
+             f"its window; no host work per request")
         return 0.0
     prompt_len, output_len = ARRIVAL_REQUEST
     own = GroupWork(decode_rows=output_len - 1, prefill_tokens=prompt_len if prefill_in_batch else 0,
@@ -312,7 +329,7 @@ def _per_request_ms(profile: StepProfile, per_arrival: list[float], prefill_in_b
     stretch_ms = 1e3 * statistics.median(per_arrival)
     per_request_ms = max(0.0, stretch_ms - own_ms)
     rounds = ", ".join(f"{1e3 * x:.1f}" for x in per_arrival)
-    _log(f"{ARRIVAL_RATE:g} lone requests a second beside a decoding batch: its steps {stretch_ms:.1f} ms longer per "
+    _log(f"{rate:g} lone requests a second beside a decoding batch: its steps {stretch_ms:.1f} ms longer per "
          f"request (rounds: {rounds}), {per_request_ms:.1f} ms of it host work (the rest the requests' own rows)")
     return per_request_ms
 

@@ -11,6 +11,8 @@ Events, in time order:
 - with the master's pipelining (`pipeline_depth` 2, its default: step n + 1 is scheduled as step n starts) a busy
   TE's next step holds only the requests that had reached it when the step before began; an idle TE takes a
   request at once;
+- the host work of the requests a busy TE took (its profile's, by the gap since the request before each at the
+  JE) lengthens the step after the one that took them;
 - TEs whose profile shares one host's cores (calibrated on this machine with `--shared-tes`, or `--pd`) slow each
   other: a step that starts while k other TEs step or start (loading and warming up), or pre-warmed processes start
   (the autoscaler's), takes the profile's time times `StepProfile.shared_cores_factor(k)` (a step that holds prompt
@@ -96,13 +98,15 @@ class _Served:
     num_tokens: int = 0
     finished: bool = False
     decode_te: str | None = None  # P/D: where its hand-off goes
+    host_work_s: float = 0.0  # its host work, charged to the steps of a busy TE it joins
 
 
 @dataclass
 class _Member:
     spec: TESpec
     te: SimTE
-    inbox: list[tuple[float, Callable[[float], None]]] = field(default_factory=list)  # (reached it at, admit)
+    # (reached it at, admit, its host work)
+    inbox: list[tuple[float, Callable[[float], None], float]] = field(default_factory=list)
     stepping: bool = False  # a step (or its start) is scheduled
     last_start: float = 0.0
     step_ends: float = 0.0  # when its step under way ends
@@ -133,6 +137,7 @@ class SimCluster:
         if not specs or len(set(names)) != len(names):
             raise ValueError("a simulated deployment needs at least one TE, each with its own name")
         self.now = 0.0
+        self._last_arrival_s = float("-inf")
         self.seed = seed
         self._events: list[tuple] = []  # (at, kind, sequence, payload), a heap
         self._seq = 0
@@ -288,10 +293,14 @@ class SimCluster:
         self.routes[kind] += 1
         served = self.served[req_id] = _Served(request.arrival_s, prompt=prompt if decode else None)
         served.entry_te, served.decode_te = entry, decode
+        member = self.members[entry]
+        host_work = getattr(member.te.profile, "request_host_seconds", None)
+        served.host_work_s = host_work(self.now - self._last_arrival_s) if host_work else 0.0
+        self._last_arrival_s = self.now
         if self.scaler is not None:
             self.scaler.on_route([entry] + ([decode] if decode else []), self)
         self.loads.on_dispatch(entry, request.prompt_len, req_id)
-        self._deliver(self.members[entry], lambda now: self.members[entry].te.admit(req_id, request, now, prompt))
+        self._deliver(member, lambda now: member.te.admit(req_id, request, now, prompt), served.host_work_s)
 
     def _hand_off(self, delta: RequestDelta) -> None:
         """A prefill TE sampled a request's first token and holds its KV: send it to its decode TE."""
@@ -308,7 +317,7 @@ class SimCluster:
             decode.te.admit(delta.req_id, request, now, served.prompt, handoff=delta.kv_transfer_params,
                             first_token=delta.new_token_ids[-1])
             served.prompt = None
-        self._deliver(decode, admit)
+        self._deliver(decode, admit, served.host_work_s)
 
     def _release(self, engine_addr: str, req_ids: list[str]) -> None:
         """A decode TE's ReleaseKV to the prefill TE it pulled from."""
@@ -317,8 +326,9 @@ class SimCluster:
         self._leave_if_drained(member)
 
     # ------------------------------------------------------------ the TEs
-    def _deliver(self, member: _Member, admit: Callable[[float], None]) -> None:
-        member.inbox.append((self.now, admit))
+    def _deliver(self, member: _Member, admit: Callable[[float], None], host_work_s: float) -> None:
+        """`admit` (a request whose host work is `host_work_s`) reaches `member` now."""
+        member.inbox.append((self.now, admit, host_work_s))
         if not member.stepping:
             member.stepping = True
             self._push(self.now, _START, member.spec.name)
@@ -328,13 +338,13 @@ class SimCluster:
         pipelined = te.settings.pipeline_depth == 2 and te.has_work()
         horizon = member.last_start if pipelined else self.now
         busy = te.has_work()
-        waiting, joined = [], 0
-        for reached, admit in member.inbox:
+        waiting, joined_host_work = [], 0.0
+        for reached, admit, host_work_s in member.inbox:
             if reached <= horizon:
                 admit(self.now)
-                joined += 1
+                joined_host_work += host_work_s
             else:
-                waiting.append((reached, admit))
+                waiting.append((reached, admit, host_work_s))
         member.inbox = waiting
         if not te.has_work():  # (an idle TE took everything that reached it)
             member.stepping = False
@@ -353,7 +363,7 @@ class SimCluster:
         # the host work of requests that joined running work takes the cores from the steps around them: charged to
         # the step after the one that admits them (their intake before it is their delivery, as for a lone request)
         seconds += member.host_work_s
-        member.host_work_s = 1e-3 * getattr(te.profile, "per_request_ms", 0.0) * joined if busy else 0.0
+        member.host_work_s = joined_host_work if busy else 0.0
         self._slowdown_sum += slowdown
         self._slowed_steps += slowdown > 1.0
         member.last_start, member.step_ends = self.now, self.now + seconds

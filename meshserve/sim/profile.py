@@ -38,7 +38,11 @@ A request costs the host work besides its steps: the frontend takes it in and st
 routes it, the master admits it. On a host whose cores the TE's ranks use, that work takes cores from the steps
 under way: `per_request_ms` is how much longer a TE's steps take, together, for each request that joins work
 already running (`calibrate` measures it from a decoding batch's steps while lone requests keep arriving). A
-request that finds its TE idle pays its host work as latency, which `delivery_ms` holds.
+request that finds its TE idle pays its host work as latency, which `delivery_ms` holds. The work is not the same
+at every rate: processes that idled between requests take longer over the next (measured on 2 cores beside a
+DP2+EP2 TE's decoding batch: 11 ms a request at 5 a second, 5 ms at 40), and `per_request_after_gap` holds it by
+the gap since the request before (points, on straight lines between them, the nearest one's beyond them;
+`calibrate` measures two rates).
 """
 from __future__ import annotations
 
@@ -113,6 +117,8 @@ class StepProfile:
     wake_after_idle: tuple[tuple[float, float], ...] = ()
     # optional: the steps' time, together, that each request joining running work takes from them (host work)
     per_request_ms: float = 0.0
+    # optional: (gap_s, ms) points, the same for a request that comes gap_s after the request before it
+    per_request_after_gap: tuple[tuple[float, float], ...] = ()
     dp: int = 1  # the DP groups of the TE the profile was fitted on
 
     def __post_init__(self) -> None:
@@ -126,14 +132,15 @@ class StepProfile:
                     isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 1 for x in stretch):
                 raise ProfileError(f"profile {self.name!r}: {table} must be a list of numbers >= 1, got {stretch!r}")
             object.__setattr__(self, table, tuple(float(x) for x in stretch))
-        wake = self.wake_after_idle
-        if not isinstance(wake, (list, tuple)) or any(
-                not isinstance(point, (list, tuple)) or len(point) != 2
-                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 for x in point)
-                for point in wake) or [p[0] for p in wake] != sorted({p[0] for p in wake}):
-            raise ProfileError(f"profile {self.name!r}: wake_after_idle must be a list of [idle_s, extra_ms] pairs "
-                               f"of numbers >= 0, idle_s rising, got {wake!r}")
-        object.__setattr__(self, "wake_after_idle", tuple((float(i), float(ms)) for i, ms in wake))
+        for table, what in (("wake_after_idle", "idle_s, extra_ms"), ("per_request_after_gap", "gap_s, ms")):
+            points = getattr(self, table)
+            if not isinstance(points, (list, tuple)) or any(
+                    not isinstance(point, (list, tuple)) or len(point) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 for x in point)
+                    for point in points) or [p[0] for p in points] != sorted({p[0] for p in points}):
+                raise ProfileError(f"profile {self.name!r}: {table} must be a list of [{what}] pairs of numbers >= 0, "
+                                   f"{what.split(',')[0]} rising, got {points!r}")
+            object.__setattr__(self, table, tuple((float(x), float(ms)) for x, ms in points))
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise ProfileError(f"profile {self.name!r}: dp must be a whole number >= 1, got {self.dp!r}")
 
@@ -170,6 +177,19 @@ class StepProfile:
             below_s, below_ms = point_s, point_ms
         return 1e-3 * below_ms
 
+    def request_host_seconds(self, gap_s: float) -> float:
+        """The host work of a request that comes `gap_s` after the request before it: on straight lines between the
+        `per_request_after_gap` points, the nearest point's beyond them (`per_request_ms` without them)."""
+        points = self.per_request_after_gap
+        if not points:
+            return 1e-3 * self.per_request_ms
+        if gap_s <= points[0][0]:
+            return 1e-3 * points[0][1]
+        for (low_s, low_ms), (high_s, high_ms) in zip(points, points[1:]):
+            if gap_s <= high_s:
+                return 1e-3 * (low_ms + (gap_s - low_s) / (high_s - low_s) * (high_ms - low_ms))
+        return 1e-3 * points[-1][1]
+
     def kv_pull_seconds(self, tokens: int) -> float:
         """A P/D pull of `tokens` tokens' KV: not calibrated on this machine (it lands by the next step)."""
         return 0.0
@@ -183,7 +203,7 @@ class StepProfile:
         if missing:
             raise ProfileError(f"{where} lacks {', '.join(missing)}")
         unknown = sorted(set(data) - {"name", "source", *TERMS, *STRETCH_TABLES, *OPTIONAL_TERMS,
-                                      "wake_after_idle", "dp"})
+                                      "wake_after_idle", "per_request_after_gap", "dp"})
         if unknown:
             raise ProfileError(f"{where} has unknown field(s) {', '.join(unknown)}")
         return cls(**data)

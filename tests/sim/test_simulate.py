@@ -114,6 +114,23 @@ def test_a_request_joining_running_work_takes_its_host_work_from_the_step_after_
         dataclasses.replace(PROFILE, per_request_ms=-1.0)
 
 
+def test_a_requests_host_work_follows_the_gap_since_the_request_before_it():
+    """Host work of 5 ms a request 10 ms after another, 20 ms after 100 ms: on the line between, flat beyond. A
+    request joining a decoding one 50 ms after it stretches the run by the line's figure at 50 ms; the profile
+    refuses points that are not (gap_s rising, ms) pairs >= 0."""
+    by_gap = dataclasses.replace(PROFILE, per_request_after_gap=((0.01, 5.0), (0.1, 20.0)))
+    assert [by_gap.request_host_seconds(gap) for gap in (0.001, 0.01, 0.055, 0.1, 3.0)] == pytest.approx(
+        [0.005, 0.005, 0.0125, 0.020, 0.020])
+    assert PROFILE.request_host_seconds(0.05) == 0.0  # no points: per_request_ms
+    assert StepProfile.from_dict(json.loads(json.dumps(by_gap.to_dict()))) == by_gap  # the file keeps them
+    joining = [TraceRequest(0.0, 16, 40), TraceRequest(0.05, 16, 4)]
+    plain, charged = (simulate(joining, SimTE(SimTESettings(), p), progress=False) for p in (PROFILE, by_gap))
+    assert charged["virtual_s"] == pytest.approx(plain["virtual_s"] + 0.005 + 0.015 * 4 / 9)  # 40 of the 90 ms
+    for bad in (((0.1, -2.0),), ((0.1, 5.0), (0.01, 9.0)), ((0.1,),)):
+        with pytest.raises(ProfileError, match="per_request_after_gap"):
+            dataclasses.replace(PROFILE, per_request_after_gap=bad)
+
+
 def _run(trace, **settings) -> dict:
     return simulate(trace, SimTE(SimTESettings(**settings), PROFILE), progress=False)
 
@@ -274,28 +291,36 @@ def test_only_a_prompts_last_chunk_samples_a_token():
     assert sampled[3:] == [(0, 1)] * 3  # then one decode row a step for the other three tokens
 
 
-class ArrivalsWorkload:
-    """A made-up server's part for the calibration's arrivals workload: the batch steps every `token_s`, and each
-    lone request sent while it decodes makes its later steps `per_lone_s` longer in all."""
+# the arrivals workload's two rates on a made-up server: a lone request every 5 and 20 ms
+FAST_ARRIVALS = ((200.0, (16, 32, 160), (24, 144)), (50.0, (16, 32, 240), (24, 224)))
 
-    def __init__(self, token_s: float, per_lone_s: float) -> None:
+
+class ArrivalsWorkload:
+    """A made-up server's part for the calibration's arrivals workload (FAST_ARRIVALS): the batch steps every
+    `token_s`, and each lone request sent while it decodes makes its later steps longer in all by `per_lone_s`'s
+    figure for the batch's rate (by the batch's output tokens); a lone request's first token comes 2 ms after it
+    is sent."""
+
+    def __init__(self, token_s: float, per_lone_s: dict[int, float]) -> None:
         self.token_s, self.per_lone_s = token_s, per_lone_s
-        self.batch_start, self.lone_sent = 0.0, []  # the batch's start; its lone requests' sends
+        self.batch_start, self.lone_sent, self.stretch_s = 0.0, [], 0.0  # the batch's: start, lone sends, stretch
+
+    def is_batch(self, output_len: int) -> bool:
+        return output_len in self.per_lone_s
 
     def stretched(self, moment: float) -> float:
         """`moment` once the lone requests sent before it stretched the batch's steps."""
-        return moment + self.per_lone_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
+        return moment + self.stretch_s * sum(self.batch_start <= sent < moment for sent in self.lone_sent)
 
-    async def batch(self, arrivals: list[float]) -> tuple:
+    async def batch(self, arrivals: list[float], output_len: int) -> tuple:
         """A request of the batch: its tokens, later by the lone requests sent before each."""
         import asyncio
         import time
 
-        from meshserve.sim.calibrate import ARRIVAL_BATCH, ARRIVAL_WINDOW
-
         start = self.batch_start = time.monotonic()
-        nominal = [start + i * self.token_s for i in range(ARRIVAL_BATCH[2])]
-        early = ARRIVAL_WINDOW[0] // 2
+        self.stretch_s = self.per_lone_s[output_len]
+        nominal = [start + i * self.token_s for i in range(output_len)]
+        early = FAST_ARRIVALS[0][2][0] // 2
         arrivals.extend(nominal[:early])  # decoding: the workload starts sending its lone requests
         await asyncio.sleep(nominal[-1] - start)
         arrivals.extend(self.stretched(moment) for moment in nominal[early:])
@@ -316,16 +341,17 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     prompt's first token comes) and a later hiccup of the host (60 ms): the mixed step is the 40 ms one. A lone
     prompt takes 30 ms more after the server idled 50 ms, 50 ms more after 100 ms: the waking cost, fitted apart
     from the prefill. Each lone request sent while the arrivals workload's batch decodes stretches the batch's
-    steps by 8 ms in all: the host work per request, less the request's own prefill and row."""
+    steps by 8 ms in all when they come 5 ms apart, 14 ms when they come 20 ms apart: the host work per request by
+    the gap before it, less the request's own prefill and row."""
     import time
 
     from meshserve.sim import calibrate as calibration
     from meshserve.sim.calibrate import (
-        ARRIVAL_BATCH,
         ARRIVAL_REQUEST,
         DECODE_POINTS,
         MIXED_OUTPUT,
         MIXED_POINTS,
+        PREFILL_OUTPUT,
         PREFILL_POINTS,
         calibrate,
     )
@@ -335,8 +361,8 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     gaps = [0.010] * (MIXED_OUTPUT - 1)
     gaps[20], gaps[40] = 0.040, 0.060  # the prompt's step; a hiccup
     times = [sum(gaps[:i]) for i in range(MIXED_OUTPUT)]
-    monkeypatch.setattr(calibration, "ARRIVAL_RATE", 200.0)  # a lone request every 5 ms ...
-    token_s, per_lone_s = 0.001, 0.008  # ... beside a batch stepping every 1 ms, each one 8 ms more in all
+    monkeypatch.setattr(calibration, "ARRIVAL_RUNS", FAST_ARRIVALS)  # a lone request every 5 and 20 ms ...
+    token_s, per_lone_s = 0.001, {160: 0.008, 240: 0.014}  # ... beside a batch stepping every 1 ms, each this more
 
     class Streamer:
         name, path = "made up", "a made-up server"
@@ -354,8 +380,8 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
         async def __call__(self, prompt, output_len, arrivals=None):
             self.asked.append((len(prompt), output_len))
             idle_s, self.last_end = time.monotonic() - self.last_end, time.monotonic()
-            if output_len == ARRIVAL_BATCH[2]:
-                return await self.arrivals_workload.batch(arrivals)
+            if self.arrivals_workload.is_batch(output_len):
+                return await self.arrivals_workload.batch(arrivals, output_len)
             if output_len == ARRIVAL_REQUEST[1]:  # a lone request beside it
                 return self.arrivals_workload.lone(output_len)
             if arrivals is not None:  # a decoding batch of the mixed workload
@@ -365,9 +391,9 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
             if output_len == 1 and self.batch_decoding:  # the prompt joining it: out with the 40 ms step
                 self.batch_decoding = False
                 return 0.0, times[21], times[21], 1
-            if output_len == 1:  # a lone prompt: 2 ms + 0.1 ms a token, 30 or 50 ms more after idling
+            if output_len == PREFILL_OUTPUT:  # a lone prompt: 2 ms + 0.1 ms a token, 30 or 50 ms more after idling
                 ttft = 0.002 + 1e-4 * len(prompt) + (0.050 if idle_s > 0.09 else 0.030 if idle_s > 0.04 else 0.0)
-                return 0.0, ttft, ttft, 1
+                return 0.0, ttft, ttft + 0.010 * (output_len - 1), output_len
             return 0.0, 0.1, 0.1 + 0.010 * (output_len - 1), output_len
 
     streamer = Streamer()
@@ -375,7 +401,10 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     # every workload once per round, in the same order each round
     one_round = [prompt for size, prompt, _ in DECODE_POINTS for _ in range(size)]
     assert [prompt for prompt, out in streamer.asked if out == 48] == one_round * 2
-    one_round = [*PREFILL_POINTS, *[PREFILL_POINTS[0]] * 3, *(prompt for _, prompt in MIXED_POINTS)]
+    one_round = [*PREFILL_POINTS, *[PREFILL_POINTS[0]] * 3]  # the lone prompts, the waking, decoding on after
+    # (after the warm-up's two requests)
+    assert [prompt for prompt, out in streamer.asked if out == PREFILL_OUTPUT][2:] == one_round * 2
+    one_round = [prompt for _, prompt in MIXED_POINTS]
     assert [prompt for prompt, out in streamer.asked if out == 1] == one_round * 2
     err = capsys.readouterr().err
     assert "round 1 of 2 done" in err and "round 2 of 2 done" in err
@@ -388,8 +417,10 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     prompt_len, output_len = ARRIVAL_REQUEST
     own_ms = (profile.per_decode_row_ms * (output_len - 1) + profile.per_prefill_token_ms * prompt_len
               + profile.per_prefill_megapair_ms * prompt_len ** 2 / 2e6)
-    assert profile.per_request_ms == pytest.approx(1e3 * per_lone_s - own_ms, abs=0.5)
-    assert "lone requests a second beside a decoding batch" in err
+    assert [x for point in profile.per_request_after_gap for x in point] == pytest.approx(
+        [0.005, 8.0 - own_ms, 0.02, 14.0 - own_ms], abs=0.5)
+    assert profile.per_request_ms == profile.per_request_after_gap[0][1]
+    assert "200 lone requests a second beside a decoding batch" in err and "50 lone requests a second" in err
 
 
 def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_beside_the_other(capsys, monkeypatch):
@@ -403,19 +434,19 @@ def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_bes
 
     from meshserve.sim import calibrate as calibration
     from meshserve.sim.calibrate import (
-        ARRIVAL_BATCH,
         ARRIVAL_REQUEST,
         PD_DECODE_BATCH,
         PD_DECODING,
         PD_PROMPT,
+        PREFILL_OUTPUT,
         calibrate,
     )
 
     for constant in ("IDLE_S", "PD_PAUSE_S"):
         monkeypatch.setattr(calibration, constant, 0.0)
     monkeypatch.setattr(calibration, "WAKE_IDLE_TIMES_S", (0.01,))
-    monkeypatch.setattr(calibration, "ARRIVAL_RATE", 200.0)
-    token_s, per_lone_s = 0.001, 0.006
+    monkeypatch.setattr(calibration, "ARRIVAL_RUNS", FAST_ARRIVALS)
+    token_s, per_lone_s = 0.001, {160: 0.006, 240: 0.006}
 
     class Streamer:
         name, path = "made up", "a made-up P/D server"
@@ -432,11 +463,11 @@ def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_bes
         async def __call__(self, prompt, output_len, arrivals=None):
             self.asked.append((len(prompt), output_len))
             now = time.monotonic()
-            if output_len == ARRIVAL_BATCH[2]:
-                return await self.arrivals_workload.batch(arrivals)
+            if self.arrivals_workload.is_batch(output_len):
+                return await self.arrivals_workload.batch(arrivals, output_len)
             if output_len == ARRIVAL_REQUEST[1]:
                 return self.arrivals_workload.lone(output_len)
-            if output_len == 1:  # a prompt: the prefill TE's only
+            if output_len in (1, PREFILL_OUTPUT):  # a prompt: the prefill TE's only (what follows: the decode TE's)
                 self.prompts_in_flight += 1
                 try:
                     await asyncio.sleep(0.002)
@@ -444,7 +475,7 @@ def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_bes
                     self.prompts_in_flight -= 1
                 ttft = (0.034 if self.batches_decoding else 0.020) if len(prompt) == PD_PROMPT \
                     else 0.002 + 1e-4 * len(prompt)
-                return now, now + ttft, now + ttft, 1
+                return now, now + ttft, now + ttft, output_len
             if output_len == PD_DECODING[2]:  # the batch the lone prompts are timed beside
                 arrivals.extend(now + 0.001 * i for i in range(8))
                 self.batches_decoding += 1
@@ -462,7 +493,7 @@ def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_bes
     prompt_len, output_len = ARRIVAL_REQUEST
     own_ms = profile.per_decode_row_ms * (output_len - 1) + 1e3 * profile.group_seconds(
         GroupWork.prompt(prompt_len)) * (1.3 - 1.0)
-    assert profile.per_request_ms == pytest.approx(1e3 * per_lone_s - own_ms, abs=0.5)
+    assert profile.per_request_ms == pytest.approx(6.0 - own_ms, abs=0.5)
     batch, prompt_len, output_len = PD_DECODE_BATCH
     assert streamer.asked.count((prompt_len, output_len)) >= 2 * 2 * batch  # alone and beside, each round
     err = capsys.readouterr().err
@@ -497,13 +528,15 @@ def test_an_arrivals_batch_whose_stream_came_in_fewer_chunks_than_its_window_giv
     round is left out), not a failed calibration."""
     import asyncio
 
-    from meshserve.sim.calibrate import ARRIVAL_WINDOW, _Workloads
+    from meshserve.sim.calibrate import ARRIVAL_RUNS, _Workloads
+
+    rate, batch_shape, window = ARRIVAL_RUNS[0]
 
     async def streamer(prompt, output_len, arrivals=None):
-        arrivals.extend(0.01 * i for i in range(ARRIVAL_WINDOW[1]))  # one chunk short
+        arrivals.extend(0.01 * i for i in range(window[1]))  # one chunk short
         return 0.0, arrivals[0], arrivals[-1], output_len
 
-    assert asyncio.run(_Workloads(streamer).batch_window(arrive=False)) is None
+    assert asyncio.run(_Workloads(streamer).batch_window(rate, batch_shape, window, arrive=False)) is None
 
 
 def test_calibrating_tes_on_shared_cores_measures_each_steps_stretch_over_a_te_alone():
