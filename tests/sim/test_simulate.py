@@ -369,6 +369,7 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
 
         def __init__(self) -> None:
             self.asked: list[tuple[int, int]] = []  # (prompt tokens, output tokens)
+            self.idle_before_shortest: list[float] = []  # the idling before each lone prompt of the shortest
             self.batch_decoding = False
             self.last_end = time.monotonic()
             self.arrivals_workload = ArrivalsWorkload(token_s, per_lone_s)
@@ -392,6 +393,8 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
                 self.batch_decoding = False
                 return 0.0, times[21], times[21], 1
             if output_len == PREFILL_OUTPUT:  # a lone prompt: 2 ms + 0.1 ms a token, 30 or 50 ms more after idling
+                if len(prompt) == PREFILL_POINTS[0]:
+                    self.idle_before_shortest.append(idle_s)
                 ttft = 0.002 + 1e-4 * len(prompt) + (0.050 if idle_s > 0.09 else 0.030 if idle_s > 0.04 else 0.0)
                 return 0.0, ttft, ttft + 0.010 * (output_len - 1), output_len
             return 0.0, 0.1, 0.1 + 0.010 * (output_len - 1), output_len
@@ -406,6 +409,10 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     assert [prompt for prompt, out in streamer.asked if out == PREFILL_OUTPUT][2:] == one_round * 2
     one_round = [prompt for _, prompt in MIXED_POINTS]
     assert [prompt for prompt, out in streamer.asked if out == 1] == one_round * 2
+    # each round: the prefill point right after the decode points, then the waking's after AWAKE_PAUSE_S (the step
+    # pipelined after the last token ends first), 50 and 100 ms
+    paused = [idle >= calibration.AWAKE_PAUSE_S for idle in streamer.idle_before_shortest]
+    assert paused == [False, True, True, True] * 2
     err = capsys.readouterr().err
     assert "round 1 of 2 done" in err and "round 2 of 2 done" in err
     for size, prompt_len in MIXED_POINTS:
