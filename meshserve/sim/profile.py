@@ -169,26 +169,15 @@ class StepProfile:
     def wake_seconds(self, idle_s: float) -> float:
         """How much longer a TE's first step after `idle_s` seconds without work takes (0 without `wake_after_idle`):
         on straight lines from (0, 0) through the measured points, the last point's beyond them."""
-        below_s, below_ms = 0.0, 0.0
-        for point_s, point_ms in self.wake_after_idle:
-            if idle_s <= point_s:
-                share = (idle_s - below_s) / (point_s - below_s) if point_s > below_s else 1.0
-                return 1e-3 * (below_ms + max(0.0, share) * (point_ms - below_ms))
-            below_s, below_ms = point_s, point_ms
-        return 1e-3 * below_ms
+        points = self.wake_after_idle
+        return 1e-3 * _on_lines(points if points and points[0][0] == 0.0 else ((0.0, 0.0), *points), idle_s)
 
     def request_host_seconds(self, gap_s: float) -> float:
         """The host work of a request that comes `gap_s` after the request before it: on straight lines between the
         `per_request_after_gap` points, the nearest point's beyond them (`per_request_ms` without them)."""
-        points = self.per_request_after_gap
-        if not points:
+        if not self.per_request_after_gap:
             return 1e-3 * self.per_request_ms
-        if gap_s <= points[0][0]:
-            return 1e-3 * points[0][1]
-        for (low_s, low_ms), (high_s, high_ms) in zip(points, points[1:]):
-            if gap_s <= high_s:
-                return 1e-3 * (low_ms + (gap_s - low_s) / (high_s - low_s) * (high_ms - low_ms))
-        return 1e-3 * points[-1][1]
+        return 1e-3 * _on_lines(self.per_request_after_gap, gap_s)
 
     def kv_pull_seconds(self, tokens: int) -> float:
         """A P/D pull of `tokens` tokens' KV: not calibrated on this machine (it lands by the next step)."""
@@ -217,6 +206,16 @@ class StepProfile:
         if not isinstance(data, dict):
             raise ProfileError(f"profile {path} is not a JSON object")
         return cls.from_dict(data, where=f"profile {path}")
+
+
+def _on_lines(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The value at `x` on straight lines between `points` ((x, y), x rising), the nearest point's beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (low_x, low_y), (high_x, high_y) in zip(points, points[1:]):
+        if x <= high_x:
+            return low_y + (x - low_x) / (high_x - low_x) * (high_y - low_y)
+    return points[-1][1]
 
 
 def fit(name: str, source: str, steps: Sequence[tuple[GroupWork, float]],
