@@ -10,9 +10,16 @@ executor's hops too). Workloads:
 - prefill: lone prompts of 64 to 1024 tokens (PREFILL_OUTPUT tokens each), each sent to an idle engine as a lone
   request finds it: the time to the first token is one prefill step of that prompt and the delivery (an idle
   engine's master and ranks wait in their polls, and waking them is part of it);
+- side by side (a TE of several DP groups): as many prompts as groups sent at once to an idle engine, one per group:
+  the first of their first tokens is one prefill step in which no group idles (a lone prompt's step leaves the
+  other groups nothing to do, and on a host whose cores the groups' ranks share, their idle cores take the host's
+  other work: measured on 2 cores, two 64-token prompts side by side took 7 ms longer to their first token than
+  one alone, through the engine client). With the decode batch of 1 (one group decoding) they fit how much shorter
+  a step is for each group with nothing to do (`per_idle_group_ms`);
 - mixed: a prompt arriving while a batch decodes: the batch's gap that ends with the prompt's first token is the
   step that holds both the prompt and the decodes (not on a P/D deployment, whose prompts run on another TE);
-- waking: the shortest lone prompt sent as soon as the one before it ended (AWAKE_PAUSE_S after), and after each of
+- waking: the shortest lone prompt sent as soon as the one before it ended (AWAKE_PAUSE_S after, AWAKE_REPEATS
+  times: every waking figure is measured from it), and after each of
   WAKE_IDLE_TIMES_S of idling: what the time to the first token gains after IDLE_S and those is the profile's
   `wake_after_idle`, and the lone prompts' times are fitted without it (a host whose cores clock down when idle
   makes a TE's first step after a pause slower, which an engine under load never pays);
@@ -67,6 +74,7 @@ PREFILL_POINTS = (64, 256, 512, 1024)
 # for one token leaves its TE idle, and on one TE of 2 cores its first token came 2-3 ms sooner than the same
 # prompt's asked for 8, whose second token came with it: the next steps take the cores its delivery needs)
 PREFILL_OUTPUT = 8
+SIDE_BY_SIDE_POINTS = (64, 256)  # prompt tokens: a TE of several DP groups is sent one such prompt per group at once
 MIXED_POINTS = ((8, 128), (8, 512), (32, 256))  # (decoding requests, prompt tokens)
 MIXED_OUTPUT = 64  # the decoding requests' tokens: they are still decoding when the prompt comes
 IDLE_S = 0.25  # how long the engine idles before each lone prompt
@@ -76,6 +84,9 @@ WAKE_IDLE_TIMES_S = (0.1, 0.5, 1.0, 2.0)
 # ... the one sent as soon as the one before ended waits this long: the engine's pipelined step after a request's last
 # token (scheduled before the token was known) ends first (back to back, a DP2+EP2 TE's prompt waited its 9 ms)
 AWAKE_PAUSE_S = 0.02
+# ... that many times a round: one sample a round, a DP2+EP2 TE's came out 4 ms early in one calibration, and every
+# waking figure and the delivery (the lone prompts less the waking after IDLE_S) with it
+AWAKE_REPEATS = 3
 # P/D: the decoding batch (requests, prompt tokens, output tokens) timed alone and beside the prefill TE's prompts
 # of BUSY_PROMPT tokens; PD_PROMPTS lone prompts of PD_PROMPT tokens, each PD_PAUSE_S after the one before, timed
 # alone and while a batch (PD_DECODING) decodes
@@ -244,6 +255,7 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd:
             await work.batch(2, 32, 8)  # warm-up
             decode_gaps: list[list[float]] = [[] for _ in DECODE_POINTS]
             ttfts: list[list[float]] = [[] for _ in PREFILL_POINTS]
+            side_by_side: list[list[float]] = [[] for _ in SIDE_BY_SIDE_POINTS]
             mixed_gaps: list[list[float]] = [[] for _ in MIXED_POINTS]
             # idle s -> the shortest prompt's times
             woken: dict[float, list[float]] = {0.0: [], **{idle_s: [] for idle_s in WAKE_IDLE_TIMES_S}}
@@ -258,10 +270,15 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd:
                     await asyncio.sleep(IDLE_S)
                     (sent, first, _, _), = await work.batch(1, prompt_len, PREFILL_OUTPUT)
                     ttfts[i].append(first - sent)
+                for i, prompt_len in enumerate(SIDE_BY_SIDE_POINTS if dp > 1 else ()):
+                    await asyncio.sleep(IDLE_S)
+                    side_by_side[i].append(min(first - sent for sent, first, _, _ in
+                                               await work.batch(dp, prompt_len, PREFILL_OUTPUT)))
                 for idle_s, times in woken.items():  # 0: right after the last lone prompt ended
-                    await asyncio.sleep(idle_s or AWAKE_PAUSE_S)
-                    (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], PREFILL_OUTPUT)
-                    times.append(first - sent)
+                    for _ in range(1 if idle_s else AWAKE_REPEATS):
+                        await asyncio.sleep(idle_s or AWAKE_PAUSE_S)
+                        (sent, first, _, _), = await work.batch(1, PREFILL_POINTS[0], PREFILL_OUTPUT)
+                        times.append(first - sent)
                 for i, (size, prompt_len) in enumerate(MIXED_POINTS if mixed else ()):
                     gap = await work.mixed_step(size, prompt_len)
                     mixed_gaps[i] += [] if gap is None else [gap]
@@ -278,12 +295,14 @@ def calibrate(streamer, dp: int, repeats: int = REPEATS, mixed: bool = True, pd:
                     if prompt_stretch is not None:
                         stretches[1].append(prompt_stretch)
                 _log(f"round {round_ + 1} of {repeats} done")
-            return (*_medians(dp, decode_gaps, ttfts, mixed_gaps if mixed else [], woken), per_arrival, stretches)
+            return (*_medians(dp, decode_gaps, ttfts, side_by_side, mixed_gaps if mixed else [], woken),
+                    per_arrival, stretches)
         finally:
             await streamer.close()
     steps, first_tokens, wake, per_arrival, stretches = asyncio.run(measure())
-    workloads = f"{len(DECODE_POINTS)} decode, {len(PREFILL_POINTS)} prefill" + (
-        f" and {len(MIXED_POINTS)} mixed" if mixed else "")
+    workloads = ", ".join([f"{len(DECODE_POINTS)} decode", f"{len(PREFILL_POINTS)} prefill",
+                           *([f"{len(SIDE_BY_SIDE_POINTS)} side-by-side"] if dp > 1 else []),
+                           *([f"{len(MIXED_POINTS)} mixed"] if mixed else [])])
     profile = fit(streamer.name, f"measured on this machine ({report.machine_info()['cpu_count']} cores) through "
                   f"{streamer.path}: {workloads} workloads, waking and arrivals, medians of {repeats}", steps,
                   first_tokens)
@@ -340,26 +359,41 @@ def _gap_ending_at(times: list[float], moment: float) -> float:
     return times[end] - times[end - 1]
 
 
-def _medians(dp: int, decode_gaps: list[list[float]], ttfts: list[list[float]], mixed_gaps: list[list[float]],
-             woken: dict[float, list[float]]) -> tuple[list, list, tuple]:
-    """The fit's points from every round's samples: (group work, median step) for the decode and mixed
-    workloads, (prompt, median time to the first token, less the waking after IDLE_S) for the prefill ones, and
-    the waking cost ((idle s, ms) points); each logged."""
+def _medians(dp: int, decode_gaps: list[list[float]], ttfts: list[list[float]], side_by_side: list[list[float]],
+             mixed_gaps: list[list[float]], woken: dict[float, list[float]]) -> tuple[list, list, tuple]:
+    """The fit's points from every round's samples: (group work, median step, groups idle in it) for the decode
+    and mixed workloads, (prompt, median time to the first token less the waking after IDLE_S, groups idle) for
+    the prefill and side-by-side ones, and the waking cost ((idle s, ms) points); each logged."""
     steps, first_tokens = [], []
     for (size, prompt_len, output_len), gaps in zip(DECODE_POINTS, decode_gaps):
         per_group = max(1, size // dp)
         work = GroupWork(decode_rows=per_group, context_tokens=per_group * (prompt_len + output_len // 2))
-        steps.append((work, statistics.median(gaps)))
+        steps.append((work, statistics.median(gaps), max(0, dp - size)))
         _log(f"decode batch {size} prompt {prompt_len}: {1e3 * steps[-1][1]:.1f} ms per step")
     awake = statistics.median(woken[0.0])
     after_idle = {IDLE_S: ttfts[0], **{idle_s: times for idle_s, times in woken.items() if idle_s > 0}}
-    wake = tuple((idle_s, max(0.0, statistics.median(after_idle[idle_s]) - awake)) for idle_s in sorted(after_idle))
+    # the waking counts from a TE that has just worked; on a TE of several DP groups, from one that idled IDLE_S:
+    # there a prompt right after another came out 4-8 ms sooner than after any idling from 0.1 s on (flat beyond) in
+    # three of seven calibrations, and its requests under load did not (counted from it, their simulated TTFT came
+    # out 5-17% short at 10 and 20/s; from IDLE_S, within ±10%)
+    awake_from = awake if dp == 1 else statistics.median(ttfts[0])
+    wake = tuple((idle_s, max(0.0, statistics.median(after_idle[idle_s]) - awake_from))
+                 for idle_s in sorted(after_idle))
     idle_extra = dict(wake)
-    _log(f"prefill {PREFILL_POINTS[0]} tokens: {1e3 * awake:.1f} ms to the first token right after another, "
+    _log(f"prefill {PREFILL_POINTS[0]} tokens: {1e3 * awake:.1f} ms to the first token right after another; "
+         + ("" if dp == 1 else f"the waking counted from the one after {IDLE_S:g} s idle ({dp} DP groups): ")
          + ", ".join(f"{1e3 * extra:.1f} ms more after {idle_s:g} s idle" for idle_s, extra in wake))
     for prompt_len, times in zip(PREFILL_POINTS, ttfts):
-        first_tokens.append((GroupWork.prompt(prompt_len), max(1e-4, statistics.median(times) - idle_extra[IDLE_S])))
+        first_tokens.append((GroupWork.prompt(prompt_len), max(1e-4, statistics.median(times) - idle_extra[IDLE_S]),
+                             dp - 1))
         _log(f"prefill {prompt_len} tokens: {1e3 * statistics.median(times):.1f} ms to the first token")
+    for prompt_len, times in zip(SIDE_BY_SIDE_POINTS, side_by_side):
+        if not times:
+            continue
+        first_tokens.append((GroupWork.prompt(prompt_len), max(1e-4, statistics.median(times) - idle_extra[IDLE_S]),
+                             0))
+        _log(f"prefill {prompt_len} tokens side by side, one prompt per group: {1e3 * statistics.median(times):.1f} "
+             f"ms to the first of their first tokens")
     for (size, prompt_len), gaps in zip(MIXED_POINTS, mixed_gaps):
         if not gaps:
             _log(f"{size} decoding + a {prompt_len}-token prompt: the prompt never joined the batch; not fitted")
@@ -367,7 +401,7 @@ def _medians(dp: int, decode_gaps: list[list[float]], ttfts: list[list[float]], 
         per_group = max(1, size // dp)
         work = GroupWork(decode_rows=per_group, context_tokens=per_group * (32 + MIXED_OUTPUT // 2),
                          prefill_tokens=prompt_len, prefill_pairs=prompt_len * prompt_len / 2)
-        steps.append((work, statistics.median(gaps)))
+        steps.append((work, statistics.median(gaps), dp - min(dp, size + 1)))
         _log(f"{size} decoding + a {prompt_len}-token prompt: {1e3 * steps[-1][1]:.1f} ms for that step")
     return steps, first_tokens, tuple((idle_s, 1e3 * extra) for idle_s, extra in wake)
 

@@ -1,7 +1,9 @@
 """How long one engine step takes on some hardware: the simulator's model of time (a data file per profile).
 
-A step of a TE runs every DP group's part at once (lockstep), so it takes as long as its slowest group. A group's
-part costs
+A step of a TE runs every DP group's part at once (lockstep), so it takes as long as its slowest group, less
+`per_idle_group_ms` for each group with nothing to do in it (on a host whose cores the groups' ranks share, an idle
+group's core takes the host's other work off the busy ones: `calibrate` fits it from prompts alone and side by side,
+one per group). A group's part costs
 
     base_ms + per_decode_row_ms * decode rows + per_prefill_token_ms * prefill tokens
             + per_context_kilotoken_ms * (tokens the decode rows attend to) / 1000
@@ -55,7 +57,7 @@ from pathlib import Path
 TERMS = ("base_ms", "per_decode_row_ms", "per_prefill_token_ms", "per_context_kilotoken_ms", "per_prefill_megapair_ms",
          "delivery_ms")
 SCALE_UP_WEIGHTS = ("starting_te_weight", "prewarm_weight")  # optional, with stretch_beside_tes
-OPTIONAL_TERMS = ("per_request_ms", *SCALE_UP_WEIGHTS)
+OPTIONAL_TERMS = ("per_request_ms", "per_idle_group_ms", *SCALE_UP_WEIGHTS)
 STRETCH_TABLES = ("stretch_beside_tes", "prompt_stretch_beside_tes")  # optional
 
 
@@ -119,6 +121,8 @@ class StepProfile:
     per_request_ms: float = 0.0
     # optional: (gap_s, ms) points, the same for a request that comes gap_s after the request before it
     per_request_after_gap: tuple[tuple[float, float], ...] = ()
+    # optional: how much shorter a step is for each DP group that has nothing to do in it
+    per_idle_group_ms: float = 0.0
     dp: int = 1  # the DP groups of the TE the profile was fitted on
 
     def __post_init__(self) -> None:
@@ -151,8 +155,10 @@ class StepProfile:
                        + self.per_prefill_megapair_ms * work.prefill_pairs / 1e6)
 
     def step_seconds(self, groups: Sequence[GroupWork]) -> float:
-        """A lockstep step: its slowest DP group's part."""
-        return max(self.group_seconds(work) for work in groups)
+        """A lockstep step: its slowest DP group's part, less `per_idle_group_ms` for each group with nothing to
+        do (at most all but one)."""
+        idle = min(sum(not work.rows for work in groups), len(groups) - 1)
+        return max(0.0, max(self.group_seconds(work) for work in groups) - 1e-3 * self.per_idle_group_ms * idle)
 
     def shared_cores_factor(self, other_tes: float, prompt: bool = False) -> float:
         """How much longer a step takes while `other_tes` other TEs are busy on this profile's host: the measured
@@ -218,34 +224,39 @@ def _on_lines(points: Sequence[tuple[float, float]], x: float) -> float:
     return points[-1][1]
 
 
-def fit(name: str, source: str, steps: Sequence[tuple[GroupWork, float]],
-        first_tokens: Sequence[tuple[GroupWork, float]] = ()) -> StepProfile:
+def fit(name: str, source: str, steps: Sequence[tuple], first_tokens: Sequence[tuple] = ()) -> StepProfile:
     """The profile that fits best, in relative least squares (a 3 ms decode step counts as much as a 200 ms
-    prefill), every term kept at zero or more: `steps`, (one group's work, the seconds its step took), and
-    `first_tokens`, (a lone prompt's prefill, the seconds from its arrival to its first token: the step and the
-    delivery)."""
-    samples = [(work, seconds, 0.0) for work, seconds in steps] + [(work, seconds, 1.0) for work, seconds in
-                                                                    first_tokens]
+    prefill), every term kept at zero or more: `steps`, (one group's work, the seconds its step took[, the DP groups
+    with nothing to do in it]), and `first_tokens`, (a prompt's prefill, the seconds from its arrival to its first
+    token: the step and the delivery[, idle groups]). Idle groups fit `per_idle_group_ms`, where any step had one."""
+    samples = [_sample(point, 0.0) for point in steps] + [_sample(point, 1.0) for point in first_tokens]
     if len(samples) < len(TERMS):
         raise ProfileError(f"fitting {len(TERMS)} terms needs at least as many measurements, got {len(samples)}")
-    if any(not seconds > 0 for _, seconds, _ in samples):
+    if any(not seconds > 0 for _, seconds, _, _ in samples):
         raise ProfileError("every measurement must have taken a positive time")
     # each equation divided by its measured time: the residuals are relative errors
     rows = [[x / (1e3 * seconds) for x in (1.0, w.decode_rows, w.prefill_tokens, w.context_tokens / 1000,
-                                           w.prefill_pairs / 1e6, first)]
-            for w, seconds, first in samples]
+                                           w.prefill_pairs / 1e6, first, -idle)]
+            for w, seconds, idle, first in samples]
     target = [1.0] * len(samples)
-    active = list(range(len(TERMS)))
+    fitted = (*TERMS, "per_idle_group_ms")
+    active = [i for i in range(len(fitted)) if i < len(TERMS) or any(row[i] for row in rows)]
     while True:  # drop a term the data gives a negative weight (a cost is never negative), and fit again
         coefficients = _least_squares([[row[i] for i in active] for row in rows], target)
         worst = min(range(len(active)), key=lambda i: coefficients[i])
         if coefficients[worst] >= 0 or len(active) == 1:
             break
         del active[worst]
-    values = dict.fromkeys(TERMS, 0.0)
+    values = dict.fromkeys(fitted, 0.0)
     for index, value in zip(active, coefficients):
-        values[TERMS[index]] = max(0.0, value)
+        values[fitted[index]] = max(0.0, value)
     return StepProfile(name=name, source=source, **values)
+
+
+def _sample(point: tuple, first: float) -> tuple[GroupWork, float, int, float]:
+    """(work, seconds, idle groups, 1 for a first token's delivery else 0) of a measured point."""
+    work, seconds, *idle = point
+    return work, seconds, idle[0] if idle else 0, first
 
 
 def _least_squares(rows: list[list[float]], target: list[float]) -> list[float]:

@@ -29,6 +29,34 @@ def test_a_step_costs_its_slowest_groups_work():
     assert PROFILE.step_seconds([small, large]) == pytest.approx(1e-3 * (3.0 + 0.5 + 10.0))
 
 
+def test_each_dp_group_with_nothing_to_do_shortens_the_step_by_the_idle_group_term():
+    idle = dataclasses.replace(PROFILE, per_idle_group_ms=1.5, dp=4)
+    busy, rest = GroupWork(decode_rows=4, context_tokens=1000), GroupWork()
+    assert idle.step_seconds([busy, busy]) == PROFILE.step_seconds([busy, busy])
+    assert idle.step_seconds([busy, rest, rest]) == pytest.approx(PROFILE.group_seconds(busy) - 2 * 1.5e-3)
+    # a step with no group busy is priced as one busy group's: never below zero, never more than all but one idle
+    assert idle.step_seconds([rest] * 4) == pytest.approx(max(0.0, PROFILE.group_seconds(rest) - 3 * 1.5e-3))
+    with pytest.raises(ProfileError, match="per_idle_group_ms must be a number >= 0"):
+        dataclasses.replace(PROFILE, per_idle_group_ms=-1.0)
+
+
+def test_the_fit_recovers_the_idle_group_term_where_steps_had_idle_groups():
+    truth = dataclasses.replace(PROFILE, per_idle_group_ms=2.5, dp=2)
+    decode = [GroupWork(decode_rows=b, context_tokens=c) for b, c in ((1, 50), (2, 200), (8, 800), (2, 2000))]
+    steps = [(w, truth.step_seconds([w, w if b > 1 else GroupWork()]), 0 if b > 1 else 1)
+             for w, b in zip(decode, (1, 4, 16, 4))]
+    prompts = [(GroupWork.prompt(p), idle) for p in (64, 256, 512, 1024) for idle in (1, 0)
+               if idle or p <= 256]  # lone prompts, and two side by side
+    first_tokens = [(w, truth.step_seconds([w, GroupWork() if idle else w]) + 1e-3 * truth.delivery_ms, idle)
+                    for w, idle in prompts]
+    fitted = fit("fitted", "test", steps, first_tokens)
+    for term in (*TERMS, "per_idle_group_ms"):
+        assert getattr(fitted, term) == pytest.approx(getattr(truth, term), rel=1e-3)
+    # without steps that had a group idle, the term is not fitted (one TE of one group)
+    assert fit("one", "test", [(w, PROFILE.group_seconds(w)) for w in decode],
+               [(w, PROFILE.group_seconds(w)) for w, _ in prompts]).per_idle_group_ms == 0.0
+
+
 def test_the_fit_recovers_the_terms_of_measured_steps():
     steps = [GroupWork(decode_rows=b, context_tokens=c) for b, c in ((1, 50), (4, 200), (16, 800), (4, 2000))]
     prompts = [GroupWork.prompt(p) for p in (64, 256, 512, 1024)]
@@ -404,15 +432,17 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     # every workload once per round, in the same order each round
     one_round = [prompt for size, prompt, _ in DECODE_POINTS for _ in range(size)]
     assert [prompt for prompt, out in streamer.asked if out == 48] == one_round * 2
-    one_round = [*PREFILL_POINTS, *[PREFILL_POINTS[0]] * 3]  # the lone prompts, the waking, decoding on after
+    # the lone prompts, the waking (right after the one before, AWAKE_REPEATS times, then after each idling),
+    # decoding on after
     # (after the warm-up's two requests)
+    one_round = [*PREFILL_POINTS, *[PREFILL_POINTS[0]] * (calibration.AWAKE_REPEATS + 2)]
     assert [prompt for prompt, out in streamer.asked if out == PREFILL_OUTPUT][2:] == one_round * 2
     one_round = [prompt for _, prompt in MIXED_POINTS]
     assert [prompt for prompt, out in streamer.asked if out == 1] == one_round * 2
     # each round: the prefill point right after the decode points, then the waking's after AWAKE_PAUSE_S (the step
     # pipelined after the last token ends first), 50 and 100 ms
     paused = [idle >= calibration.AWAKE_PAUSE_S for idle in streamer.idle_before_shortest]
-    assert paused == [False, True, True, True] * 2
+    assert paused == [False, *[True] * (calibration.AWAKE_REPEATS + 2)] * 2
     err = capsys.readouterr().err
     assert "round 1 of 2 done" in err and "round 2 of 2 done" in err
     for size, prompt_len in MIXED_POINTS:
@@ -428,6 +458,107 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
         [0.005, 8.0 - own_ms, 0.02, 14.0 - own_ms], abs=0.5)
     assert profile.per_request_ms == profile.per_request_after_gap[0][1]
     assert "200 lone requests a second beside a decoding batch" in err and "50 lone requests a second" in err
+
+
+def test_a_dp_calibration_sends_prompts_side_by_side_and_fits_the_steps_with_groups_idle(capsys, monkeypatch):
+    """A made-up server of two DP groups whose every step takes what a profile with an idle-group term gives it
+    (a request alone leaves the other group idle, the side-by-side prompts and larger batches none): the calibration
+    sends one prompt per group at once, after the same idling as the lone prompts, and fits the term back. A prompt
+    after 50 ms idle takes 4 ms longer than one right after another: on a TE of several groups the waking counts
+    from the lone prompts after IDLE_S, whose delivery keeps it."""
+    import asyncio
+    import time
+
+    from meshserve.sim import calibrate as calibration
+    from meshserve.sim.calibrate import (
+        MIXED_OUTPUT,
+        MIXED_POINTS,
+        PREFILL_OUTPUT,
+        SIDE_BY_SIDE_POINTS,
+        calibrate,
+    )
+
+    truth = dataclasses.replace(PROFILE, base_ms=6.0, per_idle_group_ms=2.5, dp=2)
+    monkeypatch.setattr(calibration, "IDLE_S", 0.05)
+    monkeypatch.setattr(calibration, "WAKE_IDLE_TIMES_S", ())
+    monkeypatch.setattr(calibration, "ARRIVAL_RUNS", FAST_ARRIVALS)
+
+    def step(*groups: GroupWork) -> float:
+        return truth.step_seconds([*groups, *[GroupWork()] * (2 - len(groups))])
+
+    class Streamer:
+        name, path = "made up", "a made-up server"
+
+        def __init__(self) -> None:
+            self.in_flight: dict[tuple[int, int], int] = {}
+            self.side_by_side: list[tuple[int, float]] = []  # (prompt tokens, idling before): two sent at once
+            self.last_end = time.monotonic()
+            self.arrivals_workload = ArrivalsWorkload(0.001, {160: 0.0, 240: 0.0})
+            self.mixed_index, self.mixed_times = 0, []
+
+        async def open(self) -> None: ...
+
+        async def close(self) -> None: ...
+
+        async def at_once(self, key: tuple[int, int]) -> int:
+            """How many requests of this shape were sent at once with this one."""
+            self.in_flight[key] = self.in_flight.get(key, 0) + 1
+            await asyncio.sleep(0)
+            count = self.in_flight[key]
+            await asyncio.sleep(0)
+            self.in_flight[key] -= 1
+            return count
+
+        async def __call__(self, prompt, output_len, arrivals=None):
+            idle_s = time.monotonic() - self.last_end
+            count = await self.at_once((len(prompt), output_len))
+            self.last_end = time.monotonic()
+            if self.arrivals_workload.is_batch(output_len):
+                return await self.arrivals_workload.batch(arrivals, output_len)
+            if output_len == 2:  # the arrivals workload's lone requests
+                return self.arrivals_workload.lone(output_len)
+            if output_len == 1:  # the prompt joining the mixed workload's batch: out with the batch's 21st token
+                self.mixed_index += 1
+                return 0.0, self.mixed_times[21], self.mixed_times[21], 1
+            woken_s = 0.004 if idle_s > 0.04 else 0.0
+            if output_len == PREFILL_OUTPUT and count == 1:  # a lone prompt
+                ttft = step(GroupWork.prompt(len(prompt))) + 1e-3 * truth.delivery_ms + woken_s
+                return 0.0, ttft, ttft, output_len
+            if output_len == PREFILL_OUTPUT:  # one of the prompts side by side
+                self.side_by_side.append((len(prompt), idle_s))
+                ttft = (step(GroupWork.prompt(len(prompt)), GroupWork.prompt(len(prompt))) + 1e-3 * truth.delivery_ms
+                        + woken_s)
+                return 0.0, ttft, ttft, output_len
+            if arrivals is not None:  # the mixed workload's decoding batch: its 21st gap is the joining prompt's
+                size, prompt_len = MIXED_POINTS[self.mixed_index % len(MIXED_POINTS)]
+                rows = size // 2
+                work = GroupWork(decode_rows=rows, context_tokens=rows * (32 + MIXED_OUTPUT // 2))
+                joined = dataclasses.replace(work, prefill_tokens=prompt_len, prefill_pairs=prompt_len ** 2 / 2)
+                gaps = [step(work, work)] * (MIXED_OUTPUT - 1)
+                gaps[20] = step(joined, work)
+                self.mixed_times = [sum(gaps[:i]) for i in range(MIXED_OUTPUT)]
+                arrivals.extend(self.mixed_times)
+                return 0.0, arrivals[0], arrivals[-1], MIXED_OUTPUT
+            rows = max(1, count // 2)
+            work = GroupWork(decode_rows=rows, context_tokens=rows * (len(prompt) + output_len // 2))
+            gap = step(*[work] * min(count, 2))
+            return 0.0, 0.1, 0.1 + gap * (output_len - 1), output_len
+
+    streamer = Streamer()
+    profile = calibrate(streamer, dp=2, repeats=1)
+    # after the warm-up's two requests, each point's two prompts at once, after the lone prompts' idling
+    assert [prompt for prompt, _ in streamer.side_by_side[2:]] == [p for p in SIDE_BY_SIDE_POINTS for _ in "ab"]
+    assert all(idle >= calibration.IDLE_S for _, idle in streamer.side_by_side[2:])
+    err = capsys.readouterr().err
+    for prompt_len in SIDE_BY_SIDE_POINTS:
+        ttft = 1e3 * step(GroupWork.prompt(prompt_len), GroupWork.prompt(prompt_len)) + truth.delivery_ms + 4.0
+        assert f"prefill {prompt_len} tokens side by side, one prompt per group: {ttft:.1f} ms" in err
+    assert "2 side-by-side" in profile.source
+    assert "the waking counted from the one after 0.05 s idle (2 DP groups): 0.0 ms more after 0.05 s idle" in err
+    assert profile.wake_after_idle == ((0.05, 0.0),)
+    woken = dataclasses.replace(truth, delivery_ms=truth.delivery_ms + 4.0)
+    for term in (*TERMS, "per_idle_group_ms"):
+        assert getattr(profile, term) == pytest.approx(getattr(woken, term), rel=0.05, abs=0.02), term
 
 
 def test_a_pd_calibration_times_each_te_alone_and_measures_each_ones_stretch_beside_the_other(capsys, monkeypatch):
