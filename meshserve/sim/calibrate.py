@@ -373,9 +373,9 @@ def _medians(dp: int, decode_gaps: list[list[float]], ttfts: list[list[float]], 
     awake = statistics.median(woken[0.0])
     after_idle = {IDLE_S: ttfts[0], **{idle_s: times for idle_s, times in woken.items() if idle_s > 0}}
     # the waking counts from a TE that has just worked; on a TE of several DP groups, from one that idled IDLE_S:
-    # there a prompt right after another came out 4-8 ms sooner than after any idling from 0.1 s on (flat beyond) in
-    # three of seven calibrations, and its requests under load did not (counted from it, their simulated TTFT came
-    # out 5-17% short at 10 and 20/s; from IDLE_S, within ±10%)
+    # there a prompt right after another came out 2-8 ms sooner than after any idling from 0.1 s on (as much after
+    # 0.1 s as after 2 s) in four of eight DP2+EP2 calibrations, and its requests under load did not (counted from
+    # it, their simulated TTFT came out 9-17% short at 10 and 20/s; from IDLE_S, 1-10%)
     awake_from = awake if dp == 1 else statistics.median(ttfts[0])
     wake = tuple((idle_s, max(0.0, statistics.median(after_idle[idle_s]) - awake_from))
                  for idle_s in sorted(after_idle))
