@@ -22,7 +22,8 @@ executor's hops too). Workloads:
   times: every waking figure is measured from it), and after each of
   WAKE_IDLE_TIMES_S of idling: what the time to the first token gains after IDLE_S and those is the profile's
   `wake_after_idle`, and the lone prompts' times are fitted without it (a host whose cores clock down when idle
-  makes a TE's first step after a pause slower, which an engine under load never pays);
+  makes a TE's first step after a pause slower, which an engine under load never pays); on a TE of several DP
+  groups it counts from the lone prompts after IDLE_S instead (`_medians`);
 - arrivals: a decoding batch alone, while lone short requests keep arriving, and alone again, at each of two rates
   (ARRIVAL_RUNS): how much longer the batch's steps take, per request that arrived, beyond the requests' own
   prefill and decode, is the profile's host work per request (their frontend, routing and admission take the cores
@@ -84,8 +85,8 @@ WAKE_IDLE_TIMES_S = (0.1, 0.5, 1.0, 2.0)
 # ... the one sent as soon as the one before ended waits this long: the engine's pipelined step after a request's last
 # token (scheduled before the token was known) ends first (back to back, a DP2+EP2 TE's prompt waited its 9 ms)
 AWAKE_PAUSE_S = 0.02
-# ... that many times a round: one sample a round, a DP2+EP2 TE's came out 4 ms early in one calibration, and every
-# waking figure and the delivery (the lone prompts less the waking after IDLE_S) with it
+# ... that many times a round: with one sample a round, its noise moved every waking figure, and the delivery (the
+# lone prompts less the waking after IDLE_S) with them
 AWAKE_REPEATS = 3
 # P/D: the decoding batch (requests, prompt tokens, output tokens) timed alone and beside the prefill TE's prompts
 # of BUSY_PROMPT tokens; PD_PROMPTS lone prompts of PD_PROMPT tokens, each PD_PAUSE_S after the one before, timed

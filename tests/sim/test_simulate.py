@@ -34,7 +34,7 @@ def test_each_dp_group_with_nothing_to_do_shortens_the_step_by_the_idle_group_te
     busy, rest = GroupWork(decode_rows=4, context_tokens=1000), GroupWork()
     assert idle.step_seconds([busy, busy]) == PROFILE.step_seconds([busy, busy])
     assert idle.step_seconds([busy, rest, rest]) == pytest.approx(PROFILE.group_seconds(busy) - 2 * 1.5e-3)
-    # a step with no group busy is priced as one busy group's: never below zero, never more than all but one idle
+    # a step with no group busy: all but one count as idle, and it never comes out below zero
     assert idle.step_seconds([rest] * 4) == pytest.approx(max(0.0, PROFILE.group_seconds(rest) - 3 * 1.5e-3))
     with pytest.raises(ProfileError, match="per_idle_group_ms must be a number >= 0"):
         dataclasses.replace(PROFILE, per_idle_group_ms=-1.0)
@@ -432,9 +432,8 @@ def test_calibration_measures_in_rounds_and_takes_the_mixed_step_the_prompt_came
     # every workload once per round, in the same order each round
     one_round = [prompt for size, prompt, _ in DECODE_POINTS for _ in range(size)]
     assert [prompt for prompt, out in streamer.asked if out == 48] == one_round * 2
-    # the lone prompts, the waking (right after the one before, AWAKE_REPEATS times, then after each idling),
-    # decoding on after
-    # (after the warm-up's two requests)
+    # the lone prompts, then the waking's (right after the one before, AWAKE_REPEATS times, then after each idling),
+    # all decoding on after their first token (after the warm-up's two requests)
     one_round = [*PREFILL_POINTS, *[PREFILL_POINTS[0]] * (calibration.AWAKE_REPEATS + 2)]
     assert [prompt for prompt, out in streamer.asked if out == PREFILL_OUTPUT][2:] == one_round * 2
     one_round = [prompt for _, prompt in MIXED_POINTS]
