@@ -366,14 +366,14 @@ class Autoscaler:
     def _up_need(self, state: _PoolState, sig: _Signals, n: int) -> tuple[int, str, str] | None:
         """The TEs the pool's load asks for when that is more than `n`: (need, kind, reason)."""
         s = self.settings
-        needs = []
+        needs = []  # the signals are means over the window: whole, "4 running > 4" read wrong
         tes = f"{n} TE" if n == 1 else f"{n} TEs"
         if sig.waiting > s.queue_per_te * n:
             needs.append((math.ceil(sig.waiting / s.queue_per_te), "queue",
-                          f"queue {sig.waiting:.0f} > {s.queue_per_te:g} per TE x {tes}"))
+                          f"queue {round(sig.waiting, 2):g} > {s.queue_per_te:g} per TE x {tes}"))
         if sig.running > s.running_per_te * n:  # busier than a TE should be: add TEs before latency shows it
             needs.append((math.ceil(sig.running / s.running_per_te), "running",
-                          f"{sig.running:.0f} running > {s.running_per_te:g} per TE x {tes}"))
+                          f"{round(sig.running, 2):g} running > {s.running_per_te:g} per TE x {tes}"))
         per_te = s.waiting_tokens_per_te
         if sig.waiting_tokens > per_te * n:
             needs.append((math.ceil(sig.waiting_tokens / per_te), "waiting_tokens",

@@ -55,6 +55,15 @@ def test_scale_up_on_running_requests():
     assert d.direction == ""  # exactly at the target: no change
 
 
+def test_scale_up_reason_shows_the_window_mean():
+    # 16 then 17 running requests on one TE: the mean 16.5 is above 16 per TE, and the reason says 16.5, not 16
+    scaler = Autoscaler(FAST, {"main/colocated": (1, 8)})
+    assert only(scaler.decide(0.0, {"main/colocated": pool(1, running=16)}), "main/colocated").direction == ""
+    d = only(scaler.decide(1.0, {"main/colocated": pool(1, running=17)}), "main/colocated")
+    assert (d.target, d.direction) == (2, "up")
+    assert d.reason == "16.5 running > 16 per TE x 1 TE"
+
+
 def test_scale_up_on_kv_usage_and_waiting_tokens():
     scaler = Autoscaler(FAST, {"main/colocated": (1, 8), "chat/colocated": (1, 8)})
     decisions = scaler.decide(0.0, {"main/colocated": pool(2, kv=0.95),
