@@ -46,6 +46,9 @@ def add_simulate_commands(sub) -> None:
                                                                          "holds that idle time (default: 0)")
     run.add_argument("--own-cores", action="store_true", help="each TE on cores of its own: without the fitted "
                                                               "profile's term for TEs sharing this host's cores")
+    run.add_argument("--sensitivity", type=float, metavar="PERCENT",
+                     help="serve the trace again with every step PERCENT shorter and longer: how much each figure "
+                          "moves per percent of step time (e.g. 5)")
     _add_op_model_and_te_arguments(run)
     run.set_defaults(func=run_main)
     seeds = commands.add_parser("seeds", help="the papers' decode results (CloudMatrix-Infer Table 5, xDeepServe "
@@ -272,6 +275,7 @@ def _describe(args: argparse.Namespace, profile, settings) -> dict:
 def run_main(args: argparse.Namespace) -> int:
     from meshserve.sim.cluster import SimCluster, deployment_specs
     from meshserve.sim.run import simulate
+    from meshserve.sim.sensitivity import ScaledSteps, sensitivity, sensitivity_lines
     from meshserve.sim.te import SimTE
 
     try:
@@ -285,18 +289,28 @@ def run_main(args: argparse.Namespace) -> int:
             unknown = sorted(set(scaler.autoscaler.bounds) - pools)
             if unknown:
                 raise ValueError(f"--autoscale names pool(s) {', '.join(unknown)} that --tes does not have")
+        if args.sensitivity is not None and not 0 < args.sensitivity < 100:
+            raise ValueError(f"--sensitivity must be a percent between 0 and 100, got {args.sensitivity:g}")
     except (ValueError, OSError) as exc:  # ProfileError, TraceError and ConfigError are ValueErrors
         print(f"meshserve simulate: error: {exc}", file=sys.stderr)
         return 2
     slo = tuple(None if ms is None else ms / 1e3 for ms in (args.slo_ttft_ms, args.slo_tpot_ms))
-    if specs is None:
-        result = simulate(trace, SimTE(settings, profile, seed=args.seed), slo=slo)
-    else:
-        result = SimCluster(specs, policy=args.routing, seed=args.seed, scaler=scaler,
-                            share_cores=not args.own_cores).run(trace, slo=slo, idle_before_s=args.idle_before_s)
+
+    def serve(timer) -> dict:  # a fresh deployment (TEs, autoscaler) each time: they keep state
+        if args.tes is None:
+            return simulate(trace, SimTE(settings, timer, seed=args.seed), slo=slo)
+        return SimCluster(deployment_specs(args.tes, settings, timer), policy=args.routing, seed=args.seed,
+                          scaler=_scaler(args) if args.autoscale is not None else None,
+                          share_cores=not args.own_cores).run(trace, slo=slo, idle_before_s=args.idle_before_s)
+    result = serve(profile)
+    lines = summary_lines(result)
+    if args.sensitivity is not None:
+        result["sensitivity"] = sensitivity(lambda factor: serve(ScaledSteps(profile, factor)), result,
+                                            args.sensitivity / 100)
+        lines += sensitivity_lines(result["sensitivity"])
     result["config"] = _describe(args, profile, settings) | {"tes": args.tes, "routing": args.routing,
                                                              "autoscale": args.autoscale}
-    report.publish(args.json, result, plot_simulation, summary_lines(result))
+    report.publish(args.json, result, plot_simulation, lines)
     return 0
 
 
