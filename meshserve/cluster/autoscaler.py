@@ -366,7 +366,7 @@ class Autoscaler:
     def _up_need(self, state: _PoolState, sig: _Signals, n: int) -> tuple[int, str, str] | None:
         """The TEs the pool's load asks for when that is more than `n`: (need, kind, reason)."""
         s = self.settings
-        needs = []  # the signals are means over the window: whole, "4 running > 4" read wrong
+        needs = []  # the signals are window means: rounded to whole numbers, "4 running > 4" read as a wrong call
         tes = f"{n} TE" if n == 1 else f"{n} TEs"
         if sig.waiting > s.queue_per_te * n:
             needs.append((math.ceil(sig.waiting / s.queue_per_te), "queue",

@@ -53,7 +53,7 @@ def sensitivity_lines(result: dict) -> list[str]:
     def span(name: str, scale: float, unit: str) -> str:
         low, mid, high = (runs[key][name] for key in ("shorter", "as fitted", "longer"))
         if None in (low, mid, high):
-            return f"{name}: -"
+            return "-"
         return (f"{scale * low:.1f} / {scale * mid:.1f} / {scale * high:.1f}{' ' + unit if unit else ''} "
                 f"(elasticity {elasticity[name]:.2f})")
     return [f"steps {100 * fraction:g}% shorter / as fitted / {100 * fraction:g}% longer: "
