@@ -272,6 +272,27 @@ def _describe(args: argparse.Namespace, profile, settings) -> dict:
                                    f"output {args.output_len}, seed {args.seed}"}
 
 
+def _simulated_devices(timer, groups: int) -> float | None:
+    """The devices one simulated TE stands for: its layout's devices over the share of its DP groups simulated (an
+    op model's layout; a profile fitted on this machine counts none)."""
+    deployment = getattr(timer, "deployment", None)
+    if deployment is None:
+        return None
+    if hasattr(deployment, "devices"):  # a MoE layout: `groups` of its `dp` DP groups are simulated
+        return deployment.devices * groups / deployment.dp
+    return float(deployment.tp)  # one dense replica
+
+
+def _per_device(result: dict, devices: float | None) -> dict:
+    """Output tokens per second per device, over every simulated TE's held seconds (a scaled pool's TEs count
+    while they are held)."""
+    if devices is None:
+        return {}
+    device_seconds = devices * sum(te["seconds"] for te in result["tes"].values())
+    return {"simulated_devices_per_te": devices,
+            "output_tokens_per_s_per_device": result["output_tokens"] / device_seconds if device_seconds else 0.0}
+
+
 def run_main(args: argparse.Namespace) -> int:
     from meshserve.sim.cluster import SimCluster, deployment_specs
     from meshserve.sim.run import simulate
@@ -303,6 +324,7 @@ def run_main(args: argparse.Namespace) -> int:
                           scaler=_scaler(args) if args.autoscale is not None else None,
                           share_cores=not args.own_cores).run(trace, slo=slo, idle_before_s=args.idle_before_s)
     result = serve(profile)
+    result |= _per_device(result, _simulated_devices(profile, settings.dp))
     lines = summary_lines(result)
     if args.sensitivity is not None:
         result["sensitivity"] = sensitivity(lambda factor: serve(ScaledSteps(profile, factor)), result,
@@ -362,7 +384,9 @@ def summary_lines(result: dict) -> list[str]:
     def ms(summary: dict, key: str) -> str:
         return f"{1e3 * summary[key]:.1f}" if summary.get(key) is not None else "-"
     return [f"{result['completed']}/{result['requests']} requests, {result['output_tokens']} tokens in "
-            f"{result['virtual_s']:.1f} virtual s: {result['output_tokens_per_s']:.1f} tok/s",
+            f"{result['virtual_s']:.1f} virtual s: {result['output_tokens_per_s']:.1f} tok/s" + (
+                f", {result['output_tokens_per_s_per_device']:.1f} per device"
+                if "output_tokens_per_s_per_device" in result else ""),
             f"TTFT ms p50 {ms(ttft, 'p50')} p90 {ms(ttft, 'p90')} p99 {ms(ttft, 'p99')}; "
             f"TPOT ms p50 {ms(tpot, 'p50')} p90 {ms(tpot, 'p90')} p99 {ms(tpot, 'p99')}",
             f"{result['steps']} steps (mean {result['mean_step_ms']:.1f} ms); {result['events']} events in "

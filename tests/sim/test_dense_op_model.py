@@ -94,6 +94,7 @@ def test_simulate_run_serves_a_dense_model_and_refuses_expert_flags(tmp_path, ca
     assert code == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 20
+    assert result["output_tokens_per_s_per_device"] == pytest.approx(result["output_tokens_per_s"])  # one device
     assert set(result["step_breakdown_ms"]) == {"linear", "attention", "elementwise", "all_reduce", "lm_head", "host"}
     code = main(["simulate", "run", "--hardware", "h800", "--model-config", "llama-3-8b", "--redundant", "2",
                  "--json", str(out)])

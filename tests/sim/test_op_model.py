@@ -151,7 +151,11 @@ def test_the_command_runs_the_op_model_and_refuses_bad_input_in_one_line(tmp_pat
     assert main(["simulate", "run", *flags]) == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 16 and result["config"]["profile"]["deployment"]["dp"] == 64
-    assert "mean step by part (ms): attention" in capsys.readouterr().out
+    # 2 of the layout's 64 DP groups simulated stand for 2 of its 64 devices
+    assert result["simulated_devices_per_te"] == 2
+    assert result["output_tokens_per_s_per_device"] == pytest.approx(result["output_tokens_per_s"] / 2)
+    out_text = capsys.readouterr().out
+    assert "mean step by part (ms): attention" in out_text and "per device" in out_text
     broken = tmp_path / "broken.json"
     data = json.loads((HARDWARE_DIR / "h800.json").read_text())
     del data["ops"]["combine"]
@@ -167,3 +171,17 @@ def test_the_command_runs_the_op_model_and_refuses_bad_input_in_one_line(tmp_pat
         assert main(["simulate", "run", *bad, "--json", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
+
+
+def test_tokens_per_device_count_every_te_the_deployment_holds(tmp_path):
+    # the same light load on one TE and on two: as many tokens, over twice the devices
+    per_device = {}
+    for tes in ("1c", "2c"):
+        out = tmp_path / f"{tes}.json"
+        assert main(["simulate", "run", "--hardware", "h800", "--parallel", "attn=DP8 moe=EP8", "--tes", tes,
+                     "--requests", "24", "--rate", "4", "--input-len", "64:128", "--output-len", "8:16",
+                     "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["simulated_devices_per_te"] == 8
+        per_device[tes] = result["output_tokens_per_s_per_device"]
+    assert per_device["2c"] == pytest.approx(per_device["1c"] / 2, rel=0.05)
