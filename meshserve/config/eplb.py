@@ -15,6 +15,10 @@ class EplbConfig(ConfigStruct, frozen=True):
     eplb_interval_s: Annotated[float, Meta(
         gt=0, description="rebalance automatically this often from the recorded load (s; default: never)")
     ] | None = None
+    eplb_rebalance_below: Annotated[float, Meta(
+        gt=0, le=1, description="an automatic rebalance moves experts only while the recorded load's balancedness "
+                                "under the placement in use (mean over max device load) is at or below this (1: "
+                                "every interval): each move's rounds unbalance the placement while they run")] = 0.95
     eplb_placement: Annotated[str, Meta(
         description="placement JSON file applied before serving (may move primary experts too), or the JSON "
                     "itself (a shrunk layout's config carries its placement inline)")] | None = None

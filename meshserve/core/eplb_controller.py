@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -73,7 +74,13 @@ class _Reconfiguration:
 class EplbController:
     def __init__(self, shape: PlacementShape | None, moe_layers: list[int], world_size: int, slice_s: float,
                  interval_s: float | None = None, report_every_s: float = 1.0,
-                 initial: ExpertPlacement | None = None, live_mode: str = "full") -> None:
+                 initial: ExpertPlacement | None = None, live_mode: str = "full",
+                 clock: Callable[[], float] = time.time, rebalance_below: float = 1.0) -> None:
+        """`clock`: unix seconds (the simulator hands its virtual clock). `rebalance_below`: an automatic rebalance
+        moves only while the recorded load's balancedness under the placement in use is at most this (as SGLang's
+        `eplb_min_rebalancing_utilization_threshold`)."""
+        self.clock = clock
+        self.rebalance_below = rebalance_below
         self.shape = shape
         self.moe_layers = list(moe_layers)
         self.world_size = world_size
@@ -84,7 +91,7 @@ class EplbController:
         self.placement = initial or (ExpertPlacement.default(shape, self.moe_layers) if shape is not None else None)
         self.slices: list[list[list[int]]] = []
         self.slice_starts: list[float] = []
-        now = time.time()
+        now = clock()
         self._current = self._zeros()
         self._current_start = now
         self._last_report = 0.0
@@ -105,7 +112,7 @@ class EplbController:
             shape = engine_shape(ready.num_logical_experts, strategy.routed_ep, eplb.eplb_redundant_experts)
         initial = load_placement_file(eplb.eplb_placement) if eplb.eplb_placement else None
         return cls(shape, ready.moe_layers, strategy.world_size, eplb.eplb_slice_s, eplb.eplb_interval_s,
-                   initial=initial, live_mode=eplb.eplb_live_mode)
+                   initial=initial, live_mode=eplb.eplb_live_mode, rebalance_below=eplb.eplb_rebalance_below)
 
     @property
     def enabled(self) -> bool:
@@ -149,7 +156,7 @@ class EplbController:
             self._last_rebalance = now
             try:
                 recent = max(1, int(round(self.interval_s / self.slice_s)))
-                self.rebalance(None, window_slices=recent)
+                self.rebalance(None, window_slices=recent, rebalance_below=self.rebalance_below)
             except EplbError as exc:
                 logger.info("automatic rebalance skipped: %s", exc)
 
@@ -180,8 +187,12 @@ class EplbController:
         """The recorded load as an admin result."""
         return msgspec.convert(self.record().to_dict(), ExpertLoad)
 
-    def rebalance(self, placement: PlacementData | dict | None, window_slices: int | None = None) -> ExpertPlacement:
-        """Start moving to `placement`, or to a plan from the recorded load, in as many rounds as that takes."""
+    def rebalance(self, placement: PlacementData | dict | None, window_slices: int | None = None,
+                  rebalance_below: float = 1.0) -> ExpertPlacement:
+        """Start moving to `placement`, or to a plan from the recorded load, in as many rounds as that takes (a
+        plan only while the placement in use balances the recorded load at most `rebalance_below`: a plan fitted
+        to a window's counts always beats it on them, if only by their noise, and every move unbalances the TE
+        while its rounds run)."""
         if not self.enabled:
             raise EplbError("the model has no MoE layers to rebalance")
         if self.shape.num_slots == self.shape.num_logical:
@@ -189,19 +200,31 @@ class EplbController:
                             "can move while serving; start the engine with --eplb-redundant-experts N")
         if self._reconfig is not None:
             raise EplbError(f"a reconfiguration is already running (phase {self._reconfig.phase})")
-        new = self._planned(window_slices) if placement is None else self._given(placement)
+        if placement is None:
+            # a window is the last slices closed (the one under way has only begun when an automatic rebalance is
+            # due: with the interval one slice long, it was all the window held, and nothing was ever planned)
+            record = self.record(include_current=window_slices is None, window_slices=window_slices)
+            if not any(c for s in record.counts for row in s for c in row):
+                raise EplbError("no expert load recorded yet")
+            now = _balancedness(self.placement, record) if rebalance_below < 1 else 0.0
+            if now > rebalance_below:
+                raise EplbError(f"the placement in use balances the recorded load {now:.3f}, above "
+                                f"{rebalance_below:g}: it stays")
+            new = self._planned(record)
+        else:
+            new = self._given(placement)
         try:
             rounds = placement_rounds(self.placement, new)
         except ValueError as exc:
             raise EplbError(f"placement cannot be applied while serving: {exc}") from None
-        self._reconfig = _Reconfiguration(rounds[0], "prefetch", started=time.time(), later_rounds=rounds[1:],
+        self._reconfig = _Reconfiguration(rounds[0], "prefetch", started=self.clock(), later_rounds=rounds[1:],
                                           rounds=len(rounds))
         self.last_started_at, self.last_finished_at = self._reconfig.started, None
         self.last_error = None
         logger.info("expert placement reconfiguration started (%d round(s))", len(rounds))
         return new
 
-    def _planned(self, window_slices: int | None = None) -> ExpertPlacement:
+    def _planned(self, record: ExpertLoadRecord) -> ExpertPlacement:
         # keeps numpy out of the master until it plans a placement
         from meshserve.moe.eplb import plan_placement
 
@@ -209,9 +232,6 @@ class EplbController:
             raise EplbError(f"the {self.shape.num_logical} experts do not split evenly over the "
                             f"{self.shape.num_ranks} EP ranks (a shrunk layout): there are no primary slots for "
                             "eplb_live_mode 'redundant' to keep; use 'full'")
-        record = self.record(include_current=True, window_slices=window_slices)
-        if not any(c for s in record.counts for row in s for c in row):
-            raise EplbError("no expert load recorded yet")
         plan = plan_placement(record, self.shape, mode=self.live_mode, base=self.placement)
         return ExpertPlacement(self.shape, {layer: align_to_current(self.shape, self.placement.layers[layer], slots)
                                             for layer, slots in plan.layers.items()})
@@ -256,9 +276,9 @@ class EplbController:
             return EplbCommand(EplbPhase.ENABLE)
         self._reconfig = None
         self.num_reconfigurations += 1
-        self.last_finished_at = time.time()
+        self.last_finished_at = self.clock()
         logger.info("expert placement reconfiguration %d done in %.2f s", self.num_reconfigurations,
-                    time.time() - r.started)
+                    self.last_finished_at - r.started)
         return EplbCommand(EplbPhase.ENABLE)
 
     # the phase a reconfiguration waits in -> what starts it (the others wait for every rank's ack)
@@ -307,6 +327,14 @@ class EplbController:
             interval_seconds=self.interval_s,
             placement=placement_data(self.placement) if self.placement is not None else None,
         )
+
+
+def _balancedness(placement: ExpertPlacement, record: ExpertLoadRecord) -> float:
+    """Mean over max device load of `record` under `placement`, averaged over the MoE layers."""
+    from meshserve.moe.balance import balancedness  # numpy, as the planner
+
+    return sum(balancedness(placement.layers[layer], record.layer_counts(layer), placement.shape.num_ranks)
+               for layer in record.moe_layers) / len(record.moe_layers)
 
 
 def _without_changing_slots(current: ExpertPlacement, aborted: ExpertPlacement) -> ExpertPlacement:

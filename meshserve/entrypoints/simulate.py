@@ -128,6 +128,13 @@ def _add_op_model_and_te_arguments(parser) -> None:
     op.add_argument("--expert-load", help="zipf:H: the imbalance meshserve's EPLB planner leaves with --redundant "
                                           "replicas on a Zipf expert load whose hottest expert takes H x the mean "
                                           "(xDeepServe Fig. 11a: 30); instead of --expert-imbalance")
+    op.add_argument("--eplb-interval-s", type=float, help="live EPLB: each TE starts on the default placement, and "
+                                                          "the served EPLB controller plans from the --expert-load "
+                                                          "it records and moves its placement every this many "
+                                                          "seconds (default: the planner's placement throughout)")
+    op.add_argument("--eplb-rebalance-below", type=float,
+                    help="live EPLB: a rebalance moves only while the placement balances the recorded load at most "
+                         "this (the engine's eplb_rebalance_below; default: its default)")
     te = parser.add_argument_group("the simulated TEs")
     te.add_argument("--draft-tokens", type=int, default=0, help="MTP drafts per decode step (default: 0)")
     te.add_argument("--mtp-acceptance", type=float, default=0.0, help="the chance a draft is accepted")
@@ -181,7 +188,12 @@ def _inputs(args: argparse.Namespace, dp: int | None = None):
                              num_draft_tokens=getattr(args, "draft_tokens", 0),
                              mtp_acceptance=getattr(args, "mtp_acceptance", 0.0),
                              kv_transfer="consumer" if getattr(args, "decode_only", False) else "none",
-                             prefix_caching=not getattr(args, "no_prefix_caching", False))
+                             prefix_caching=not getattr(args, "no_prefix_caching", False),
+                             live_eplb=_live_eplb(args))
+    if settings.live_eplb is not None:
+        from meshserve.sim.live_eplb import check_layout
+
+        check_layout(timer)
     return timer, settings, trace_of(args, settings.max_model_len)
 
 
@@ -228,22 +240,45 @@ def _step_timer(args: argparse.Namespace):
     deployment = deployment_of(parse_strategy(args.parallel), shape.experts, redundant=args.redundant,
                                microbatches=args.microbatches, weight_format=args.weights,
                                expert_imbalance=args.expert_imbalance)
-    if args.expert_load is not None:
-        kind, _, hot = args.expert_load.partition(":")
-        try:
-            hot_ratio = float(hot)
-        except ValueError:
-            hot_ratio = 0.0
-        if kind != "zipf" or not hot_ratio > 1:
-            raise ValueError(f"--expert-load must be zipf:H with H > 1, got {args.expert_load!r}")
+    if args.expert_load is not None and args.eplb_interval_s is None:  # (live: the placement moves while serving)
         imbalance = expert_imbalance(shape.experts, deployment.expert_dies, args.redundant, shape.top_k,
-                                     hot_ratio=hot_ratio)
+                                     hot_ratio=_hot_ratio(args))
         deployment = dataclasses.replace(deployment, expert_imbalance=imbalance)
     model = OpStepModel(config, Hardware.load(hardware), deployment)
     groups = deployment.dp if args.dp is None else args.dp
     if not 1 <= groups <= deployment.dp:
         raise ValueError(f"--dp {groups}: simulate 1 to {deployment.dp} of the layout's DP groups")
     return model, groups
+
+
+def _hot_ratio(args: argparse.Namespace) -> float:
+    """The hottest expert's share over the mean of `--expert-load zipf:H`."""
+    kind, _, hot = args.expert_load.partition(":")
+    try:
+        hot_ratio = float(hot)
+    except ValueError:
+        hot_ratio = 0.0
+    if kind != "zipf" or not hot_ratio > 1:
+        raise ValueError(f"--expert-load must be zipf:H with H > 1, got {args.expert_load!r}")
+    return hot_ratio
+
+
+def _live_eplb(args: argparse.Namespace):
+    """The live EPLB settings of `--eplb-interval-s` (None without it)."""
+    from meshserve.sim.live_eplb import LiveEplbSettings
+
+    interval = getattr(args, "eplb_interval_s", None)
+    if interval is None:
+        return None
+    if getattr(args, "hardware", None) is None or args.expert_load is None:
+        raise ValueError("--eplb-interval-s moves an op model's placement under a recorded load: it needs "
+                         "--hardware and --expert-load zipf:H")
+    if not interval > 0:
+        raise ValueError(f"--eplb-interval-s must be positive, got {interval:g}")
+    below = {} if args.eplb_rebalance_below is None else {"rebalance_below": args.eplb_rebalance_below}
+    if not 0 < below.get("rebalance_below", 1) <= 1:
+        raise ValueError(f"--eplb-rebalance-below must be above 0 and at most 1, got {args.eplb_rebalance_below:g}")
+    return LiveEplbSettings(hot_ratio=_hot_ratio(args), interval_s=interval, slice_s=min(10.0, interval), **below)
 
 
 def _model_config(name_or_path: str) -> dict:
@@ -392,8 +427,18 @@ def summary_lines(result: dict) -> list[str]:
             f"{result['steps']} steps (mean {result['mean_step_ms']:.1f} ms); {result['events']} events in "
             f"{result['wall_s']:.2f} s wall ({result['events_per_s']:.0f} events/s)"] + _breakdown_lines(result) + (
         [f"steps {result['shared_cores_slowdown_mean']:.2f}x longer on average on shared cores"]
-        if "shared_cores_slowdown_mean" in result else []) + (
+        if "shared_cores_slowdown_mean" in result else []) + _live_eplb_lines(result) + (
         [f"SLO attainment {100 * result['slo_attainment']:.1f}%"] if result.get("slo_attainment") is not None else [])
+
+
+def _live_eplb_lines(result: dict) -> list[str]:
+    lines = []
+    for name, te in result.get("tes", {}).items():
+        if "eplb" in te:
+            moves, timeline = te["eplb"]["reconfigurations"], te["eplb"]["imbalance"]
+            lines.append(f"live EPLB on {name}: {moves} move(s) in {len(timeline) - 1} round(s); expert imbalance "
+                         f"(busiest device / mean) {timeline[0][1]:.2f} at the start, {timeline[-1][1]:.2f} at the end")
+    return lines
 
 
 def _breakdown_lines(result: dict) -> list[str]:

@@ -204,6 +204,9 @@ class SimCluster:
                                  "mean_step_ms": 1e3 * statistics.fmean(m.steps) if m.steps else 0.0,
                                  "seconds": (m.since if m.state == "gone" else self.now) - m.joined}
                           for name, m in self.members.items()}
+        for name, m in self.members.items():
+            if m.te.eplb is not None:  # live EPLB: its moves and the imbalance each placement gave
+                metrics["tes"][name]["eplb"] = m.te.eplb.summary()
         te_seconds: Counter[str] = Counter()
         for m in self.members.values():
             te_seconds[m.pool] += metrics["tes"][m.spec.name]["seconds"]
@@ -368,7 +371,7 @@ class SimCluster:
         self._slowed_steps += slowdown > 1.0
         member.last_start, member.step_ends = self.now, self.now + seconds
         member.steps.append(seconds)
-        timed_parts = getattr(te.profile, "breakdown", None)
+        timed_parts = getattr(te.step_timer, "breakdown", None)
         if timed_parts is not None and te.last_work:
             for part, part_seconds in timed_parts(te.last_work).items():
                 self.breakdown[part] = self.breakdown.get(part, 0.0) + part_seconds

@@ -27,6 +27,8 @@ experts' load (the workload is the same on every group).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -209,6 +211,12 @@ class OpStepModel:
         self.attn_flops = 1e12 * hardware.value("attention_tflops")
         self.hbm = 1e9 * hardware.value("hbm_read_gbps")
         self.mb_share = hardware.value("microbatch_compute_share")
+
+    def with_expert_imbalance(self, imbalance: float) -> OpStepModel:
+        """The same model with another busiest-over-mean expert load (a live EPLB move's new placement)."""
+        model = copy.copy(self)
+        model.deployment = dataclasses.replace(self.deployment, expert_imbalance=imbalance)
+        return model
 
     # ------------------------------------------------------------ the step
     def step_seconds(self, groups: Sequence[GroupWork]) -> float:

@@ -22,6 +22,9 @@ class ScaledSteps:
     def step_seconds(self, groups: Sequence) -> float:
         return self.factor * self._timer.step_seconds(groups)
 
+    def with_expert_imbalance(self, imbalance: float) -> ScaledSteps:
+        return ScaledSteps(self._timer.with_expert_imbalance(imbalance), self.factor)
+
     def __getattr__(self, name: str):
         return getattr(self._timer, name)
 

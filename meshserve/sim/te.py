@@ -23,6 +23,7 @@ from meshserve.core.request import Request
 from meshserve.core.scheduler import Scheduler
 from meshserve.core.spec_controller import StepSpeculation
 from meshserve.core.waiting_queue import DPWaitingQueue
+from meshserve.sim.live_eplb import LiveEplb, LiveEplbSettings
 from meshserve.sim.profile import GroupWork
 from meshserve.sim.trace import TraceRequest
 from meshserve.wire.client import RequestDelta
@@ -69,6 +70,7 @@ class SimTESettings:
     # and the P/D connector pulls its prompt's KV), "none" (colocated)
     kv_transfer: str = "none"
     prefix_caching: bool = True  # off: no block is hashed (a trace without shared prefixes gains nothing from it)
+    live_eplb: LiveEplbSettings | None = None  # an op model's expert placement moved while serving (sim/live_eplb.py)
 
     def __post_init__(self) -> None:
         if self.pipeline_depth not in (1, 2):
@@ -114,12 +116,19 @@ class SimTE:
         self.ranks = [NullRunner(engine, SimpleNamespace(dp_rank=group, is_driver=True))
                       for group in range(settings.dp)]
         self._rng = random.Random(seed)
+        live = settings.live_eplb
+        self.eplb = None if live is None else LiveEplb(profile, live, self.clock, settings.dp, seed)
         self._pulls: list[tuple[float, int, str]] = []  # KV pulls in flight: (lands at, group, request)
         self.num_steps = 0
         self.last_work: list[GroupWork] = []
 
     def clock(self) -> float:
         return self.now
+
+    @property
+    def step_timer(self):
+        """What priced the last step: the profile, or under live EPLB the op model of the placement in use."""
+        return self.profile if self.eplb is None else self.eplb.current_model()
 
     def draw_prompt(self, length: int) -> list[int]:
         return draw_prompt(self._rng, length)
@@ -171,6 +180,8 @@ class SimTE:
         if self._pulls and all(out.is_empty for out in scheduled):  # nothing to run until a pull lands
             seconds = max(0.0, min(pull[0] for pull in self._pulls) - now)
             self.last_work = []  # a wait, not a step the profile prices
+        elif self.eplb is not None:
+            seconds = self.eplb.step_seconds(now, self.last_work)
         else:
             seconds = self.profile.step_seconds(self.last_work)
         deltas: list[RequestDelta] = []

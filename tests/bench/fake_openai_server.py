@@ -80,8 +80,8 @@ def free_port() -> int:
 def running_server():
     """Yields (base_url, received request bodies); stops the server on exit."""
     received: list[dict] = []
-    port = free_port()
-    config = uvicorn.Config(build_app(received), host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    # port 0: the kernel picks a free port as it binds (a port picked before could be taken by then)
+    config = uvicorn.Config(build_app(received), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -90,6 +90,7 @@ def running_server():
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("fake server did not start")
         time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}", received
     finally:

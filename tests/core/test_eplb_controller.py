@@ -194,3 +194,25 @@ def test_a_planned_rebalance_keeps_primaries_only_in_redundant_mode_and_full_bal
         assert balancedness(full.layers[layer], counts, 2) > balancedness(redundant.layers[layer], counts, 2)
         # renumbered to the slots in use: at least half the slots keep their expert
         assert sum(a == b for a, b in zip(full.layers[layer], default.layers[layer])) >= 5
+
+
+def test_an_automatic_rebalance_every_slice_plans_from_the_slice_just_closed():
+    # the window is the last slices closed: the one under way has only begun when the rebalance is due
+    ctl = controller(interval_s=10.0, live_mode="redundant")
+    start = ctl._current_start
+    ctl.on_counts([[100, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 90]])
+    ctl.tick(start + 10.5)
+    assert ctl.busy
+    planned = ExpertPlacement.from_dict(ctl.idle_control().eplb.placement.to_dict())
+    assert len(planned.replicas(1)[0]) == 2 and len(planned.replicas(2)[7]) == 2
+
+
+def test_a_placement_that_balances_the_load_stays_until_the_load_moves():
+    ctl = controller(interval_s=10.0, rebalance_below=0.95)
+    start = ctl._current_start
+    ctl.on_counts([[10] * 8, [10] * 8])  # the default placement balances an even load: 1.0
+    ctl.tick(start + 10.5)
+    assert not ctl.busy and ctl.num_reconfigurations == 0
+    ctl.on_counts([[100, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 90]])  # the next slice is skewed
+    ctl.tick(start + 20.5)
+    assert ctl.busy

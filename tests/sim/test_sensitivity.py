@@ -60,3 +60,18 @@ def test_the_command_reports_the_sensitivity_and_refuses_a_bad_percent(tmp_path,
         assert main([*flags, "--sensitivity", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--sensitivity must be a percent between 0 and 100" in err[0]
+
+
+def test_scaled_steps_keep_their_scale_when_live_eplb_changes_the_imbalance():
+    from meshserve.parallel.cluster_file import MODEL_PRESETS
+    from meshserve.parallel.strategy import parse_strategy
+    from meshserve.sim.hardware import Hardware
+    from meshserve.sim.op_model import OpStepModel, deployment_of
+
+    model = OpStepModel(MODEL_PRESETS["deepseek-r1"], Hardware.load("ascend910c-cm384"),
+                        deployment_of(parse_strategy("attn=DP64 moe=EP64"), 256, redundant=64))
+    work = [GroupWork(decode_rows=64, context_tokens=64 * 1024)] * 2
+    skewed = model.with_expert_imbalance(3.0)
+    assert skewed.step_seconds(work) > model.step_seconds(work)
+    assert ScaledSteps(model, 1.1).with_expert_imbalance(3.0).step_seconds(work) == pytest.approx(
+        1.1 * skewed.step_seconds(work))
