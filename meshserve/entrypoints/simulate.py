@@ -125,9 +125,10 @@ def _add_op_model_and_te_arguments(parser) -> None:
     op.add_argument("--weights", default="int8", choices=("int8", "bf16"), help="weight format (default: int8)")
     op.add_argument("--expert-imbalance", type=float, default=1.0,
                     help="busiest expert device's tokens / the mean (default: 1, perfect EPLB)")
-    op.add_argument("--expert-load", help="zipf:H: the imbalance meshserve's EPLB planner leaves with --redundant "
-                                          "replicas on a Zipf expert load whose hottest expert takes H x the mean "
-                                          "(xDeepServe Fig. 11a: 30); instead of --expert-imbalance")
+    op.add_argument("--expert-load", help="the imbalance meshserve's EPLB planner leaves with --redundant replicas "
+                                          "on an expert load: zipf:H, a Zipf load whose hottest expert takes H x "
+                                          "the mean (xDeepServe Fig. 11a: 30), or a file `meshserve eplb record` "
+                                          "wrote; instead of --expert-imbalance")
     op.add_argument("--eplb-interval-s", type=float, help="live EPLB: each TE starts on the default placement, and "
                                                           "the served EPLB controller plans from the --expert-load "
                                                           "it records and moves its placement every this many "
@@ -227,7 +228,7 @@ def _step_timer(args: argparse.Namespace):
     from meshserve.parallel.strategy import parse_strategy
     from meshserve.sim.dense_op_model import DENSE_MODEL_TYPES, DenseStepModel, dense_deployment_of
     from meshserve.sim.hardware import Hardware
-    from meshserve.sim.op_model import MLAShape, OpStepModel, deployment_of, expert_imbalance
+    from meshserve.sim.op_model import MLAShape, OpStepModel, deployment_of, expert_imbalance, recorded_imbalance
 
     config = _model_config(args.model_config)
     if config.get("model_type") in DENSE_MODEL_TYPES:
@@ -240,10 +241,14 @@ def _step_timer(args: argparse.Namespace):
     deployment = deployment_of(parse_strategy(args.parallel), shape.experts, redundant=args.redundant,
                                microbatches=args.microbatches, weight_format=args.weights,
                                expert_imbalance=args.expert_imbalance)
-    if args.expert_load is not None and args.eplb_interval_s is None:  # (live: the placement moves while serving)
-        imbalance = expert_imbalance(shape.experts, deployment.expert_dies, args.redundant, shape.top_k,
-                                     hot_ratio=_hot_ratio(args))
-        deployment = dataclasses.replace(deployment, expert_imbalance=imbalance)
+    if args.expert_load is not None:
+        load = _expert_load(args, shape.experts)
+        if args.eplb_interval_s is None:  # (live: the placement moves while serving)
+            imbalance = (expert_imbalance(shape.experts, deployment.expert_dies, args.redundant, shape.top_k,
+                                          hot_ratio=load) if isinstance(load, float) else
+                         recorded_imbalance([load.layer_counts(layer) for layer in load.moe_layers],
+                                            deployment.expert_dies, args.redundant))
+            deployment = dataclasses.replace(deployment, expert_imbalance=imbalance)
     model = OpStepModel(config, Hardware.load(hardware), deployment)
     groups = deployment.dp if args.dp is None else args.dp
     if not 1 <= groups <= deployment.dp:
@@ -251,16 +256,28 @@ def _step_timer(args: argparse.Namespace):
     return model, groups
 
 
-def _hot_ratio(args: argparse.Namespace) -> float:
-    """The hottest expert's share over the mean of `--expert-load zipf:H`."""
+def _expert_load(args: argparse.Namespace, num_experts: int | None = None):
+    """`--expert-load`: zipf:H gives the hot ratio H, a file the load it records (`meshserve eplb record`)."""
+    from meshserve.moe.load_record import ExpertLoadRecord
+
     kind, _, hot = args.expert_load.partition(":")
+    if kind == "zipf":
+        try:
+            hot_ratio = float(hot)
+        except ValueError:
+            hot_ratio = 0.0
+        if not hot_ratio > 1:
+            raise ValueError(f"--expert-load zipf:H needs H > 1, got {args.expert_load!r}")
+        return hot_ratio
     try:
-        hot_ratio = float(hot)
-    except ValueError:
-        hot_ratio = 0.0
-    if kind != "zipf" or not hot_ratio > 1:
-        raise ValueError(f"--expert-load must be zipf:H with H > 1, got {args.expert_load!r}")
-    return hot_ratio
+        record = ExpertLoadRecord.load(args.expert_load)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--expert-load must be zipf:H or an expert-load file (meshserve eplb record): "
+                         f"{args.expert_load}: {exc}") from None
+    if num_experts is not None and record.num_logical != num_experts:
+        raise ValueError(f"--expert-load {args.expert_load} records {record.num_logical} experts, the model has "
+                         f"{num_experts}")
+    return record
 
 
 def _live_eplb(args: argparse.Namespace):
@@ -271,14 +288,20 @@ def _live_eplb(args: argparse.Namespace):
     if interval is None:
         return None
     if getattr(args, "hardware", None) is None or args.expert_load is None:
-        raise ValueError("--eplb-interval-s moves an op model's placement under a recorded load: it needs "
-                         "--hardware and --expert-load zipf:H")
+        raise ValueError("--eplb-interval-s moves an op model's placement under an expert load: it needs "
+                         "--hardware and --expert-load (zipf:H or a recorded load)")
     if not interval > 0:
         raise ValueError(f"--eplb-interval-s must be positive, got {interval:g}")
     below = {} if args.eplb_rebalance_below is None else {"rebalance_below": args.eplb_rebalance_below}
     if not 0 < below.get("rebalance_below", 1) <= 1:
         raise ValueError(f"--eplb-rebalance-below must be above 0 and at most 1, got {args.eplb_rebalance_below:g}")
-    return LiveEplbSettings(hot_ratio=_hot_ratio(args), interval_s=interval, slice_s=min(10.0, interval), **below)
+    load = _expert_load(args)
+    if isinstance(load, float):
+        source = {"hot_ratio": load}
+    else:  # the record's first MoE layer, slice after slice, stands for every layer
+        source = {"recorded": tuple(tuple(counts) for counts in load.layer_counts(load.moe_layers[0])),
+                  "recorded_slice_s": load.slice_seconds}
+    return LiveEplbSettings(interval_s=interval, slice_s=min(10.0, interval), **source, **below)
 
 
 def _model_config(name_or_path: str) -> dict:
@@ -436,7 +459,7 @@ def _live_eplb_lines(result: dict) -> list[str]:
     for name, te in result.get("tes", {}).items():
         if "eplb" in te:
             moves, timeline = te["eplb"]["reconfigurations"], te["eplb"]["imbalance"]
-            lines.append(f"live EPLB on {name}: {moves} move(s) in {len(timeline) - 1} round(s); expert imbalance "
+            lines.append(f"live EPLB on {name}: {moves} move(s) in {te['eplb']['rounds']} round(s); expert imbalance "
                          f"(busiest device / mean) {timeline[0][1]:.2f} at the start, {timeline[-1][1]:.2f} at the end")
     return lines
 

@@ -4,10 +4,11 @@ virtual time, with the op model's expert imbalance following the placement it mo
 A TE of an op model (`simulate run --hardware ... --expert-load zipf:H --eplb-interval-s S`) starts on the engine's
 default placement (each expert device holds its contiguous share of the experts, the redundant slots empty), as a
 served TE does. Every step the controller asks for, the TE reports the tokens its steps routed since the last report,
-drawn from a seeded Zipf load whose hottest expert takes H times the mean; the controller records them in slices,
-and every S seconds, while the placement in use balances the recent slices' load at most `rebalance_below`, plans
-a placement from them with the served planner (meshserve/moe/eplb.py) and moves to it in its rounds, each in the
-served phases (prefetch, disable and load, enable), carried by steps:
+drawn from a seeded Zipf load whose hottest expert takes H times the mean, or from a recorded load (`meshserve eplb
+record`: its first MoE layer, slice after slice in turn, standing for every layer). The controller records them in
+slices and every S seconds, while the placement in use balances the recent slices' load at most `rebalance_below`,
+plans a placement from them with the served planner (meshserve/moe/eplb.py) and moves to it in its rounds, each in
+the served phases (prefetch, disable and load, enable), carried by steps:
 
 - prefetch: each expert device reads the weights of the experts its changing slots take, over the KV link
   (`kv_link_gbps`: the same link a pool fetch uses), the busiest device's share of every MoE layer;
@@ -40,8 +41,11 @@ LAYER = 0  # the one MoE layer recorded and placed, standing for every MoE layer
 
 @dataclasses.dataclass(frozen=True)
 class LiveEplbSettings:
-    hot_ratio: float  # the hottest expert's tokens over the mean (xdeepserve Fig. 11a: about 30)
     interval_s: float  # a rebalance planned and started this often
+    hot_ratio: float = 0.0  # a Zipf load: the hottest expert's tokens over the mean (xdeepserve Fig. 11a: about 30)
+    # or a recorded load (`meshserve eplb record`): one layer's counts per expert, slice after slice, in turn
+    recorded: tuple[tuple[int, ...], ...] = ()
+    recorded_slice_s: float = 0.0
     slice_s: float = 10.0  # the controller's recording slices (the engine's default `eplb_slice_s`)
     report_every_s: float = 1.0
     # a rebalance moves only while the placement balances the recorded load at most this (the engine's default)
@@ -51,6 +55,9 @@ class LiveEplbSettings:
         if not self.interval_s > 0 or not self.slice_s > 0 or not self.report_every_s > 0 or not (
                 0 < self.rebalance_below <= 1):
             raise ValueError(f"live EPLB needs positive interval, slice and report times, got {self}")
+        if (self.hot_ratio > 1) == bool(self.recorded) or (self.recorded and not self.recorded_slice_s > 0):
+            raise ValueError("live EPLB needs one expert load: a Zipf hot ratio above 1, or recorded slices and "
+                             "their length")
 
 
 def placement_shape(num_experts: int, deployment) -> PlacementShape:
@@ -85,10 +92,19 @@ class LiveEplb:
         self.groups_per_simulated = deployment.dp / groups
         self.shape = placement_shape(model.shape.experts, deployment)
         rng = np.random.default_rng(seed)
-        popularity = np.arange(1, self.shape.num_logical + 1, dtype=np.float64) ** -zipf_exponent(
-            self.shape.num_logical, settings.hot_ratio)
-        self.weights = np.empty(self.shape.num_logical)
-        self.weights[rng.permutation(self.shape.num_logical)] = popularity / popularity.sum()
+        if settings.recorded:
+            recorded = np.asarray(settings.recorded, dtype=np.float64)
+            if recorded.shape[1] != self.shape.num_logical:
+                raise HardwareError(f"the recorded load has {recorded.shape[1]} experts, the model "
+                                    f"{self.shape.num_logical}")
+            self._slices = recorded / np.maximum(recorded.sum(axis=1, keepdims=True), 1.0)
+        else:
+            popularity = np.arange(1, self.shape.num_logical + 1, dtype=np.float64) ** -zipf_exponent(
+                self.shape.num_logical, settings.hot_ratio)
+            zipf = np.empty(self.shape.num_logical)
+            zipf[rng.permutation(self.shape.num_logical)] = popularity / popularity.sum()
+            self._slices = zipf[None, :]
+        self.weights = self._slices[0]  # the load's shares now (a recorded load's slice in turn)
         self._rng = rng
         self.controller = EplbController(self.shape, [LAYER], world_size=1, slice_s=settings.slice_s,
                                          interval_s=settings.interval_s, report_every_s=settings.report_every_s,
@@ -96,9 +112,11 @@ class LiveEplb:
         self._unreported = 0  # tokens routed since the last report
         self._acks: list[tuple[float, WorkerEventKind]] = []  # (due, event): the ranks' acknowledgements
         self._round_bytes = 0.0  # what the busiest expert device reads for the round under way
+        self.rounds = 0  # rounds enabled
         self._models: dict[float, object] = {}
         self.imbalance = self.imbalance_of(self.controller.placement.layers[LAYER])
-        self.timeline: list[tuple[float, float]] = []  # (when, imbalance): at the start and at each enable
+        # (when, imbalance): at the start, at each enable, and at each slice of a recorded load
+        self.timeline: list[tuple[float, float]] = []
 
     def imbalance_of(self, slots: Sequence[int]) -> float:
         """The busiest expert device's tokens over the mean, on the load's expected counts."""
@@ -109,6 +127,12 @@ class LiveEplb:
         """A step starting at `now`: the acknowledgements due, the controller's slices and phase, then the step
         timed with the placement in use (an enable applies before the forward that carries it)."""
         if not self.timeline:
+            self.timeline.append((now, self.imbalance))
+        weights = self._slices[int(now / self.settings.recorded_slice_s) % len(self._slices)] \
+            if self.settings.recorded else self.weights
+        if weights is not self.weights:  # a recorded load's next slice: the same placement, another imbalance
+            self.weights = weights
+            self.imbalance = self.imbalance_of(self.controller.placement.layers[LAYER])
             self.timeline.append((now, self.imbalance))
         while self._acks and self._acks[0][0] <= now:
             _, kind = self._acks.pop(0)
@@ -137,6 +161,7 @@ class LiveEplb:
         elif command.phase == EplbPhase.ENABLE:
             self.imbalance = self.imbalance_of(self.controller.placement.layers[LAYER])
             self.timeline.append((now, self.imbalance))
+            self.rounds += 1
         self._acks.sort(key=lambda ack: ack[0])
 
     def _moved_bytes(self, target: Sequence[int]) -> float:
@@ -157,5 +182,5 @@ class LiveEplb:
         return model
 
     def summary(self) -> dict:
-        return {"reconfigurations": self.controller.num_reconfigurations,
+        return {"reconfigurations": self.controller.num_reconfigurations, "rounds": self.rounds,
                 "imbalance": [[round(t, 3), round(x, 4)] for t, x in self.timeline]}

@@ -367,6 +367,25 @@ def expert_imbalance(num_experts: int, expert_dies: int, redundant: int, top_k: 
     return _imbalance(num_experts, expert_dies, redundant, top_k, hot_ratio, tokens, seed)
 
 
+def recorded_imbalance(counts_per_layer: Sequence[Sequence[Sequence[int]]], expert_dies: int, redundant: int) -> float:
+    """The busiest expert device's tokens over the mean under meshserve's EPLB planner for a recorded load
+    (`meshserve eplb record`: counts[slice][expert] of each MoE layer), each layer placed on its own counts and the
+    ratio averaged over the layers and slices."""
+    if redundant < 0:
+        raise HardwareError(f"redundant experts must be zero or more, got {redundant}")
+    ratios = []
+    for layer_counts in counts_per_layer:
+        counts = np.asarray(layer_counts, dtype=np.float64)
+        slots_per_die = -(-(counts.shape[1] + redundant) // expert_dies)
+        placement = plan_all_slots(counts, expert_dies, slots_per_die, redundant)
+        loads = device_loads(placement, counts, expert_dies)
+        busy = loads.mean(axis=1) > 0
+        ratios += list(loads.max(axis=1)[busy] / loads.mean(axis=1)[busy])
+    if not ratios:
+        raise HardwareError("the recorded expert load has no tokens")
+    return float(np.mean(ratios))
+
+
 @functools.lru_cache(maxsize=64)
 def _imbalance(num_experts: int, expert_dies: int, redundant: int, top_k: int, hot_ratio: float, tokens: int,
                seed: int) -> float:

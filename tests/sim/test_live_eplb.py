@@ -34,7 +34,7 @@ def _run(interval_s: float, rebalance_below: float | None = None) -> dict:
 def test_a_te_moves_from_the_default_placement_to_a_balanced_one_and_its_steps_shorten():
     moved, unmoved = _run(interval_s=2.0), _run(interval_s=1000.0)
     eplb = moved["tes"]["te"]["eplb"]
-    assert eplb["reconfigurations"] >= 1 and len(eplb["imbalance"]) > 2  # a move of primaries: several rounds
+    assert eplb["reconfigurations"] >= 1 and eplb["rounds"] > 1  # a move of primaries: several rounds
     start, end = eplb["imbalance"][0][1], eplb["imbalance"][-1][1]
     assert start > 5 and end < 1.1  # the default placement's hot devices, then the planner's balance
     assert unmoved["tes"]["te"]["eplb"]["reconfigurations"] == 0
@@ -71,7 +71,7 @@ def test_the_command_reports_the_moves_and_refuses_what_it_cannot_move(tmp_path,
                                    "per_prefill_token_ms": 0.01, "per_context_kilotoken_ms": 0.1,
                                    "per_prefill_megapair_ms": 0.1, "delivery_ms": 1.0}))
     for bad, message in (
-            (["--eplb-interval-s", "1"], "needs --hardware and --expert-load zipf:H"),
+            (["--eplb-interval-s", "1"], "needs --hardware and --expert-load"),
             (["--expert-load", "zipf:30", "--eplb-interval-s", "-1"], "--eplb-interval-s must be positive"),
             (["--expert-load", "zipf:30", "--eplb-interval-s", "1", "--eplb-rebalance-below", "1.5"],
              "--eplb-rebalance-below must be above 0 and at most 1"),
@@ -92,3 +92,38 @@ def test_layouts_live_eplb_does_not_simulate_are_refused(layout):
     settings = SimTESettings(live_eplb=LiveEplbSettings(hot_ratio=30.0, interval_s=1.0))
     with pytest.raises(ValueError, match="live EPLB is simulated on expert-parallel layouts"):
         SimTE(settings, model)
+
+
+def _record_file(tmp_path, num_experts: int = 256, hot_ratio: float = 30.0, seed: int = 0) -> str:
+    from meshserve.moe.synthetic_load import synthetic_load
+
+    record = synthetic_load(num_experts, num_layers=2, num_slices=4, tokens_per_slice=4096, hot_ratio=hot_ratio,
+                            slice_seconds=1.0, seed=seed)
+    path = tmp_path / f"load-{num_experts}-{hot_ratio:g}.json"
+    path.write_text(json.dumps(record.to_dict()))
+    return str(path)
+
+
+def test_a_recorded_expert_load_prices_the_planners_placement_and_moves_live(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    flags = ["simulate", "run", "--hardware", "ascend910c-cm384", "--parallel", "attn=DP64 moe=EP64", "--dp", "2",
+             "--decode-only", "--rate", "0", "--requests", "128", "--input-len", "1024:1024", "--output-len", "20:20",
+             "--no-prefix-caching", "--json", str(out)]
+
+    def moe_ms(load: str, redundant: str) -> float:
+        assert main([*flags, "--expert-load", load, "--redundant", redundant]) == 0
+        return json.loads(out.read_text())["step_breakdown_ms"]["moe"]
+    hot, mild = _record_file(tmp_path), _record_file(tmp_path, hot_ratio=3.0)
+    assert moe_ms(hot, "0") > moe_ms(mild, "0")  # a hotter recorded load, a busier expert die
+    assert moe_ms(hot, "64") < moe_ms(hot, "0")  # replicas placed on the record's counts relieve it
+    # live: the record's slices in turn, the placement moved by the served controller
+    assert main([*flags, "--expert-load", hot, "--redundant", "64", "--eplb-interval-s", "1",
+                 "--output-len", "300:300"]) == 0
+    eplb = json.loads(out.read_text())["tes"]["te"]["eplb"]
+    assert eplb["reconfigurations"] >= 1 and eplb["imbalance"][-1][1] < eplb["imbalance"][0][1] / 2
+    capsys.readouterr()
+    assert main([*flags, "--expert-load", _record_file(tmp_path, num_experts=64)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "records 64 experts, the model has 256" in err[0]
+    assert main([*flags, "--expert-load", str(tmp_path / "missing.json")]) == 2
+    assert "must be zipf:H or an expert-load file" in capsys.readouterr().err
