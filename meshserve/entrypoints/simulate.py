@@ -103,6 +103,9 @@ def _add_run_arguments(parser, requests: int = 200, rate: float = 4.0, output_le
     parser.add_argument("--input-len", default="32:256", help="prompt lengths, uniform LOW:HIGH (default: 32:256)")
     parser.add_argument("--output-len", default=output_len,
                         help=f"output lengths, uniform LOW:HIGH (default: {output_len})")
+    parser.add_argument("--shared-prefixes", metavar="N:L", help="each Poisson prompt starts with one of N shared "
+                                                                 "prefixes of L tokens (a system prompt, a document) "
+                                                                 "before its --input-len tokens of its own")
     parser.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
     parser.add_argument("--slo-ttft-ms", type=float, help="TTFT objective: the share of requests that meet it (and "
                                                           "--slo-tpot-ms) is reported")
@@ -141,6 +144,11 @@ def _add_op_model_and_te_arguments(parser) -> None:
     te.add_argument("--mtp-acceptance", type=float, default=0.0, help="the chance a draft is accepted")
     te.add_argument("--decode-only", action="store_true", help="a lone decode TE of P/D: prompts' KV is pulled")
     te.add_argument("--no-prefix-caching", action="store_true", help="hash no KV block (faster at scale)")
+    te.add_argument("--kv-pool", action="store_true", help="the TEs share a memory pool of KV blocks (context "
+                                                           "caching: the engine's pool connector, an op model's "
+                                                           "KV link)")
+    te.add_argument("--pool-latency-ms", type=float, default=2.0, help="the pool's round trip (the engine's "
+                                                                      "pool_fetch_latency_ms; default: 2)")
 
 
 def _scaler(args: argparse.Namespace):
@@ -165,11 +173,11 @@ def _scaler(args: argparse.Namespace):
                      start_s=args.te_start_s, prewarm_s=args.prewarm_s)
 
 
-def _range(text: str, flag: str) -> tuple[int, int]:
+def _range(text: str, flag: str, form: str = "LOW:HIGH") -> tuple[int, int]:
     try:
         low, high = (int(part) for part in text.split(":"))
     except ValueError:
-        raise ValueError(f"{flag} must be LOW:HIGH, got {text!r}") from None
+        raise ValueError(f"{flag} must be {form}, got {text!r}") from None
     return low, high
 
 
@@ -190,11 +198,15 @@ def _inputs(args: argparse.Namespace, dp: int | None = None):
                              mtp_acceptance=getattr(args, "mtp_acceptance", 0.0),
                              kv_transfer="consumer" if getattr(args, "decode_only", False) else "none",
                              prefix_caching=not getattr(args, "no_prefix_caching", False),
-                             live_eplb=_live_eplb(args))
+                             live_eplb=_live_eplb(args), kv_pool_latency_s=_kv_pool_latency_s(args))
     if settings.live_eplb is not None:
         from meshserve.sim.live_eplb import check_layout
 
         check_layout(timer)
+    if settings.kv_pool_latency_s is not None:
+        from meshserve.sim.te import check_pool_timer
+
+        check_pool_timer(timer)
     return timer, settings, trace_of(args, settings.max_model_len)
 
 
@@ -202,9 +214,11 @@ def trace_of(args: argparse.Namespace, max_model_len: int):
     """The trace of `--trace`, or of the Poisson flags; a request longer than `max_model_len` is refused."""
     from meshserve.sim.trace import TraceError, poisson, read_jsonl
 
+    prefixes = _range(args.shared_prefixes, "--shared-prefixes", "N:L") if getattr(args, "shared_prefixes", None) \
+        else None
     trace = read_jsonl(args.trace) if args.trace else poisson(
         args.rate, args.requests, _range(args.input_len, "--input-len"), _range(args.output_len, "--output-len"),
-        args.seed)
+        args.seed, shared_prefixes=prefixes)
     too_long = [r for r in trace if r.prompt_len + r.output_len > max_model_len]
     if too_long:
         raise TraceError(f"a request of {too_long[0].prompt_len} + {too_long[0].output_len} tokens exceeds "
@@ -254,6 +268,15 @@ def _step_timer(args: argparse.Namespace):
     if not 1 <= groups <= deployment.dp:
         raise ValueError(f"--dp {groups}: simulate 1 to {deployment.dp} of the layout's DP groups")
     return model, groups
+
+
+def _kv_pool_latency_s(args: argparse.Namespace) -> float | None:
+    """The pool's round trip with `--kv-pool` (None without)."""
+    if not getattr(args, "kv_pool", False):
+        return None
+    if not args.pool_latency_ms >= 0:
+        raise ValueError(f"--pool-latency-ms must be zero or more, got {args.pool_latency_ms:g}")
+    return args.pool_latency_ms / 1e3
 
 
 def _expert_load(args: argparse.Namespace, num_experts: int | None = None):

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from meshserve.core.client_links import HEARTBEAT_INTERVAL_S
 from meshserve.core.engine_report import load_stats
 from meshserve.router.routing import LoadTracker, RoutingPolicy, TELoad, TEView, pool_key
+from meshserve.sim.kv_pool import SimPool
 from meshserve.sim.te import SimTE, SimTESettings
 from meshserve.sim.trace import TraceRequest
 from meshserve.utils import report
@@ -149,6 +150,8 @@ class SimCluster:
         self.routes: Counter[str] = Counter()  # decision kind -> requests
         self.served: dict[str, _Served] = {}
         self.breakdown: dict[str, float] = {}  # seconds by part of a step, summed over steps (an op model's)
+        # the memory pool every TE with one shares (a TE built by the caller brings its own)
+        self.pool = SimPool() if any(spec.settings.kv_pool_latency_s is not None for spec in specs) else None
         self.members: dict[str, _Member] = {}
         for spec in specs:
             self.add(spec, (built or {}).get(spec.name))
@@ -157,7 +160,8 @@ class SimCluster:
     def add(self, spec: TESpec, te: SimTE | None = None, ready_in: float | None = None) -> _Member:
         """A TE joins: serving at once, or (`ready_in` seconds) once it has started."""
         te = te or SimTE(replace(spec.settings, kv_transfer=ROLE_KV_TRANSFER[spec.role]), spec.profile,
-                         seed=self.seed + len(self.members), name=spec.name, send_release=self._release)
+                         seed=self.seed + len(self.members), name=spec.name, send_release=self._release,
+                         pool=self.pool)
         member = self.members[spec.name] = _Member(spec, te, since=self.now, joined=self.now)
         if ready_in is not None:
             member.state = "starting"
@@ -207,6 +211,10 @@ class SimCluster:
         for name, m in self.members.items():
             if m.te.eplb is not None:  # live EPLB: its moves and the imbalance each placement gave
                 metrics["tes"][name]["eplb"] = m.te.eplb.summary()
+            if m.te.pool is not None:
+                metrics["tes"][name]["pool_hit_tokens"] = m.te.pool_hit_tokens()
+        if self.pool is not None:
+            metrics["pool_hit_tokens"] = sum(m.te.pool_hit_tokens() for m in self.members.values())
         te_seconds: Counter[str] = Counter()
         for m in self.members.values():
             te_seconds[m.pool] += metrics["tes"][m.spec.name]["seconds"]
@@ -286,7 +294,7 @@ class SimCluster:
     def _arrive(self, index: int) -> None:
         request, req_id = self._trace[index], f"sim-{index}"
         # the prompt's token ids, drawn by the first TE (a lone TE draws the prompts it would draw itself)
-        prompt = next(iter(self.members.values())).te.draw_prompt(request.prompt_len)
+        prompt = next(iter(self.members.values())).te.draw_prompt(request)
         if len(self.members) == 1:  # a lone TE takes every request (a lone decode TE: from unsimulated prefill)
             entry, decode, kind = next(iter(self.members)), None, "direct"
         else:

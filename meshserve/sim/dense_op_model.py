@@ -224,6 +224,13 @@ class DenseStepModel:
 
     def kv_pull_seconds(self, tokens: int) -> float:
         """A P/D pull of `tokens` tokens' K and V over one device's link."""
+        return tokens * self.kv_bytes_per_token() / self.kv_link_bytes_per_s()
+
+    def kv_bytes_per_token(self) -> float:
+        """One token's K and V over every layer, on one device of the replica."""
         s = self.shape
-        per_device = tokens * s.layers * s.kv_width * self.deployment.kv_bytes / self.deployment.tp
-        return per_device / (1e9 * self.hw.value("kv_link_gbps"))
+        return s.layers * s.kv_width * self.deployment.kv_bytes / self.deployment.tp
+
+    def kv_link_bytes_per_s(self) -> float:
+        """One device's KV link (P/D transfers and the memory pool)."""
+        return 1e9 * self.hw.value("kv_link_gbps")

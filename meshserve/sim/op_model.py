@@ -253,8 +253,15 @@ class OpStepModel:
 
     def kv_pull_seconds(self, tokens: int) -> float:
         """A P/D pull of `tokens` tokens' compressed KV over one device's link."""
-        s = self.shape
-        return tokens * s.layers * s.kv_width * self.deployment.kv_bytes / (1e9 * self.hw.value("kv_link_gbps"))
+        return tokens * self.kv_bytes_per_token() / self.kv_link_bytes_per_s()
+
+    def kv_bytes_per_token(self) -> float:
+        """One token's compressed KV over every layer, on a device of its DP group."""
+        return self.shape.layers * self.shape.kv_width * self.deployment.kv_bytes
+
+    def kv_link_bytes_per_s(self) -> float:
+        """One device's KV link (P/D transfers and the memory pool)."""
+        return 1e9 * self.hw.value("kv_link_gbps")
 
     # ------------------------------------------------------------ ops
     def _global(self, rows: int, groups: Sequence[GroupWork]) -> float:

@@ -16,18 +16,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from meshserve.config import EngineConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
+from meshserve.config import EngineConfig, KVTransferConfig, PoolConfig, SchedulerConfig, SpeculativeConfig
 from meshserve.core.kv_cache_manager import KVCacheManager
 from meshserve.core.kv_connector.pd import PDConnector, PDEndpoint, accept_kv_transfer
+from meshserve.core.kv_connector.pool import PoolConnector
 from meshserve.core.request import Request
 from meshserve.core.scheduler import Scheduler
 from meshserve.core.spec_controller import StepSpeculation
 from meshserve.core.waiting_queue import DPWaitingQueue
+from meshserve.pool.fetch_cost import FetchCostModel
+from meshserve.sim.kv_pool import SimPool
 from meshserve.sim.live_eplb import LiveEplb, LiveEplbSettings
 from meshserve.sim.profile import GroupWork
 from meshserve.sim.trace import TraceRequest
 from meshserve.wire.client import RequestDelta
-from meshserve.wire.kv import KVConnectorReport, KVPullDone, KVRegion, KVTransferParams, KVTransferRole
+from meshserve.wire.kv import (
+    KVConnectorReport,
+    KVPullDone,
+    KVRegion,
+    KVTransferParams,
+    KVTransferRole,
+    PoolFetchDone,
+)
 from meshserve.wire.sampling_params import SamplingParams
 from meshserve.wire.worker import ModelRunnerOutput, SchedulerOutput
 from meshserve.worker.null_runner import NullRunner
@@ -71,6 +81,7 @@ class SimTESettings:
     kv_transfer: str = "none"
     prefix_caching: bool = True  # off: no block is hashed (a trace without shared prefixes gains nothing from it)
     live_eplb: LiveEplbSettings | None = None  # an op model's expert placement moved while serving (sim/live_eplb.py)
+    kv_pool_latency_s: float | None = None  # the memory pool's round trip (sim/kv_pool.py); None: no pool
 
     def __post_init__(self) -> None:
         if self.pipeline_depth not in (1, 2):
@@ -90,9 +101,10 @@ class SimTESettings:
 
 class SimTE:
     def __init__(self, settings: SimTESettings, profile, seed: int = 0, name: str = "te",
-                 send_release: Callable[[str, list[str]], None] | None = None) -> None:
+                 send_release: Callable[[str, list[str]], None] | None = None, pool: SimPool | None = None) -> None:
         """`profile`: a `StepProfile` or an `OpStepModel` (what a step costs, and a KV pull). `send_release`: a
-        decode TE's ReleaseKV to the prefill TE (its input address, the requests) once it pulled their KV."""
+        decode TE's ReleaseKV to the prefill TE (its input address, the requests) once it pulled their KV. `pool`:
+        the memory pool the deployment's TEs share (one of its own without)."""
         self.settings, self.profile, self.name = settings, profile, name
         self.now = 0.0  # the virtual clock, as this TE last saw it
         config = SchedulerConfig(max_num_seqs=settings.max_num_seqs,
@@ -100,11 +112,17 @@ class SimTE:
                                  max_model_len=settings.max_model_len, max_waiting=settings.max_waiting)
         self.kv_transfer = KVTransferConfig(kv_transfer=settings.kv_transfer)
         self.schedulers = []
+        self.pool, self.fetch_cost = None, None
+        if settings.kv_pool_latency_s is not None:
+            self.pool, self.fetch_cost = pool or SimPool(), _fetch_cost(profile, settings)
         for group in range(settings.dp):
             kv_manager = KVCacheManager(settings.num_kv_blocks, settings.block_size, settings.prefix_caching)
             connectors = [] if settings.kv_transfer == "none" else [PDConnector(
                 self.kv_transfer, kv_manager, _endpoint(name, group, settings.dp), send_release or _no_release,
                 clock=self.clock, wall_clock=self.clock)]
+            if self.pool is not None:  # the connector the engine runs, one per DP group, sharing the cost model
+                connectors.append(PoolConnector(PoolConfig(), self.pool, "simulated", settings.block_size, 1,
+                                                self.fetch_cost))
             self.schedulers.append(Scheduler(config, kv_manager, connectors, settings.num_draft_tokens))
         self.queue = DPWaitingQueue(self.schedulers, settings.max_waiting, settings.block_size)
         speculative = SpeculativeConfig(speculative="mtp" if settings.num_draft_tokens else "none",
@@ -119,6 +137,7 @@ class SimTE:
         live = settings.live_eplb
         self.eplb = None if live is None else LiveEplb(profile, live, self.clock, settings.dp, seed)
         self._pulls: list[tuple[float, int, str]] = []  # KV pulls in flight: (lands at, group, request)
+        self._fetches: list[tuple[float, int, str, int]] = []  # pool fetches: (lands at, group, request, blocks)
         self.num_steps = 0
         self.last_work: list[GroupWork] = []
 
@@ -130,8 +149,10 @@ class SimTE:
         """What priced the last step: the profile, or under live EPLB the op model of the placement in use."""
         return self.profile if self.eplb is None else self.eplb.current_model()
 
-    def draw_prompt(self, length: int) -> list[int]:
-        return draw_prompt(self._rng, length)
+    def draw_prompt(self, request: TraceRequest) -> list[int]:
+        """`request`'s prompt: its shared prefix's tokens, if it has one, then tokens of its own."""
+        own = draw_prompt(self._rng, request.prompt_len - request.prefix_len)
+        return (shared_prefix(request.prefix_id, request.prefix_len) + own) if request.prefix_len else own
 
     def admit(self, req_id: str, request: TraceRequest, now: float, prompt: list[int] | None = None,
               handoff: KVTransferParams | None = None, first_token: int = 100) -> None:
@@ -139,7 +160,7 @@ class SimTE:
         TE's `handoff` with the `first_token`; without one the prompt's KV waits on a prefill TE that is not
         simulated."""
         self.now = max(self.now, now)
-        prompt = self.draw_prompt(request.prompt_len) if prompt is None else prompt
+        prompt = self.draw_prompt(request) if prompt is None else prompt
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         req = Request(req_id, prompt, params, arrival_time=now)
         block_size = self.settings.block_size
@@ -171,14 +192,15 @@ class SimTE:
         """One lockstep step of every group, starting at `now`: how long it takes, and the requests' new tokens
         and endings (a prefill TE's hand-offs carry `kv_transfer_params`)."""
         self.now = max(self.now, now)
-        self._land_pulls(now)
+        self._land_transfers(now)
         self.queue.place()
         self.speculation.decide(self.schedulers)
         scheduled = [scheduler.schedule() for scheduler in self.schedulers]
         plans = [_plan(scheduler, out) for scheduler, out in zip(self.schedulers, scheduled)]
         self.last_work = [_work(plan) for plan in plans]
-        if self._pulls and all(out.is_empty for out in scheduled):  # nothing to run until a pull lands
-            seconds = max(0.0, min(pull[0] for pull in self._pulls) - now)
+        transfers = [pull[0] for pull in self._pulls] + [fetch[0] for fetch in self._fetches]
+        if transfers and all(out.is_empty for out in scheduled):  # nothing to run until a pull or fetch lands
+            seconds = max(0.0, min(transfers) - now)
             self.last_work = []  # a wait, not a step the profile prices
         elif self.eplb is not None:
             seconds = self.eplb.step_seconds(now, self.last_work)
@@ -191,7 +213,7 @@ class SimTE:
             result.execute_seconds = seconds
             self.speculation.observe(out, result)
             deltas += scheduler.update_from_output(out, result)
-            self._start_pulls(group, scheduler, now + seconds)
+            self._start_transfers(group, scheduler, now + seconds)
         self.queue.on_deltas(deltas)
         self.num_steps += 1
         return seconds, deltas
@@ -208,21 +230,63 @@ class SimTE:
             result.sampled[item.request.req_id] = tokens * (1 + accepted)
             result.num_drafts[item.request.req_id] = item.drafts
 
-    def _start_pulls(self, group: int, scheduler: Scheduler, start: float) -> None:
-        """The pulls a step's scheduling ordered start as the step ends, and land a transfer's time later."""
+    def _start_transfers(self, group: int, scheduler: Scheduler, start: float) -> None:
+        """What a step's scheduling ordered of the connectors, as the step ends: P/D pulls and pool fetches start
+        and land a transfer's time later; the blocks it stored are in the pool."""
         meta = scheduler.build_connector_meta()
-        for pull in meta.kv_pulls if meta is not None else ():
+        if meta is None:
+            return
+        for pull in meta.kv_pulls:
             tokens = len(pull.dst_block_ids) * self.settings.block_size
             self._pulls.append((start + self.profile.kv_pull_seconds(tokens), group, pull.req_id))
+        for fetch in meta.pool_fetches:
+            blocks = len(fetch.blocks)
+            self._fetches.append((start + self.fetch_cost.fetch_seconds(blocks), group, fetch.req_id, blocks))
+        if meta.pool_stores:
+            self.pool.store(block.key for block in meta.pool_stores)
 
-    def _land_pulls(self, now: float) -> None:
+    def _land_transfers(self, now: float) -> None:
         landed = [pull for pull in self._pulls if pull[0] <= now]
-        if not landed:
-            return
+        fetched = [fetch for fetch in self._fetches if fetch[0] <= now]
         self._pulls = [pull for pull in self._pulls if pull[0] > now]
-        for group in {group for _, group, _ in landed}:
-            done = [KVPullDone(req_id) for _, g, req_id in landed if g == group]
-            self.schedulers[group].update_connector_output(KVConnectorReport(rank=group, dp_rank=group, kv_pulls=done))
+        self._fetches = [fetch for fetch in self._fetches if fetch[0] > now]
+        for group in {group for _, group, _ in landed} | {group for _, group, _, _ in fetched}:
+            report = KVConnectorReport(rank=group, dp_rank=group,
+                                       kv_pulls=[KVPullDone(req_id) for _, g, req_id in landed if g == group],
+                                       pool_fetches=[PoolFetchDone(req_id, blocks)
+                                                     for _, g, req_id, blocks in fetched if g == group])
+            self.schedulers[group].update_connector_output(report)
+
+    def pool_hit_tokens(self) -> int:
+        """Prompt tokens this TE fetched from the pool instead of computing them."""
+        return sum(c.num_hit_tokens for s in self.schedulers for c in s.connectors if isinstance(c, PoolConnector))
+
+
+def check_pool_timer(profile) -> None:
+    """Refuse a step timer that cannot time the memory pool's fetches (ValueError)."""
+    if not hasattr(profile, "kv_bytes_per_token"):
+        raise ValueError("the memory pool is simulated with an op model (--hardware): a profile fitted on this "
+                         "machine has no KV link")
+
+
+def _fetch_cost(profile, settings: SimTESettings) -> FetchCostModel:
+    """The served fetch-or-compute model for the step timer's KV (its bytes per token, over its KV link)."""
+    check_pool_timer(profile)
+    return FetchCostModel(block_bytes=round(profile.kv_bytes_per_token() * settings.block_size),
+                          block_size=settings.block_size, latency_s=settings.kv_pool_latency_s,
+                          bandwidth_bytes_per_s=profile.kv_link_bytes_per_s())
+
+
+_PREFIXES: dict[int, list[int]] = {}
+
+
+def shared_prefix(prefix_id: int, length: int) -> list[int]:
+    """Shared prefix `prefix_id`'s first `length` tokens: the same in every request (and simulation) naming it."""
+    tokens = _PREFIXES.get(prefix_id, [])
+    if len(tokens) < length:
+        rng = random.Random(f"prefix-{prefix_id}")
+        tokens = _PREFIXES[prefix_id] = [rng.randrange(100, PROMPT_VOCAB) for _ in range(length)]
+    return tokens[:length]
 
 
 def _region(te: str) -> KVRegion:
