@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from meshserve.core.client_links import HEARTBEAT_INTERVAL_S
 from meshserve.core.engine_report import load_stats
+from meshserve.router.prompt_tree import GlobalPromptTree
 from meshserve.router.routing import LoadTracker, RoutingPolicy, TELoad, TEView, pool_key
 from meshserve.sim.kv_pool import SimPool
 from meshserve.sim.te import SimTE, SimTESettings
@@ -43,6 +44,7 @@ from meshserve.sim.trace import TraceRequest
 from meshserve.utils import report
 from meshserve.utils.gc_pauses import StepCollector
 from meshserve.wire.client import RequestDelta
+from meshserve.wire.kv import KVCacheEvents
 
 if TYPE_CHECKING:
     from meshserve.sim.scaling import SimScaler
@@ -53,6 +55,7 @@ ROLE_KV_TRANSFER = {"colocated": "none", "prefill": "producer", "decode": "consu
 # what happens first at one instant: a step's outputs, TEs ready, the loads heard, the autoscaler's tick, arrivals
 # routed, then steps start
 _STEP_END, _READY, _HEARTBEAT, _SCALE, _ARRIVAL, _START = range(6)
+TREE_POLICIES = ("locality", "combined")  # the routing policies that read the global prompt tree
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class _Member:
     joined: float = 0.0
     host_work_s: float = 0.0  # the host work of the requests that joined its running work at the last start
     delivery_stretch: float = 1.0  # its step under way delivers its outputs this much slower (a prompt's, shared)
+    kv_event_seq: int = 0  # the last batch of prefix-cache events it published
 
     @property
     def pool(self) -> str:
@@ -145,7 +149,10 @@ class SimCluster:
         self.scaler = scaler
         self.share_cores = share_cores
         self._slowdown_sum, self._slowed_steps = 0.0, 0  # the steps' shared-cores factors, and the steps above 1
-        self.routing = RoutingPolicy(policy)
+        # the prompt tree a locality-aware job executor keeps from the TEs' prefix-cache events (replayed here at
+        # the end of the step that made them, as the router receives them)
+        self.tree = GlobalPromptTree(specs[0].settings.block_size) if policy in TREE_POLICIES else None
+        self.routing = RoutingPolicy(policy, tree=self.tree)
         self.loads = LoadTracker(clock=lambda: self.now)
         self.routes: Counter[str] = Counter()  # decision kind -> requests
         self.served: dict[str, _Served] = {}
@@ -178,6 +185,8 @@ class SimCluster:
         if member.state == "draining" and member.drained:
             member.state, member.since = "gone", self.now
             self.loads.forget(member.spec.name)
+            if self.tree is not None:
+                self.tree.remove_te(member.spec.name)
 
     def serving(self) -> list[_Member]:
         return [m for m in self.members.values() if m.state == "serving"]
@@ -383,7 +392,8 @@ class SimCluster:
         if timed_parts is not None and te.last_work:
             for part, part_seconds in timed_parts(te.last_work).items():
                 self.breakdown[part] = self.breakdown.get(part, 0.0) + part_seconds
-        self._push(self.now + seconds, _STEP_END, (member.spec.name, deltas))
+        cache_events = [scheduler.kv_manager.drain_events() for scheduler in te.schedulers]
+        self._push(self.now + seconds, _STEP_END, (member.spec.name, deltas, cache_events))
 
     def _shared_cores_factor(self, member: _Member, prompt: bool = False) -> float:
         """How much longer `member`'s step takes on cores it shares with the other TEs whose step is under way, and
@@ -402,8 +412,14 @@ class SimCluster:
             busy += profile.prewarm_weight * self.scaler.warming(self.now)
         return profile.shared_cores_factor(busy, prompt)
 
-    def _step_end(self, name: str, deltas: list[RequestDelta]) -> None:
+    def _step_end(self, name: str, deltas: list[RequestDelta], cache_events: list[list]) -> None:
         member = self.members[name]
+        if self.tree is not None:
+            for group, events in enumerate(cache_events):
+                if events:  # one numbered batch per DP group with changes, as the TE's publisher sends them
+                    member.kv_event_seq += 1
+                    self.tree.apply(name, KVCacheEvents(seq=member.kv_event_seq, timestamp=self.now, events=events,
+                                                        dp_rank=group, engine=name))
         seen = self.now + 1e-3 * member.te.profile.delivery_ms * member.delivery_stretch
         for delta in deltas:
             served = self.served[delta.req_id]

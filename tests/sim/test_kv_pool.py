@@ -1,5 +1,6 @@
-"""The memory pool in the simulator (meshserve/sim/kv_pool.py): prompts that share prefixes, the engine's pool
-connector fetching what another TE computed, and the served connector deciding it."""
+"""Shared prefixes in the simulator: prompts that share them, the engine's pool connector fetching what another TE
+computed (meshserve/sim/kv_pool.py) and deciding it, and locality routing on the prompt tree the TEs' prefix-cache
+events build."""
 from __future__ import annotations
 
 import json
@@ -65,3 +66,34 @@ def test_bad_pool_and_prefix_settings_are_refused_in_one_line(tmp_path, capsys):
         assert main([*argv, "--json", out]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0]
+
+
+def test_locality_routing_reads_the_prompt_tree_the_tes_cache_events_build():
+    from collections import Counter
+
+    from meshserve.parallel.cluster_file import MODEL_PRESETS
+    from meshserve.parallel.strategy import parse_strategy
+    from meshserve.sim.cluster import SimCluster, deployment_specs
+    from meshserve.sim.hardware import Hardware
+    from meshserve.sim.op_model import OpStepModel, deployment_of
+    from meshserve.sim.te import shared_prefix
+
+    model = OpStepModel(MODEL_PRESETS["deepseek-r1"], Hardware.load("ascend910c-cm384"),
+                        deployment_of(parse_strategy("attn=DP16 moe=EP16"), 256))
+    trace = poisson(20, 120, (32, 128), (8, 16), seed=2, shared_prefixes=(4, 1024))
+
+    def on_one_te(policy: str) -> tuple[float, SimCluster]:
+        """The share of each prefix's requests its most used TE took, over the prefixes."""
+        cluster = SimCluster(deployment_specs("2c", SimTESettings(dp=2), model), policy=policy)
+        cluster.run(trace, progress=False)
+        per_prefix: dict[int, Counter] = {}
+        for req_id, served in cluster.served.items():
+            request = trace[int(req_id.removeprefix("sim-"))]
+            per_prefix.setdefault(request.prefix_id, Counter())[served.entry_te] += 1
+        return sum(c.most_common(1)[0][1] for c in per_prefix.values()) / len(trace), cluster
+    by_load, _ = on_one_te("load")
+    by_locality, cluster = on_one_te("locality")
+    assert by_locality > 0.9 > by_load + 0.2, (by_load, by_locality)
+    # the tree the executor routed by holds what the TEs cached: a prefix's blocks on the TE that took it
+    cached = cluster.tree.match(shared_prefix(0, 1024) + [7] * 40)
+    assert max(cached.values()) >= 1024
