@@ -281,8 +281,6 @@ def _kv_pool_latency_s(args: argparse.Namespace) -> float | None:
 
 def _expert_load(args: argparse.Namespace, num_experts: int | None = None):
     """`--expert-load`: zipf:H gives the hot ratio H, a file the load it records (`meshserve eplb record`)."""
-    from meshserve.moe.load_record import ExpertLoadRecord
-
     kind, _, hot = args.expert_load.partition(":")
     if kind == "zipf":
         try:
@@ -293,7 +291,7 @@ def _expert_load(args: argparse.Namespace, num_experts: int | None = None):
             raise ValueError(f"--expert-load zipf:H needs H > 1, got {args.expert_load!r}")
         return hot_ratio
     try:
-        record = ExpertLoadRecord.load(args.expert_load)
+        record = _read_load_record(args.expert_load)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--expert-load must be zipf:H or an expert-load file (meshserve eplb record): "
                          f"{args.expert_load}: {exc}") from None
@@ -301,6 +299,14 @@ def _expert_load(args: argparse.Namespace, num_experts: int | None = None):
         raise ValueError(f"--expert-load {args.expert_load} records {record.num_logical} experts, the model has "
                          f"{num_experts}")
     return record
+
+
+@functools.lru_cache(maxsize=4)
+def _read_load_record(path: str):
+    """A recorded expert load, read once (the step timer and live EPLB both take it)."""
+    from meshserve.moe.load_record import ExpertLoadRecord
+
+    return ExpertLoadRecord.load(path)
 
 
 def _live_eplb(args: argparse.Namespace):

@@ -104,6 +104,7 @@ class LiveEplb:
             zipf = np.empty(self.shape.num_logical)
             zipf[rng.permutation(self.shape.num_logical)] = popularity / popularity.sum()
             self._slices = zipf[None, :]
+        self._slice_index = 0
         self.weights = self._slices[0]  # the load's shares now (a recorded load's slice in turn)
         self._rng = rng
         self.controller = EplbController(self.shape, [LAYER], world_size=1, slice_s=settings.slice_s,
@@ -128,10 +129,9 @@ class LiveEplb:
         timed with the placement in use (an enable applies before the forward that carries it)."""
         if not self.timeline:
             self.timeline.append((now, self.imbalance))
-        weights = self._slices[int(now / self.settings.recorded_slice_s) % len(self._slices)] \
-            if self.settings.recorded else self.weights
-        if weights is not self.weights:  # a recorded load's next slice: the same placement, another imbalance
-            self.weights = weights
+        slice_index = int(now / self.settings.recorded_slice_s) % len(self._slices) if self.settings.recorded else 0
+        if slice_index != self._slice_index:  # a recorded load's next slice: the same placement, another imbalance
+            self._slice_index, self.weights = slice_index, self._slices[slice_index]
             self.imbalance = self.imbalance_of(self.controller.placement.layers[LAYER])
             self.timeline.append((now, self.imbalance))
         while self._acks and self._acks[0][0] <= now:
